@@ -1,0 +1,296 @@
+"""Masked-LM corruption on device: token, whole-word, n-gram and span masking.
+
+`mask_batch` runs inside the jitted train step. Every row is masked with its
+own key, `fold_in(fold_in(key, example_id), epoch)` (epoch 0 for static
+masking), so a row gets the same mask whatever its position in the batch, the
+batch size, the device count or the sharding; dynamic masking is free and
+exactly reproducible.
+
+How positions are chosen (per row; a row has `n` maskable tokens, i.e. tokens
+that are neither special nor padding):
+
+* The budget is `round(rate * n)` tokens as in BERT, at least 1 when n > 0,
+  and at most `max_predictions` (M), the static number of prediction slots.
+* "token": a uniformly random set of `budget` maskable tokens (one top-k).
+* "whole_word", "ngram", "span": a bounded loop (at most M iterations, it
+  stops early once every row is done) that adds one span of whole words per
+  iteration. An anchor word is drawn uniformly among the unchosen words that
+  still fit in the remaining budget; a span length in words is drawn (always 1
+  for whole_word, p(n) ∝ 1/n for n <= max_ngram as in ALBERT, a geometric
+  length truncated at span_max_len as in SpanBERT); the span grows right from
+  the anchor word and stops early at a special token, a pack boundary, an
+  already chosen word, or a word that would overflow the budget. Words are
+  never split.
+
+  For whole_word this is exactly BERT's procedure (shuffle the words, take
+  each one that still fits, skip the ones that would overflow): the next word
+  BERT accepts is the first fitting word in a uniformly random order of the
+  words not yet visited, and a skipped word never fits later because the
+  remaining budget only shrinks, so it is a uniform draw among all unchosen
+  fitting words.
+
+Of the chosen tokens, `mask_token_prob` become [MASK], `random_token_prob` a
+uniformly random id in [0, vocab_size), and the rest keep their id.
+
+The span boundary objective (SpanBERT) needs, for every prediction, the
+positions just outside its span and its offset inside it. Spans are the
+contiguous runs of chosen tokens within one packed example, whatever the
+granularity (two spans drawn next to each other form one run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GRANULARITIES = ("token", "whole_word", "ngram", "span")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskingConfig:
+  """How to choose and corrupt the positions the MLM predicts.
+
+  Attributes:
+    rate: fraction of the maskable tokens of a row to predict (BERT 0.15).
+    mask_token_prob: fraction of the chosen tokens replaced by [MASK].
+    random_token_prob: fraction replaced by a uniformly random token id; the
+      remaining `1 - mask_token_prob - random_token_prob` keep their id.
+    granularity: "token", "whole_word", "ngram" (ALBERT) or "span" (SpanBERT).
+    max_ngram: largest n-gram in words; p(n) ∝ 1/n for n = 1..max_ngram.
+    span_geometric_p: SpanBERT span length in words ~ Geometric(p) ...
+    span_max_len: ... truncated at this many words and renormalised, as in the
+      SpanBERT code (mean 3.8 words for p=0.2, max 10).
+    max_predictions: M, the static number of prediction slots per row; the
+      budget never exceeds it.
+    dynamic: False gives static masking: the epoch does not enter the key, so
+      a row gets the same mask every epoch.
+  """
+
+  rate: float = 0.15
+  mask_token_prob: float = 0.8
+  random_token_prob: float = 0.1
+  granularity: str = "token"
+  max_ngram: int = 3
+  span_geometric_p: float = 0.2
+  span_max_len: int = 10
+  max_predictions: int = 20
+  dynamic: bool = True
+
+  def __post_init__(self):
+    if not 0.0 < self.rate <= 1.0:
+      raise ValueError(f"MaskingConfig.rate must be in (0, 1], got {self.rate}")
+    for name in ("mask_token_prob", "random_token_prob"):
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(f"MaskingConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+    if self.mask_token_prob + self.random_token_prob > 1.0:
+      raise ValueError(
+          "MaskingConfig.mask_token_prob + random_token_prob must be <= 1, got "
+          f"{self.mask_token_prob} + {self.random_token_prob}")
+    if self.granularity not in GRANULARITIES:
+      raise ValueError(f"MaskingConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+    for name in ("max_ngram", "span_max_len", "max_predictions"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MaskingConfig.{name} must be an int >= 1, got {value!r}")
+    if not 0.0 < self.span_geometric_p <= 1.0:
+      raise ValueError(f"MaskingConfig.span_geometric_p must be in (0, 1], got {self.span_geometric_p}")
+
+
+def span_length_probs(config: MaskingConfig) -> np.ndarray:
+  """Probabilities of span lengths 1, 2, ... (in words) for `config`.
+
+  Returns:
+    float64 [K]: entry n-1 is p(length n). K is 1 for token and whole_word,
+    max_ngram for ngram, span_max_len for span.
+  """
+  if config.granularity == "ngram":
+    weights = 1.0 / np.arange(1, config.max_ngram + 1)
+  elif config.granularity == "span":
+    lengths = np.arange(1, config.span_max_len + 1)
+    weights = config.span_geometric_p * (1.0 - config.span_geometric_p)**(lengths - 1)
+  else:
+    weights = np.ones(1)
+  return weights / weights.sum()
+
+
+def sample_span_lengths(key: jax.Array, config: MaskingConfig, shape: tuple[int, ...]) -> jax.Array:
+  """Draws span lengths in words from `span_length_probs(config)`: int32 `shape`, values >= 1."""
+  log_probs = jnp.log(jnp.asarray(span_length_probs(config), jnp.float32))
+  return jax.random.categorical(key, log_probs, shape=shape).astype(jnp.int32) + 1
+
+
+def _shift_right(x: jax.Array, fill) -> jax.Array:
+  """x[t-1] at t, `fill` at 0. x: [L]."""
+  return jnp.concatenate([jnp.full((1,), fill, x.dtype), x[:-1]])
+
+
+def _shift_left(x: jax.Array, fill) -> jax.Array:
+  """x[t+1] at t, `fill` at L-1. x: [L]."""
+  return jnp.concatenate([x[1:], jnp.full((1,), fill, x.dtype)])
+
+
+def _choose_tokens(key: jax.Array, maskable: jax.Array, budget: jax.Array, max_predictions: int) -> jax.Array:
+  """A uniformly random set of `budget` maskable tokens.
+
+  Args:
+    key: the row's key.
+    maskable: bool [L].
+    budget: int32 [], at most min(max_predictions, maskable.sum()).
+    max_predictions: M.
+
+  Returns:
+    bool [L], True at the chosen tokens.
+  """
+  length = maskable.shape[0]
+  # Non-maskable tokens score above every maskable one, so they are never
+  # among the `budget` lowest scores. top_k of M is cheaper than a full sort.
+  scores = jnp.where(maskable, jax.random.uniform(key, (length,)), 2.0)
+  _, lowest = jax.lax.top_k(-scores, min(max_predictions, length))
+  taken = jnp.arange(lowest.shape[0]) < budget
+  return jnp.zeros((length,), bool).at[lowest].set(taken)
+
+
+def _choose_spans(key: jax.Array, maskable: jax.Array, word_starts: jax.Array, special_mask: jax.Array,
+                  pack_ids: jax.Array, budget: jax.Array, config: MaskingConfig) -> jax.Array:
+  """Whole-word spans until the budget is spent (see the module docstring).
+
+  Args:
+    key: the row's key.
+    maskable: bool [L].
+    word_starts, special_mask, pack_ids: int32 [L], as in the batch contract.
+    budget: int32 [], at most min(max_predictions, maskable.sum()).
+    config: granularity "whole_word", "ngram" or "span".
+
+  Returns:
+    bool [L], True at the chosen tokens; never splits a word, never crosses a
+    special token or a pack boundary within one span.
+  """
+  length = maskable.shape[0]
+  positions = jnp.arange(length)
+  special = special_mask > 0
+  # Special tokens and pack boundaries always delimit words, even where the
+  # word_starts column says otherwise, so every word is wholly maskable or not.
+  is_start = (word_starts > 0) | special | _shift_right(special, True) | (pack_ids != _shift_right(pack_ids, -1))
+  word_index = jnp.cumsum(is_start) - 1
+  word_end = jax.lax.cummin(jnp.where(_shift_left(is_start, True), positions, length), reverse=True)
+  word_len = word_end - positions + 1  # Meaningful at word starts.
+
+  # Random numbers are drawn once, outside the loop (RNG is the costly part).
+  # The anchor is the candidate of highest priority: the candidate sets only
+  # shrink from one step to the next, so the remaining candidates' priorities
+  # stay exchangeable and each anchor is a uniform draw among them.
+  priority_key, length_key = jax.random.split(key)
+  priority = jax.random.uniform(priority_key, (length,))
+  span_words = sample_span_lengths(length_key, config, (config.max_predictions,))
+
+  def still_going(state):
+    step, remaining, _ = state
+    return (step < config.max_predictions) & (remaining > 0)
+
+  def add_span(state):
+    step, remaining, chosen = state
+    free = maskable & ~chosen
+    candidates = is_start & free & (word_len <= remaining)
+    has_candidate = candidates.any()
+    anchor = jnp.argmax(jnp.where(candidates, priority, -1.0))
+    num_words = span_words[step]
+    blocked = ~free | (pack_ids != pack_ids[anchor])
+    first_blocked = jnp.min(jnp.where(blocked & (positions >= anchor), positions, length))
+    # Each condition holds on a prefix of the words from the anchor on, so the
+    # span is contiguous; the budget test is on the word's end: no split words.
+    span = ((positions >= anchor) & (positions < first_blocked)
+            & (word_index - word_index[anchor] < num_words)
+            & (word_end - anchor < remaining) & has_candidate)
+    # A row with budget left but no word that fits is done.
+    remaining = jnp.where(has_candidate, remaining - span.sum(), 0)
+    return step + 1, remaining, chosen | span
+
+  _, _, chosen = jax.lax.while_loop(still_going, add_span, (jnp.int32(0), budget, jnp.zeros((length,), bool)))
+  return chosen
+
+
+def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, special_mask: jax.Array,
+              pack_ids: jax.Array, *, config: MaskingConfig, mask_id: int,
+              vocab_size: int) -> dict[str, jax.Array]:
+  """Masks one row; arrays are [L]. Returns `mask_batch`'s fields without the batch axis."""
+  length = input_ids.shape[0]
+  num_slots = config.max_predictions
+  positions = jnp.arange(length)
+  choose_key, action_key, random_id_key = jax.random.split(key, 3)
+
+  maskable = (special_mask == 0) & (pack_ids > 0)
+  num_maskable = maskable.sum()
+  budget = jnp.round(config.rate * num_maskable).astype(jnp.int32)
+  budget = jnp.clip(budget, jnp.minimum(num_maskable, 1), num_slots)
+  if config.granularity == "token":
+    chosen = _choose_tokens(choose_key, maskable, budget, num_slots)
+  else:
+    chosen = _choose_spans(choose_key, maskable, word_starts, special_mask, pack_ids, budget, config)
+
+  action = jax.random.uniform(action_key, (length,))
+  to_mask = chosen & (action < config.mask_token_prob)
+  to_random = chosen & ~to_mask & (action < config.mask_token_prob + config.random_token_prob)
+  random_ids = jax.random.randint(random_id_key, (length,), 0, vocab_size, input_ids.dtype)
+  corrupted = jnp.where(to_mask, jnp.asarray(mask_id, input_ids.dtype), jnp.where(to_random, random_ids, input_ids))
+
+  # Runs of chosen tokens, cut at pack boundaries, are the spans of the SBO.
+  same_pack_as_prev = pack_ids == _shift_right(pack_ids, -1)
+  same_pack_as_next = pack_ids == _shift_left(pack_ids, -1)
+  run_start = chosen & ~(_shift_right(chosen, False) & same_pack_as_prev)
+  run_end = chosen & ~(_shift_left(chosen, False) & same_pack_as_next)
+  start_of_run = jax.lax.cummax(jnp.where(run_start, positions, -1))
+  end_of_run = jax.lax.cummin(jnp.where(run_end, positions, length), reverse=True)
+
+  (slot_positions,) = jnp.nonzero(chosen, size=num_slots, fill_value=0)
+  used = jnp.arange(num_slots) < chosen.sum()
+
+  def gather(values):
+    return jnp.where(used, values[slot_positions], 0).astype(jnp.int32)
+
+  return {
+      "input_ids": corrupted,
+      "mlm_positions": slot_positions.astype(jnp.int32),
+      "mlm_ids": gather(input_ids),
+      "mlm_weights": used.astype(jnp.float32),
+      "sbo_left": gather(jnp.clip(start_of_run - 1, 0, length - 1)),
+      "sbo_right": gather(jnp.clip(end_of_run + 1, 0, length - 1)),
+      "sbo_offsets": gather(positions - start_of_run),
+  }
+
+
+def mask_batch(key: jax.Array, batch: dict[str, jax.Array], config: MaskingConfig, *, mask_id: int,
+               vocab_size: int) -> dict[str, jax.Array]:
+  """Chooses and corrupts the MLM positions of every row of a batch.
+
+  Jittable with static shapes; `config`, `mask_id` and `vocab_size` are
+  static (close over them or pass them as static arguments).
+
+  Args:
+    key: the masking key of the run (a raw uint32 [2] key or a typed key).
+    batch: the batch contract of `bert_jax.data.batch`; uses input_ids,
+      word_starts, special_mask, pack_ids [B, L] and example_ids, epoch [B].
+    config: how to mask.
+    mask_id: id of the [MASK] token.
+    vocab_size: random replacements are drawn uniformly from [0, vocab_size).
+
+  Returns:
+    input_ids: [B, L] (dtype of the input) the corrupted inputs.
+    mlm_positions: int32 [B, M] chosen positions, ascending; 0 in unused slots.
+    mlm_ids: int32 [B, M] original ids at those positions; 0 in unused slots.
+    mlm_weights: float32 [B, M] 1 for a real prediction, 0 for an unused slot.
+    sbo_left, sbo_right: int32 [B, M] position just before / after the
+      contiguous masked run of the prediction, clipped into [0, L); 0 unused.
+    sbo_offsets: int32 [B, M] 0-based index of the prediction in its run.
+  """
+
+  def row_key(example_id, epoch):
+    return jax.random.fold_in(jax.random.fold_in(key, example_id), epoch if config.dynamic else 0)
+
+  row_keys = jax.vmap(row_key)(batch["example_ids"], batch["epoch"])
+  mask_row = functools.partial(_mask_row, config=config, mask_id=mask_id, vocab_size=vocab_size)
+  return jax.vmap(mask_row)(row_keys, batch["input_ids"], batch["word_starts"], batch["special_mask"],
+                            batch["pack_ids"])
