@@ -1,0 +1,125 @@
+"""The one attention function every layer calls.
+
+Two implementations behind one signature:
+  * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, the fused
+    flash-attention kernel. Used on GPU for float16/bfloat16 when the head size
+    allows, no attention dropout is active and probabilities are not requested.
+  * "xla": an explicit einsum/softmax path (float32 softmax) that also applies
+    attention dropout and can return the probabilities for analysis.
+
+Masking: `pack_ids` [B, L] says which packed example each token belongs to
+(0 = padding). Unpacked rows are 1 on real tokens, and their padding is passed
+to cuDNN as sequence lengths; packed rows get a block-diagonal mask (a token
+attends only inside its own example).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+
+
+@functools.cache
+def _backend() -> str:
+  return jax.default_backend()
+
+
+def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_active: bool,
+                           return_probs: bool) -> str:
+  """Chooses "cudnn" or "xla" for `requested` in IMPLEMENTATIONS."""
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {requested!r} not in {IMPLEMENTATIONS}")
+  cudnn_ok = (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+              and not dropout_active and not return_probs)
+  if requested == "cudnn":
+    if not cudnn_ok:
+      raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128, no "
+                       f"attention dropout and no returned probabilities (dtype={jnp.dtype(dtype)}, "
+                       f"head_dim={head_dim}, dropout_active={dropout_active}, return_probs={return_probs})")
+    return "cudnn"
+  if requested == "auto" and cudnn_ok and _backend() == "gpu":
+    return "cudnn"
+  return "xla"
+
+
+def attention_mask(pack_ids: jax.Array, causal: bool) -> jax.Array:
+  """Boolean [B, 1, L, L] mask: same packed example, key not padding, (causal)."""
+  same_example = (pack_ids[:, :, None] == pack_ids[:, None, :]) & (pack_ids[:, None, :] > 0)
+  if causal:
+    length = pack_ids.shape[1]
+    same_example &= jnp.tril(jnp.ones((length, length), dtype=bool))
+  return same_example[:, None]
+
+
+def dot_product_attention(
+    query_blhd: jax.Array,
+    key_blhd: jax.Array,
+    value_blhd: jax.Array,
+    *,
+    pack_ids: jax.Array | None,
+    packed: bool = False,
+    causal: bool = False,
+    implementation: str = "auto",
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_probs: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Multi-head scaled dot-product attention.
+
+  Args:
+    query_blhd, key_blhd, value_blhd: [batch, length, heads, head_dim].
+    pack_ids: [batch, length] int, 0 for padding, else the packed example id.
+      None means no padding.
+    packed: whether rows may hold several examples (needs the block mask).
+    causal: attend only to earlier positions.
+    implementation: "auto", "cudnn" or "xla".
+    dropout_rate: attention-probability dropout; applied when `dropout_rng` is
+      given.
+    return_probs: also return the [batch, heads, length, length] float32
+      probabilities (XLA path only).
+
+  Returns:
+    ([batch, length, heads, head_dim] output in the query dtype, probs or None).
+  """
+  head_dim = query_blhd.shape[-1]
+  dropout_active = dropout_rng is not None and dropout_rate > 0.0
+  impl = resolve_implementation(implementation, dtype=query_blhd.dtype, head_dim=head_dim,
+                                dropout_active=dropout_active, return_probs=return_probs)
+  if impl == "cudnn":
+    mask, lengths = None, None
+    if pack_ids is not None:
+      if packed:
+        mask = attention_mask(pack_ids, causal=False)
+      else:
+        lengths = jnp.sum(pack_ids > 0, axis=-1).astype(jnp.int32)
+    out = jax.nn.dot_product_attention(query_blhd, key_blhd, value_blhd, mask=mask, is_causal=causal,
+                                       query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                       implementation="cudnn")
+    return out, None
+
+  scale = head_dim ** -0.5
+  logits_bhqk = jnp.einsum("bqhd,bkhd->bhqk", query_blhd * jnp.asarray(scale, query_blhd.dtype), key_blhd,
+                           preferred_element_type=jnp.float32)
+  if pack_ids is not None:
+    mask = attention_mask(pack_ids, causal)
+  elif causal:
+    length = query_blhd.shape[1]
+    mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+  else:
+    mask = None
+  if mask is not None:
+    logits_bhqk = jnp.where(mask, logits_bhqk, jnp.finfo(jnp.float32).min)
+  probs_bhqk = jax.nn.softmax(logits_bhqk, axis=-1)
+  if mask is not None:
+    # Fully masked query rows (padding) get zeros instead of a uniform average.
+    probs_bhqk = jnp.where(mask.any(axis=-1, keepdims=True), probs_bhqk, 0.0)
+  weights = probs_bhqk
+  if dropout_active:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value_blhd.dtype), value_blhd)
+  return out, (probs_bhqk if return_probs else None)

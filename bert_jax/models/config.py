@@ -1,0 +1,250 @@
+"""The frozen model config shared by every BERT-family encoder, and its presets.
+
+One `ModelConfig` describes BERT, RoBERTa, ALBERT and ELECTRA encoders alike:
+the families differ only in field values (embedding factorisation, layer
+sharing, position offset, activation...). Presets come from a string table, as
+in big_vision's `decode_variant`:
+
+  model_config("bert", "base")                  # BERT-Base, 110M
+  model_config("bert", "L4-H256")               # any miniature
+  model_config("albert", "large", dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax.numpy as jnp
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+FAMILIES = ("bert", "roberta", "albert", "electra")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of one encoder.
+
+  Attributes:
+    vocab_size: number of word pieces.
+    hidden_size: H, width of the residual stream.
+    num_layers: L, number of transformer blocks applied.
+    num_heads: A, attention heads; head size is H / A.
+    intermediate_size: width of the feed-forward layer.
+    embedding_size: E; ALBERT/ELECTRA factorise embeddings with E != H and a
+      projection E -> H. None means E = H (BERT, RoBERTa).
+    max_position_embeddings: rows of the learned position table.
+    type_vocab_size: token types (2 for BERT; RoBERTa keeps 1).
+    position_offset: added to position ids before lookup (RoBERTa: pad id + 1).
+    pad_token_id: id of the padding token.
+    hidden_act: "gelu" (exact erf), "gelu_tanh" (ALBERT's gelu_new) or "relu".
+    layer_norm_eps: LayerNorm epsilon.
+    hidden_dropout: dropout on embeddings and residual branches.
+    attention_dropout: dropout on attention probabilities.
+    initializer_range: std of the truncated-free normal initialiser.
+    norm: "post" (BERT) or "pre" (LayerNorm before each sublayer, plus a
+      final LayerNorm).
+    ffn: "dense" (BERT) or "geglu" (gated GELU, Shazeer 2020).
+    position_embedding: "learned" or "rotary".
+    rotary_base: base of the rotary frequencies.
+    causal: left-to-right attention (BERT's "LTR & No NSP" ablation).
+    num_shared_groups: 0 = every layer has its own parameters; k >= 1 = ALBERT
+      cross-layer sharing, the L layers use k parameter groups in order.
+    dtype: compute dtype ("float32" or "bfloat16"); softmax, LayerNorm
+      statistics and losses stay float32.
+    param_dtype: parameter dtype (float32).
+    attention_impl: "auto" (cuDNN fused attention on GPU when dtype and shapes
+      allow, XLA otherwise), "cudnn" or "xla".
+    remat: "none", "full" (recompute each block in the backward pass) or
+      "dots" (save only matmul outputs).
+  """
+
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  intermediate_size: int = 3072
+  embedding_size: int | None = None
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  position_offset: int = 0
+  pad_token_id: int = 0
+  hidden_act: str = "gelu"
+  layer_norm_eps: float = 1e-12
+  hidden_dropout: float = 0.1
+  attention_dropout: float = 0.1
+  initializer_range: float = 0.02
+  norm: str = "post"
+  ffn: str = "dense"
+  position_embedding: str = "learned"
+  rotary_base: float = 10000.0
+  causal: bool = False
+  num_shared_groups: int = 0
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  attention_impl: str = "auto"
+  remat: str = "none"
+
+  def __post_init__(self):
+    def fail(field, why):
+      raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {why}")
+
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                  "max_position_embeddings"):
+      if getattr(self, field) <= 0:
+        fail(field, "must be positive")
+    if self.hidden_size % self.num_heads:
+      fail("num_heads", f"must divide hidden_size={self.hidden_size}")
+    if self.embedding_size is not None and self.embedding_size <= 0:
+      fail("embedding_size", "must be positive or None")
+    if self.hidden_act not in ACTIVATIONS:
+      fail("hidden_act", f"expected one of {ACTIVATIONS}")
+    choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
+               "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "xla"),
+               "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
+               "param_dtype": ("float32", "bfloat16")}
+    for field, allowed in choices.items():
+      if getattr(self, field) not in allowed:
+        fail(field, f"expected one of {allowed}")
+    if self.num_shared_groups < 0 or (self.num_shared_groups and self.num_layers % self.num_shared_groups):
+      fail("num_shared_groups", f"must be 0 or divide num_layers={self.num_layers}")
+    if self.position_embedding == "rotary" and self.head_dim % 2:
+      fail("num_heads", "rotary positions need an even head size")
+    if self.type_vocab_size < 1:
+      fail("type_vocab_size", "must be at least 1")
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def embed_dim(self) -> int:
+    """E: the width of the embedding tables (= H unless factorised)."""
+    return self.embedding_size or self.hidden_size
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **changes: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def num_params(self, include_embeddings: bool = True) -> int:
+    """Encoder parameters (no pre-training heads), counted from the config."""
+    H, E, F = self.hidden_size, self.embed_dim, self.intermediate_size
+    ffn_in = 2 * H * F + 2 * F if self.ffn == "geglu" else H * F + F
+    block = 4 * (H * H + H) + ffn_in + F * H + H + 2 * 2 * H
+    blocks = block * (self.num_shared_groups or self.num_layers)
+    embeddings = self.vocab_size * E + self.type_vocab_size * E + 2 * E
+    if self.position_embedding == "learned":
+      embeddings += self.max_position_embeddings * E
+    projection = E * H + H if E != H else 0
+    final_norm = 2 * H if self.norm == "pre" else 0
+    return blocks + projection + final_norm + (embeddings if include_embeddings else 0)
+
+  def flops_per_token(self, seq_len: int, predictions_per_token: float = 1.0) -> float:
+    """Training FLOPs per token: 6 x (matmul params) + attention + output head.
+
+    Non-embedding parameters are counted per *application*: a shared ALBERT
+    block costs its FLOPs at every layer. The MLM head's vocabulary projection
+    is charged only for the fraction of tokens that are predicted.
+    """
+    H, E, F, L = self.hidden_size, self.embed_dim, self.intermediate_size, self.num_layers
+    ffn_matmul = (3 if self.ffn == "geglu" else 2) * H * F
+    per_layer = 4 * H * H + ffn_matmul
+    matmul = L * per_layer + (E * H if E != H else 0)
+    attention = 2 * L * seq_len * H  # QK^T and PV, forward, per token
+    head = predictions_per_token * (H * E + E * self.vocab_size)
+    return 6 * (matmul + head) + 6 * attention
+
+
+# BERT miniatures (Turc et al. 2019): L in {2..12} x H in {128..768}; heads = H/64, FFN = 4H.
+BERT_NAMED_SIZES = {
+    "tiny": (2, 128), "mini": (4, 256), "small": (4, 512), "medium": (8, 512),
+    "base": (12, 768), "large": (24, 1024),
+}
+
+_ALBERT_SIZES = {  # (layers, hidden, heads, ffn); E = 128 for all.
+    "base": (12, 768, 12, 3072), "large": (24, 1024, 16, 4096),
+    "xlarge": (24, 2048, 16, 8192), "xxlarge": (12, 4096, 64, 16384),
+}
+_ELECTRA_SIZES = {  # (layers, hidden, heads, ffn, embedding size)
+    "small": (12, 256, 4, 1024, 128), "base": (12, 768, 12, 3072, 768),
+    "large": (24, 1024, 16, 4096, 1024),
+}
+
+
+def _parse_miniature(size: str) -> tuple[int, int] | None:
+  """'L4-H256' / 'L=4,H=256' / '4/256' -> (4, 256)."""
+  match = re.fullmatch(r"L=?(\d+)[-_,]H=?(\d+)", size) or re.fullmatch(r"(\d+)/(\d+)", size)
+  return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _bert_layout(size: str) -> dict[str, int]:
+  if size in BERT_NAMED_SIZES:
+    layers, hidden = BERT_NAMED_SIZES[size]
+  elif (parsed := _parse_miniature(size)) is not None:
+    layers, hidden = parsed
+  else:
+    raise ValueError(f"unknown BERT size {size!r}: use one of {sorted(BERT_NAMED_SIZES)} or 'L<layers>-H<hidden>'")
+  heads = 16 if hidden == 1024 else max(1, hidden // 64)
+  return dict(num_layers=layers, hidden_size=hidden, num_heads=heads, intermediate_size=4 * hidden)
+
+
+def model_config(family: str = "bert", size: str = "base", **overrides: Any) -> ModelConfig:
+  """Returns the preset `ModelConfig` for a family and size, with overrides.
+
+  Args:
+    family: "bert", "roberta", "albert" or "electra" (for ELECTRA this is the
+      discriminator; see `electra_generator_config`).
+    size: a named size of the family, or for BERT/RoBERTa any miniature as
+      "L<layers>-H<hidden>".
+    **overrides: any `ModelConfig` field (e.g. num_layers=4, dtype="bfloat16").
+  """
+  if family in ("bert", "roberta"):
+    fields = _bert_layout(size)
+    if family == "roberta":
+      fields.update(vocab_size=50265, type_vocab_size=1, pad_token_id=1, position_offset=2,
+                    max_position_embeddings=514, layer_norm_eps=1e-5)
+  elif family == "albert":
+    if size not in _ALBERT_SIZES:
+      raise ValueError(f"unknown ALBERT size {size!r}: use one of {sorted(_ALBERT_SIZES)}")
+    layers, hidden, heads, ffn = _ALBERT_SIZES[size]
+    fields = dict(num_layers=layers, hidden_size=hidden, num_heads=heads, intermediate_size=ffn,
+                  embedding_size=128, vocab_size=30000, num_shared_groups=1, hidden_act="gelu_tanh",
+                  hidden_dropout=0.0, attention_dropout=0.0)
+  elif family == "electra":
+    if size not in _ELECTRA_SIZES:
+      raise ValueError(f"unknown ELECTRA size {size!r}: use one of {sorted(_ELECTRA_SIZES)}")
+    layers, hidden, heads, ffn, embed = _ELECTRA_SIZES[size]
+    fields = dict(num_layers=layers, hidden_size=hidden, num_heads=heads, intermediate_size=ffn,
+                  embedding_size=embed)
+  else:
+    raise ValueError(f"unknown model family {family!r}: use one of {FAMILIES}")
+  unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+  if unknown:
+    raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def electra_generator_config(discriminator: ModelConfig, size_fraction: float = 0.25) -> ModelConfig:
+  """The ELECTRA generator: same depth and embeddings, hidden size scaled by `size_fraction`.
+
+  Heads keep a head size of 64 (at least one head); the feed-forward keeps the
+  discriminator's ratio to the hidden size.
+  """
+  if not 0 < size_fraction <= 1:
+    raise ValueError(f"generator size_fraction={size_fraction} must be in (0, 1]")
+  hidden = max(16, int(round(discriminator.hidden_size * size_fraction)))
+  heads = max(1, hidden // 64) if hidden % 64 == 0 else max(1, discriminator.num_heads * hidden // discriminator.hidden_size)
+  while hidden % heads:
+    heads -= 1
+  ratio = discriminator.intermediate_size / discriminator.hidden_size
+  return discriminator.replace(hidden_size=hidden, num_heads=heads, intermediate_size=int(hidden * ratio),
+                               embedding_size=discriminator.embed_dim)

@@ -1,0 +1,254 @@
+"""The BERT-family encoder: embeddings, transformer blocks, optional sharing.
+
+One implementation serves BERT, RoBERTa, ALBERT and ELECTRA; the differences
+are `ModelConfig` fields. Every parameter carries logical axis names (vocab,
+embed, heads, kv, mlp) and the main activations carry (batch, length, ...), so
+sharding is decided by rules in the trainer, never here.
+
+Shape suffixes: b batch, l length, h heads, d head size, e embedding/hidden
+width, f feed-forward width, v vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bert_jax.models.attention import dot_product_attention
+from bert_jax.models.config import ModelConfig
+
+Array = jax.Array
+
+
+def activation(name: str):
+  return {"gelu": lambda x: nn.gelu(x, approximate=False),
+          "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+          "relu": nn.relu}[name]
+
+
+def dense_init(config: ModelConfig, axes: tuple[str | None, ...]):
+  return nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), axes)
+
+
+def bias_init(axes: tuple[str | None, ...]):
+  return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> nn.LayerNorm:
+  """LayerNorm whose statistics are computed in float32 whatever the compute dtype."""
+  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (axis_name,)),
+                      bias_init=bias_init((axis_name,)), use_fast_variance=False, name=name)
+
+
+def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> nn.Dense:
+  return nn.Dense(features, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                  kernel_init=dense_init(config, axes), bias_init=bias_init((axes[1],)), name=name)
+
+
+def rotary_embedding(x_blhd: Array, position_ids_bl: Array, base: float) -> Array:
+  """Rotates pairs of features (first half, second half) by position-dependent angles."""
+  half = x_blhd.shape[-1] // 2
+  inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angles_bld = position_ids_bl[..., None].astype(jnp.float32) * inv_freq
+  cos, sin = jnp.cos(angles_bld)[:, :, None, :], jnp.sin(angles_bld)[:, :, None, :]
+  x1, x2 = jnp.split(x_blhd.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_blhd.dtype)
+
+
+class Embeddings(nn.Module):
+  """Word + position + token-type embeddings, LayerNorm and dropout, at width E."""
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    embed_init = lambda axes: dense_init(cfg, axes)  # noqa: E731
+    self.word_embeddings = nn.Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
+                                    param_dtype=cfg.weight_dtype, embedding_init=embed_init(("vocab", "embed")))
+    if cfg.position_embedding == "learned":
+      self.position_embeddings = nn.Embed(cfg.max_position_embeddings, cfg.embed_dim, dtype=cfg.compute_dtype,
+                                          param_dtype=cfg.weight_dtype, embedding_init=embed_init((None, "embed")))
+    self.token_type_embeddings = nn.Embed(cfg.type_vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
+                                          param_dtype=cfg.weight_dtype, embedding_init=embed_init((None, "embed")))
+    self.norm = layer_norm(cfg, "norm")
+    self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+  def __call__(self, input_ids_bl: Array, segment_ids_bl: Array, position_ids_bl: Array,
+               deterministic: bool) -> Array:
+    cfg = self.config
+    x_ble = self.word_embeddings(input_ids_bl)
+    if cfg.position_embedding == "learned":
+      x_ble = x_ble + self.position_embeddings(position_ids_bl + cfg.position_offset)
+    x_ble = x_ble + self.token_type_embeddings(segment_ids_bl)
+    x_ble = self.dropout(self.norm(x_ble), deterministic=deterministic)
+    return nn.with_logical_constraint(x_ble, ("batch", "length", "embed"))
+
+  def attend(self, x_bme: Array) -> Array:
+    """Tied output projection: [..., E] -> [..., vocab] logits."""
+    return self.word_embeddings.attend(x_bme)
+
+  def word_table(self) -> Array:
+    return self.word_embeddings.embedding
+
+
+class SelfAttention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
+               deterministic: bool, return_probs: bool) -> tuple[Array, Array | None]:
+    cfg = self.config
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+
+    def projection(name):
+      return nn.DenseGeneral((heads, head_dim), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                             kernel_init=dense_init(cfg, ("embed", "heads", "kv")),
+                             bias_init=bias_init(("heads", "kv")), name=name)
+
+    q_blhd, k_blhd, v_blhd = (projection(n)(x_ble) for n in ("query", "key", "value"))
+    if cfg.position_embedding == "rotary":
+      q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
+      k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
+    q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
+    k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
+    v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
+    dropout_rng = None
+    if not deterministic and cfg.attention_dropout > 0:
+      dropout_rng = self.make_rng("dropout")
+    out_blhd, probs = dot_product_attention(
+        q_blhd, k_blhd, v_blhd, pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal,
+        implementation=cfg.attention_impl, dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
+        return_probs=return_probs)
+    out_ble = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                              kernel_init=dense_init(cfg, ("heads", "kv", "embed")), bias_init=bias_init(("embed",)),
+                              name="output")(out_blhd)
+    return out_ble, probs
+
+
+class FeedForward(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_ble: Array) -> Array:
+    cfg = self.config
+    act = activation(cfg.hidden_act)
+    if cfg.ffn == "geglu":
+      h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi_gate")(x_ble))
+      h_blf = h_blf * dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble)
+    else:
+      h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble))
+    h_blf = nn.with_logical_constraint(h_blf, ("batch", "length", "mlp"))
+    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_blf)
+
+
+class TransformerBlock(nn.Module):
+  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
+               deterministic: bool = True, return_probs: bool = False) -> tuple[Array, Array | None]:
+    cfg = self.config
+    dropout = nn.Dropout(cfg.hidden_dropout)
+    attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
+    attention = SelfAttention(cfg, name="attention")
+    ffn = FeedForward(cfg, name="ffn")
+    if cfg.norm == "pre":
+      attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
+                                  return_probs)
+      x_ble = x_ble + dropout(attn_ble, deterministic=deterministic)
+      x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
+    else:
+      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs)
+      x_ble = attention_norm(x_ble + dropout(attn_ble, deterministic=deterministic))
+      x_ble = ffn_norm(x_ble + dropout(ffn(x_ble), deterministic=deterministic))
+    return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
+
+
+def _remat(block_cls, policy: str):
+  if policy == "none":
+    return block_cls
+  checkpoint_policy = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+  # Arguments 4..6 (packed, deterministic, return_probs) are Python flags.
+  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6))
+
+
+class Encoder(nn.Module):
+  """Embeddings -> (E->H projection) -> L transformer blocks.
+
+  Attributes:
+    config: the architecture.
+    shared_embeddings: an `Embeddings` module owned by a parent, for models
+      whose encoders share one embedding table (ELECTRA's generator and
+      discriminator). None: this encoder owns its embeddings.
+  """
+
+  config: ModelConfig
+  shared_embeddings: Embeddings | None = None
+
+  def setup(self):
+    cfg = self.config
+    self.embeddings = self.shared_embeddings or Embeddings(cfg)
+    if cfg.embed_dim != cfg.hidden_size:
+      self.embedding_projection = dense(cfg, cfg.hidden_size, (None, "embed"), "embedding_projection")
+    block = _remat(TransformerBlock, cfg.remat)
+    num_blocks = cfg.num_shared_groups or cfg.num_layers
+    self.blocks = [block(cfg, name=f"block_{i}") for i in range(num_blocks)]
+    if cfg.norm == "pre":
+      self.final_norm = layer_norm(cfg, "final_norm")
+
+  def __call__(self, input_ids: Array, segment_ids: Array | None = None, position_ids: Array | None = None,
+               pack_ids: Array | None = None, *, packed: bool = False, deterministic: bool = True,
+               output_hidden_states: bool = False, output_attentions: bool = False) -> dict[str, Any]:
+    """Encodes a batch.
+
+    Args:
+      input_ids: [B, L] int token ids.
+      segment_ids: [B, L] token types; zeros when None.
+      position_ids: [B, L] positions inside each (packed) example; 0..L-1 when
+        None. The family's `position_offset` is added by the embeddings.
+      pack_ids: [B, L] 0 for padding, else the packed example id (1 for every
+        real token of an unpacked row). None: no padding.
+      packed: rows may hold several examples (block-diagonal attention).
+      deterministic: disables dropout.
+      output_hidden_states: also return the embeddings output and every
+        block's output (L + 1 arrays, as Hugging Face does).
+      output_attentions: also return each block's attention probabilities
+        (forces the XLA attention path).
+
+    Returns:
+      dict with "hidden" [B, L, H], and optionally "hidden_states" (tuple) and
+      "attentions" (tuple of [B, heads, L, L]).
+    """
+    cfg = self.config
+    batch, length = input_ids.shape
+    if segment_ids is None:
+      segment_ids = jnp.zeros_like(input_ids)
+    if position_ids is None:
+      position_ids = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    x_ble = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
+    if cfg.embed_dim != cfg.hidden_size:
+      x_ble = self.embedding_projection(x_ble)
+    hidden_states, attentions = [x_ble], []
+    for layer in range(cfg.num_layers):
+      block = self.blocks[layer * len(self.blocks) // cfg.num_layers]
+      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions)
+      hidden_states.append(x_ble)
+      attentions.append(probs)
+    if cfg.norm == "pre":
+      x_ble = self.final_norm(x_ble)
+      hidden_states[-1] = x_ble
+    outputs = {"hidden": x_ble}
+    if output_hidden_states:
+      outputs["hidden_states"] = tuple(hidden_states)
+    if output_attentions:
+      outputs["attentions"] = tuple(attentions)
+    return outputs
+
+  def attend(self, x_bme: Array) -> Array:
+    return self.embeddings.attend(x_bme)

@@ -1,0 +1,160 @@
+"""Output heads on top of the encoder's hidden states.
+
+Pre-training: MLM (sparse: only gathered positions are projected to the
+vocabulary), sentence-level NSP/SOP, ELECTRA replaced-token detection,
+SpanBERT span-boundary objective. Fine-tuning: classification/regression,
+span extraction, multiple choice, token tagging.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bert_jax.models.config import ModelConfig
+from bert_jax.models.encoder import activation, bias_init, dense, layer_norm
+
+Array = jax.Array
+
+
+def gather_positions(hidden_ble: Array, positions_bm: Array) -> Array:
+  """[B, L, H] gathered at [B, M] positions -> [B, M, H]."""
+  return jnp.take_along_axis(hidden_ble, positions_bm[..., None].astype(jnp.int32), axis=1)
+
+
+class VocabTransform(nn.Module):
+  """dense(H -> E) + activation + LayerNorm, then the tied vocabulary projection + bias."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_bmh: Array, attend) -> Array:
+    cfg = self.config
+    x_bme = activation(cfg.hidden_act)(dense(cfg, cfg.embed_dim, (None, "embed"), "transform")(x_bmh))
+    x_bme = layer_norm(cfg, "transform_norm")(x_bme)
+    bias_v = self.param("output_bias", bias_init(("vocab",)), (cfg.vocab_size,), cfg.weight_dtype)
+    return attend(x_bme) + bias_v.astype(x_bme.dtype)
+
+
+class MLMHead(nn.Module):
+  """Masked-LM head computed only at the masked positions (sparse prediction)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, positions_bm: Array, attend) -> Array:
+    """Returns [B, M, vocab] logits at `positions_bm`; `attend` is the tied embedding projection."""
+    return VocabTransform(self.config, name="predictions")(gather_positions(hidden_ble, positions_bm), attend)
+
+
+class Pooler(nn.Module):
+  """tanh(dense(h_[CLS])) at the given positions (BERT's pooler)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, cls_positions_bp: Array | None = None) -> Array:
+    if cls_positions_bp is None:
+      first_bph = hidden_ble[:, :1]
+    else:
+      first_bph = gather_positions(hidden_ble, cls_positions_bp)
+    return jnp.tanh(dense(self.config, self.config.hidden_size, ("embed", None), "dense")(first_bph))
+
+
+class SentenceHead(nn.Module):
+  """NSP / SOP: pooler + 2-way classifier, one prediction per packed example."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, cls_positions_bp: Array | None = None, deterministic: bool = True) -> Array:
+    pooled = Pooler(self.config, name="pooler")(hidden_ble, cls_positions_bp)
+    pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    return dense(self.config, 2, ("embed", None), "classifier")(pooled)
+
+
+class ReplacedTokenHead(nn.Module):
+  """ELECTRA discriminator: dense + activation + dense(1) per token -> [B, L] logits."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array) -> Array:
+    cfg = self.config
+    x = activation(cfg.hidden_act)(dense(cfg, cfg.hidden_size, ("embed", None), "dense")(hidden_ble))
+    return dense(cfg, 1, ("embed", None), "prediction")(x)[..., 0]
+
+
+class SpanBoundaryHead(nn.Module):
+  """SpanBERT SBO: predict each span token from the states just outside the span.
+
+  y_i = f(x_{s-1}, x_{e+1}, p_{i-s+1}) with f a 2-layer GELU + LayerNorm MLP,
+  followed by the tied vocabulary projection.
+  """
+
+  config: ModelConfig
+  max_span_positions: int = 64
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, left_bm: Array, right_bm: Array, offsets_bm: Array, attend) -> Array:
+    cfg = self.config
+    position_table = self.param("position_embeddings",
+                                nn.with_logical_partitioning(nn.initializers.normal(cfg.initializer_range),
+                                                             (None, "embed")),
+                                (self.max_span_positions, cfg.hidden_size), cfg.weight_dtype)
+    offsets_bm = jnp.clip(offsets_bm, 0, self.max_span_positions - 1)
+    x = jnp.concatenate([gather_positions(hidden_ble, left_bm), gather_positions(hidden_ble, right_bm),
+                         jnp.take(position_table, offsets_bm, axis=0).astype(hidden_ble.dtype)], axis=-1)
+    act = activation(cfg.hidden_act)
+    for i in range(2):
+      x = layer_norm(cfg, f"norm_{i}")(act(dense(cfg, cfg.hidden_size, (None, "embed"), f"dense_{i}")(x)))
+    return VocabTransform(cfg, name="predictions")(x, attend)
+
+
+class ClassificationHead(nn.Module):
+  """Pooled [CLS] -> dropout -> dense(num_labels). num_labels=1 is regression."""
+
+  config: ModelConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
+    pooled = Pooler(self.config, name="pooler")(hidden_ble)[:, 0]
+    pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    return dense(self.config, self.num_labels, ("embed", None), "classifier")(pooled)
+
+
+class SpanExtractionHead(nn.Module):
+  """SQuAD: dense(2) per token -> (start [B, L], end [B, L]) logits."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, deterministic: bool = True) -> tuple[Array, Array]:
+    logits = dense(self.config, 2, ("embed", None), "qa_outputs")(hidden_ble)
+    return logits[..., 0], logits[..., 1]
+
+
+class MultipleChoiceHead(nn.Module):
+  """Pooled [CLS] of each (context, choice) row -> one score; caller reshapes to [N, C]."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
+    pooled = Pooler(self.config, name="pooler")(hidden_ble)[:, 0]
+    pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    return dense(self.config, 1, ("embed", None), "classifier")(pooled)[..., 0]
+
+
+class TokenClassificationHead(nn.Module):
+  """Per-token tagging (NER): dropout -> dense(num_labels)."""
+
+  config: ModelConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
+    x = nn.Dropout(self.config.hidden_dropout)(hidden_ble, deterministic=deterministic)
+    return dense(self.config, self.num_labels, ("embed", None), "classifier")(x)

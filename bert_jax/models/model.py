@@ -1,0 +1,162 @@
+"""Complete models: encoder + heads for pre-training and fine-tuning.
+
+  PretrainingModel  BERT / RoBERTa / ALBERT / SpanBERT / LTR: MLM at gathered
+                    positions, optional NSP/SOP head, optional SBO head.
+  ElectraModel      generator + discriminator sharing one embedding table.
+  FinetuneModel     encoder + one task head (classification, regression,
+                    span extraction, multiple choice, tagging).
+
+All take the batch fields of `bert_jax.data.batch` by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bert_jax.models import heads
+from bert_jax.models.config import ModelConfig
+from bert_jax.models.encoder import Embeddings, Encoder
+
+Array = jax.Array
+
+TASK_KINDS = ("classification", "regression", "span", "multiple_choice", "tagging")
+
+
+class PretrainingModel(nn.Module):
+  """Encoder with the MLM head and, by flag, a sentence (NSP/SOP) head and an SBO head.
+
+  The left-to-right LM ablation is this model with `config.causal=True` and
+  the MLM head read at every position (the objective shifts the targets).
+  """
+
+  config: ModelConfig
+  sentence_head: bool = True
+  span_boundary_head: bool = False
+
+  def setup(self):
+    self.encoder = Encoder(self.config)
+    self.mlm = heads.MLMHead(self.config)
+    if self.sentence_head:
+      self.sentence = heads.SentenceHead(self.config)
+    if self.span_boundary_head:
+      self.sbo = heads.SpanBoundaryHead(self.config)
+
+  def __call__(self, input_ids: Array, mlm_positions: Array, *, segment_ids: Array | None = None,
+               position_ids: Array | None = None, pack_ids: Array | None = None,
+               cls_positions: Array | None = None, sbo_left: Array | None = None, sbo_right: Array | None = None,
+               sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True) -> dict[str, Array]:
+    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,2]?, "sbo_logits" [B,M,V]?}."""
+    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, packed=packed,
+                          deterministic=deterministic)["hidden"]
+    outputs = {"hidden": hidden, "mlm_logits": self.mlm(hidden, mlm_positions, self.encoder.attend)}
+    if self.sentence_head:
+      outputs["sentence_logits"] = self.sentence(hidden, cls_positions, deterministic)
+    if self.span_boundary_head:
+      outputs["sbo_logits"] = self.sbo(hidden, sbo_left, sbo_right, sbo_offsets, self.encoder.attend)
+    return outputs
+
+
+class ElectraModel(nn.Module):
+  """ELECTRA: a small MLM generator and a discriminator sharing embeddings.
+
+  The generator fills the masked positions with samples from its own
+  distribution (no gradient flows through the sampling); the discriminator
+  predicts, for every token, whether it was replaced.
+  """
+
+  config: ModelConfig            # discriminator
+  generator_config: ModelConfig
+
+  def setup(self):
+    if self.generator_config.embed_dim != self.config.embed_dim:
+      raise ValueError("ELECTRA generator and discriminator must share the embedding size "
+                       f"({self.generator_config.embed_dim} != {self.config.embed_dim})")
+    self.embeddings = Embeddings(self.config)
+    self.generator = Encoder(self.generator_config, shared_embeddings=self.embeddings)
+    self.generator_mlm = heads.MLMHead(self.generator_config)
+    self.discriminator = Encoder(self.config, shared_embeddings=self.embeddings)
+    self.rtd = heads.ReplacedTokenHead(self.config)
+
+  def __call__(self, input_ids: Array, mlm_positions: Array, original_ids: Array, *,
+               segment_ids: Array | None = None, position_ids: Array | None = None, pack_ids: Array | None = None,
+               packed: bool = False, deterministic: bool = True, sample: bool = True) -> dict[str, Array]:
+    """Runs generator, samples replacements, runs the discriminator.
+
+    Args:
+      input_ids: [B, L] masked inputs.
+      mlm_positions: [B, M] masked positions.
+      original_ids: [B, L] inputs before masking.
+      sample: draw replacements from the generator (rng stream "sample");
+        False takes the argmax (for deterministic evaluation).
+
+    Returns:
+      {"mlm_logits" [B,M,V] generator logits, "rtd_logits" [B,L],
+       "corrupted_ids" [B,L], "replaced" [B,L] bool}.
+    """
+    kwargs = dict(segment_ids=segment_ids, position_ids=position_ids, pack_ids=pack_ids, packed=packed,
+                  deterministic=deterministic)
+    gen_hidden = self.generator(input_ids, **kwargs)["hidden"]
+    mlm_logits = self.generator_mlm(gen_hidden, mlm_positions, self.embeddings.attend)
+    logits = jax.lax.stop_gradient(mlm_logits.astype(jnp.float32))
+    if sample:
+      sampled_bm = jax.random.categorical(self.make_rng("sample"), logits, axis=-1)
+    else:
+      sampled_bm = jnp.argmax(logits, axis=-1)
+    rows = jnp.arange(input_ids.shape[0])[:, None]
+    corrupted = input_ids.at[rows, mlm_positions].set(sampled_bm.astype(input_ids.dtype))
+    # Unused prediction slots point at position 0 ([CLS]); restore it.
+    corrupted = corrupted.at[:, 0].set(original_ids[:, 0])
+    disc_hidden = self.discriminator(corrupted, **kwargs)["hidden"]
+    return {"mlm_logits": mlm_logits, "rtd_logits": self.rtd(disc_hidden), "corrupted_ids": corrupted,
+            "replaced": corrupted != original_ids}
+
+
+class FinetuneModel(nn.Module):
+  """Encoder + one task head.
+
+  Attributes:
+    config: the encoder.
+    kind: one of TASK_KINDS.
+    num_labels: classes (classification, tagging); ignored otherwise.
+  """
+
+  config: ModelConfig
+  kind: str
+  num_labels: int = 2
+
+  def setup(self):
+    if self.kind not in TASK_KINDS:
+      raise ValueError(f"unknown task kind {self.kind!r}; expected one of {TASK_KINDS}")
+    self.encoder = Encoder(self.config)
+    if self.kind in ("classification", "regression"):
+      self.head = heads.ClassificationHead(self.config, 1 if self.kind == "regression" else self.num_labels)
+    elif self.kind == "span":
+      self.head = heads.SpanExtractionHead(self.config)
+    elif self.kind == "multiple_choice":
+      self.head = heads.MultipleChoiceHead(self.config)
+    else:
+      self.head = heads.TokenClassificationHead(self.config, self.num_labels)
+
+  def __call__(self, input_ids: Array, *, segment_ids: Array | None = None, position_ids: Array | None = None,
+               pack_ids: Array | None = None, deterministic: bool = True) -> Any:
+    """input_ids [B, L] ([N, C, L] for multiple choice) -> the head's logits.
+
+    classification [B, labels]; regression [B]; span (start [B,L], end [B,L]);
+    multiple_choice [N, C]; tagging [B, L, labels].
+    """
+    choices_shape = None
+    if self.kind == "multiple_choice":
+      choices_shape = input_ids.shape[:2]
+      flatten = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
+      input_ids, segment_ids, position_ids, pack_ids = map(flatten, (input_ids, segment_ids, position_ids, pack_ids))
+    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic)["hidden"]
+    out = self.head(hidden, deterministic=deterministic)
+    if self.kind == "regression":
+      return out[..., 0]
+    if choices_shape is not None:
+      return out.reshape(choices_shape)
+    return out

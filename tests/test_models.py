@@ -1,0 +1,203 @@
+"""Model zoo behaviour: sizes, masking semantics, options, heads."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import (ElectraModel, Encoder, FinetuneModel, PretrainingModel, electra_generator_config,
+                             model_config)
+from bert_jax.models.heads import Pooler
+
+
+def tiny(**overrides):
+  base = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+              max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+  base.update(overrides)
+  return model_config("bert", "tiny", **base)
+
+
+def count(tree) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(tree))))
+
+
+def encoder_params(cfg):
+  ids = jnp.zeros((1, 8), jnp.int32)
+
+  def init():
+    params = Encoder(cfg).init(jax.random.key(0), ids)
+    hidden = jnp.zeros((1, 8, cfg.hidden_size), cfg.compute_dtype)
+    pooler = Pooler(cfg).init(jax.random.key(0), hidden)
+    return params, pooler
+
+  return jax.eval_shape(init)
+
+
+@pytest.mark.parametrize("family,size,published_millions,precision", [
+    ("bert", "base", 110, 1), ("bert", "large", 340, 1), ("albert", "base", 12, 1), ("albert", "large", 18, 1),
+    ("electra", "small", 14, 1)])
+def test_preset_parameter_counts_match_published(family, size, published_millions, precision):
+  # Encoder + pooler, as the papers count. Published figures are rounded to
+  # `precision` million; we accept 2% or that rounding, whichever is wider.
+  encoder, pooler = encoder_params(model_config(family, size))
+  total = (count(encoder) + count(pooler)) / 1e6
+  tolerance = max(0.02 * published_millions, precision / 2 + 0.05)
+  assert abs(total - published_millions) <= tolerance, total
+  assert count(encoder) == model_config(family, size).num_params()
+
+
+def test_bert_miniature_table():
+  for layers in (2, 4, 6, 8, 10, 12):
+    for hidden in (128, 256, 512, 768):
+      cfg = model_config("bert", f"L{layers}-H{hidden}")
+      assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.intermediate_size) == (
+          layers, hidden, hidden // 64, 4 * hidden)
+  assert model_config("bert", "mini").num_layers == 4 and model_config("bert", "mini").hidden_size == 256
+  with pytest.raises(ValueError, match="unknown BERT size"):
+    model_config("bert", "huge")
+  with pytest.raises(ValueError, match="num_heads"):
+    model_config("bert", "tiny", num_heads=3)
+  with pytest.raises(ValueError, match="unknown ModelConfig fields"):
+    model_config("bert", "tiny", hiden_size=3)
+
+
+def run_encoder(cfg, ids, pack_ids=None, position_ids=None, packed=False, segment_ids=None, seed=0, **kwargs):
+  model = Encoder(cfg)
+  params = model.init(jax.random.key(seed), ids)
+  return model.apply(params, ids, segment_ids, position_ids, pack_ids, packed=packed, **kwargs)
+
+
+def test_packed_rows_equal_each_segment_alone():
+  cfg = tiny()
+  rng = np.random.default_rng(0)
+  a, b = rng.integers(5, 97, 7), rng.integers(5, 97, 5)
+  packed_ids = np.zeros((1, 16), np.int32)
+  packed_ids[0, :7], packed_ids[0, 7:12] = a, b
+  pack_ids = np.zeros((1, 16), np.int32)
+  pack_ids[0, :7], pack_ids[0, 7:12] = 1, 2
+  positions = np.zeros((1, 16), np.int32)
+  positions[0, :7], positions[0, 7:12] = np.arange(7), np.arange(5)
+  out = run_encoder(cfg, jnp.asarray(packed_ids), jnp.asarray(pack_ids), jnp.asarray(positions), packed=True)["hidden"]
+  alone_a = run_encoder(cfg, jnp.asarray(a[None]))["hidden"]
+  alone_b = run_encoder(cfg, jnp.asarray(b[None]))["hidden"]
+  np.testing.assert_allclose(out[0, :7], alone_a[0], atol=1e-5)
+  np.testing.assert_allclose(out[0, 7:12], alone_b[0], atol=1e-5)
+
+
+def test_padding_does_not_change_real_tokens():
+  cfg = tiny()
+  ids = np.random.default_rng(1).integers(5, 97, (1, 10)).astype(np.int32)
+  padded = np.concatenate([ids, np.zeros((1, 6), np.int32)], axis=1)
+  pack = (np.arange(16) < 10).astype(np.int32)[None]
+  out_padded = run_encoder(cfg, jnp.asarray(padded), jnp.asarray(pack))["hidden"]
+  out_alone = run_encoder(cfg, jnp.asarray(ids))["hidden"]
+  np.testing.assert_allclose(out_padded[0, :10], out_alone[0], atol=1e-5)
+
+
+def test_causal_mode_never_looks_right():
+  cfg = tiny(causal=True)
+  ids = np.random.default_rng(2).integers(5, 97, (2, 12)).astype(np.int32)
+  changed = ids.copy()
+  changed[:, 6:] = np.random.default_rng(3).integers(5, 97, (2, 6))
+  out = run_encoder(cfg, jnp.asarray(ids))["hidden"]
+  out_changed = run_encoder(cfg, jnp.asarray(changed))["hidden"]
+  np.testing.assert_allclose(out[:, :6], out_changed[:, :6], atol=1e-6)
+  assert not np.allclose(out[:, 6:], out_changed[:, 6:], atol=1e-3)
+  # The bidirectional model does look right.
+  bi, bi_changed = (run_encoder(tiny(), jnp.asarray(x))["hidden"] for x in (ids, changed))
+  assert not np.allclose(bi[:, :6], bi_changed[:, :6], atol=1e-3)
+
+
+def test_albert_sharing_and_factorised_embeddings():
+  cfg = tiny(num_layers=4, num_shared_groups=1, embedding_size=16)
+  params = Encoder(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  blocks = [k for k in params if k.startswith("block_")]
+  assert blocks == ["block_0"]
+  assert nn.unbox(params["embeddings"]["word_embeddings"]["embedding"]).shape == (97, 16)
+  assert nn.unbox(params["embedding_projection"]["kernel"]).shape == (16, 32)
+  two_groups = Encoder(tiny(num_layers=4, num_shared_groups=2)).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  assert sorted(k for k in two_groups["params"] if k.startswith("block_")) == ["block_0", "block_1"]
+
+
+def test_rotary_attention_is_translation_invariant():
+  cfg = tiny(position_embedding="rotary", type_vocab_size=1)
+  ids = jnp.asarray(np.random.default_rng(4).integers(5, 97, (1, 8)).astype(np.int32))
+  base = run_encoder(cfg, ids, position_ids=jnp.arange(8)[None])["hidden"]
+  shifted = run_encoder(cfg, ids, position_ids=jnp.arange(8)[None] + 13)["hidden"]
+  np.testing.assert_allclose(base, shifted, atol=2e-5)
+  params = Encoder(cfg).init(jax.random.key(0), ids)["params"]
+  assert "position_embeddings" not in params["embeddings"]
+
+
+@pytest.mark.parametrize("options", [dict(norm="pre"), dict(ffn="geglu"), dict(dtype="bfloat16"),
+                                     dict(remat="full"), dict(hidden_act="gelu_tanh")])
+def test_options_run_with_float32_params(options):
+  cfg = tiny(**options)
+  ids = jnp.ones((2, 8), jnp.int32)
+  model = Encoder(cfg)
+  params = model.init(jax.random.key(0), ids)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(params)))
+  out = model.apply(params, ids)["hidden"]
+  assert out.dtype == cfg.compute_dtype and out.shape == (2, 8, 32)
+  grads = jax.grad(lambda p: jnp.sum(model.apply(p, ids)["hidden"].astype(jnp.float32)))(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(nn.unbox(grads)))
+
+
+def test_attention_probabilities_returned_and_normalised():
+  cfg = tiny()
+  pack = jnp.asarray((np.arange(8) < 5).astype(np.int32)[None])
+  out = run_encoder(cfg, jnp.ones((1, 8), jnp.int32), pack, output_attentions=True, output_hidden_states=True)
+  assert len(out["attentions"]) == 2 and len(out["hidden_states"]) == 3
+  probs = np.asarray(out["attentions"][0])
+  assert probs.shape == (1, 4, 8, 8)
+  np.testing.assert_allclose(probs[0, :, :5].sum(-1), 1.0, atol=1e-5)
+  assert np.all(probs[0, :, :5, 5:] == 0)
+
+
+def test_pretraining_heads_shapes():
+  cfg = tiny()
+  model = PretrainingModel(cfg, sentence_head=True, span_boundary_head=True)
+  ids = jnp.ones((2, 12), jnp.int32)
+  positions = jnp.array([[1, 2, 3], [4, 5, 0]])
+  kwargs = dict(cls_positions=jnp.zeros((2, 1), jnp.int32), sbo_left=positions - 1, sbo_right=positions + 1,
+                sbo_offsets=jnp.zeros_like(positions))
+  params = model.init(jax.random.key(0), ids, positions, **kwargs)
+  out = model.apply(params, ids, positions, **kwargs)
+  assert out["mlm_logits"].shape == (2, 3, 97)
+  assert out["sentence_logits"].shape == (2, 1, 2)
+  assert out["sbo_logits"].shape == (2, 3, 97)
+
+
+def test_electra_shares_embeddings_and_labels_replacements():
+  disc = tiny(embedding_size=16)
+  gen = electra_generator_config(disc, 0.5)
+  assert gen.hidden_size == 16 and gen.embed_dim == 16
+  model = ElectraModel(disc, gen)
+  ids = jnp.asarray(np.random.default_rng(5).integers(5, 97, (2, 10)).astype(np.int32))
+  positions = jnp.array([[1, 3], [2, 0]])
+  masked = ids.at[jnp.arange(2)[:, None], positions].set(4)
+  rngs = {"params": jax.random.key(0), "sample": jax.random.key(1)}
+  params = model.init(rngs, masked, positions, ids)
+  assert "embeddings" in params["params"]
+  assert "embeddings" not in params["params"]["generator"]
+  assert "embeddings" not in params["params"]["discriminator"]
+  out = model.apply(params, masked, positions, ids, rngs={"sample": jax.random.key(2)})
+  assert out["rtd_logits"].shape == (2, 10)
+  replaced = np.asarray(out["replaced"])
+  assert not replaced[1, 0]  # unused slot at position 0 leaves [CLS] alone
+  untouched = np.ones((2, 10), bool)
+  untouched[0, [1, 3]] = untouched[1, 2] = False
+  assert not replaced[untouched].any()
+
+
+@pytest.mark.parametrize("kind,shape", [("classification", (2, 3)), ("regression", (2,)), ("tagging", (2, 8, 3)),
+                                        ("multiple_choice", (2, 4))])
+def test_finetune_heads(kind, shape):
+  model = FinetuneModel(tiny(), kind, num_labels=3)
+  ids = jnp.ones((2, 4, 8) if kind == "multiple_choice" else (2, 8), jnp.int32)
+  params = model.init(jax.random.key(0), ids)
+  assert model.apply(params, ids).shape == shape
+  span = FinetuneModel(tiny(), "span")
+  start, end = span.apply(span.init(jax.random.key(0), ids[:, :8] if ids.ndim == 2 else ids[:, 0]), ids.reshape(-1, 8))
+  assert start.shape == end.shape == (ids.reshape(-1, 8).shape[0], 8)
