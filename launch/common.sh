@@ -1,0 +1,118 @@
+# Shared helpers for the launch scripts; source it, don't run it.
+#
+# Every script prints what it will do (on stderr) and each command before it
+# runs it. With DRY_RUN=1 (set by --dry-run) it prints each command on stdout,
+# exactly and quoted so it can be pasted into a shell, and runs nothing.
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  echo "launch/common.sh is sourced by the launch scripts, not run." >&2
+  exit 2
+fi
+
+LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$LAUNCH_DIR/.." && pwd)"
+DRY_RUN="${DRY_RUN:-0}"
+PYTHON="${PYTHON:-python3}"
+
+# say MESSAGE...: tell the user what is about to happen.
+say() {
+  echo "==> $*" >&2
+}
+
+# die MESSAGE...: fail with a clear message (and the usage hint when set).
+die() {
+  echo "error: $*" >&2
+  if [[ -n "${USAGE_HINT:-}" ]]; then
+    echo "$USAGE_HINT" >&2
+  fi
+  exit 2
+}
+
+# quote ARG: ARG as one shell word, left bare when it needs no quoting; for
+# --flag=VALUE only VALUE is quoted.
+quote() {
+  if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+    printf '%s' "$1"
+  elif [[ "$1" =~ ^(--[A-Za-z0-9_.-]+=)(.*)$ ]]; then
+    printf '%s' "${BASH_REMATCH[1]}"
+    quote "${BASH_REMATCH[2]}"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+# quote_all ARGS...: the words joined by spaces, each quoted as needed.
+quote_all() {
+  local out="" arg
+  for arg in "$@"; do
+    out+="${out:+ }$(quote "$arg")"
+  done
+  printf '%s' "$out"
+}
+
+# run CMD ARGS...: print the command, then run it unless this is a dry run.
+run() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    quote_all "$@"
+    echo
+  else
+    echo "+ $(quote_all "$@")" >&2
+    "$@"
+  fi
+}
+
+# require VALUE FLAG: fail naming FLAG when VALUE is empty.
+require() {
+  if [[ -z "$1" ]]; then
+    die "missing $2"
+  fi
+}
+
+# require_value FLAG NUMBER_OF_REMAINING_ARGS: a flag that takes a value has one.
+require_value() {
+  if (( $2 < 2 )); then
+    die "$1 needs a value"
+  fi
+}
+
+# require_gcs_workdir WORKDIR WHY: the workdir must be on GCS (gs://bucket/path).
+require_gcs_workdir() {
+  if [[ ! "$1" =~ ^gs://[^/]+/.+ ]]; then
+    die "workdir must be on GCS (gs://BUCKET/PATH) $2; got '$1'"
+  fi
+}
+
+# require_command NAME: the tool must be installed (not needed for a dry run).
+require_command() {
+  if [[ "$DRY_RUN" != 1 ]] && ! command -v "$1" >/dev/null 2>&1; then
+    die "'$1' is not installed or not on PATH"
+  fi
+}
+
+# check_config CONFIG [warn]: CONFIG is FILE[:ARGS]; FILE must exist (relative
+# to the current directory) and end in .py. With 'warn', a missing file only
+# warns (the file is looked up on another machine).
+check_config() {
+  local file="${1%%:*}"
+  require "$1" "CONFIG (a config file such as configs/bert.py[:args])"
+  if [[ "$file" != *.py ]]; then
+    die "CONFIG must be a Python config file (FILE.py[:ARGS]); got '$1'"
+  fi
+  if [[ ! -f "$file" ]]; then
+    if [[ "${2:-}" == warn ]]; then
+      echo "warning: config file '$file' is not in this checkout" >&2
+    else
+      die "config file '$file' does not exist"
+    fi
+  fi
+}
+
+# check_overrides ARGS...: each trainer override is --config.KEY=VALUE.
+check_overrides() {
+  local arg
+  for arg in "$@"; do
+    if [[ ! "$arg" =~ ^--config\.[A-Za-z0-9_.]+=.* ]]; then
+      die "override '$arg' is not of the form --config.KEY=VALUE"
+    fi
+  done
+}
