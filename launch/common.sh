@@ -68,9 +68,10 @@ require() {
   fi
 }
 
-# require_value FLAG NUMBER_OF_REMAINING_ARGS: a flag that takes a value has one.
+# require_value FLAG [NEXT_ARGS...]: a flag that takes a value has one (and
+# not another --flag in its place). Call as: require_value "$@".
 require_value() {
-  if (( $2 < 2 )); then
+  if (( $# < 2 )) || [[ "$2" == --* ]]; then
     die "$1 needs a value"
   fi
 }

@@ -32,7 +32,7 @@ while (( $# )); do
     --dry-run) DRY_RUN=1; shift ;;
     --nvls-off) nvls_env=(NCCL_NVLS_ENABLE=0); shift ;;
     --coordinator|--num-processes|--process-id|--local-device-ids)
-      require_value "$1" $#
+      require_value "$@"
       case "$1" in
         --coordinator) coordinator="$2" ;;
         --num-processes) num_processes="$2" ;;

@@ -68,7 +68,7 @@ while (( $# )); do
     --dry-run) DRY_RUN=1; shift ;;
     --spot|--preemptible) provisioning="$1"; shift ;;
     --name|--zone|--project|--accelerator-type|--version|--repo|--ref|--python|--worker|--lines)
-      require_value "$1" $#
+      require_value "$@"
       case "$1" in
         --name) name="$2" ;;
         --zone) zone="$2" ;;
@@ -150,7 +150,7 @@ case "$command" in
   run)
     config="${positional[0]:-}"
     workdir="${positional[1]:-}"
-    check_config "$config" warn
+    (cd "$REPO_ROOT" && check_config "$config" warn)  # CONFIG is relative to the repository
     require "$workdir" "WORKDIR (gs://BUCKET/PATH)"
     require_gcs_workdir "$workdir" "for a TPU VM: all workers share it and it survives preemption"
     overrides=("${positional[@]:2}")
