@@ -1,0 +1,323 @@
+"""The nine GLUE tasks: TSV and TFDS readers, featurisation, metrics, submissions.
+
+Local files follow the layout of the classic `download_glue_data.py`
+(`GLUE_DIR/TASK/{train,dev,test}.tsv`; MNLI has `dev_matched`,
+`dev_mismatched`, `test_matched`, `test_mismatched`), with the columns the
+Hugging Face `run_glue` processors read. Fields are split on tabs with no
+quoting (csv.QUOTE_NONE), because some fields start with a `"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from bert_jax.tasks import metrics
+from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_outputs, data_error,
+                                 encode_segments)
+
+STSB_SCORE_RANGE = (0.0, 5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+  """Where a TSV file keeps its fields (negative indices count from the end).
+
+  Attributes:
+    text_a: column of the first sentence.
+    text_b: column of the second sentence; None for single-sentence tasks.
+    label: label column; None for unlabelled (test) files.
+    index: column whose value becomes the example guid; None to number rows.
+    header: whether the first line is a header (its width sets the row width).
+    width: row width for header-less files.
+  """
+
+  text_a: int
+  text_b: int | None
+  label: int | None
+  index: int | None = None
+  header: bool = True
+  width: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueSpec:
+  """Everything that differs between GLUE tasks.
+
+  Attributes:
+    name: short name, as in TFDS ("sst2").
+    directory: folder under GLUE_DIR ("SST-2").
+    labels: label strings in id order; empty for regression (STS-B).
+    metric_names: official metrics, reported in this order.
+    selection_metric: metric for model selection.
+    labelled: columns of the train and dev files.
+    unlabelled: columns of the test files.
+    tfds_text_keys: feature names of the sentence(s) in TFDS `glue/NAME`.
+    submissions: test split -> file name in the GLUE submission zip.
+  """
+
+  name: str
+  directory: str
+  labels: tuple[str, ...]
+  metric_names: tuple[str, ...]
+  selection_metric: str
+  labelled: Columns
+  unlabelled: Columns
+  tfds_text_keys: tuple[str, ...]
+  submissions: dict[str, str]
+
+  @property
+  def eval_splits(self) -> tuple[str, ...]:
+    return tuple(s.replace("test", "dev") for s in self.submissions)
+
+  @property
+  def splits(self) -> tuple[str, ...]:
+    return ("train",) + self.eval_splits + tuple(self.submissions)
+
+
+_BINARY = ("0", "1")
+_NLI = ("entailment", "not_entailment")
+_PAIR_INDEXED = Columns(text_a=1, text_b=2, label=-1, index=0)
+_PAIR_INDEXED_TEST = Columns(text_a=1, text_b=2, label=None, index=0)
+
+SPECS: dict[str, GlueSpec] = {
+    spec.name: spec for spec in (
+        GlueSpec("cola", "CoLA", _BINARY, ("mcc",), "mcc",
+                 labelled=Columns(text_a=3, text_b=None, label=1, header=False, width=4),
+                 unlabelled=Columns(text_a=1, text_b=None, label=None, index=0),
+                 tfds_text_keys=("sentence",), submissions={"test": "CoLA.tsv"}),
+        GlueSpec("sst2", "SST-2", _BINARY, ("accuracy",), "accuracy",
+                 labelled=Columns(text_a=0, text_b=None, label=1),
+                 unlabelled=Columns(text_a=1, text_b=None, label=None, index=0),
+                 tfds_text_keys=("sentence",), submissions={"test": "SST-2.tsv"}),
+        GlueSpec("mrpc", "MRPC", _BINARY, ("f1", "accuracy"), "f1",
+                 labelled=Columns(text_a=3, text_b=4, label=0),
+                 unlabelled=Columns(text_a=3, text_b=4, label=None, index=0),
+                 tfds_text_keys=("sentence1", "sentence2"), submissions={"test": "MRPC.tsv"}),
+        GlueSpec("stsb", "STS-B", (), ("pearson", "spearman"), "spearman",
+                 labelled=Columns(text_a=7, text_b=8, label=-1, index=0),
+                 unlabelled=Columns(text_a=7, text_b=8, label=None, index=0),
+                 tfds_text_keys=("sentence1", "sentence2"), submissions={"test": "STS-B.tsv"}),
+        GlueSpec("qqp", "QQP", _BINARY, ("f1", "accuracy"), "f1",
+                 labelled=Columns(text_a=3, text_b=4, label=5, index=0),
+                 unlabelled=_PAIR_INDEXED_TEST,
+                 tfds_text_keys=("question1", "question2"), submissions={"test": "QQP.tsv"}),
+        GlueSpec("mnli", "MNLI", ("contradiction", "entailment", "neutral"), ("accuracy",), "accuracy",
+                 labelled=Columns(text_a=8, text_b=9, label=-1, index=0),
+                 unlabelled=Columns(text_a=8, text_b=9, label=None, index=0),
+                 tfds_text_keys=("premise", "hypothesis"),
+                 submissions={"test_matched": "MNLI-m.tsv", "test_mismatched": "MNLI-mm.tsv"}),
+        GlueSpec("qnli", "QNLI", _NLI, ("accuracy",), "accuracy",
+                 labelled=_PAIR_INDEXED, unlabelled=_PAIR_INDEXED_TEST,
+                 tfds_text_keys=("question", "sentence"), submissions={"test": "QNLI.tsv"}),
+        GlueSpec("rte", "RTE", _NLI, ("accuracy",), "accuracy",
+                 labelled=_PAIR_INDEXED, unlabelled=_PAIR_INDEXED_TEST,
+                 tfds_text_keys=("sentence1", "sentence2"), submissions={"test": "RTE.tsv"}),
+        GlueSpec("wnli", "WNLI", _BINARY, ("accuracy",), "accuracy",
+                 labelled=_PAIR_INDEXED, unlabelled=_PAIR_INDEXED_TEST,
+                 tfds_text_keys=("sentence1", "sentence2"), submissions={"test": "WNLI.tsv"}),
+    )
+}
+
+
+def _parse_label(spec: GlueSpec, value: str, path: pathlib.Path, line: int) -> str | float:
+  """Checks a label field against the task's label set (or STS-B's score range)."""
+  if spec.labels:
+    if value not in spec.labels:
+      raise data_error(path, line, f"label {value!r} is not one of {list(spec.labels)} ({spec.name})")
+    return value
+  try:
+    score = float(value)
+  except ValueError:
+    raise data_error(path, line, f"score {value!r} is not a number ({spec.name})") from None
+  low, high = STSB_SCORE_RANGE
+  if not low <= score <= high:
+    raise data_error(path, line, f"score {score} is outside [{low}, {high}] ({spec.name})")
+  return score
+
+
+def read_glue_tsv(spec: GlueSpec, path: str | pathlib.Path, labelled: bool) -> list[TextPairExample]:
+  """Reads one GLUE TSV file.
+
+  Args:
+    spec: the task's layout.
+    path: the .tsv file.
+    labelled: True for train/dev files, False for test files.
+
+  Returns:
+    The examples in file order.
+
+  Raises:
+    ValueError: naming the file and line, for an empty file, a row whose
+      column count differs from the header (or the fixed width), or a label
+      outside the task's label set.
+  """
+  path = pathlib.Path(path)
+  columns = spec.labelled if labelled else spec.unlabelled
+  split = path.stem
+  # utf-8-sig drops the BOM that MRPC's files start with; newline="\n" keeps a
+  # stray "\r" inside a field from splitting the row.
+  with open(path, encoding="utf-8-sig", newline="\n") as f:
+    lines = [line.rstrip("\n").removesuffix("\r") for line in f]
+  if not lines:
+    raise data_error(path, None, "file is empty")
+  width, first_row = (len(lines[0].split("\t")), 1) if columns.header else (columns.width, 0)
+  needed = max(abs(c) + (c >= 0) for c in (columns.text_a, columns.text_b, columns.label, columns.index)
+               if c is not None)
+  if width < needed:
+    raise data_error(path, 1, f"expected at least {needed} columns for {spec.name}, header has {width}")
+  if len(lines) <= first_row:
+    raise data_error(path, None, "file has a header but no rows")
+  examples = []
+  for line_number, line in enumerate(lines[first_row:], start=first_row + 1):
+    fields = line.split("\t")
+    if len(fields) != width:
+      raise data_error(path, line_number, f"expected {width} tab-separated columns, found {len(fields)}")
+    label = _parse_label(spec, fields[columns.label], path, line_number) if labelled else None
+    guid = fields[columns.index] if columns.index is not None else f"{split}-{line_number - first_row - 1}"
+    text_b = fields[columns.text_b] if columns.text_b is not None else None
+    examples.append(TextPairExample(guid, fields[columns.text_a], text_b, label))
+  return examples
+
+
+class GlueTask(Task):
+  """One GLUE task; see `SPECS` for the per-task layout and metrics."""
+
+  def __init__(self, spec: GlueSpec):
+    self.spec = spec
+    self.name = f"glue/{spec.name}"
+    self.kind = "classification" if spec.labels else "regression"
+    self.labels = spec.labels
+    self.metric_names = spec.metric_names
+    self.selection_metric = spec.selection_metric
+    self.eval_splits = spec.eval_splits
+
+  def _check_split(self, split: str) -> None:
+    if split not in self.spec.splits:
+      raise ValueError(f"{self.name} has no split {split!r}; valid: {list(self.spec.splits)}")
+
+  def load(self, data_dir: str | pathlib.Path, split: str) -> list[TextPairExample]:
+    """Reads `data_dir/TASK/split.tsv` (data_dir is the GLUE root)."""
+    self._check_split(split)
+    path = pathlib.Path(data_dir) / self.spec.directory / f"{split}.tsv"
+    return read_glue_tsv(self.spec, path, labelled=not split.startswith("test"))
+
+  def load_tfds(self, split: str, data_dir: str | None = None) -> list[TextPairExample]:
+    """Reads the split from TFDS `glue/NAME` (needs the `[tfds]` extra).
+
+    Args:
+      split: our split name ("dev", "test_matched", ...); mapped to TFDS's
+        "validation", "test_matched", ...
+      data_dir: TFDS data directory; None for TFDS's default.
+
+    Raises:
+      ImportError: when tensorflow-datasets is not installed.
+    """
+    self._check_split(split)
+    try:
+      import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    except ImportError as error:
+      raise ImportError(f"reading {self.name} from TFDS needs tensorflow-datasets; "
+                        "install the extra: pip install 'bert_jax[tfds]'") from error
+    builder = tfds.builder(f"glue/{self.spec.name}", data_dir=data_dir)
+    builder.download_and_prepare()
+    dataset = builder.as_dataset(split=split.replace("dev", "validation"))
+    examples = []
+    if self.labels:
+      # TFDS orders MNLI's labels differently from the TSV processors; map by
+      # name when TFDS's names are ours, by id when ours are "0"/"1".
+      tfds_names = list(builder.info.features["label"].names)
+      id_to_label = tfds_names if set(tfds_names) == set(self.labels) else list(self.labels)
+    for record in tfds.as_numpy(dataset):
+      texts = [record[key].decode("utf-8") for key in self.spec.tfds_text_keys]
+      raw_label = record["label"]
+      if self.labels:
+        label = id_to_label[int(raw_label)] if int(raw_label) >= 0 else None
+      else:
+        label = None if split.startswith("test") else float(raw_label)
+      examples.append(TextPairExample(str(int(record["idx"])), texts[0],
+                                      texts[1] if len(texts) > 1 else None, label))
+    return examples
+
+  def featurize(self, examples: Sequence[TextPairExample], tokenizer: TaskTokenizer,
+                max_len: int) -> dict[str, np.ndarray]:
+    """[CLS] A [SEP] (B [SEP]) rows; see `bert_jax.tasks.base` for the fields."""
+    ids_a, _ = tokenizer.tokenize_with_offsets([e.text_a for e in examples])
+    ids_b = None
+    if self.spec.labelled.text_b is not None:
+      ids_b, _ = tokenizer.tokenize_with_offsets([e.text_b or "" for e in examples])
+    features = encode_segments(ids_a, ids_b, tokenizer, max_len)
+    features["example_index"] = np.arange(len(examples), dtype=np.int32)
+    if self.kind == "classification":
+      label_ids = {label: i for i, label in enumerate(self.labels)}
+      features["labels"] = np.array([label_ids[e.label] if e.label is not None else -1 for e in examples],
+                                    np.int32)
+    else:
+      features["labels"] = np.array([e.label if e.label is not None else math.nan for e in examples],
+                                    np.float32)
+    return features
+
+  def _predicted_ids_or_scores(self, outputs: np.ndarray, features: dict[str, np.ndarray]) -> np.ndarray:
+    if self.kind == "classification":
+      return np.argmax(check_outputs(outputs, features, (len(self.labels),)), axis=-1)
+    outputs = np.asarray(outputs)
+    return check_outputs(outputs, features, (1,) if outputs.ndim == 2 else ()).reshape(-1)
+
+  def predict(self, outputs: np.ndarray, features: dict[str, np.ndarray],
+              examples: Sequence[TextPairExample]) -> list[str | float]:
+    """Label strings (classification) or scores (STS-B), one per example."""
+    values = self._predicted_ids_or_scores(outputs, features)
+    if self.kind == "classification":
+      return [self.labels[i] for i in values]
+    return [float(v) for v in values]
+
+  def evaluate(self, outputs: np.ndarray, features: dict[str, np.ndarray],
+               examples: Sequence[TextPairExample]) -> dict[str, float]:
+    """The task's official metrics (see `GlueSpec.metric_names`).
+
+    Raises:
+      ValueError: when the examples are unlabelled (a test split).
+    """
+    if any(e.label is None for e in examples):
+      raise ValueError(f"{self.name}: cannot evaluate unlabelled examples (a test split?)")
+    predicted = self._predicted_ids_or_scores(outputs, features)
+    gold = features["labels"]
+    metric_functions = {
+        "accuracy": metrics.accuracy,
+        "f1": metrics.binary_f1,
+        "mcc": metrics.matthews_corrcoef,
+        "pearson": metrics.pearson,
+        "spearman": metrics.spearman,
+    }
+    return {name: metric_functions[name](predicted, gold) for name in self.metric_names}
+
+  def write_submission(self, output_dir: str | pathlib.Path, split: str,
+                       examples: Sequence[TextPairExample], predictions: Sequence[Any]) -> pathlib.Path:
+    """Writes `predict`'s output for a test split as GLUE's `index\\tprediction` file.
+
+    Args:
+      output_dir: folder of the submission (created if missing).
+      split: a test split ("test", "test_matched", "test_mismatched").
+      examples: the test examples (their guids are the GLUE indices).
+      predictions: `predict`'s output for them.
+
+    Returns:
+      The written file, named as GLUE expects (CoLA.tsv, MNLI-m.tsv, ...).
+    """
+    if split not in self.spec.submissions:
+      raise ValueError(f"{self.name}: no submission file for split {split!r}; "
+                       f"valid: {list(self.spec.submissions)}")
+    if len(examples) != len(predictions):
+      raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
+    path = pathlib.Path(output_dir) / self.spec.submissions[split]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = ["index\tprediction"]
+    for example, prediction in zip(examples, predictions):
+      value = f"{prediction:.3f}" if self.kind == "regression" else str(prediction)
+      rows.append(f"{example.guid}\t{value}")
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
