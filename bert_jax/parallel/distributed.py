@@ -37,10 +37,10 @@ import functools
 import glob
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax
 
