@@ -6,7 +6,8 @@ predictions and official metrics (`predict`, `evaluate`). The fine-tuning loop
 only needs this interface and `Task.kind` to pick the head and the loss.
 
 Features are a dict of numpy arrays padded to `max_len`, in the example order
-(SQuAD may emit several features per example; `example_index` links them):
+(SQuAD windows and over-long CoNLL sentences give several features per
+example; `example_index` links them):
 
   every kind:
     input_ids      int32 [N, L]   [CLS] A [SEP] (B [SEP]) then pad_id.
@@ -25,7 +26,8 @@ Features are a dict of numpy arrays padded to `max_len`, in the example order
                     max_context int32 [N, L] (1 where this window is the one
                     with most context around the token).
   tagging:          labels int32 [N, L] (tag id on the first piece of each
-                    word of the labelled sentence, -1 elsewhere),
+                    word of the centre sentence, -1 elsewhere: continuation
+                    pieces, document context, specials, padding),
                     word_ids int32 [N, L] (index of the word a first piece
                     starts, -1 elsewhere).
 
