@@ -117,10 +117,25 @@ def span_length_probs(config: MaskingConfig) -> np.ndarray:
   return weights / weights.sum()
 
 
+# All the randomness of a row comes from one `jax.random.bits` call, turned
+# into what each use needs by the helpers below: every threefry call adds
+# about half a second of XLA compile time on CPU.
+
+
+def _unit_floats(bits: jax.Array) -> jax.Array:
+  """uint32 bits -> float32 uniform on [0, 1), 24 bits of resolution."""
+  return (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def _span_lengths_from_bits(bits: jax.Array, config: MaskingConfig) -> jax.Array:
+  """uint32 bits -> int32 span lengths in words (same shape), by inverting the CDF."""
+  cdf = jnp.asarray(np.cumsum(span_length_probs(config))[:-1], jnp.float32)
+  return 1 + (_unit_floats(bits)[..., None] >= cdf).sum(-1, dtype=jnp.int32)
+
+
 def sample_span_lengths(key: jax.Array, config: MaskingConfig, shape: tuple[int, ...]) -> jax.Array:
   """Draws span lengths in words from `span_length_probs(config)`: int32 `shape`, values >= 1."""
-  log_probs = jnp.log(jnp.asarray(span_length_probs(config), jnp.float32))
-  return jax.random.categorical(key, log_probs, shape=shape).astype(jnp.int32) + 1
+  return _span_lengths_from_bits(jax.random.bits(key, shape), config)
 
 
 def _shift_right(x: jax.Array, fill) -> jax.Array:
@@ -133,11 +148,11 @@ def _shift_left(x: jax.Array, fill) -> jax.Array:
   return jnp.concatenate([x[1:], jnp.full((1,), fill, x.dtype)])
 
 
-def _choose_tokens(key: jax.Array, maskable: jax.Array, budget: jax.Array, max_predictions: int) -> jax.Array:
+def _choose_tokens(priority: jax.Array, maskable: jax.Array, budget: jax.Array, max_predictions: int) -> jax.Array:
   """A uniformly random set of `budget` maskable tokens.
 
   Args:
-    key: the row's key.
+    priority: int32 [L] i.i.d. uniform on [0, 2**31).
     maskable: bool [L].
     budget: int32 [], at most min(max_predictions, maskable.sum()).
     max_predictions: M.
@@ -146,20 +161,22 @@ def _choose_tokens(key: jax.Array, maskable: jax.Array, budget: jax.Array, max_p
     bool [L], True at the chosen tokens.
   """
   length = maskable.shape[0]
-  # Non-maskable tokens score above every maskable one, so they are never
-  # among the `budget` lowest scores. top_k of M is cheaper than a full sort.
-  scores = jnp.where(maskable, jax.random.uniform(key, (length,)), 2.0)
-  _, lowest = jax.lax.top_k(-scores, min(max_predictions, length))
-  taken = jnp.arange(lowest.shape[0]) < budget
-  return jnp.zeros((length,), bool).at[lowest].set(taken)
+  # Non-maskable tokens score below every maskable one, so they are never
+  # among the `budget` highest scores. top_k of M is cheaper than a full sort.
+  scores = jnp.where(maskable, priority, -1)
+  _, highest = jax.lax.top_k(scores, min(max_predictions, length))
+  taken = jnp.arange(highest.shape[0]) < budget
+  return jnp.zeros((length,), bool).at[highest].set(taken)
 
 
-def _choose_spans(key: jax.Array, maskable: jax.Array, word_starts: jax.Array, special_mask: jax.Array,
-                  pack_ids: jax.Array, budget: jax.Array, config: MaskingConfig) -> jax.Array:
+def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Array, word_starts: jax.Array,
+                  special_mask: jax.Array, pack_ids: jax.Array, budget: jax.Array,
+                  config: MaskingConfig) -> jax.Array:
   """Whole-word spans until the budget is spent (see the module docstring).
 
   Args:
-    key: the row's key.
+    priority: int32 [L] i.i.d. uniform on [0, 2**31): the order anchors are tried in.
+    span_words: int32 [M] the length in words of each span to draw.
     maskable: bool [L].
     word_starts, special_mask, pack_ids: int32 [L], as in the batch contract.
     budget: int32 [], at most min(max_predictions, maskable.sum()).
@@ -179,14 +196,10 @@ def _choose_spans(key: jax.Array, maskable: jax.Array, word_starts: jax.Array, s
   word_end = jax.lax.cummin(jnp.where(_shift_left(is_start, True), positions, length), reverse=True)
   word_len = word_end - positions + 1  # Meaningful at word starts.
 
-  # Random numbers are drawn once, outside the loop (RNG is the costly part).
-  # The anchor is the candidate of highest priority: the candidate sets only
-  # shrink from one step to the next, so the remaining candidates' priorities
-  # stay exchangeable and each anchor is a uniform draw among them.
-  priority_key, length_key = jax.random.split(key)
-  priority = jax.random.uniform(priority_key, (length,))
-  span_words = sample_span_lengths(length_key, config, (config.max_predictions,))
-
+  # The anchor is the candidate of highest priority, drawn once for the row:
+  # the candidate sets only shrink from one step to the next, so the remaining
+  # candidates' priorities stay exchangeable and each anchor is a uniform draw
+  # among them.
   def still_going(state):
     step, remaining, _ = state
     return (step < config.max_predictions) & (remaining > 0)
@@ -196,7 +209,7 @@ def _choose_spans(key: jax.Array, maskable: jax.Array, word_starts: jax.Array, s
     free = maskable & ~chosen
     candidates = is_start & free & (word_len <= remaining)
     has_candidate = candidates.any()
-    anchor = jnp.argmax(jnp.where(candidates, priority, -1.0))
+    anchor = jnp.argmax(jnp.where(candidates, priority, -1))
     num_words = span_words[step]
     blocked = ~free | (pack_ids != pack_ids[anchor])
     first_blocked = jnp.min(jnp.where(blocked & (positions >= anchor), positions, length))
@@ -220,21 +233,24 @@ def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, spec
   length = input_ids.shape[0]
   num_slots = config.max_predictions
   positions = jnp.arange(length)
-  choose_key, action_key, random_id_key = jax.random.split(key, 3)
+  bits = jax.random.bits(key, (3 * length + num_slots,))
+  priority = (bits[:length] >> 1).astype(jnp.int32)
+  action = _unit_floats(bits[length:2 * length])
+  # The modulo's bias is below vocab_size / 2**32: negligible.
+  random_ids = (bits[2 * length:3 * length] % vocab_size).astype(input_ids.dtype)
+  span_words = _span_lengths_from_bits(bits[3 * length:], config)
 
   maskable = (special_mask == 0) & (pack_ids > 0)
   num_maskable = maskable.sum()
   budget = jnp.round(config.rate * num_maskable).astype(jnp.int32)
   budget = jnp.clip(budget, jnp.minimum(num_maskable, 1), num_slots)
   if config.granularity == "token":
-    chosen = _choose_tokens(choose_key, maskable, budget, num_slots)
+    chosen = _choose_tokens(priority, maskable, budget, num_slots)
   else:
-    chosen = _choose_spans(choose_key, maskable, word_starts, special_mask, pack_ids, budget, config)
+    chosen = _choose_spans(priority, span_words, maskable, word_starts, special_mask, pack_ids, budget, config)
 
-  action = jax.random.uniform(action_key, (length,))
   to_mask = chosen & (action < config.mask_token_prob)
   to_random = chosen & ~to_mask & (action < config.mask_token_prob + config.random_token_prob)
-  random_ids = jax.random.randint(random_id_key, (length,), 0, vocab_size, input_ids.dtype)
   corrupted = jnp.where(to_mask, jnp.asarray(mask_id, input_ids.dtype), jnp.where(to_random, random_ids, input_ids))
 
   # Runs of chosen tokens, cut at pack boundaries, are the spans of the SBO.
