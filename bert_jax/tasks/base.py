@@ -49,6 +49,7 @@ import pathlib
 from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
+import tokenizers
 
 TaskKind = Literal["classification", "regression", "span", "multiple_choice", "tagging"]
 Offsets = list[tuple[int, int]]
@@ -91,7 +92,7 @@ class HFTokenizerAdapter:
   silently cut SQuAD contexts.
   """
 
-  def __init__(self, tokenizer: Any, cls_token: str = "[CLS]", sep_token: str = "[SEP]",
+  def __init__(self, tokenizer: tokenizers.Tokenizer, cls_token: str = "[CLS]", sep_token: str = "[SEP]",
                pad_token: str = "[PAD]"):
     """Wraps `tokenizer`.
 
@@ -104,8 +105,6 @@ class HFTokenizerAdapter:
     Raises:
       ValueError: when a special token is not in the vocabulary.
     """
-    import tokenizers  # pylint: disable=import-outside-toplevel
-
     self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
     self._tokenizer.no_truncation()
     self._tokenizer.no_padding()
@@ -127,8 +126,6 @@ class HFTokenizerAdapter:
       vocab_path: one token per line, as shipped with BERT checkpoints.
       lowercase: lower-case and strip accents (uncased checkpoints).
     """
-    import tokenizers  # pylint: disable=import-outside-toplevel
-
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece.from_file(str(vocab_path), unk_token="[UNK]"))
     tokenizer.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=lowercase)
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
@@ -164,8 +161,11 @@ class Task(abc.ABC):
 
   @property
   def num_labels(self) -> int:
-    """Output width of the head: labels for classification/tagging, 1 otherwise."""
-    return len(self.labels) if self.kind in ("classification", "tagging") else 1
+    """Scores the head emits per row (classification, regression, multiple
+    choice: per choice) or per token (tagging; span: start and end)."""
+    if self.kind in ("classification", "tagging"):
+      return len(self.labels)
+    return 2 if self.kind == "span" else 1
 
   @abc.abstractmethod
   def load(self, data_dir: str | pathlib.Path, split: str) -> list[Any]:

@@ -232,6 +232,8 @@ class Conll2003Task(Task):
     around the centre in the same document (consecutive examples with the
     same `document_index`), split evenly between both sides where possible.
     """
+    if not examples:
+      raise ValueError(f"{self.name}: no examples to featurize")
     ids, offsets = tokenizer.tokenize_with_offsets([" ".join(s.words) for s in examples])
     tag_ids = {tag: i for i, tag in enumerate(self.labels)}
     budget = max_len - 2

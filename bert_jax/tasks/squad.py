@@ -345,12 +345,16 @@ class SquadTask(Task):
       ends = _top_positions(end_logits, in_context, self.n_best_size)
       span_lengths = ends[None, :] - starts[:, None] + 1
       valid = (span_lengths >= 1) & (span_lengths <= self.max_answer_length)
+      pair_scores = np.where(valid, start_logits[starts][:, None] + end_logits[ends][None, :], -np.inf)
+      # Distinct spans of one window are distinct texts, so its n_best best
+      # pairs are all it can contribute to the question's n-best list.
+      best_pairs = np.argsort(-pair_scores, axis=None, kind="stable")[:min(self.n_best_size, int(valid.sum()))]
       context = examples[example_index].context
       by_text = candidates[example_index]
-      for start_rank, end_rank in zip(*np.nonzero(valid)):
+      for start_rank, end_rank in zip(*np.unravel_index(best_pairs, pair_scores.shape)):
         start, end = starts[start_rank], ends[end_rank]
         text = context[offsets[start, 0]:offsets[end, 1]].strip()
-        score = float(start_logits[start] + end_logits[end])
+        score = float(pair_scores[start_rank, end_rank])
         by_text[text] = max(score, by_text.get(text, -np.inf))
     predictions = {}
     for example_index, example in enumerate(examples):
