@@ -221,3 +221,20 @@ def test_registry_names_and_errors():
   assert isinstance(get_task("glue/wnli"), GlueTask)
   with pytest.raises(ValueError, match=r"unknown task 'glue/mnli-mm'; valid names: glue/cola, .*conll2003"):
     get_task("glue/mnli-mm")
+
+
+@pytest.mark.shared_data
+def test_real_rte_dev_features(shared_data, tokenizer):
+  task = get_task("glue/rte")
+  examples = task.load(shared_data / "glue", "dev")
+  features = task.featurize(examples, tokenizer, max_len=128)
+  assert features["input_ids"].shape == (277, 128)
+  assert (features["input_ids"][:, 0] == tokenizer.cls_id).all()
+  assert ((features["input_ids"] == tokenizer.sep_id).sum(axis=1) == 2).all()
+  rows = np.arange(277)
+  assert (features["input_ids"][rows, features["lengths"] - 1] == tokenizer.sep_id).all()
+  assert (features["lengths"] == 128).any()  # some premises are long enough to be trimmed
+  assert np.bincount(features["labels"]).tolist() == [146, 131]
+  # Gold logits score 100 through predict/evaluate.
+  logits = np.eye(2)[features["labels"]]
+  assert task.evaluate(logits, features, examples) == {"accuracy": 100.0}

@@ -10,7 +10,10 @@ Features are a dict of numpy arrays padded to `max_len`, in the example order
 example; `example_index` links them):
 
   every kind:
-    input_ids      int32 [N, L]   [CLS] A [SEP] (B [SEP]) then pad_id.
+    input_ids      int32 [N, L]   [CLS] A [SEP] (B [SEP]) then pad_id; A is the
+                                  question and B the context window for
+                                  SQuAD, the context and the ending for
+                                  SWAG; NER rows have A only.
     segment_ids    int32 [N, L]   0 for [CLS], A and its [SEP]; 1 for B and its
                                   [SEP]; 0 on padding.
     lengths        int32 [N]      number of real tokens (the rest is padding).
@@ -36,6 +39,11 @@ all features, stacked in feature order (strip any batch padding first):
 
   classification [N, K] logits; regression [N] or [N, 1]; span [N, L, 2]
   (start and end logits); multiple_choice [N, C]; tagging [N, L, K].
+
+`predict` returns, per kind: classification a label string per example;
+regression a float per example; span {question id: answer text} ("" is no
+answer); multiple_choice the chosen index per example; tagging a tag list per
+sentence. GLUE tasks write test predictions with `write_submission`.
 
 All metrics are reported on the 0-100 scale of the papers' tables
 (correlations as 100 * r); thresholds are in logit units.
@@ -161,8 +169,12 @@ class Task(abc.ABC):
 
   @property
   def num_labels(self) -> int:
-    """Scores the head emits per row (classification, regression, multiple
-    choice: per choice) or per token (tagging; span: start and end)."""
+    """Width of the head's output per row, per choice or per token.
+
+    Classification and tagging: one logit per label; span: start and end
+    logits per token; regression and multiple choice: one score per row or
+    per choice.
+    """
     if self.kind in ("classification", "tagging"):
       return len(self.labels)
     return 2 if self.kind == "span" else 1
