@@ -226,12 +226,13 @@ class GlueTask(Task):
     builder = tfds.builder(f"glue/{self.spec.name}", data_dir=data_dir)
     builder.download_and_prepare()
     dataset = builder.as_dataset(split=split.replace("dev", "validation"))
-    examples = []
+    id_to_label = []
     if self.labels:
       # TFDS orders MNLI's labels differently from the TSV processors; map by
       # name when TFDS's names are ours, by id when ours are "0"/"1".
       tfds_names = list(builder.info.features["label"].names)
       id_to_label = tfds_names if set(tfds_names) == set(self.labels) else list(self.labels)
+    examples = []
     for record in tfds.as_numpy(dataset):
       texts = [record[key].decode("utf-8") for key in self.spec.tfds_text_keys]
       raw_label = record["label"]
