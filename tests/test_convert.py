@@ -1,0 +1,287 @@
+"""Hugging Face conversion: parity with `transformers` for every family, export, round trips, errors."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from bert_jax.convert import (CheckpointError, build_model, detect_format, encoder_params,  # noqa: E402
+                              load_hf_checkpoint, load_pretrained, save_hf_checkpoint, save_pretrained)
+from bert_jax.convert.cli import main as convert_main  # noqa: E402
+from bert_jax.models import Encoder  # noqa: E402
+
+VOCAB = 99
+TOLERANCE = 1e-5
+LENGTHS = (10, 7, 4)  # right padding in rows 1 and 2
+
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+            max_position_embeddings=40, attn_implementation="eager")
+HF_MODELS = {  # family -> (config class, pretraining class, base class, config overrides)
+    "bert": ("BertConfig", "BertForPreTraining", "BertModel", {}),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", "RobertaModel",
+                dict(pad_token_id=1, type_vocab_size=1, max_position_embeddings=42)),
+    # ALBERT: E != H, 4 layers sharing 2 parameter groups, tanh GELU.
+    "albert": ("AlbertConfig", "AlbertForPreTraining", "AlbertModel",
+               dict(embedding_size=16, num_hidden_layers=4, num_hidden_groups=2, hidden_act="gelu_new")),
+    "electra": ("ElectraConfig", "ElectraForPreTraining", "ElectraModel", dict(embedding_size=16)),
+}
+GENERATOR = dict(hidden_size=16, num_attention_heads=2, intermediate_size=24)
+
+
+def hf_model(family, which="pretraining", seed=0, **overrides):
+  config_class, pretraining_class, base_class, family_overrides = HF_MODELS[family]
+  config = getattr(transformers, config_class)(**{**TINY, **family_overrides, **overrides})
+  torch.manual_seed(seed)
+  model_class = {"pretraining": pretraining_class, "base": base_class, "generator": "ElectraForMaskedLM"}[which]
+  return getattr(transformers, model_class)(config).eval()
+
+
+def electra_pair(seed=0):
+  discriminator = hf_model("electra", seed=seed)
+  generator = hf_model("electra", "generator", seed=seed + 1, **GENERATOR)
+  # ELECTRA trains with one embedding table; released checkpoints hold equal copies.
+  generator.electra.embeddings.load_state_dict(discriminator.electra.embeddings.state_dict())
+  return discriminator, generator
+
+
+def batch(config):
+  rng = np.random.RandomState(0)
+  ids = rng.randint(5, VOCAB, (len(LENGTHS), max(LENGTHS))).astype(np.int32)
+  mask = (np.arange(ids.shape[1]) < np.array(LENGTHS)[:, None]).astype(np.int32)
+  ids = np.where(mask == 1, ids, config.pad_token_id).astype(np.int32)
+  segments = ((np.arange(ids.shape[1]) >= 5) & (mask == 1)).astype(np.int32) * (config.type_vocab_size > 1)
+  return ids, segments, mask
+
+
+def run_hf(model, ids, segments, mask):
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(ids, dtype=torch.long), token_type_ids=torch.tensor(segments, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long), output_hidden_states=True)
+
+
+def max_diff(ours, theirs, mask=None):
+  diff = np.abs(np.asarray(ours, np.float32) - theirs.numpy())
+  return float((diff[mask == 1] if mask is not None else diff).max())
+
+
+def save_hf(model, directory):
+  model.save_pretrained(directory)
+  return directory
+
+
+def assert_params_equal(tree_a, tree_b):
+  assert jax.tree.structure(tree_a) == jax.tree.structure(tree_b)
+  for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b)):
+    np.testing.assert_array_equal(a, b)
+
+
+def ours_pretraining(family, config, params, ids, segments, mask):
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+  return build_model(config, params).apply({"params": params}, ids, positions, segment_ids=segments, pack_ids=mask)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
+def test_pretraining_heads_match_transformers(family, tmp_path):
+  model = hf_model(family)
+  got_family, config, params, _ = load_hf_checkpoint(save_hf(model, tmp_path))
+  assert got_family == family
+  ids, segments, mask = batch(config)
+  ours = ours_pretraining(family, config, params, ids, segments, mask)
+  theirs = run_hf(model, ids, segments, mask)
+  diffs = {"hidden": max_diff(ours["hidden"], theirs.hidden_states[-1], mask)}
+  diffs["mlm"] = max_diff(ours["mlm_logits"], theirs.logits if family == "roberta" else theirs.prediction_logits, mask)
+  if family != "roberta":
+    diffs["sentence"] = max_diff(ours["sentence_logits"][:, 0],
+                                 theirs.seq_relationship_logits if family == "bert" else theirs.sop_logits)
+  assert max(diffs.values()) < TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("family", list(HF_MODELS))
+def test_base_models_match_transformers(family, tmp_path):
+  model = hf_model(family, "base")
+  _, config, params, extras = load_hf_checkpoint(save_hf(model, tmp_path))
+  assert ("pooler" in extras) == (family != "electra")
+  ids, segments, mask = batch(config)
+  ours = Encoder(config).apply({"params": params}, ids, segments, pack_ids=mask, output_hidden_states=True)
+  theirs = run_hf(model, ids, segments, mask)
+  for layer in range(config.num_layers + 1):
+    assert max_diff(ours["hidden_states"][layer], theirs.hidden_states[layer], mask) < TOLERANCE
+
+
+def test_electra_discriminator_and_generator_match_transformers(tmp_path):
+  discriminator, generator = electra_pair()
+  family, config, params, extras = load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"),
+                                                      save_hf(generator, tmp_path / "gen"))
+  assert family == "electra" and extras["generator_config"].hidden_size == GENERATOR["hidden_size"]
+  ids, segments, mask = batch(config)
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+  model = build_model(config, params, extras["generator_config"])
+  ours = model.apply({"params": params}, jnp.asarray(ids), positions, jnp.asarray(ids), segment_ids=segments,
+                     pack_ids=mask, sample=False)
+  corrupted = np.asarray(ours["corrupted_ids"])
+  assert max_diff(ours["mlm_logits"], run_hf(generator, ids, segments, mask).logits, mask) < TOLERANCE
+  theirs = run_hf(discriminator, corrupted, segments, mask)
+  assert max_diff(ours["rtd_logits"], theirs.logits, mask) < TOLERANCE
+  hidden = Encoder(config).apply({"params": encoder_params(params)}, corrupted, segments, pack_ids=mask)["hidden"]
+  assert max_diff(hidden, theirs.hidden_states[-1], mask) < TOLERANCE
+
+
+def test_electra_discriminator_alone_keeps_its_head(tmp_path):
+  discriminator = hf_model("electra")
+  _, config, params, extras = load_hf_checkpoint(save_hf(discriminator, tmp_path / "hf"))
+  assert "embeddings" in params and "rtd" in extras
+  out = save_hf_checkpoint("electra", config, params, tmp_path / "out", extras=extras)
+  reloaded = transformers.ElectraForPreTraining.from_pretrained(out[0])
+  ids, segments, mask = batch(config)
+  np.testing.assert_allclose(run_hf(reloaded, ids, segments, mask).logits.numpy(),
+                             run_hf(discriminator, ids, segments, mask).logits.numpy(), atol=1e-6)
+
+
+def _export_and_reload(family, config, params, extras, out_dir, model_class):
+  written = save_hf_checkpoint(family, config, params, out_dir, extras=extras)
+  reloaded, info = getattr(transformers, model_class).from_pretrained(written[0], output_loading_info=True,
+                                                                      attn_implementation="eager")
+  assert not any(info.values()), info
+  return written, reloaded.eval()
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
+def test_export_loads_in_transformers_and_round_trips(family, tmp_path):
+  model = hf_model(family, seed=1)
+  _, config, params, extras = load_hf_checkpoint(save_hf(model, tmp_path / "hf"))
+  written, reloaded = _export_and_reload(family, config, params, extras, tmp_path / "out", type(model).__name__)
+  ids, segments, mask = batch(config)
+  expected, got = run_hf(model, ids, segments, mask), run_hf(reloaded, ids, segments, mask)
+  logits = "logits" if family == "roberta" else "prediction_logits"
+  np.testing.assert_allclose(getattr(got, logits).numpy(), getattr(expected, logits).numpy(), atol=1e-6)
+  _, config_again, params_again, _ = load_hf_checkpoint(written[0])
+  assert config_again == config
+  assert_params_equal(params, params_again)
+
+
+def test_electra_export_round_trips(tmp_path):
+  discriminator, generator = electra_pair(seed=2)
+  _, config, params, extras = load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"),
+                                                 save_hf(generator, tmp_path / "gen"))
+  written, reloaded = _export_and_reload("electra", config, params, extras, tmp_path / "out", "ElectraForPreTraining")
+  assert written == [tmp_path / "out", tmp_path / "out" / "generator"]
+  reloaded_generator = transformers.ElectraForMaskedLM.from_pretrained(written[1], attn_implementation="eager")
+  ids, segments, mask = batch(config)
+  np.testing.assert_allclose(run_hf(reloaded, ids, segments, mask).logits.numpy(),
+                             run_hf(discriminator, ids, segments, mask).logits.numpy(), atol=1e-6)
+  np.testing.assert_allclose(run_hf(reloaded_generator, ids, segments, mask).logits.numpy(),
+                             run_hf(generator, ids, segments, mask).logits.numpy(), atol=1e-6)
+  # load_pretrained picks up out/generator by itself.
+  family, _, params_again, _, extras_again = load_pretrained(written[0], return_extras=True)
+  assert family == "electra" and extras_again["generator_config"] == extras["generator_config"]
+  assert_params_equal(params, params_again)
+
+
+def test_our_format_round_trips_through_the_cli(tmp_path):
+  model = hf_model("bert", seed=3)
+  hf_dir = save_hf(model, tmp_path / "hf")
+  (hf_dir / "vocab.txt").write_text("".join(f"[unused{i}]\n" for i in range(VOCAB)))
+  assert convert_main(["--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")]) == 0
+  assert detect_format(tmp_path / "ours") == "bert_jax"
+  description = json.loads((tmp_path / "ours" / "bert_jax_config.json").read_text())
+  assert description["model"] == "pretraining" and description["heads"] == ["mlm", "sentence"]
+  family, config, params, tokenizer_path = load_pretrained(tmp_path / "ours")
+  _, config_hf, params_hf, tokenizer_path_hf = load_pretrained(hf_dir)
+  assert family == "bert" and config == config_hf and tokenizer_path == tmp_path / "ours"
+  assert (tokenizer_path / "vocab.txt").read_text() == (tokenizer_path_hf / "vocab.txt").read_text()
+  assert_params_equal(params, params_hf)
+
+  assert convert_main(["--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "back")]) == 0
+  assert (tmp_path / "back" / "vocab.txt").exists()
+  _, _, params_back, _ = load_hf_checkpoint(tmp_path / "back")
+  assert_params_equal(params, params_back)
+
+
+def test_save_pretrained_keeps_extras_and_checks_shapes(tmp_path):
+  _, config, params, extras = load_hf_checkpoint(save_hf(hf_model("albert", "base"), tmp_path / "hf"))
+  save_pretrained(tmp_path / "ours", "albert", config, params, extras=extras)
+  _, _, params_again, _, extras_again = load_pretrained(tmp_path / "ours", return_extras=True)
+  assert_params_equal(params, params_again)
+  assert_params_equal(extras["pooler"], extras_again["pooler"])
+  with pytest.raises(CheckpointError, match="mis-shaped block_0/ffn/wi/kernel"):
+    save_pretrained(tmp_path / "bad", "albert", config.replace(intermediate_size=8), params)
+
+
+def test_pretrained_tokenizer_matches_transformers_bert_model_on_minilm(minilm_dir):
+  tokenizers = pytest.importorskip("tokenizers")
+  family, config, params, extras = load_hf_checkpoint(minilm_dir)
+  assert family == "bert" and (config.num_layers, config.hidden_size) == (6, 384) and "pooler" in extras
+  tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+  tokenizer.no_truncation()
+  tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+  sentences = ["The quick brown fox jumps over the lazy dog.", "Feature extraction with a frozen encoder.",
+               "BERT is pre-trained on unlabeled text."]
+  encodings = tokenizer.encode_batch(sentences)
+  ids = np.array([e.ids for e in encodings], np.int32)
+  mask = np.array([e.attention_mask for e in encodings], np.int32)
+  segments = np.zeros_like(ids)
+  model = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+  theirs = run_hf(model, ids, segments, mask)
+  ours = Encoder(config).apply({"params": params}, ids, segments, pack_ids=mask)
+  assert max_diff(ours["hidden"], theirs.last_hidden_state, mask) < 1e-4
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_unknown_architecture_lists_supported_ones(tmp_path):
+  save_hf(hf_model("bert", "base"), tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+  with pytest.raises(CheckpointError, match=r"unknown architecture \['GPT2LMHeadModel'\].*BertForPreTraining"):
+    load_hf_checkpoint(tmp_path)
+
+
+def test_missing_and_mis_shaped_tensors_are_all_named(tmp_path):
+  import safetensors.numpy
+  save_hf(hf_model("bert"), tmp_path)
+  tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+  del tensors["bert.encoder.layer.1.attention.self.key.weight"]
+  tensors["cls.predictions.transform.dense.weight"] = np.zeros((32, 31), np.float32)
+  tensors["cls.extra.weight"] = np.zeros(3, np.float32)
+  safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+  with pytest.raises(CheckpointError) as error:
+    load_hf_checkpoint(tmp_path)
+  message = str(error.value)
+  assert "missing tensor encoder.layer.1.attention.self.key.weight" in message
+  assert "tensor cls.predictions.transform.dense.weight has shape (32, 31), expected (32, 32)" in message
+  assert "unexpected tensor cls.extra.weight" in message
+
+
+def test_vocab_size_must_match_the_tokenizer(tmp_path):
+  save_hf(hf_model("bert", "base"), tmp_path)
+  (tmp_path / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(50)))
+  with pytest.raises(CheckpointError, match="vocab_size=99 but vocab.txt has 50 tokens"):
+    load_hf_checkpoint(tmp_path)
+
+
+def test_pytorch_bin_loads_and_refuses_non_tensor_pickles(tmp_path):
+  model = hf_model("bert", "base")
+  model.config.architectures = ["BertModel"]
+  model.config.to_json_file(tmp_path / "config.json")
+  torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+  _, config, params, _ = load_hf_checkpoint(tmp_path)
+  ids, segments, mask = batch(config)
+  ours = Encoder(config).apply({"params": params}, ids, segments, pack_ids=mask)
+  assert max_diff(ours["hidden"], run_hf(model, ids, segments, mask).last_hidden_state, mask) < TOLERANCE
+
+  torch.save({**model.state_dict(), "payload": pathlib.Path("/etc/passwd")}, tmp_path / "pytorch_model.bin")
+  with pytest.raises(CheckpointError, match="weights_only"):
+    load_hf_checkpoint(tmp_path)
+
+
+def test_export_refuses_options_transformers_lacks(tmp_path):
+  _, config, params, _ = load_hf_checkpoint(save_hf(hf_model("bert", "base"), tmp_path / "hf"))
+  with pytest.raises(CheckpointError, match="norm='pre'"):
+    save_hf_checkpoint("bert", config.replace(norm="pre"), params, tmp_path / "out")
