@@ -1,0 +1,72 @@
+"""`bert-jax features`: per-token layer features match `transformers` on the real MiniLM."""
+
+import numpy as np
+import pytest
+
+from bert_jax.analysis import features
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Who wrote it?\tThe paper was written by researchers at Google.",
+    "Feature-based BERT feeds frozen vectors to a task model.",
+    "Short one.",
+    "A pair again\tand its second sentence, a little longer than the first.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_minilm(minilm_dir):
+  transformers = pytest.importorskip("transformers")
+  tokenizers = pytest.importorskip("tokenizers")
+  tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+  tokenizer.no_truncation()
+  tokenizer.no_padding()
+  model = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+  return tokenizer, model
+
+
+def hf_hidden_states(hf_minilm, line):
+  import torch
+  tokenizer, model = hf_minilm
+  encoding = tokenizer.encode(*line.split("\t"))
+  with torch.no_grad():
+    outputs = model(input_ids=torch.tensor([encoding.ids]), token_type_ids=torch.tensor([encoding.type_ids]),
+                    output_hidden_states=True)
+  return encoding.tokens, [state[0].numpy() for state in outputs.hidden_states]
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_features_match_transformers_hidden_states(minilm_dir, hf_minilm, tmp_path, concat):
+  (tmp_path / "input.txt").write_text("\n".join(SENTENCES) + "\n")
+  out = tmp_path / "features.npz"
+  layers = [-1, -2, 0]
+  argv = ["--model", str(minilm_dir), "--input", str(tmp_path / "input.txt"), "--layers", ",".join(map(str, layers)),
+          "--max-len", "64", "--batch-size", "2", "--out", str(out)]
+  assert features.main(argv + (["--concat"] if concat else [])) == 0
+  result = np.load(out)
+  assert result["features"].dtype == np.float32 and list(result["layers"]) == layers
+  width = 384
+  expected_shape = (len(SENTENCES), result["lengths"].max()) + ((len(layers) * width,) if concat else (len(layers), width))
+  assert result["features"].shape == expected_shape
+  for index, line in enumerate(SENTENCES):
+    tokens, hidden_states = hf_hidden_states(hf_minilm, line)
+    length = result["lengths"][index]
+    assert length == len(tokens) and list(result["tokens"][index, :length]) == tokens
+    assert not result["tokens"][index, length:].any() and not result["features"][index, length:].any()
+    got = result["features"][index, :length].reshape(length, len(layers), width)
+    for slot, layer in enumerate(layers):
+      np.testing.assert_allclose(got[:, slot], hidden_states[layer], atol=1e-4)
+
+
+def test_long_pairs_are_truncated_longest_first(minilm_dir, tmp_path):
+  from bert_jax.data.tokenizers import load_tokenizer
+  tokenizer = load_tokenizer(minilm_dir)
+  first, second = "short question", " ".join(["word"] * 40)
+  ids, segments = features.encode_line(tokenizer, "bert", f"{first}\t{second}", max_len=16)
+  assert len(ids) == 16 and ids[0] == tokenizer.cls_id and ids[-1] == tokenizer.sep_id
+  assert ids[1:3] == tokenizer.encode(first) and segments.count(0) == 4 and segments.count(1) == 12
+
+
+def test_bucket_lengths():
+  assert [features.bucket_length(n, 128) for n in (1, 8, 9, 33, 100, 128)] == [8, 8, 16, 64, 128, 128]
+  assert features.bucket_length(90, 100) == 100
