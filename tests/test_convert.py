@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from bert_jax.convert import (CheckpointError, build_model, detect_format, encoder_params,  # noqa: E402
                               load_hf_checkpoint, load_pretrained, save_hf_checkpoint, save_pretrained)
-from bert_jax.convert.cli import main as convert_main  # noqa: E402
+from bert_jax.convert.hf import main as convert_main  # noqa: E402
 from bert_jax.models import Encoder  # noqa: E402
 
 VOCAB = 99
@@ -178,7 +178,7 @@ def test_electra_export_round_trips(tmp_path):
   np.testing.assert_allclose(run_hf(reloaded_generator, ids, segments, mask).logits.numpy(),
                              run_hf(generator, ids, segments, mask).logits.numpy(), atol=1e-6)
   # load_pretrained picks up out/generator by itself.
-  family, _, params_again, _, extras_again = load_pretrained(written[0], return_extras=True)
+  (family, _, params_again, _), extras_again = load_pretrained(written[0], return_extras=True)
   assert family == "electra" and extras_again["generator_config"] == extras["generator_config"]
   assert_params_equal(params, params_again)
 
@@ -192,7 +192,8 @@ def test_our_format_round_trips_through_the_cli(tmp_path):
   description = json.loads((tmp_path / "ours" / "bert_jax_config.json").read_text())
   assert description["model"] == "pretraining" and description["heads"] == ["mlm", "sentence"]
   family, config, params, tokenizer_path = load_pretrained(tmp_path / "ours")
-  _, config_hf, params_hf, tokenizer_path_hf = load_pretrained(hf_dir)
+  loaded_hf = load_pretrained(hf_dir)
+  config_hf, params_hf, tokenizer_path_hf = loaded_hf.config, loaded_hf.params, loaded_hf.tokenizer_path
   assert family == "bert" and config == config_hf and tokenizer_path == tmp_path / "ours"
   assert (tokenizer_path / "vocab.txt").read_text() == (tokenizer_path_hf / "vocab.txt").read_text()
   assert_params_equal(params, params_hf)
@@ -206,7 +207,7 @@ def test_our_format_round_trips_through_the_cli(tmp_path):
 def test_save_pretrained_keeps_extras_and_checks_shapes(tmp_path):
   _, config, params, extras = load_hf_checkpoint(save_hf(hf_model("albert", "base"), tmp_path / "hf"))
   save_pretrained(tmp_path / "ours", "albert", config, params, extras=extras)
-  _, _, params_again, _, extras_again = load_pretrained(tmp_path / "ours", return_extras=True)
+  (_, _, params_again, _), extras_again = load_pretrained(tmp_path / "ours", return_extras=True)
   assert_params_equal(params, params_again)
   assert_params_equal(extras["pooler"], extras_again["pooler"])
   with pytest.raises(CheckpointError, match="mis-shaped block_0/ffn/wi/kernel"):
@@ -235,12 +236,14 @@ def test_pretrained_tokenizer_matches_transformers_bert_model_on_minilm(minilm_d
 # ----------------------------------------------------------------------------- errors
 
 
-def test_unknown_architecture_lists_supported_ones(tmp_path):
+def test_unknown_architecture_lists_supported_ones(tmp_path, capsys):
   save_hf(hf_model("bert", "base"), tmp_path)
   config = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
   with pytest.raises(CheckpointError, match=r"unknown architecture \['GPT2LMHeadModel'\].*BertForPreTraining"):
     load_hf_checkpoint(tmp_path)
+  assert convert_main(["--from-hf", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+  assert "unknown architecture" in capsys.readouterr().err
 
 
 def test_missing_and_mis_shaped_tensors_are_all_named(tmp_path):

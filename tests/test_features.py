@@ -46,8 +46,8 @@ def test_features_match_transformers_hidden_states(minilm_dir, hf_minilm, tmp_pa
   result = np.load(out)
   assert result["features"].dtype == np.float32 and list(result["layers"]) == layers
   width = 384
-  expected_shape = (len(SENTENCES), result["lengths"].max()) + ((len(layers) * width,) if concat else (len(layers), width))
-  assert result["features"].shape == expected_shape
+  per_token = (len(layers) * width,) if concat else (len(layers), width)
+  assert result["features"].shape == (len(SENTENCES), result["lengths"].max()) + per_token
   for index, line in enumerate(SENTENCES):
     tokens, hidden_states = hf_hidden_states(hf_minilm, line)
     length = result["lengths"][index]

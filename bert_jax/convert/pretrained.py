@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import safetensors.numpy
 
-from bert_jax.convert import hf
+from bert_jax.convert.huggingface import (TOKENIZER_FILES, CheckpointError, copy_tokenizer_files, load_hf_checkpoint,
+                                          read_hf_config)
 from bert_jax.convert.params import (EXTRA_MODULES, Params, build_model, flatten_params, model_kind, param_shapes,
                                      shape_problems, unflatten_params)
 from bert_jax.models import ModelConfig
@@ -41,6 +42,15 @@ FORMAT_VERSION = 1
 FORMATS = ("bert_jax", "huggingface")
 _EXTRAS_PREFIX = "extras/"
 _HEADS = {"encoder": (), "pretraining": ("mlm", "sentence", "sbo"), "electra": ("generator_mlm", "rtd")}
+
+
+class Pretrained(NamedTuple):
+  """A loaded model directory; unpacks as (family, config, params, tokenizer_path)."""
+
+  family: str
+  config: ModelConfig
+  params: Params
+  tokenizer_path: pathlib.Path | None
 
 
 def detect_format(directory: str | pathlib.Path) -> str:
@@ -57,7 +67,7 @@ def detect_format(directory: str | pathlib.Path) -> str:
 def find_tokenizer(directory: str | pathlib.Path) -> pathlib.Path | None:
   """`directory` when it holds tokenizer files, else None."""
   directory = pathlib.Path(directory)
-  has_files = any((directory / name).exists() for name in hf.TOKENIZER_FILES) or any(directory.glob("*.model"))
+  has_files = any((directory / name).exists() for name in TOKENIZER_FILES) or any(directory.glob("*.model"))
   return directory if has_files else None
 
 
@@ -79,14 +89,14 @@ def save_pretrained(out_dir: str | pathlib.Path, family: str, config: ModelConfi
     `out_dir`.
   """
   if family not in FAMILIES:
-    raise hf.CheckpointError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    raise CheckpointError(f"unknown family {family!r}; expected one of {FAMILIES}")
   extras = extras or {}
   out_dir = pathlib.Path(out_dir)
   kind = model_kind(params)
   generator_config = extras.get("generator_config")
   problems = shape_problems(param_shapes(build_model(config, params, generator_config)), params)
   if problems:
-    raise hf.CheckpointError(f"params do not match the {kind} model of this config:\n  " + "\n  ".join(problems))
+    raise CheckpointError(f"params do not match the {kind} model of this config:\n  " + "\n  ".join(problems))
   extra_names = [name for name in EXTRA_MODULES if name in extras]
   flat = flatten_params(params)
   for name in extra_names:
@@ -101,7 +111,7 @@ def save_pretrained(out_dir: str | pathlib.Path, family: str, config: ModelConfi
   (out_dir / CONFIG_FILE).write_text(json.dumps(description, indent=2) + "\n")
   safetensors.numpy.save_file(flat, out_dir / PARAMS_FILE)
   if tokenizer_dir is not None:
-    hf.copy_tokenizer_files(tokenizer_dir, out_dir)
+    copy_tokenizer_files(tokenizer_dir, out_dir)
   return out_dir
 
 
@@ -109,7 +119,7 @@ def _config_from_fields(fields: dict[str, Any], where: str) -> ModelConfig:
   known = {field.name for field in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(fields) - known)
   if unknown:
-    raise hf.CheckpointError(f"{where}: unknown ModelConfig fields {unknown}")
+    raise CheckpointError(f"{where}: unknown ModelConfig fields {unknown}")
   return ModelConfig(**fields)
 
 
@@ -117,7 +127,7 @@ def _load_ours(directory: pathlib.Path) -> tuple[str, ModelConfig, Params, dict[
   description = json.loads((directory / CONFIG_FILE).read_text())
   where = str(directory / CONFIG_FILE)
   if description.get("format_version") != FORMAT_VERSION:
-    raise hf.CheckpointError(f"{where}: format_version {description.get('format_version')}, this code reads "
+    raise CheckpointError(f"{where}: format_version {description.get('format_version')}, this code reads "
                      f"{FORMAT_VERSION}")
   family = description["family"]
   config = _config_from_fields(description["config"], where)
@@ -138,11 +148,12 @@ def _load_ours(directory: pathlib.Path) -> tuple[str, ModelConfig, Params, dict[
   if model_kind(params) != description["model"]:
     problems.append(f"params hold a {model_kind(params)} model, the config says {description['model']}")
   if problems:
-    raise hf.CheckpointError(f"{directory / PARAMS_FILE} does not match {where}:\n  " + "\n  ".join(problems))
+    raise CheckpointError(f"{directory / PARAMS_FILE} does not match {where}:\n  " + "\n  ".join(problems))
   return family, config, params, extras
 
 
-def load_pretrained(directory: str | pathlib.Path, *, return_extras: bool = False):
+def load_pretrained(directory: str | pathlib.Path, *, return_extras: bool = False
+                    ) -> Pretrained | tuple[Pretrained, dict[str, Any]]:
   """Loads a model directory of ours or a Hugging Face checkpoint directory.
 
   A Hugging Face ElectraForPreTraining directory with a `generator/`
@@ -154,18 +165,17 @@ def load_pretrained(directory: str | pathlib.Path, *, return_extras: bool = Fals
       build an ElectraModel, "pooler", "rtd", "architecture").
 
   Returns:
-    (family, config, params, tokenizer_path), plus extras when asked;
-    tokenizer_path is None when the directory has no tokenizer files.
+    `Pretrained` (family, config, params, tokenizer_path), or
+    (`Pretrained`, extras) when asked; tokenizer_path is None when the
+    directory has no tokenizer files.
   """
   directory = pathlib.Path(directory)
   if detect_format(directory) == "bert_jax":
     family, config, params, extras = _load_ours(directory)
   else:
     generator_dir = directory / "generator"
-    architecture = hf.read_hf_config(directory)[0]
+    architecture = read_hf_config(directory)[0]
     use_generator = architecture == "ElectraForPreTraining" and (generator_dir / "config.json").exists()
-    family, config, params, extras = hf.load_hf_checkpoint(directory, generator_dir if use_generator else None)
-  tokenizer_path = find_tokenizer(directory)
-  if return_extras:
-    return family, config, params, tokenizer_path, extras
-  return family, config, params, tokenizer_path
+    family, config, params, extras = load_hf_checkpoint(directory, generator_dir if use_generator else None)
+  loaded = Pretrained(family, config, params, find_tokenizer(directory))
+  return (loaded, extras) if return_extras else loaded
