@@ -1,0 +1,424 @@
+"""Corpus preparation, done once: text -> tokenised, sharded documents with a manifest.
+
+`bert-jax prepare --input FILE... --tokenizer PATH --out DIR` reads the inputs
+(see `bert_jax.data.text`), tokenises documents in parallel on all cores and
+writes shards that the example builders memory-map:
+
+  DIR/shard-00000.tokens.npy            int32 [T]    token ids, no special tokens
+  DIR/shard-00000.word_starts.npy       uint8 [T]    1 where a token starts a word
+  DIR/shard-00000.sentence_offsets.npy  int64 [S+1]  token offset of each sentence
+  DIR/shard-00000.document_offsets.npy  int64 [D+1]  sentence offset of each document
+  DIR/eval_documents.npy                int64 [E]    global ids of held-out documents
+  DIR/tokenizer/                        the tokenizer, saved
+  DIR/manifest.json                     counts, fingerprints, options, report
+
+A sentence or a document never straddles two shards. Documents are numbered
+globally in input order; the held-out eval split is a seeded random choice of
+them and the train split is the rest.
+
+Running again with the same inputs, tokenizer and options does nothing;
+a different tokenizer against an existing manifest is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import sys
+import time
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from bert_jax.data import text as text_lib
+from bert_jax.data import tokenizers
+
+MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+EVAL_DOCUMENTS = "eval_documents.npy"
+SHARD_ARRAYS = ("tokens", "word_starts", "sentence_offsets", "document_offsets")
+LONG_SENTENCE_POLICIES = ("split", "truncate")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareOptions:
+  """Options that change the prepared bytes (recorded in the manifest).
+
+  Attributes:
+    max_sentence_tokens: longer sentences are split into pieces of this many
+      tokens ('split') or cut to it ('truncate'); keep it below the shortest
+      sequence length you will train with.
+    long_sentences: 'split' or 'truncate'.
+    eval_fraction: fraction of documents held out for evaluation.
+    eval_documents: a count of held-out documents instead of a fraction.
+    seed: draws the held-out documents.
+    shard_tokens: a shard is closed once it holds at least this many tokens.
+  """
+  max_sentence_tokens: int = 510
+  long_sentences: str = "split"
+  eval_fraction: float = 0.0
+  eval_documents: int | None = None
+  seed: int = 0
+  shard_tokens: int = 1 << 26
+
+
+@dataclasses.dataclass
+class _TokenisedChunk:
+  """Tokenised documents of one chunk (flat arrays) and what went wrong in it."""
+  tokens: np.ndarray
+  word_starts: np.ndarray
+  sentence_lengths: np.ndarray
+  document_sentence_counts: np.ndarray
+  report: text_lib.InputReport
+
+
+_worker_tokenizer: tokenizers.Tokenizer | None = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizers.load_tokenizer(tokenizer_dir)
+
+
+def _tokenise_chunk(documents: Sequence[text_lib.Document], options: PrepareOptions,
+                    tokenizer: tokenizers.Tokenizer | None = None) -> _TokenisedChunk:
+  """Tokenises documents; drops empty sentences/documents and splits or cuts long sentences."""
+  tokenizer = tokenizer or _worker_tokenizer
+  report = text_lib.InputReport()
+  sentences = [s for document in documents for s in document.sentences]
+  tokens, word_starts, lengths = tokenizer.encode_arrays(sentences)
+  sentence_document = np.repeat(np.arange(len(documents)), [len(d.sentences) for d in documents])
+  locations = [(d.source, line) for d in documents for line in d.lines]
+
+  for index in np.flatnonzero(lengths == 0):
+    report.add("empty_sentences", *locations[index], repr(sentences[index][:40]))
+  limit = options.max_sentence_tokens
+  for index in np.flatnonzero(lengths > limit):
+    report.add("long_sentences", *locations[index],
+               f"{lengths[index]} tokens, {'split into pieces' if options.long_sentences == 'split' else 'cut'}"
+               f" of {limit}")
+
+  if options.long_sentences == "truncate":
+    position_in_sentence = np.arange(len(tokens)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    keep = position_in_sentence < limit
+    tokens, word_starts = tokens[keep], word_starts[keep]
+    lengths = np.minimum(lengths, limit)
+    pieces = (lengths > 0).astype(np.int64)
+  else:
+    pieces = -(-lengths // limit)  # ceil; 0 for empty sentences, which drops them
+  # A piece has `limit` tokens except the last piece of each sentence.
+  piece_lengths = np.full(int(pieces.sum()), limit, np.int64)
+  last_piece = np.cumsum(pieces)[pieces > 0] - 1
+  piece_lengths[last_piece] = lengths[pieces > 0] - limit * (pieces[pieces > 0] - 1)
+  document_piece_counts = np.bincount(sentence_document, weights=pieces, minlength=len(documents)).astype(np.int64)
+
+  for index in np.flatnonzero(document_piece_counts == 0):
+    report.add("empty_documents", documents[index].source, documents[index].lines[0], "no tokens")
+  return _TokenisedChunk(tokens, word_starts, piece_lengths, document_piece_counts[document_piece_counts > 0],
+                         report)
+
+
+def _chunked(iterable: Iterable, size: int) -> Iterator[list]:
+  iterator = iter(iterable)
+  while chunk := list(itertools.islice(iterator, size)):
+    yield chunk
+
+
+class _ShardWriter:
+  """Accumulates tokenised chunks and writes a shard whenever it holds `shard_tokens` tokens."""
+
+  def __init__(self, out_dir: pathlib.Path, shard_tokens: int):
+    self.out_dir = out_dir
+    self.shard_tokens = shard_tokens
+    self.shards: list[dict] = []
+    self._pending: list[_TokenisedChunk] = []
+    self._pending_tokens = 0
+
+  def add(self, chunk: _TokenisedChunk) -> None:
+    self._pending.append(chunk)
+    self._pending_tokens += len(chunk.tokens)
+    if self._pending_tokens >= self.shard_tokens:
+      self.flush()
+
+  def flush(self) -> None:
+    if not self._pending:
+      return
+    name = f"shard-{len(self.shards):05d}"
+    sentence_lengths = np.concatenate([c.sentence_lengths for c in self._pending])
+    document_counts = np.concatenate([c.document_sentence_counts for c in self._pending])
+    arrays = {
+        "tokens": np.concatenate([c.tokens for c in self._pending]).astype(np.int32),
+        "word_starts": np.concatenate([c.word_starts for c in self._pending]).astype(np.uint8),
+        "sentence_offsets": np.concatenate([[0], np.cumsum(sentence_lengths)]).astype(np.int64),
+        "document_offsets": np.concatenate([[0], np.cumsum(document_counts)]).astype(np.int64),
+    }
+    for key, array in arrays.items():
+      np.save(self.out_dir / f"{name}.{key}.npy", array)
+    self.shards.append({"name": name, "documents": len(document_counts), "sentences": len(sentence_lengths),
+                        "tokens": len(arrays["tokens"])})
+    self._pending, self._pending_tokens = [], 0
+
+
+def _choose_eval_documents(num_documents: int, options: PrepareOptions) -> np.ndarray:
+  """Global ids (sorted) of the held-out documents, drawn from `options.seed`."""
+  if options.eval_documents is not None:
+    count = options.eval_documents
+  else:
+    count = int(round(options.eval_fraction * num_documents))
+  if count > num_documents - 1 and count > 0:
+    raise ValueError(f"cannot hold out {count} of {num_documents} documents and still train")
+  rng = np.random.default_rng([options.seed, 0x5E1D])
+  return np.sort(rng.choice(num_documents, size=count, replace=False)).astype(np.int64)
+
+
+def _read_manifest(out_dir: pathlib.Path) -> dict | None:
+  path = out_dir / MANIFEST
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str | os.PathLike,
+                   out_dir: str | os.PathLike, *, eval_fraction: float = 0.0, eval_documents: int | None = None,
+                   seed: int = 0, num_workers: int | None = None, max_sentence_tokens: int = 510,
+                   long_sentences: str = "split", shard_tokens: int = 1 << 26, chunk_documents: int = 256,
+                   log=print) -> dict:
+  """Tokenises `inputs` into shards under `out_dir` and returns the manifest.
+
+  Args:
+    inputs: text / JSON-lines files (optionally .gz) or `tfds:NAME[:SPLIT]`.
+    tokenizer: a Tokenizer, or a path `load_tokenizer` understands.
+    out_dir: output directory (created).
+    eval_fraction: fraction of documents held out for evaluation.
+    eval_documents: a count of held-out documents instead (wins over the fraction).
+    seed: draws the held-out documents.
+    num_workers: tokenising processes; default all cores; 0 or 1 tokenises in
+      this process.
+    max_sentence_tokens, long_sentences, shard_tokens: see `PrepareOptions`.
+    chunk_documents: documents sent to a worker at a time.
+    log: where progress lines go.
+
+  Raises:
+    ValueError: the directory was prepared with another tokenizer.
+  """
+  if long_sentences not in LONG_SENTENCE_POLICIES:
+    raise ValueError(f"long_sentences must be one of {LONG_SENTENCE_POLICIES}, got {long_sentences!r}")
+  if not isinstance(tokenizer, tokenizers.Tokenizer):
+    tokenizer = tokenizers.load_tokenizer(tokenizer)
+  options = PrepareOptions(max_sentence_tokens, long_sentences, eval_fraction, eval_documents, seed, shard_tokens)
+  out_dir = pathlib.Path(out_dir)
+  fingerprint = tokenizer.fingerprint()
+  input_fingerprints = [text_lib.input_fingerprint(spec) for spec in inputs]
+
+  existing = _read_manifest(out_dir)
+  if existing is not None:
+    if existing["tokenizer"]["fingerprint"] != fingerprint:
+      raise ValueError(
+          f"{out_dir} was prepared with tokenizer {existing['tokenizer']['fingerprint']}, but the given tokenizer is "
+          f"{fingerprint}; use another --out directory or delete {out_dir}")
+    if existing["inputs"] == input_fingerprints and existing["options"] == dataclasses.asdict(options):
+      log(f"{out_dir} is already prepared from these inputs with this tokenizer ({fingerprint}); nothing to do")
+      return existing
+    log(f"inputs or options differ from {out_dir / MANIFEST}; preparing again")
+    for stale in out_dir.glob("shard-*.npy"):
+      stale.unlink()
+    (out_dir / MANIFEST).unlink()
+
+  out_dir.mkdir(parents=True, exist_ok=True)
+  tokenizer_dir = out_dir / TOKENIZER_DIR
+  if tokenizer_dir.exists():
+    shutil.rmtree(tokenizer_dir)
+  tokenizer.save(tokenizer_dir)
+
+  started = time.perf_counter()
+  report = text_lib.InputReport()
+  documents = itertools.chain.from_iterable(text_lib.iter_documents(spec, report) for spec in inputs)
+  chunks = _chunked(documents, chunk_documents)
+  writer = _ShardWriter(out_dir, shard_tokens)
+  num_workers = os.cpu_count() if num_workers is None else num_workers
+  if num_workers <= 1:
+    tokenised = (_tokenise_chunk(chunk, options, tokenizer) for chunk in chunks)
+    _collect(tokenised, writer, report)
+  else:
+    # 'spawn' keeps workers clear of threads (JAX, the tokenizers' thread pool)
+    # that the parent may already run; each worker loads the saved tokenizer.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(num_workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+      _collect(pool.imap(functools.partial(_tokenise_chunk, options=options), chunks, chunksize=1), writer, report)
+  writer.flush()
+  seconds = time.perf_counter() - started
+
+  totals = {key: sum(shard[key] for shard in writer.shards) for key in ("documents", "sentences", "tokens")}
+  if totals["documents"] == 0:
+    raise ValueError(f"no documents with any tokens in {list(inputs)}\n{report.summary()}")
+  eval_ids = _choose_eval_documents(totals["documents"], options)
+  np.save(out_dir / EVAL_DOCUMENTS, eval_ids)
+  manifest = {
+      "format_version": 1,
+      "shards": writer.shards,
+      "totals": totals,
+      "splits": {"train": {"documents": totals["documents"] - len(eval_ids)},
+                 "eval": {"documents": len(eval_ids), "file": EVAL_DOCUMENTS}},
+      "tokenizer": {"fingerprint": fingerprint, "kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
+                    "special_ids": tokenizer.special_ids, "path": TOKENIZER_DIR},
+      "inputs": input_fingerprints,
+      "options": dataclasses.asdict(options),
+      "report": report.to_json(),
+      "seconds": round(seconds, 2),
+  }
+  temporary = out_dir / (MANIFEST + ".tmp")
+  temporary.write_text(json.dumps(manifest, indent=1))
+  temporary.replace(out_dir / MANIFEST)  # the manifest appears only once everything else is written
+  log(f"prepared {totals['documents']:,} documents, {totals['sentences']:,} sentences, {totals['tokens']:,} tokens "
+      f"in {len(writer.shards)} shards ({len(eval_ids):,} documents held out) in {seconds:.1f}s -> {out_dir}")
+  log(report.summary())
+  return manifest
+
+
+def _collect(tokenised: Iterable[_TokenisedChunk], writer: _ShardWriter, report: text_lib.InputReport) -> None:
+  for chunk in tokenised:
+    report.merge(chunk.report)
+    if len(chunk.document_sentence_counts):
+      writer.add(chunk)
+
+
+class PreparedCorpus:
+  """Memory-mapped read access to a prepared directory.
+
+  Tokens are addressed in one global token space (shards laid end to end),
+  sentences and documents by global index.
+
+  Attributes:
+    manifest: the parsed manifest.json.
+    sentence_starts: int64 [S+1] global token offset of each sentence.
+    document_starts: int64 [D+1] global sentence offset of each document.
+  """
+
+  def __init__(self, directory: str | os.PathLike):
+    self.directory = pathlib.Path(directory)
+    manifest = _read_manifest(self.directory)
+    if manifest is None:
+      raise FileNotFoundError(f"{self.directory} has no {MANIFEST}; run `bert-jax prepare` first")
+    self.manifest = manifest
+    self._tokens, self._word_starts = [], []
+    sentence_starts, document_starts = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)]
+    token_base = sentence_base = 0
+    for shard in manifest["shards"]:
+      load = lambda key, name=shard["name"]: np.load(self.directory / f"{name}.{key}.npy", mmap_mode="r")
+      self._tokens.append(load("tokens"))
+      self._word_starts.append(load("word_starts"))
+      sentence_starts.append(np.asarray(load("sentence_offsets")[1:]) + token_base)
+      document_starts.append(np.asarray(load("document_offsets")[1:]) + sentence_base)
+      token_base += shard["tokens"]
+      sentence_base += shard["sentences"]
+    self.sentence_starts = np.concatenate(sentence_starts)
+    self.document_starts = np.concatenate(document_starts)
+    self._shard_token_starts = np.cumsum([0] + [s["tokens"] for s in manifest["shards"]]).tolist()
+    self.eval_documents = np.load(self.directory / EVAL_DOCUMENTS)
+
+  @property
+  def num_documents(self) -> int:
+    return len(self.document_starts) - 1
+
+  @property
+  def num_sentences(self) -> int:
+    return len(self.sentence_starts) - 1
+
+  def split_documents(self, split: str) -> np.ndarray:
+    """Global ids (sorted, int64) of the documents in 'train' or 'eval'."""
+    if split == "eval":
+      return self.eval_documents
+    if split == "train":
+      keep = np.ones(self.num_documents, bool)
+      keep[self.eval_documents] = False
+      return np.flatnonzero(keep)
+    raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+  def _locate(self, start: int, end: int) -> tuple[int, int, int]:
+    shard = int(np.searchsorted(self._shard_token_starts, start, side="right")) - 1
+    base = self._shard_token_starts[shard]
+    if end > self._shard_token_starts[shard + 1]:
+      raise ValueError(f"token range [{start}, {end}) crosses a shard boundary")
+    return shard, start - base, end - base
+
+  def tokens(self, start: int, end: int) -> np.ndarray:
+    """int32 [end-start] token ids of a global range inside one shard."""
+    shard, local_start, local_end = self._locate(start, end)
+    return self._tokens[shard][local_start:local_end]
+
+  def word_starts(self, start: int, end: int) -> np.ndarray:
+    """uint8 [end-start] word-start flags of a global range inside one shard."""
+    shard, local_start, local_end = self._locate(start, end)
+    return self._word_starts[shard][local_start:local_end]
+
+  def document_sentences(self, document: int) -> list[np.ndarray]:
+    """Token ids of each sentence of one document."""
+    first, last = self.document_starts[document], self.document_starts[document + 1]
+    bounds = self.sentence_starts[first:last + 1]
+    return [np.asarray(self.tokens(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+  def load_tokenizer(self) -> tokenizers.Tokenizer:
+    return tokenizers.load_tokenizer(self.directory / self.manifest["tokenizer"]["path"])
+
+
+def open_prepared(directory: str | os.PathLike) -> PreparedCorpus:
+  """Opens a prepared directory for reading (see `PreparedCorpus`)."""
+  return PreparedCorpus(directory)
+
+
+def _sentences_for_training(inputs: Sequence[str]) -> Iterator[str]:
+  report = text_lib.InputReport()
+  for spec in inputs:
+    for document in text_lib.iter_documents(spec, report):
+      yield from document.sentences
+
+
+def main(argv: list[str]) -> int:
+  """`bert-jax prepare`: see the module docstring; returns the exit status."""
+  parser = argparse.ArgumentParser(prog="bert-jax prepare", description=__doc__.splitlines()[0])
+  parser.add_argument("--input", nargs="+", required=True, help="text/JSON-lines files (.gz ok) or tfds:NAME[:SPLIT]")
+  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--tokenizer", help="tokenizer file or directory (vocab.txt, tokenizer.json, *.model, ...)")
+  parser.add_argument("--train-tokenizer", choices=tokenizers.TOKENIZER_KINDS,
+                      help="train a tokenizer of this kind on the inputs instead of --tokenizer")
+  parser.add_argument("--vocab-size", type=int, default=30522, help="vocabulary size for --train-tokenizer")
+  parser.add_argument("--cased", action="store_true", help="train a cased tokenizer (default: lowercase)")
+  parser.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of documents held out")
+  parser.add_argument("--eval-documents", type=int, help="number of documents held out (instead of a fraction)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+  parser.add_argument("--num-workers", type=int, default=None, help="tokenising processes (default: all cores)")
+  parser.add_argument("--max-sentence-tokens", type=int, default=510)
+  parser.add_argument("--long-sentences", choices=LONG_SENTENCE_POLICIES, default="split")
+  parser.add_argument("--shard-tokens", type=int, default=1 << 26)
+  args = parser.parse_args(argv)
+  if (args.tokenizer is None) == (args.train_tokenizer is None):
+    parser.error("give exactly one of --tokenizer and --train-tokenizer")
+
+  if args.train_tokenizer:
+    # Reuse the tokenizer a previous run trained: trainers break ties in hash
+    # order, so training again would give another vocabulary.
+    out_tokenizer = pathlib.Path(args.out) / TOKENIZER_DIR
+    if _read_manifest(pathlib.Path(args.out)) is not None:
+      tokenizer = tokenizers.load_tokenizer(out_tokenizer)
+      print(f"using the tokenizer already trained in {out_tokenizer}")
+    else:
+      print(f"training a {args.train_tokenizer} tokenizer with {args.vocab_size} ids on {args.input}")
+      tokenizer = tokenizers.train_tokenizer(args.train_tokenizer, _sentences_for_training(args.input),
+                                             args.vocab_size, out_tokenizer,
+                                             lowercase=not args.cased)
+  else:
+    tokenizer = tokenizers.load_tokenizer(args.tokenizer)
+  try:
+    prepare_corpus(args.input, tokenizer, args.out, eval_fraction=args.eval_fraction,
+                   eval_documents=args.eval_documents, seed=args.seed, num_workers=args.num_workers,
+                   max_sentence_tokens=args.max_sentence_tokens, long_sentences=args.long_sentences,
+                   shard_tokens=args.shard_tokens)
+  except (ValueError, FileNotFoundError, ImportError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+  return 0
