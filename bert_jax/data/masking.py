@@ -20,7 +20,9 @@ that are neither special nor padding):
   length truncated at span_max_len as in SpanBERT); the span grows right from
   the anchor word and stops early at a special token, a pack boundary, an
   already chosen word, or a word that would overflow the budget. Words are
-  never split.
+  never split. (SpanBERT's code draws anchor tokens, which favours long words
+  a little, and cuts the last span mid-word at the budget; ALBERT's resamples
+  n where an n-gram does not fit. Truncating whole words keeps one rule.)
 
   For whole_word this is exactly BERT's procedure (shuffle the words, take
   each one that still fits, skip the ones that would overflow): the next word
@@ -196,10 +198,6 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
   word_end = jax.lax.cummin(jnp.where(_shift_left(is_start, True), positions, length), reverse=True)
   word_len = word_end - positions + 1  # Meaningful at word starts.
 
-  # The anchor is the candidate of highest priority, drawn once for the row:
-  # the candidate sets only shrink from one step to the next, so the remaining
-  # candidates' priorities stay exchangeable and each anchor is a uniform draw
-  # among them.
   def still_going(state):
     step, remaining, _ = state
     return (step < config.max_predictions) & (remaining > 0)
@@ -209,6 +207,10 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
     free = maskable & ~chosen
     candidates = is_start & free & (word_len <= remaining)
     has_candidate = candidates.any()
+    # The anchor is the candidate of highest priority, drawn once for the row:
+    # the candidate sets only shrink from one step to the next, so the
+    # remaining candidates' priorities stay exchangeable and each anchor is a
+    # uniform draw among them.
     anchor = jnp.argmax(jnp.where(candidates, priority, -1))
     num_words = span_words[step]
     blocked = ~free | (pack_ids != pack_ids[anchor])
