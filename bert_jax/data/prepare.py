@@ -23,6 +23,7 @@ a different tokenizer against an existing manifest is refused.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -340,7 +341,7 @@ class PreparedCorpus:
     raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
 
   def _locate(self, start: int, end: int) -> tuple[int, int, int]:
-    shard = int(np.searchsorted(self._shard_token_starts, start, side="right")) - 1
+    shard = bisect.bisect_right(self._shard_token_starts, start) - 1
     base = self._shard_token_starts[shard]
     if end > self._shard_token_starts[shard + 1]:
       raise ValueError(f"token range [{start}, {end}) crosses a shard boundary")

@@ -1,0 +1,363 @@
+"""Example builders: prepared documents -> pretraining rows in the batch contract.
+
+Building happens in two steps so that it is cheap and exactly reproducible:
+
+1. `plan_examples` decides, from sentence lengths alone, which token ranges
+   form each example (`Example`). It never touches token ids; each choice is
+   drawn from a numpy Generator the caller seeds from (seed, epoch, block).
+2. `build_rows` copies those ranges out of the memory-mapped shards with numpy
+   slicing and adds [CLS]/[SEP], segment ids, positions and pack ids.
+
+Formats (`EXAMPLE_FORMATS`), with L the sequence length:
+
+  segment_pair    BERT's NSP examples, as `create_pretraining_data.py` builds
+                  them: per document a target length (L-3, or with probability
+                  `short_seq_prob` a uniform draw from [2, L-3]); sentences are
+                  gathered until the target is reached, split at a random
+                  sentence into A and B; with probability `random_next_prob`
+                  (always, when the chunk is one sentence) B is replaced by
+                  sentences from a random other document, and the unused
+                  sentences are put back. The pair is cut to L-3 tokens by
+                  trimming the longer segment, from a random end each time.
+                  label 0 = B follows A, 1 = B is random.
+  sop             ALBERT's sentence-order examples: the same chunks, B always
+                  the true continuation, A and B swapped with probability 1/2
+                  (label 1 = swapped). A one-sentence chunk is split inside the
+                  sentence at a random token, so both segments stay real,
+                  consecutive text (ALBERT instead drew a random B there).
+  full_sentences  RoBERTa: contiguous full sentences filling L-2 tokens, crossing
+                  document boundaries with an extra [SEP] between documents.
+  doc_sentences   RoBERTa: like full_sentences but an example never crosses a
+                  document: the last one of a document may be short.
+  single          one segment per row with BERT's target lengths (including
+                  `short_seq_prob`), never crossing documents (No-NSP, LTR and
+                  ELECTRA-style training).
+
+A sentence longer than the room left for it is cut at its end (prepare.py
+already splits sentences longer than `max_sentence_tokens`).
+
+Packing (`pack_examples`) puts consecutive examples into one row while they
+fit, up to `max_packs` per row; each keeps its own [CLS]...[SEP], positions
+restart at 0, `pack_ids` are 1..P and the per-pack fields (`cls_positions`,
+`sentence_labels`, `sentence_weights`) describe each packed example, so NSP
+and SOP work with packing too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from bert_jax.data import prepare
+
+EXAMPLE_FORMATS = ("segment_pair", "sop", "full_sentences", "doc_sentences", "single")
+PAIR_FORMATS = ("segment_pair", "sop")
+_RANDOM_DOCUMENT_TRIES = 10
+
+
+class Example(NamedTuple):
+  """One example as global token ranges; ranges inside a segment are joined by [SEP].
+
+  Attributes:
+    segment_a: ((start, end), ...) of segment A.
+    segment_b: ranges of segment B; empty for single-segment formats.
+    label: NSP/SOP label (0 for formats without one).
+  """
+  segment_a: tuple[tuple[int, int], ...]
+  segment_b: tuple[tuple[int, int], ...]
+  label: int
+
+  @property
+  def length(self) -> int:
+    """Tokens in the row, specials included: [CLS] A [SEP] (B [SEP])."""
+    tokens = sum(end - start for start, end in self.segment_a + self.segment_b)
+    separators = len(self.segment_a) + (len(self.segment_b) if self.segment_b else 0)
+    return 1 + tokens + separators
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatConfig:
+  """How examples are built.
+
+  Attributes:
+    example_format: one of EXAMPLE_FORMATS.
+    seq_len: row length L, specials included.
+    short_seq_prob: probability of a short target length (segment_pair, sop, single).
+    random_next_prob: probability that B is random (segment_pair).
+    packing: pack several examples per row.
+    max_packs: most examples in one packed row (P); 1 when packing is off.
+  """
+  example_format: str
+  seq_len: int
+  short_seq_prob: float = 0.1
+  random_next_prob: float = 0.5
+  packing: bool = False
+  max_packs: int = 8
+
+  def __post_init__(self):
+    if self.example_format not in EXAMPLE_FORMATS:
+      raise ValueError(f"unknown example_format {self.example_format!r}; choose one of {EXAMPLE_FORMATS}")
+    minimum = 5 if self.example_format in PAIR_FORMATS else 3
+    if self.seq_len < minimum:
+      raise ValueError(f"seq_len {self.seq_len} is too short for {self.example_format} (at least {minimum})")
+    if self.packing and self.max_packs < 1:
+      raise ValueError(f"max_packs must be at least 1, got {self.max_packs}")
+
+  @property
+  def packs_per_row(self) -> int:
+    return self.max_packs if self.packing else 1
+
+
+class _Planner:
+  """Sentence-level planning over one corpus; all positions are global indices."""
+
+  def __init__(self, corpus: prepare.PreparedCorpus, split_documents: np.ndarray, config: FormatConfig,
+               rng: np.random.Generator):
+    self.sentence_starts = corpus.sentence_starts
+    self.document_starts = corpus.document_starts
+    self.split_documents = split_documents
+    self.config = config
+    self.rng = rng
+
+  def sentences_until(self, first: int, stop: int, min_tokens: int) -> int:
+    """Smallest end in (first, stop] with tokens of sentences [first, end) >= min_tokens, else stop."""
+    goal = self.sentence_starts[first] + min_tokens
+    end = first + 1 + int(np.searchsorted(self.sentence_starts[first + 1:stop + 1], goal, side="left"))
+    return min(end, stop)
+
+  def tokens(self, first_sentence: int, end_sentence: int) -> tuple[int, int]:
+    return int(self.sentence_starts[first_sentence]), int(self.sentence_starts[end_sentence])
+
+  def bert_target(self, max_tokens: int) -> int:
+    if self.rng.random() < self.config.short_seq_prob:
+      return int(self.rng.integers(2, max_tokens + 1))
+    return max_tokens
+
+  def random_other_document(self, document: int) -> int:
+    for _ in range(_RANDOM_DOCUMENT_TRIES):
+      candidate = int(self.split_documents[self.rng.integers(len(self.split_documents))])
+      if candidate != document:
+        break
+    return candidate
+
+  def truncate_pair(self, a: tuple[int, int], b: tuple[int, int], max_tokens: int):
+    """BERT's truncate_seq_pair in closed form: trim the longer segment (B on ties), from a random end.
+
+    Trimming one token at a time from the longer segment first levels the two
+    (the longer loses the difference), then alternates B, A, B, ...; the front/back
+    choice of each removed token is a fair coin, so the number cut from the front
+    of a segment is Binomial(removed, 1/2).
+    """
+    length_a, length_b = a[1] - a[0], b[1] - b[0]
+    excess = length_a + length_b - max_tokens
+    if excess <= 0:
+      return a, b
+    gap = abs(length_a - length_b)
+    first_trim = min(gap, excess)
+    rest = excess - first_trim
+    cut_a = (first_trim if length_a > length_b else 0) + rest // 2
+    cut_b = (first_trim if length_b > length_a else 0) + rest - rest // 2
+    front_a = int(self.rng.binomial(cut_a, 0.5)) if cut_a else 0
+    front_b = int(self.rng.binomial(cut_b, 0.5)) if cut_b else 0
+    return (a[0] + front_a, a[1] - (cut_a - front_a)), (b[0] + front_b, b[1] - (cut_b - front_b))
+
+  def segment_pairs(self, document: int, order_prediction: bool) -> list[Example]:
+    max_tokens = self.config.seq_len - 3
+    first, stop = int(self.document_starts[document]), int(self.document_starts[document + 1])
+    target = self.bert_target(max_tokens)
+    examples = []
+    sentence = first
+    while sentence < stop:
+      chunk_end = self.sentences_until(sentence, stop, target)
+      chunk_sentences = chunk_end - sentence
+      a_end = sentence + (int(self.rng.integers(1, chunk_sentences)) if chunk_sentences >= 2 else 1)
+      segment_a = self.tokens(sentence, a_end)
+      label = 0
+      if order_prediction:
+        if chunk_sentences == 1:
+          segment_a, segment_b = self.split_inside(segment_a)
+        else:
+          segment_b = self.tokens(a_end, chunk_end)
+        if self.rng.random() < 0.5:
+          segment_a, segment_b, label = segment_b, segment_a, 1
+        sentence = chunk_end
+      elif chunk_sentences == 1 or self.rng.random() < self.config.random_next_prob:
+        label = 1
+        target_b = target - (segment_a[1] - segment_a[0])
+        other = self.random_other_document(document)
+        other_first, other_stop = int(self.document_starts[other]), int(self.document_starts[other + 1])
+        b_first = other_first + int(self.rng.integers(other_stop - other_first))
+        segment_b = self.tokens(b_first, self.sentences_until(b_first, other_stop, target_b))
+        sentence = a_end  # the chunk's unused sentences are put back
+      else:
+        segment_b = self.tokens(a_end, chunk_end)
+        sentence = chunk_end
+      if segment_a[1] > segment_a[0] and segment_b[1] > segment_b[0]:
+        segment_a, segment_b = self.truncate_pair(segment_a, segment_b, max_tokens)
+        examples.append(Example((segment_a,), (segment_b,), label))
+    return examples
+
+  def split_inside(self, token_range: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Two consecutive non-empty parts of one range (an empty part when it has one token)."""
+    start, end = token_range
+    if end - start < 2:
+      return token_range, (end, end)
+    cut = start + int(self.rng.integers(1, end - start))
+    return (start, cut), (cut, end)
+
+  def single_segments(self, document: int, target: int) -> list[Example]:
+    """Runs of whole sentences of one document, at most `target` tokens each (a lone longer sentence is cut)."""
+    first, stop = int(self.document_starts[document]), int(self.document_starts[document + 1])
+    examples = []
+    sentence = first
+    while sentence < stop:
+      end = self.fill(sentence, stop, target)
+      start_token, end_token = self.tokens(sentence, end)
+      examples.append(Example(((start_token, min(end_token, start_token + target)),), (), 0))
+      sentence = end
+    return examples
+
+  def fill(self, first: int, stop: int, budget: int) -> int:
+    """End of the longest run of whole sentences from `first` within `budget` tokens (at least one sentence)."""
+    limit = self.sentence_starts[first] + budget
+    end = first + int(np.searchsorted(self.sentence_starts[first + 1:stop + 1], limit, side="right"))
+    return max(end, first + 1)
+
+  def full_sentences(self, documents: np.ndarray) -> list[Example]:
+    """RoBERTa FULL-SENTENCES over documents in the given order, [SEP] between documents."""
+    budget = self.config.seq_len - 2
+    examples, ranges, used = [], [], 0
+    for document in documents:
+      sentence, stop = int(self.document_starts[document]), int(self.document_starts[document + 1])
+      while sentence < stop:
+        separator = 1 if ranges else 0  # a document after another costs an extra [SEP]
+        room = budget - used - separator
+        end = self.fill(sentence, stop, room)
+        start_token, end_token = self.tokens(sentence, end)
+        if end_token - start_token > room:  # not even one sentence fits
+          if ranges:
+            examples.append(Example(tuple(ranges), (), 0))
+            ranges, used = [], 0
+            continue
+          end_token = start_token + room  # a lone over-long sentence is cut
+        ranges.append((start_token, end_token))
+        used += separator + end_token - start_token
+        sentence = end
+        if sentence < stop:  # the next sentence did not fit: the row is full
+          examples.append(Example(tuple(ranges), (), 0))
+          ranges, used = [], 0
+    if ranges:
+      examples.append(Example(tuple(ranges), (), 0))
+    return examples
+
+
+def plan_examples(corpus: prepare.PreparedCorpus, documents: np.ndarray, split_documents: np.ndarray,
+                  config: FormatConfig, rng: np.random.Generator) -> list[Example]:
+  """Plans the examples of `documents` (global ids, in the order to use) for `config.example_format`.
+
+  Args:
+    corpus: the prepared corpus.
+    documents: int [N] documents to turn into examples, in order.
+    split_documents: int [D] all documents of the split (random-B draws for NSP).
+    config: format settings.
+    rng: the only source of randomness.
+  """
+  planner = _Planner(corpus, split_documents, config, rng)
+  example_format = config.example_format
+  if example_format == "full_sentences":
+    return planner.full_sentences(documents)
+  examples = []
+  for document in documents:
+    document = int(document)
+    if example_format in PAIR_FORMATS:
+      examples.extend(planner.segment_pairs(document, order_prediction=example_format == "sop"))
+    elif example_format == "doc_sentences":
+      examples.extend(planner.single_segments(document, config.seq_len - 2))
+    else:
+      examples.extend(planner.single_segments(document, planner.bert_target(config.seq_len - 2)))
+  return examples
+
+
+def pack_examples(examples: Sequence[Example], config: FormatConfig) -> list[list[Example]]:
+  """Groups consecutive examples into rows: one per row, or as many as fit (<= max_packs) when packing."""
+  if not config.packing:
+    return [[example] for example in examples]
+  rows, row, used = [], [], 0
+  for example in examples:
+    length = example.length
+    if row and (used + length > config.seq_len or len(row) == config.max_packs):
+      rows.append(row)
+      row, used = [], 0
+    row.append(example)
+    used += length
+  if row:
+    rows.append(row)
+  return rows
+
+
+def _segment_pieces(corpus: prepare.PreparedCorpus, ranges: Sequence[tuple[int, int]], segment_id: int,
+                    specials: dict[str, int], pieces: list):
+  """Appends (tokens, word_starts, segment, is_special) pieces of one segment and its closing [SEP]s."""
+  for start, end in ranges:
+    pieces.append((corpus.tokens(start, end), corpus.word_starts(start, end), segment_id, 0))
+    pieces.append((np.array([specials["sep"]], np.int32), np.ones(1, np.uint8), segment_id, 1))
+
+
+def build_rows(corpus: prepare.PreparedCorpus, rows: Sequence[Sequence[Example]], config: FormatConfig,
+               specials: dict[str, int], example_ids: np.ndarray, epochs: np.ndarray) -> dict[str, np.ndarray]:
+  """Materialises planned rows into a batch following `bert_jax.data.batch`.
+
+  Args:
+    corpus: the prepared corpus the ranges point into.
+    rows: B rows, each a list of at most `config.packs_per_row` examples; an
+      empty row is padding (all pad tokens, zero weights).
+    config: format settings (seq_len, packs per row, whether B gets segment 1).
+    specials: special-token ids, as `Tokenizer.special_ids`.
+    example_ids: int [B] row ids.
+    epochs: int [B] epoch of each row.
+
+  Returns:
+    The batch dict: sequence fields [B, L], pack fields [B, P], row fields [B].
+  """
+  num_rows, length, packs = len(rows), config.seq_len, config.packs_per_row
+  batch = {
+      "input_ids": np.full((num_rows, length), specials["pad"], np.int32),
+      "segment_ids": np.zeros((num_rows, length), np.int32),
+      "position_ids": np.zeros((num_rows, length), np.int32),
+      "pack_ids": np.zeros((num_rows, length), np.int32),
+      "word_starts": np.zeros((num_rows, length), np.int32),
+      "special_mask": np.ones((num_rows, length), np.int32),
+      "cls_positions": np.zeros((num_rows, packs), np.int32),
+      "sentence_labels": np.zeros((num_rows, packs), np.int32),
+      "sentence_weights": np.zeros((num_rows, packs), np.float32),
+      "example_ids": np.asarray(example_ids, np.int32),
+      "epoch": np.asarray(epochs, np.int32),
+  }
+  cls_piece = (np.array([specials["cls"]], np.int32), np.ones(1, np.uint8), 0, 1)
+  for row_index, row in enumerate(rows):
+    pieces, example_lengths = [], []
+    for pack_index, example in enumerate(row):
+      count_before = len(pieces)
+      pieces.append(cls_piece)
+      _segment_pieces(corpus, example.segment_a, 0, specials, pieces)
+      _segment_pieces(corpus, example.segment_b, 1, specials, pieces)
+      example_lengths.append(sum(len(p[0]) for p in pieces[count_before:]))
+      batch["sentence_labels"][row_index, pack_index] = example.label
+      batch["sentence_weights"][row_index, pack_index] = 1.0
+    if not pieces:
+      continue
+    piece_lengths = [len(p[0]) for p in pieces]
+    used = sum(piece_lengths)
+    if used > length:
+      raise ValueError(f"row {row_index} has {used} tokens, more than seq_len {length}; a plan is wrong")
+    batch["input_ids"][row_index, :used] = np.concatenate([p[0] for p in pieces])
+    batch["word_starts"][row_index, :used] = np.concatenate([p[1] for p in pieces])
+    batch["segment_ids"][row_index, :used] = np.repeat([p[2] for p in pieces], piece_lengths)
+    batch["special_mask"][row_index, :used] = np.repeat([p[3] for p in pieces], piece_lengths)
+    example_starts = np.cumsum([0] + example_lengths[:-1])
+    batch["pack_ids"][row_index, :used] = np.repeat(np.arange(1, len(row) + 1), example_lengths)
+    batch["position_ids"][row_index, :used] = np.arange(used) - np.repeat(example_starts, example_lengths)
+    batch["cls_positions"][row_index, :len(row)] = example_starts
+  return batch
