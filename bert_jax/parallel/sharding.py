@@ -1,0 +1,125 @@
+"""One mesh with three named axes (data, fsdp, tensor) and the logical-axis rules.
+
+Model code names axes logically (batch, length, embed, heads, kv, mlp, vocab);
+the rules below map them onto the mesh. Flax applies the rules in order and
+never uses a mesh axis twice in one array, so an activation
+("batch", "length", "embed") whose batch takes "fsdp" leaves embed unsharded,
+while the parameter ("vocab", "embed") shards embed over "fsdp".
+
+  data parallel:   mesh data=N               (params replicated)
+  FSDP / ZeRO-3:   mesh fsdp=N               (params and batch sharded)
+  tensor parallel: mesh tensor=N             (heads, mlp, vocab split)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.experimental.mesh_utils
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("kv", None),
+    ("length", None),
+)
+
+
+def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+  """Resolves the sizes of (data, fsdp, tensor); one of them may be -1 (fill the rest).
+
+  Raises:
+    ValueError naming the mesh key when the sizes do not multiply to the
+    device count.
+  """
+  unknown = set(sizes) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
+  shape = [int(sizes.get(axis, 1)) for axis in MESH_AXES]
+  fills = [i for i, s in enumerate(shape) if s == -1]
+  if len(fills) > 1:
+    raise ValueError(f"config.mesh: only one axis may be -1, got {dict(zip(MESH_AXES, shape))}")
+  if any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"config.mesh: sizes must be positive or -1, got {dict(zip(MESH_AXES, shape))}")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if fills:
+    if num_devices % known:
+      raise ValueError(f"config.mesh.{MESH_AXES[fills[0]]}=-1: {num_devices} devices are not divisible by the "
+                       f"other axes' product {known}")
+    shape[fills[0]] = num_devices // known
+  if int(np.prod(shape)) != num_devices:
+    raise ValueError(f"config.mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
+                     f"but {num_devices} are present")
+  return tuple(shape)
+
+
+def create_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(sizes, len(devices))
+  try:
+    device_array = jax.experimental.mesh_utils.create_device_mesh(shape, devices)
+  except Exception:  # Fake CPU devices and odd topologies: plain order is fine.
+    device_array = np.asarray(devices).reshape(shape)
+  return Mesh(device_array, MESH_AXES)
+
+
+def rules_from_config(rules: Sequence[Sequence[Any]] | None) -> tuple[tuple[str, Any], ...]:
+  if not rules:
+    return DEFAULT_RULES
+  out = []
+  for rule in rules:
+    logical, mesh_axes = rule
+    if mesh_axes is not None:
+      for axis in (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes:
+        if axis not in MESH_AXES:
+          raise ValueError(f"config.mesh.rules: {logical!r} maps to unknown mesh axis {axis!r}")
+    out.append((logical, tuple(mesh_axes) if isinstance(mesh_axes, list) else mesh_axes))
+  return tuple(out)
+
+
+def logical_shardings(abstract_tree: Any, mesh: Mesh, rules) -> Any:
+  """NamedShardings for a tree of (possibly boxed) abstract values with logical axes.
+
+  A dimension that the mesh axes do not divide (a 30522-word vocabulary over
+  4 tensor shards) is left unsharded rather than failing.
+  """
+  mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(abstract_tree), rules)
+  shapes = nn.unbox(abstract_tree)
+
+  def fit(spec: PartitionSpec, value) -> NamedSharding:
+    axes = []
+    for dim, axis in zip(value.shape, tuple(spec) + (None,) * (len(value.shape) - len(spec))):
+      names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+      size = int(np.prod([mesh.shape[name] for name in names])) if names else 1
+      axes.append(axis if dim % size == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*axes))
+
+  return jax.tree.map(fit, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) axis split over data x fsdp; other axes replicated."""
+  return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles each process's rows into global arrays sharded along the batch axis."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}

@@ -1,0 +1,111 @@
+"""Orbax checkpoints holding the train state *and* the data-iterator state.
+
+`Checkpointer` wraps an `ocp.CheckpointManager` in `<workdir>/checkpoints`:
+async saves, keep-N, restore of the newest checkpoint that reads back. A
+corrupt or partial checkpoint (a save interrupted mid-way, a truncated file)
+is skipped with a warning and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+  """Saves and restores {state, data iterator state, run metadata} per step."""
+
+  def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
+    self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+                                           cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+
+  def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any] | None = None,
+           force: bool = False) -> None:
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                              meta=ocp.args.JsonSave(meta or {}))
+    self.manager.save(step, args=args, force=force)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
+    """Restores the newest readable checkpoint into `abstract_state`'s shapes and shardings.
+
+    Returns:
+      (step, state, data_state, meta), or None when there is no checkpoint.
+    """
+    for step in reversed(self.steps()):
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+        _check_finite(restored["state"], step)
+        return step, restored["state"], dict(restored["data"] or {}), dict(restored["meta"] or {})
+      except Exception as error:  # noqa: BLE001 - any failure to read means "unusable".
+        log.warning("checkpoint at step %d in %s cannot be restored (%s: %s); trying the previous one",
+                    step, self.directory, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+    return None
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _check_finite(state: Any, step: int) -> None:
+  for leaf in jax.tree.leaves(state):
+    if hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.floating):
+      if not bool(jax.numpy.isfinite(leaf).all()):
+        raise ValueError(f"checkpoint {step} holds non-finite values")
+
+
+def restore_params(workdir: str | pathlib.Path, step: int | None = None) -> tuple[int, Any]:
+  """Reads only the model parameters of a run's checkpoint, as host numpy arrays (any device count).
+
+  Used to start fine-tuning or a later pre-training phase from a run, and by
+  tools (fill-mask, features) that read a workdir.
+  """
+  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  if not directory.is_dir():
+    raise FileNotFoundError(f"{workdir} has no checkpoints/ directory (not a bert_jax run?)")
+  manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  steps = sorted(manager.all_steps()) if step is None else [step]
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint in {directory}")
+  errors = []
+  for candidate in reversed(steps):
+    try:
+      item_dir = directory / str(candidate) / "state"
+      metadata = ocp.StandardCheckpointer().metadata(item_dir)
+      tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+      params_meta = tree["params"]
+      target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), params_meta)
+      restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+      restored = ocp.PyTreeCheckpointer().restore(
+          item_dir, args=ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+                                                partial_restore=True))
+      return candidate, restored["params"]
+    except Exception as error:  # noqa: BLE001
+      errors.append(f"step {candidate}: {type(error).__name__}: {error}")
+      log.warning("cannot read params of checkpoint %d in %s: %s", candidate, directory, error)
+  raise ValueError(f"no readable checkpoint in {directory}:\n" + "\n".join(errors))
+
+
+def read_run_config(workdir: str | pathlib.Path) -> dict[str, Any]:
+  path = pathlib.Path(workdir) / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path} not found: is {workdir} a bert_jax run directory?")
+  return json.loads(path.read_text())

@@ -1,0 +1,207 @@
+"""Experiment configs: `configs/<name>.py:<arg>` files with `get_config(arg)`.
+
+  bert-jax pretrain --config configs/bert.py:size=base,objective=mlm+nsp \
+      --config.optim.lr=1e-4 --workdir runs/bert
+
+The file's `get_config(arg)` returns an `ml_collections.ConfigDict`; it is
+locked before overrides are applied, so a misspelt key fails loudly (naming
+it), and every override is parsed with the type of the field it replaces.
+A file may also define `get_sweep(arg)` returning a list of override dicts.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+import sys
+from typing import Any, Iterable
+
+import ml_collections
+from ml_collections import config_dict
+
+
+class ConfigError(ValueError):
+  """A config file, argument or override that cannot be used."""
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+  """Parses 'size=base,objective=mlm+nsp' against typed defaults (big_vision style).
+
+  Unknown keys raise ConfigError; values take the type of their default.
+  """
+  out = ml_collections.ConfigDict(defaults)
+  if not arg:
+    return out
+  for item in arg.split(","):
+    if not item:
+      continue
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ConfigError(f"config argument {item!r} is not key=value (in {arg!r})")
+    if key not in defaults:
+      raise ConfigError(f"unknown config argument {key!r}; known: {sorted(defaults)}")
+    out[key] = _coerce(value, defaults[key], f"config argument {key}")
+  return out
+
+
+def _coerce(text: str, like: Any, where: str) -> Any:
+  if isinstance(like, bool):
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ConfigError(f"{where}: expected a boolean, got {text!r}")
+  if isinstance(like, int):
+    try:
+      return int(text)
+    except ValueError:
+      raise ConfigError(f"{where}: expected an integer, got {text!r}") from None
+  if isinstance(like, float):
+    try:
+      return float(text)
+    except ValueError:
+      raise ConfigError(f"{where}: expected a number, got {text!r}") from None
+  if isinstance(like, str):
+    return text
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def _load_module(path: pathlib.Path):
+  if not path.exists():
+    raise ConfigError(f"config file {path} does not exist")
+  spec = importlib.util.spec_from_file_location(f"bert_jax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path} defines no get_config(arg)")
+  return module
+
+
+def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:
+  """'configs/bert.py:size=base' -> (path, 'size=base'); bare names look in the repo's configs/."""
+  path_text, _, arg = spec.partition(":")
+  path = pathlib.Path(path_text)
+  if not path.exists() and not path.is_absolute():
+    bundled = pathlib.Path(__file__).resolve().parents[2] / "configs" / path_text
+    if bundled.exists():
+      path = bundled
+    elif (bundled.with_suffix(".py")).exists():
+      path = bundled.with_suffix(".py")
+  return path, (arg or None)
+
+
+def load_config(spec: str, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
+  """Loads `path.py[:arg]`, locks it and applies `key.sub=value` overrides."""
+  path, arg = resolve_config_path(spec)
+  module = _load_module(path)
+  config = module.get_config(arg)
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"{path}: get_config must return an ml_collections.ConfigDict")
+  config.lock()
+  apply_overrides(config, overrides)
+  return config
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> None:
+  for override in overrides:
+    key, sep, value = override.partition("=")
+    key = key.removeprefix("--").removeprefix("config.")
+    if not sep:
+      raise ConfigError(f"override {override!r} is not key=value")
+    set_by_path(config, key, value)
+
+
+def set_by_path(config: ml_collections.ConfigDict, dotted: str, text: str) -> None:
+  """Sets config[a][b]... from text, with the existing field's type. Unknown keys raise."""
+  *parents, leaf = dotted.split(".")
+  node = config
+  for i, part in enumerate(parents):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise ConfigError(f"unknown config key {'.'.join(parents[:i + 1])!r} (in override {dotted}={text})")
+    node = node[part]
+  if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+    known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+    raise ConfigError(f"unknown config key {dotted!r}; keys here: {known}")
+  field = node.get_ref(leaf) if isinstance(node._fields.get(leaf), config_dict.FieldReference) else None
+  current = node[leaf]
+  if field is not None and current is None:
+    like = _placeholder_example(field.get_type())
+  else:
+    like = current
+  value = None if text in ("None", "none") and (current is None or field is not None) else _coerce(text, like, dotted)
+  try:
+    node[leaf] = value
+  except (TypeError, config_dict.MutabilityError) as error:
+    raise ConfigError(f"config key {dotted!r}: {error}") from None
+
+
+def _placeholder_example(field_type) -> Any:
+  return {int: 0, float: 0.0, bool: False, str: ""}.get(field_type)
+
+
+def to_json_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  return config.to_dict()
+
+
+def model_section(family: str, size: str, **fixed: Any) -> ml_collections.ConfigDict:
+  """config.model: family, size and every ModelConfig field as a typed placeholder (None = preset value)."""
+  import dataclasses
+  import typing
+
+  from bert_jax.models.config import ModelConfig
+
+  hints = typing.get_type_hints(ModelConfig)
+  section = ml_collections.ConfigDict({"family": family, "size": size})
+  for field in dataclasses.fields(ModelConfig):
+    hint = hints[field.name]
+    base = next((t for t in (bool, int, float, str) if t is hint or t in typing.get_args(hint)), None)
+    section[field.name] = config_dict.placeholder(base)
+  section.generator_fraction = 0.25  # ELECTRA: generator hidden size / discriminator hidden size.
+  for key, value in fixed.items():
+    if key not in section:
+      raise ConfigError(f"unknown model field {key!r}")
+    section[key] = value
+  return section
+
+
+def pretrain_defaults() -> ml_collections.ConfigDict:
+  """Every key a pre-training config may set, with BERT-Base's recipe as defaults."""
+  from bert_jax.data.masking import MaskingConfig
+  import dataclasses
+
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.objective = "mlm+nsp"
+  config.model = model_section("bert", "base")
+  config.masking = ml_collections.ConfigDict(dataclasses.asdict(MaskingConfig()))
+  config.data = ml_collections.ConfigDict(dict(
+      prepared=config_dict.placeholder(str),  # directory written by `bert-jax prepare`
+      builtin=False,                          # build the built-in stdlib-docs corpus in the workdir instead
+      builtin_vocab_size=8000,
+      eval_fraction=0.02,                     # held-out documents for the built-in corpus
+      format="segment_pair",                  # segment_pair | sop | full_sentences | doc_sentences | single
+      seq_len=128,
+      short_seq_prob=0.1,
+      random_next_prob=0.5,
+      packing=False,
+      max_packs=8,
+      prefetch=2,
+  ))
+  config.optim = ml_collections.ConfigDict(dict(
+      name="adamw", lr=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0,
+      schedule="linear", warmup_steps=10_000, power=1.0, end_lr=0.0))
+  config.train = ml_collections.ConfigDict(dict(
+      batch_size=256, steps=1_000_000, accum_steps=1, log_every=100, eval_every=10_000, eval_batches=20,
+      eval_batch_size=config_dict.placeholder(int), checkpoint_every=10_000, keep_checkpoints=3,
+      async_checkpoint=True, init_from=config_dict.placeholder(str), fill_mask=()))
+  config.loss = ml_collections.ConfigDict(dict(sentence_weight=1.0, sbo_weight=1.0, rtd_weight=50.0,
+                                               generator_weight=1.0))
+  config.mesh = ml_collections.ConfigDict(dict(
+      sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
+      rules=config_dict.placeholder(tuple)))
+  return config

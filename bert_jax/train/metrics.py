@@ -1,0 +1,93 @@
+"""Metrics out: JSON lines, TensorBoard event files, and a progress bar with tokens/s and MFU.
+
+Only process 0 writes; other processes get a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+# Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
+PEAK_FLOPS = {
+    "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+}
+
+
+def device_peak_flops(device: jax.Device | None = None) -> float | None:
+  kind = (device or jax.devices()[0]).device_kind
+  for name, flops in PEAK_FLOPS.items():
+    if name.lower() in kind.lower():
+      return flops
+  return None
+
+
+def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
+  return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+class MetricWriter:
+  """Appends {"step": s, **scalars} to metrics.jsonl and writes TensorBoard scalars."""
+
+  def __init__(self, workdir: str | pathlib.Path, enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:
+      return
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
+    try:
+      from tensorboardX import SummaryWriter
+      self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+    except ImportError:
+      self.tensorboard = None
+
+  def write(self, step: int, scalars: Mapping[str, float], prefix: str = "") -> None:
+    if not self.enabled:
+      return
+    named = {f"{prefix}{k}": v for k, v in scalars.items()}
+    self.jsonl.write(json.dumps({"step": int(step), **{k: _json_number(v) for k, v in named.items()}}) + "\n")
+    if self.tensorboard is not None:
+      for name, value in named.items():
+        self.tensorboard.add_scalar(name, value, step)
+
+  def close(self) -> None:
+    if self.enabled:
+      self.jsonl.close()
+      if self.tensorboard is not None:
+        self.tensorboard.close()
+
+
+def _json_number(value: float) -> float | str:
+  return value if math.isfinite(value) else str(value)
+
+
+class Throughput:
+  """Tokens/s and MFU over the interval since the last call."""
+
+  def __init__(self, tokens_per_step: int, flops_per_token: float, num_devices: int):
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    peak = device_peak_flops()
+    self.peak_total = peak * num_devices if peak else None
+    self.last_time, self.last_step = time.perf_counter(), None
+
+  def update(self, step: int) -> dict[str, float]:
+    now = time.perf_counter()
+    out = {}
+    if self.last_step is not None and step > self.last_step:
+      seconds = now - self.last_time
+      tokens_per_second = (step - self.last_step) * self.tokens_per_step / seconds
+      out["tokens_per_second"] = tokens_per_second
+      out["steps_per_second"] = (step - self.last_step) / seconds
+      if self.peak_total:
+        out["mfu"] = tokens_per_second * self.flops_per_token / self.peak_total
+    self.last_time, self.last_step = now, step
+    return out

@@ -1,0 +1,99 @@
+"""Optimizers and learning-rate schedules (AdamW, LAMB; warmup then decay).
+
+Weight decay is decoupled and skips biases and LayerNorm parameters (every
+1-D parameter), as BERT does. Fine-tuning may scale each layer's updates with
+layer-wise learning-rate decay (ELECTRA).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+SCHEDULES = ("linear", "poly", "cosine", "constant")
+OPTIMIZERS = ("adamw", "lamb")
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Linear warmup to `lr` over `warmup_steps`, then `schedule` decay to `end_lr` at `total_steps`."""
+  if config.schedule not in SCHEDULES:
+    raise ValueError(f"config.optim.schedule={config.schedule!r}: expected one of {SCHEDULES}")
+  warmup = int(config.warmup_steps)
+  if warmup < 0 or total_steps <= 0:
+    raise ValueError(f"config.optim.warmup_steps={warmup} and total steps={total_steps} must be >= 0 / > 0")
+  decay_steps = max(1, total_steps - warmup)
+  if config.schedule == "constant":
+    decay = optax.constant_schedule(config.lr)
+  elif config.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(config.lr, decay_steps, alpha=config.end_lr / config.lr if config.lr else 0.0)
+  else:
+    power = 1.0 if config.schedule == "linear" else config.power
+    decay = optax.polynomial_schedule(config.lr, config.end_lr, power, decay_steps)
+  if warmup == 0:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, config.lr, warmup), decay], [warmup])
+
+
+def decay_mask(params: Any) -> Any:
+  """True for parameters that get weight decay: matrices and embedding tables, not biases or norms."""
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def layer_index(path: str, num_layers: int, num_blocks: int) -> int:
+  """Depth of a parameter for layer-wise LR decay: 0 = embeddings, 1..L blocks, L + 1 = heads."""
+  if "embeddings" in path or "embedding_projection" in path:
+    return 0
+  match = re.search(r"block_(\d+)", path)
+  if match:
+    # With sharing, a block serves several layers; it takes the depth of its last one.
+    return (int(match.group(1)) + 1) * num_layers // num_blocks
+  return num_layers + 1
+
+
+def layerwise_lr_factors(params: Any, num_layers: int, num_blocks: int, decay: float) -> Any:
+  """decay ** (L + 1 - depth) per parameter (heads 1, top block `decay`, embeddings decay ** (L + 1))."""
+  def factor(path, _):
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    return decay ** (num_layers + 1 - layer_index(name, num_layers, num_blocks))
+
+  return jax.tree_util.tree_map_with_path(factor, params)
+
+
+def scale_by_tree(factors: Any) -> optax.GradientTransformation:
+  """Multiplies each update leaf by a constant factor of the same tree."""
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, f: u * jnp.asarray(f, u.dtype), updates, factors), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
+                   lr_factors: Any | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Builds the optimizer of `config.optim` (name, lr, b1, b2, eps, weight_decay, clip_norm, schedule...).
+
+  Returns:
+    (transformation, learning-rate schedule).
+  """
+  if config.name not in OPTIMIZERS:
+    raise ValueError(f"config.optim.name={config.name!r}: expected one of {OPTIMIZERS}")
+  schedule = learning_rate_schedule(config, total_steps)
+  parts = []
+  if config.clip_norm and config.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(config.clip_norm))
+  if config.name == "adamw":
+    parts += [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+              optax.add_decayed_weights(config.weight_decay, mask=decay_mask)]
+  else:
+    parts += [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+              optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+              optax.scale_by_trust_ratio()]
+  if lr_factors is not None:
+    parts.append(scale_by_tree(lr_factors))
+  parts.append(optax.scale_by_learning_rate(schedule))
+  return optax.chain(*parts), schedule

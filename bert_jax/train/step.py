@@ -1,0 +1,183 @@
+"""Train state, sharded initialisation and the jitted train / eval steps.
+
+The step is one pure function `train_step(state, batch) -> (state, metrics)`,
+compiled once with in/out shardings and the state donated. Gradient
+accumulation scans over micro-batches, summing gradients of losses that are
+already divided by the *whole* batch's counts, so it equals the direct step.
+A step whose loss or gradients are not finite leaves the parameters unchanged
+and reports `nonfinite=1`; the loop stops the run on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from bert_jax.parallel import sharding as sharding_lib
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: Array
+  params: Any
+  opt_state: Any
+
+
+class Task(Protocol):
+  """What the step needs from an objective (pre-training) or a fine-tuning task."""
+
+  weights: dict[str, float]
+
+  def prepare(self, batch: dict[str, Array]) -> dict[str, Array]: ...
+
+  def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]: ...
+
+  def forward(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+  mesh: Mesh
+  rules: tuple
+
+  def context(self):
+    """Mesh + logical rules in scope, so the model's logical constraints resolve."""
+    return _Both(self.mesh, nn.logical_axis_rules(self.rules))
+
+
+class _Both:
+  def __init__(self, *contexts):
+    self.contexts = contexts
+
+  def __enter__(self):
+    for c in self.contexts:
+      c.__enter__()
+
+  def __exit__(self, *exc):
+    for c in reversed(self.contexts):
+      c.__exit__(*exc)
+
+
+def create_state(init_variables: Callable[[Array], Any], tx: optax.GradientTransformation, rng: Array,
+                 partitioning: Partitioning) -> tuple[TrainState, Any]:
+  """Initialises the train state directly in its shards.
+
+  Args:
+    init_variables: rng -> boxed variables ({"params": ...}) with logical axes.
+    tx: the optimizer.
+    rng: init key.
+    partitioning: mesh and rules.
+
+  Returns:
+    (state, state shardings).
+  """
+  def init_boxed(key):
+    params = init_variables(key)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  with partitioning.context():
+    abstract = jax.eval_shape(init_boxed, rng)
+    shardings = sharding_lib.logical_shardings(abstract, partitioning.mesh, partitioning.rules)
+    state = jax.jit(lambda key: nn.unbox(init_boxed(key)), out_shardings=shardings)(rng)
+  return state, shardings
+
+
+def _split_microbatches(inputs: dict[str, Array], accum_steps: int) -> dict[str, Array]:
+  """[B, ...] -> [accum, B / accum, ...] taking rows i, i + accum, ... so each device keeps its rows."""
+  def split(x):
+    rows = x.shape[0]
+    return jnp.swapaxes(x.reshape((rows // accum_steps, accum_steps) + x.shape[1:]), 0, 1)
+
+  return jax.tree.map(split, inputs)
+
+
+def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
+  terms = task.forward(params, inputs, rng, train)
+  loss = sum(weight * terms[f"{name}_loss"] / jnp.maximum(denominators[name], 1.0)
+             for name, weight in task.weights.items())
+  return loss, terms
+
+
+def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
+                    rng: Array, partitioning: Partitioning, state_shardings: Any) -> Callable:
+  """Returns the jitted `train_step(state, batch) -> (state, metrics)`."""
+  grad_fn = jax.value_and_grad(_loss_and_terms, argnums=1, has_aux=True)
+
+  def train_step(state: TrainState, batch: dict[str, Array]):
+    with partitioning.context():
+      step_rng = jax.random.fold_in(rng, state.step)
+      inputs = task.prepare(batch)
+      denominators = task.denominators(inputs)
+      if accum_steps == 1:
+        (loss, terms), grads = grad_fn(task, state.params, inputs, step_rng, denominators, True)
+      else:
+        micro = _split_microbatches(inputs, accum_steps)
+
+        def body(carry, xs):
+          grads_sum, loss_sum, terms_sum = carry
+          micro_inputs, index = xs
+          (loss, terms), grads = grad_fn(task, state.params, micro_inputs, jax.random.fold_in(step_rng, index),
+                                         denominators, True)
+          add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+          return (add(grads_sum, grads), loss_sum + loss, add(terms_sum, terms)), None
+
+        zeros_grads = jax.tree.map(jnp.zeros_like, state.params)
+        abstract_terms = jax.eval_shape(lambda: task.forward(state.params, jax.tree.map(lambda x: x[0], micro),
+                                                             step_rng, True))
+        zeros_terms = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_terms)
+        (grads, loss, terms), _ = jax.lax.scan(body, (zeros_grads, jnp.zeros((), jnp.float32), zeros_terms),
+                                               (micro, jnp.arange(accum_steps)))
+      grad_norm = optax.global_norm(grads)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+      new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
+                             opt_state=keep(opt_state, state.opt_state))
+      metrics = summarize(task, terms, denominators)
+      metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
+                     param_norm=optax.global_norm(state.params), update_norm=optax.global_norm(updates),
+                     nonfinite=1 - finite.astype(jnp.int32))
+      return new_state, metrics
+
+  replicated = sharding_lib.replicated(partitioning.mesh)
+  batch_sharding = sharding_lib.batch_sharding(partitioning.mesh)
+  return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array]) -> dict[str, Array]:
+  """Per-term mean loss and accuracy, plus the counts (for averaging over batches)."""
+  metrics = {}
+  for name in task.weights:
+    count = jnp.maximum(denominators[name], 1.0)
+    metrics[f"{name}_loss"] = terms[f"{name}_loss"] / count
+    if f"{name}_correct" in terms:
+      metrics[f"{name}_accuracy"] = terms[f"{name}_correct"] / count
+  return metrics
+
+
+def make_eval_step(task: Task, partitioning: Partitioning, state_shardings: Any) -> Callable:
+  """Returns the jitted `eval_step(params, batch) -> sums` (loss/correct sums and counts per term)."""
+  def eval_step(params, batch):
+    with partitioning.context():
+      inputs = task.prepare(batch)
+      denominators = task.denominators(inputs)
+      terms = task.forward(params, inputs, None, False)
+      sums = dict(terms)
+      for name in task.weights:
+        sums[f"{name}_count"] = denominators[name]
+      return sums
+
+  replicated = sharding_lib.replicated(partitioning.mesh)
+  return jax.jit(eval_step, in_shardings=(state_shardings.params, sharding_lib.batch_sharding(partitioning.mesh)),
+                 out_shardings=replicated)

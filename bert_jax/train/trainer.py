@@ -1,0 +1,352 @@
+"""The pre-training loop: `train_and_evaluate(config, workdir)`.
+
+Config -> data (prepared shards, or the built-in corpus) -> objective + model
+-> sharded state -> jitted step -> metrics, evaluation, checkpoints. Starting
+again with the same workdir resumes exactly, data iterator included. SIGTERM
+saves a checkpoint and returns cleanly. A non-finite loss stops the run with a
+clear error; the state it stops on never reaches a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import platform
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from bert_jax.data import pipeline
+from bert_jax.data.prepare import open_prepared
+from bert_jax.models import ModelConfig, model_config
+from bert_jax.parallel import distributed
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import config_lib, metrics as metrics_lib, objectives, optim
+from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradients became NaN/Inf."""
+
+
+def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+  """The config's model section -> ModelConfig; vocab_size defaults to the tokenizer's and must match it."""
+  fields = {k: v for k, v in model.items() if k not in ("family", "size", "generator_fraction") and v is not None}
+  if fields.get("vocab_size", vocab_size) != vocab_size:
+    raise ValueError(f"config.model.vocab_size={fields['vocab_size']} does not match the tokenizer's vocabulary "
+                     f"of {vocab_size} tokens; leave it unset to take the tokenizer's")
+  fields["vocab_size"] = vocab_size
+  return model_config(model.family, model.size, **fields)
+
+
+def prepare_data(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
+  """Returns the prepared corpus directory; builds the built-in demo corpus on first use."""
+  data = config.data
+  if data.builtin:
+    from bert_jax.data import builtin_corpus, prepare, tokenizers
+    root = workdir / "builtin_corpus"
+    corpus = root / "corpus.txt"
+    tokenizer_dir = root / "tokenizer"
+    if jax.process_index() == 0:
+      if not corpus.exists():
+        builtin_corpus.build_builtin_corpus(corpus)
+      if not (tokenizer_dir / "tokenizer.json").exists() and not (tokenizer_dir / "vocab.txt").exists():
+        tokenizers.train_tokenizer("wordpiece", [str(corpus)], data.builtin_vocab_size, tokenizer_dir)
+      prepare.prepare_corpus([str(corpus)], tokenizer_dir, root / "prepared", eval_fraction=data.eval_fraction,
+                             seed=config.seed, log=log.info)
+    distributed.sync_global_devices("builtin_corpus")
+    return root / "prepared"
+  if not data.prepared:
+    raise ValueError("config.data.prepared is not set: give a directory written by `bert-jax prepare` "
+                     "(or set config.data.builtin=True for the built-in corpus)")
+  return pathlib.Path(data.prepared)
+
+
+def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel: int) -> None:
+  """Derived values that must fit, checked before anything is compiled."""
+  train = config.train
+  if train.batch_size % data_parallel:
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the data-parallel size "
+                     f"{data_parallel} (mesh data x fsdp over {mesh_devices} devices)")
+  if train.batch_size % jax.process_count():
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the "
+                     f"{jax.process_count()} processes")
+  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
+    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
+                     f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
+  if config.objective in objectives.SENTENCE_FORMATS and config.data.format != objectives.SENTENCE_FORMATS[
+      config.objective]:
+    raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
+                     f"{objectives.SENTENCE_FORMATS[config.objective]!r}, got {config.data.format!r}")
+  if config.data.seq_len > (config.model.max_position_embeddings or 512):
+    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's max_position_embeddings")
+  if config.masking.max_predictions > config.data.seq_len:
+    raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
+                     f"config.data.seq_len={config.data.seq_len}")
+
+
+def _dummy_batch(rows: int, seq_len: int, packs: int) -> dict[str, jax.Array]:
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+  ones = jnp.ones((rows, seq_len), jnp.int32)
+  return {"input_ids": zeros(rows, seq_len), "segment_ids": zeros(rows, seq_len),
+          "position_ids": jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len)),
+          "pack_ids": ones, "word_starts": ones, "special_mask": zeros(rows, seq_len),
+          "cls_positions": zeros(rows, packs), "sentence_labels": zeros(rows, packs),
+          "sentence_weights": jnp.ones((rows, packs), jnp.float32), "example_ids": jnp.arange(rows, dtype=jnp.int32),
+          "epoch": zeros(rows)}
+
+
+def _iterator(config, prepared_dir, split: str, batch_rows: int, num_epochs=None):
+  data = config.data
+  return pipeline.pretraining_iterator(
+      prepared_dir, split=split, example_format=data.format, seq_len=data.seq_len,
+      batch_size=batch_rows // jax.process_count(), seed=config.seed, short_seq_prob=data.short_seq_prob,
+      random_next_prob=data.random_next_prob, packing=data.packing, max_packs=data.max_packs,
+      process_index=jax.process_index(), process_count=jax.process_count(), num_epochs=num_epochs,
+      prefetch=data.prefetch)
+
+
+def _environment() -> dict[str, Any]:
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                            cwd=pathlib.Path(__file__).parent).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = ""
+  return {"python": sys.version, "platform": platform.platform(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+          "device_kind": jax.devices()[0].device_kind, "process_count": jax.process_count(),
+          "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop checks between steps."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # Not in the main thread: no handler.
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
+  """One pass over (at most eval_batches of) the held-out documents."""
+  rows = config.train.eval_batch_size or config.train.batch_size
+  sums: dict[str, float] = {}
+  for index, local in enumerate(_iterator(config, prepared_dir, "eval", rows, num_epochs=1)):
+    if config.train.eval_batches and index >= config.train.eval_batches:
+      break
+    for key, value in metrics_lib.to_python(eval_step(params, sharding_lib.global_batch(local, mesh))).items():
+      sums[key] = sums.get(key, 0.0) + value
+  results = {}
+  for name in objective.weights:
+    count = sums.get(f"{name}_count", 0.0)
+    if count:
+      results[f"{name}_loss"] = sums[f"{name}_loss"] / count
+      results[f"{name}_accuracy"] = sums[f"{name}_correct"] / count
+  if "mlm_loss" in results:
+    results["mlm_perplexity"] = float(np.exp(min(results["mlm_loss"], 50.0)))
+  return results
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
+  """Runs (or resumes) the pre-training experiment `config` in `workdir`.
+
+  Returns:
+    {"step": final step, "train": last logged train metrics, "eval": last eval
+    metrics, "history": [train metrics per log step], "preempted": bool}.
+  """
+  distributed.initialize()
+  workdir = pathlib.Path(workdir)
+  primary = jax.process_index() == 0
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
+
+  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
+  data_parallel = sharding_lib.data_parallel_size(mesh)
+  validate(config, mesh.size, data_parallel)
+  partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
+
+  prepared_dir = prepare_data(config, workdir)
+  corpus = open_prepared(prepared_dir)
+  tokenizer = corpus.load_tokenizer()
+  model_cfg = build_model_config(config.model, tokenizer.vocab_size)
+  objective = objectives.make_objective(config, model_cfg, tokenizer.mask_id)
+  total_steps = config.train.steps
+  tx, schedule = optim.make_optimizer(config.optim, total_steps)
+
+  packs = config.data.max_packs if config.data.packing else 1
+  rng = jax.random.key(config.seed)
+  init_rng, step_rng = jax.random.split(rng)
+  dummy = _dummy_batch(config.train.batch_size, config.data.seq_len, packs)
+  state, state_shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, init_rng, partitioning)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+
+  checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.train.keep_checkpoints,
+                                             async_save=config.train.async_checkpoint)
+  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size)
+  restored = checkpointer.restore_latest(state)
+  if restored is not None:
+    start_step, state, data_state, _ = restored
+    train_iter.set_state(data_state)
+    log.info("resumed from checkpoint at step %d in %s", start_step, checkpointer.directory)
+  else:
+    start_step = 0
+    if config.train.init_from:
+      _, params = checkpoint_lib.restore_params(config.train.init_from)
+      state = state.replace(params=jax.device_put(_match_params(params, state.params), state_shardings.params))
+      log.info("initialised parameters from %s", config.train.init_from)
+
+  train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps, rng=step_rng,
+                               partitioning=partitioning, state_shardings=state_shardings)
+  eval_step = make_eval_step(objective, partitioning, state_shardings)
+
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  predictions_per_token = 1.0 if config.objective == "ltr" else config.masking.max_predictions / config.data.seq_len
+  throughput = metrics_lib.Throughput(tokens_per_step,
+                                      model_cfg.flops_per_token(config.data.seq_len, predictions_per_token), mesh.size)
+  writer = metrics_lib.MetricWriter(workdir, enabled=primary)
+  if primary:
+    (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+    (workdir / "model_config.json").write_text(json.dumps(model_cfg.__dict__, indent=2))
+    (workdir / "environment.json").write_text(json.dumps(_environment(), indent=2))
+    tokenizer.save(workdir / "tokenizer")
+    print(f"bert_jax pretrain: objective={config.objective} model={config.model.family}/{config.model.size} "
+          f"params={num_params / 1e6:.2f}M\n  global batch={config.train.batch_size} per-host batch="
+          f"{config.train.batch_size // jax.process_count()} seq_len={config.data.seq_len} "
+          f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} steps={start_step}->"
+          f"{total_steps}\n  workdir={workdir.absolute()}", flush=True)
+
+  history, eval_results, last_train = [], {}, {}
+  pending: list[dict[str, jax.Array]] = []
+  progress = _progress_bar(primary, start_step, total_steps)
+  preempted = False
+  step = start_step
+
+  def flush_pending(current_step: int) -> None:
+    """Fetches the metrics of the steps since the last flush; stops on a non-finite loss."""
+    nonlocal last_train
+    if not pending:
+      return
+    fetched = [metrics_lib.to_python(m) for m in pending]
+    pending.clear()
+    bad = [current_step - len(fetched) + i + 1 for i, m in enumerate(fetched) if m["nonfinite"]]
+    if bad:
+      good = checkpointer.steps()
+      raise NonFiniteLossError(
+          f"non-finite loss or gradients at step {bad[0]} (loss={fetched[bad[0] - current_step - 1]['loss']}); "
+          f"the update was not applied and the run stops. Last good checkpoint: "
+          f"{good[-1] if good else 'none'} in {checkpointer.directory}. Try a lower config.optim.lr, "
+          f"a longer warmup or config.optim.clip_norm.")
+    averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
+    averaged.pop("nonfinite")
+    averaged.update(throughput.update(current_step))
+    last_train = averaged
+    history.append({"step": current_step, **averaged})
+    writer.write(current_step, averaged, prefix="train/")
+    if progress is not None:
+      progress.set_postfix(_postfix(averaged), refresh=False)
+
+  with _Preemption() as preemption:
+    try:
+      while step < total_steps:
+        batch = sharding_lib.global_batch(next(train_iter), mesh)
+        state, step_metrics = train_step(state, batch)
+        step += 1
+        pending.append(step_metrics)
+        if progress is not None:
+          progress.update(1)
+        last = step == total_steps
+        if step % config.train.log_every == 0 or last:
+          flush_pending(step)
+        if config.train.eval_every and (step % config.train.eval_every == 0 or last):
+          flush_pending(step)
+          eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+          writer.write(step, eval_results, prefix="eval/")
+          if primary:
+            _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
+        if preemption.requested or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0) \
+            or last:
+          flush_pending(step)
+          checkpointer.save(step, state, train_iter.get_state(), {"step": step}, force=True)
+        if preemption.requested:
+          preempted = True
+          _print_line(progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
+          break
+    finally:
+      if progress is not None:
+        progress.close()
+      checkpointer.close()
+      writer.close()
+  return {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
+          "workdir": str(workdir.absolute()), "model_config": model_cfg, "num_params": num_params,
+          "prepared_dir": str(prepared_dir)}
+
+
+def _match_params(loaded: Any, reference: Any) -> Any:
+  """Checks that parameters read from another run fit this model, naming any mismatch."""
+  flat_loaded = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
+  flat_ref, treedef = jax.tree_util.tree_flatten_with_path(reference)
+  out, problems = [], []
+  for path, ref in flat_ref:
+    name = jax.tree_util.keystr(path)
+    if path not in flat_loaded:
+      problems.append(f"missing {name}")
+      out.append(ref)
+    elif tuple(flat_loaded[path].shape) != tuple(ref.shape):
+      problems.append(f"{name}: shape {tuple(flat_loaded[path].shape)} != {tuple(ref.shape)}")
+      out.append(ref)
+    else:
+      out.append(np.asarray(flat_loaded[path], ref.dtype))
+  if problems:
+    raise ValueError("config.train.init_from does not fit this model:\n  " + "\n  ".join(problems))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _progress_bar(primary: bool, start: int, total: int):
+  if not primary:
+    return None
+  from tqdm import tqdm
+  return tqdm(total=total, initial=start, desc="pretrain", dynamic_ncols=True, mininterval=1.0,
+              file=sys.stdout, disable=not sys.stdout.isatty() and False)
+
+
+def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+  out = {"loss": f"{metrics['loss']:.3f}"}
+  if "mlm_accuracy" in metrics:
+    out["mlm_acc"] = f"{metrics['mlm_accuracy']:.3f}"
+  if "tokens_per_second" in metrics:
+    out["tok/s"] = f"{metrics['tokens_per_second']:.0f}"
+  if "mfu" in metrics:
+    out["mfu"] = f"{100 * metrics['mfu']:.1f}%"
+  return out
+
+
+def _print_line(progress, text: str) -> None:
+  if progress is not None:
+    progress.write(text)
+  else:
+    print(text, flush=True)

@@ -1,0 +1,162 @@
+"""Train step: gradient accumulation, data/FSDP/tensor sharding equivalence, non-finite guard, objectives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import model_config
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import config_lib, objectives, optim
+from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
+
+VOCAB, SEQ, ROWS = 101, 32, 16
+
+
+def synthetic_batch(rows=ROWS, seq=SEQ, packs=1, seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, VOCAB, (rows, seq)).astype(np.int32)
+  lengths = rng.integers(seq // 2, seq + 1, rows)
+  pack_ids = (np.arange(seq)[None] < lengths[:, None]).astype(np.int32)
+  ids[:, 0] = 2
+  ids[np.arange(rows), lengths - 1] = 3
+  ids[pack_ids == 0] = 0
+  special = ((ids == 2) | (ids == 3) | (pack_ids == 0)).astype(np.int32)
+  segment = (np.arange(seq)[None] >= (lengths // 2)[:, None]).astype(np.int32) * pack_ids
+  return {"input_ids": ids, "segment_ids": segment,
+          "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy(),
+          "pack_ids": pack_ids, "word_starts": (rng.random((rows, seq)) < 0.7).astype(np.int32) | special,
+          "special_mask": special, "cls_positions": np.zeros((rows, packs), np.int32),
+          "sentence_labels": rng.integers(0, 2, (rows, packs)).astype(np.int32),
+          "sentence_weights": np.ones((rows, packs), np.float32),
+          "example_ids": np.arange(rows, dtype=np.int32) + 1000 * seed, "epoch": np.zeros(rows, np.int32)}
+
+
+def make_config(objective="mlm+nsp", **train):
+  config = config_lib.pretrain_defaults()
+  config.objective = objective
+  config.optim.warmup_steps = 2
+  config.optim.lr = 5e-3
+  config.masking.max_predictions = 6
+  config.train.batch_size = ROWS
+  for key, value in train.items():
+    config.train[key] = value
+  return config
+
+
+def tiny_model(**overrides):
+  fields = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                max_position_embeddings=64)
+  fields.update(overrides)
+  return model_config("bert", "tiny", **fields)
+
+
+def build(objective_name="mlm+nsp", mesh_sizes=None, accum_steps=1, dropout=0.0, model_overrides=None):
+  config = make_config(objective_name, accum_steps=accum_steps)
+  model_cfg = tiny_model(hidden_dropout=dropout, attention_dropout=dropout, **(model_overrides or {}))
+  objective = objectives.make_objective(config, model_cfg, mask_id=4)
+  tx, schedule = optim.make_optimizer(config.optim, total_steps=100)
+  mesh = sharding_lib.create_mesh(mesh_sizes or {"data": 1}, devices=jax.devices()[: _product(mesh_sizes)])
+  partitioning = Partitioning(mesh, sharding_lib.DEFAULT_RULES)
+  dummy = {k: jnp.asarray(v) for k, v in synthetic_batch().items()}
+  state, shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, jax.random.key(0),
+                                  partitioning)
+  step = make_train_step(objective, tx, schedule, accum_steps=accum_steps, rng=jax.random.key(1),
+                         partitioning=partitioning, state_shardings=shardings)
+  return state, step, mesh, objective, partitioning, shardings
+
+
+def _product(sizes):
+  return int(np.prod(list((sizes or {"data": 1}).values())))
+
+
+def run_steps(state, step, mesh, batches):
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, sharding_lib.global_batch(batch, mesh))
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def test_gradient_accumulation_equals_direct_step():
+  batches = [synthetic_batch(seed=s) for s in range(3)]
+  direct_state, direct_step, mesh, *_ = build(accum_steps=1)
+  accum_state, accum_step, _, *_ = build(accum_steps=4)
+  direct_state, direct_losses = run_steps(direct_state, direct_step, mesh, batches)
+  accum_state, accum_losses = run_steps(accum_state, accum_step, mesh, batches)
+  np.testing.assert_allclose(direct_losses, accum_losses, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(direct_state.params), jax.tree.leaves(accum_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh_sizes", [{"data": 8}, {"fsdp": 8}, {"tensor": 4}, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_sharded_steps_equal_single_device(mesh_sizes):
+  batches = [synthetic_batch(seed=s) for s in range(2)]
+  single_state, single_step, single_mesh, *_ = build()
+  sharded_state, sharded_step, mesh, *_ = build(mesh_sizes=mesh_sizes)
+  _, single_losses = run_steps(single_state, single_step, single_mesh, batches)
+  sharded_state, sharded_losses = run_steps(sharded_state, sharded_step, mesh, batches)
+  np.testing.assert_allclose(single_losses, sharded_losses, rtol=2e-5)
+  if "fsdp" in mesh_sizes or "tensor" in mesh_sizes:
+    shardings = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(sharded_state.params)}
+    assert any(axis in spec for spec in shardings for axis in mesh_sizes), shardings
+
+
+def test_nonfinite_loss_leaves_parameters_unchanged():
+  state, step, mesh, *_ = build()
+  before = jax.tree.map(np.asarray, state.params)
+  bad = dict(jax.tree.map(np.asarray, state.params))
+  poisoned = jax.tree.map(lambda x: x, before)
+  poisoned["mlm"]["predictions"]["output_bias"] = np.full_like(poisoned["mlm"]["predictions"]["output_bias"], np.nan)
+  del bad
+  state = state.replace(params=jax.device_put(poisoned, jax.tree.map(lambda x: x.sharding, state.params)))
+  state, metrics = step(state, sharding_lib.global_batch(synthetic_batch(), mesh))
+  assert int(metrics["nonfinite"]) == 1
+  assert int(state.step) == 1
+  bias = np.asarray(state.params["mlm"]["predictions"]["output_bias"])
+  assert np.isnan(bias).all()  # untouched, not updated
+  np.testing.assert_array_equal(np.asarray(state.params["encoder"]["block_0"]["ffn"]["wo"]["kernel"]),
+                                before["encoder"]["block_0"]["ffn"]["wo"]["kernel"])
+
+
+@pytest.mark.parametrize("objective_name", objectives.OBJECTIVES)
+def test_every_objective_trains(objective_name):
+  model_overrides = {"embedding_size": 16} if objective_name == "rtd" else None
+  state, step, mesh, objective, partitioning, shardings = build(objective_name, model_overrides=model_overrides)
+  batch = synthetic_batch()
+  losses = []
+  for _ in range(20):
+    state, metrics = step(state, sharding_lib.global_batch(batch, mesh))
+    losses.append(float(metrics["loss"]))
+  assert np.isfinite(losses).all()
+  assert losses[-1] < losses[0] * 0.8, losses
+  expected = {"mlm+nsp": "sentence_loss", "mlm+sop": "sentence_loss", "mlm+sbo": "sbo_loss", "rtd": "rtd_loss",
+              "mlm": "mlm_loss", "ltr": "mlm_loss"}[objective_name]
+  assert expected in metrics
+  eval_step = make_eval_step(objective, partitioning, shardings)
+  sums = eval_step(state.params, sharding_lib.global_batch(batch, mesh))
+  assert float(sums["mlm_count"]) > 0
+
+
+def test_schedule_warmup_and_decay():
+  config = config_lib.pretrain_defaults().optim
+  config.lr, config.warmup_steps, config.schedule = 1.0, 10, "linear"
+  schedule = optim.learning_rate_schedule(config, 110)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
+                             [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+  config.schedule = "cosine"
+  np.testing.assert_allclose(optim.learning_rate_schedule(config, 110)(60), 0.5, atol=1e-6)
+
+
+def test_weight_decay_skips_biases_and_norms():
+  params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}}
+  assert optim.decay_mask(params) == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False}}
+
+
+def test_layerwise_lr_factors():
+  params = {"encoder": {"embeddings": {"w": 0}, "block_0": {"w": 0}, "block_1": {"w": 0}}, "head": {"w": 0}}
+  factors = optim.layerwise_lr_factors(params, num_layers=2, num_blocks=2, decay=0.5)
+  assert factors["head"]["w"] == 1.0
+  assert factors["encoder"]["block_1"]["w"] == 0.5
+  assert factors["encoder"]["block_0"]["w"] == 0.25
+  assert factors["encoder"]["embeddings"]["w"] == 0.125
