@@ -288,3 +288,9 @@ def test_export_refuses_options_transformers_lacks(tmp_path):
   _, config, params, _ = load_hf_checkpoint(save_hf(hf_model("bert", "base"), tmp_path / "hf"))
   with pytest.raises(CheckpointError, match="norm='pre'"):
     save_hf_checkpoint("bert", config.replace(norm="pre"), params, tmp_path / "out")
+
+
+def test_electra_warns_when_generator_embeddings_differ(tmp_path):
+  discriminator, generator = hf_model("electra"), hf_model("electra", "generator", seed=1, **GENERATOR)
+  with pytest.warns(UserWarning, match="generator embeddings"):
+    load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"), save_hf(generator, tmp_path / "gen"))

@@ -400,7 +400,7 @@ def load_hf_checkpoint(directory: str | pathlib.Path, generator_dir: str | pathl
   architecture, family, role, config, tensors = _read_checkpoint(directory)
   names = set(tensors)
   extras: dict[str, Any] = {"architecture": architecture}
-  sources = [(directory, tensors, config)]
+  sources = [(directory, tensors)]
   if generator_dir is not None:
     if role != "discriminator":
       raise CheckpointError(f"a generator directory goes with an ElectraForPreTraining discriminator, "
@@ -411,11 +411,12 @@ def load_hf_checkpoint(directory: str | pathlib.Path, generator_dir: str | pathl
     _check_head_activation(family, gen_config, has_mlm=True)
     layouts = [_file_layout(family, role, config, electra_part="discriminator"),
                _file_layout(family, "masked_lm", gen_config, electra_part="generator")]
-    sources.append((pathlib.Path(generator_dir), gen_tensors, gen_config))
+    sources.append((pathlib.Path(generator_dir), gen_tensors))
     extras["generator_config"] = gen_config
   else:
+    # A ForMaskedLM checkpoint keeps its NSP/SOP head when it has one (bert-base-uncased does).
     classifier = mapping.SENTENCE_CLASSIFIERS.get(family)
-    sentence = role == "pretraining" or (role == "masked_lm" and f"{classifier}.weight" in names)
+    sentence = role == "pretraining" or (classifier is not None and f"{classifier}.weight" in names)
     pooler = family != "electra" and not sentence and _has_any(names, mapping.pooler_rules(family, ()))
     _check_head_activation(family, config, has_mlm=role in ("pretraining", "masked_lm"))
     layouts = [_file_layout(family, role, config, sentence=sentence, pooler=pooler)]
@@ -424,7 +425,7 @@ def load_hf_checkpoint(directory: str | pathlib.Path, generator_dir: str | pathl
   shapes.update({name: param_shapes(module(config)) for name, module in EXTRA_MODULES.items()})
   out: Params = {}
   problems = []
-  for (source_dir, source_tensors, _), layout in zip(sources, layouts):
+  for (source_dir, source_tensors), layout in zip(sources, layouts):
     problems += _apply_layout(source_tensors, layout, shapes, str(source_dir), out)
   if problems:
     raise CheckpointError(f"cannot convert {architecture} checkpoint:\n  " + "\n  ".join(problems))
