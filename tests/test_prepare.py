@@ -177,3 +177,21 @@ def test_cli_trains_a_tokenizer_and_prepares(tmp_path, capsys):
   manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
   assert manifest["tokenizer"]["vocab_size"] <= 150
   assert manifest["splits"]["eval"]["documents"] == 2
+
+
+def test_builtin_corpus_is_deterministic_prose_in_bert_format(tmp_path):
+  from bert_jax.data import builtin_corpus
+  first = builtin_corpus.build_builtin_corpus(tmp_path / "a.txt").read_bytes()
+  assert builtin_corpus.build_builtin_corpus(tmp_path / "b.txt").read_bytes() == first
+  assert 200_000 < len(first) < 5_000_000
+  text = first.decode("utf-8")
+  documents = text.strip("\n").split("\n\n")
+  assert len(documents) > 300 and all(document.strip() for document in documents)
+  lines = text.splitlines()
+  assert not [line for line in lines if line.startswith((">>>", "    ")) or ":func:`" in line or "``" in line]
+  # The demo path: train a small WordPiece vocab on it and prepare it.
+  tokenizer = tokenizers.train_tokenizer("wordpiece", [tmp_path / "a.txt"], 2000, tmp_path / "vocab")
+  manifest = prepare.prepare_corpus([str(tmp_path / "a.txt")], tokenizer, tmp_path / "out", num_workers=0,
+                                    eval_fraction=0.05, log=lambda *_: None)
+  assert manifest["totals"]["documents"] == len(documents)
+  assert set(manifest["report"]["counts"]) <= {"long_sentences"}  # a few run-on table lines are split
