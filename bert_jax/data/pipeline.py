@@ -79,7 +79,9 @@ class _EpochBlocks:
 class _BlockToRows(grain_experimental.FlatMapTransform):
   """Flat-map: block number (counted over all epochs) -> the block's row plans."""
 
-  max_fan_out = 1 << 31  # a block has at most as many rows as sentences; checked only by MapDataset flat-maps
+  # Required by Grain's interface but only enforced by MapDataset flat-maps;
+  # a block has at most as many rows as sentences.
+  max_fan_out = 1 << 31
 
   def __init__(self, corpus: prepare.PreparedCorpus, blocks: _EpochBlocks, config: formats.FormatConfig,
                seed: int, shuffle: bool):
@@ -118,13 +120,10 @@ class _MaterialiseOwnRows:
 
   def __call__(self, plans: list[_RowPlan]) -> dict[str, np.ndarray]:
     positions = range(self.global_batch_size)[self.local_rows]
-    rows, ids, epochs = [], [], []
-    for position in positions:
-      if position < len(plans):
-        plan = plans[position]
-        rows.append(plan.examples), ids.append(plan.example_id), epochs.append(plan.epoch)
-      else:
-        rows.append(()), ids.append(self.padding_id_base + position), epochs.append(plans[-1].epoch)
+    # Positions past the end of a short last (eval) batch become empty padding rows.
+    rows = [plans[p].examples if p < len(plans) else () for p in positions]
+    ids = [plans[p].example_id if p < len(plans) else self.padding_id_base + p for p in positions]
+    epochs = [plans[min(p, len(plans) - 1)].epoch for p in positions]
     return formats.build_rows(self.corpus, rows, self.config, self.specials, np.array(ids), np.array(epochs))
 
 
