@@ -138,14 +138,15 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
                                                (micro, jnp.arange(accum_steps)))
       grad_norm = optax.global_norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      update_norm = optax.global_norm(updates)
       params = optax.apply_updates(state.params, updates)
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
       new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                              opt_state=keep(opt_state, state.opt_state))
       metrics = summarize(task, terms, denominators)
       metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
-                     param_norm=optax.global_norm(state.params), update_norm=optax.global_norm(updates),
+                     param_norm=optax.global_norm(state.params), update_norm=update_norm,
                      nonfinite=1 - finite.astype(jnp.int32))
       return new_state, metrics
 
@@ -180,4 +181,20 @@ def make_eval_step(task: Task, partitioning: Partitioning, state_shardings: Any)
 
   replicated = sharding_lib.replicated(partitioning.mesh)
   return jax.jit(eval_step, in_shardings=(state_shardings.params, sharding_lib.batch_sharding(partitioning.mesh)),
+                 out_shardings=replicated)
+
+
+def make_predict_step(task: Any, partitioning: Partitioning, param_shardings: Any) -> Callable:
+  """Returns the jitted `predict_step(params, batch) -> outputs`, replicated on every device.
+
+  `task` supplies `prepare(batch)` and `predict(params, inputs)`, which returns
+  the head's raw outputs in evaluation mode (no dropout); fine-tuning reads
+  logits through it for the official metrics.
+  """
+  def predict_step(params, batch):
+    with partitioning.context():
+      return task.predict(params, task.prepare(batch))
+
+  replicated = sharding_lib.replicated(partitioning.mesh)
+  return jax.jit(predict_step, in_shardings=(param_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
                  out_shardings=replicated)

@@ -1,0 +1,649 @@
+"""`bert-jax finetune` and `bert-jax evaluate`: fine-tune on a task with several seeds, re-score a run.
+
+  bert-jax finetune --config configs/finetune/glue.py:task=rte --workdir runs/rte \\
+      --config.init.model=MODEL_DIR --config.data_dir=../shared/data/glue --config.optim.lr=3e-5
+  bert-jax evaluate --workdir runs/rte [--split dev|test] [--seed 1]
+
+`finetune(config, workdir)` featurises the task once, builds one model (a
+`FinetuneModel`, or the feature-based tagger), and trains it once per seed
+with the pre-training machinery: sharded state, the jitted accumulating step
+(compiled once for all seeds: the seed reaches the dropout key through the
+batch), the AdamW schedule with warmup and layer-wise LR decay. Batches have
+fixed shapes: rows are padded to the longest feature of the task (rounded up
+to 8, at most max_len), and the last batch of an epoch is filled with rows of
+weight 0, which predictions drop before `Task.evaluate`.
+
+The dev set is scored every epoch (or every N steps); the selected evaluation
+is the best on the task's selection metric (ties keep the earlier one), or the
+last one, and its parameters are the checkpoint kept. The rule is written into
+the results.
+
+Workdir:
+  config.json, model_config.json, tokenizer/, finetune_run.json
+  seed_<s>/metrics.jsonl      train and eval scalars as JSON lines
+  seed_<s>/checkpoints/       the selected parameters (Orbax; `restore_params`)
+  seed_<s>/result.json        the seed's selected evaluation and its history
+  results.json, results.md    every seed, and mean / median / std / min / max
+  evaluate_<split>.json, submission/seed_<s>/   written by `bert-jax evaluate`
+
+A seed whose result.json exists is not trained again, so an interrupted
+multi-seed run continues with the next seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import statistics
+import time
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from ml_collections import config_dict
+
+from bert_jax.parallel import distributed
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.tasks.base import Task
+from bert_jax.tasks.glue import GlueTask
+from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model, device_fields,
+                                           frozen_encoder_optimizer, load_initial_model, merge_initial_params,
+                                           task_tokenizer)
+from bert_jax.tasks.registry import get_task
+from bert_jax.data.tokenizers import load_tokenizer
+from bert_jax.models import ModelConfig
+from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import config_lib, metrics as metrics_lib, optim
+from bert_jax.train.step import Partitioning, create_state, make_predict_step, make_train_step
+
+log = logging.getLogger(__name__)
+
+SELECTIONS = ("best", "last")
+# Model fields a fine-tuning config may change; the architecture comes from the initial model.
+MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "attention_impl", "remat")
+_LENGTH_MULTIPLE = 8
+
+
+def finetune_defaults() -> ml_collections.ConfigDict:
+  """Every key a fine-tuning config may set, with BERT's GLUE recipe as defaults.
+
+  task            registry name ("glue/rte", "squad/v1.1", "swag", "conll2003").
+  task_options    keyword options of the task (SQuAD doc_stride..., CoNLL
+                  document_context); the config file fixes which exist.
+  data_dir        where `Task.load` reads the splits (the GLUE root for GLUE).
+  init.model      Hugging Face or converted model directory, pre-training
+                  workdir, or fine-tuning workdir (e.g. MNLI for RTE).
+  model.*         dtype, dropouts, attention_impl, remat (None: the model's own).
+  max_len         longest row in tokens.
+  seeds           one training run per seed.
+  optim.*         AdamW/LAMB, lr, weight decay, clipping, linear decay with
+                  warmup_proportion of the steps, layerwise_lr_decay (1 = off).
+  train.*         batch_size, epochs, accum_steps, eval_batch_size, eval_every
+                  ("epoch", "end" or a step count), selection ("best" on the
+                  task's selection metric, or "last"), early_stopping_patience
+                  (evaluations without improvement; 0 = never stop early),
+                  log_every, save_checkpoint.
+  feature_based.* layers to concatenate from a frozen encoder (empty = full
+                  fine-tuning), head ("bilstm" or "mlp"), head_size,
+                  head_layers, dropout.
+  mesh.*          mesh sizes and logical rules, as for pre-training.
+  """
+  config = ml_collections.ConfigDict()
+  config.task = "glue/rte"
+  config.task_options = ml_collections.ConfigDict()
+  config.data_dir = config_dict.placeholder(str)
+  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str)})
+  config.model = ml_collections.ConfigDict({
+      "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
+      "attention_dropout": config_dict.placeholder(float), "attention_impl": config_dict.placeholder(str),
+      "remat": config_dict.placeholder(str)})
+  config.max_len = 128
+  config.seeds = (1, 2, 3)
+  config.optim = ml_collections.ConfigDict(dict(
+      name="adamw", lr=2e-5, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0, schedule="linear",
+      power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
+  config.train = ml_collections.ConfigDict(dict(
+      batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
+      early_stopping_patience=0, log_every=50, save_checkpoint=True))
+  config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
+                                                        dropout=0.1))
+  config.mesh = ml_collections.ConfigDict(dict(
+      sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
+  return config
+
+
+def _eval_interval(eval_every: str) -> int:
+  """0 for "epoch", -1 for "end", else the step count."""
+  if eval_every in ("epoch", "end"):
+    return 0 if eval_every == "epoch" else -1
+  try:
+    steps = int(eval_every)
+  except ValueError:
+    steps = 0
+  if steps <= 0:
+    raise ValueError(f"config.train.eval_every={eval_every!r}: expected 'epoch', 'end' or a positive step count")
+  return steps
+
+
+def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
+  """Checks values that must fit together, before any data is read."""
+  train = config.train
+  for name in ("batch_size", "eval_batch_size"):
+    if train[name] <= 0 or train[name] % data_parallel or train[name] % jax.process_count():
+      raise ValueError(f"config.train.{name}={train[name]} must be a positive multiple of the data-parallel "
+                       f"size {data_parallel} and of the {jax.process_count()} processes")
+  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
+    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split into "
+                     f"accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
+  if train.epochs < 1:
+    raise ValueError(f"config.train.epochs={train.epochs} must be at least 1")
+  if train.selection not in SELECTIONS:
+    raise ValueError(f"config.train.selection={train.selection!r}: expected one of {SELECTIONS}")
+  if train.early_stopping_patience < 0:
+    raise ValueError(f"config.train.early_stopping_patience={train.early_stopping_patience} must be >= 0")
+  _eval_interval(train.eval_every)
+  if not config.seeds or len(set(config.seeds)) != len(config.seeds):
+    raise ValueError(f"config.seeds={config.seeds!r} must name at least one seed, each once")
+  if not 0.0 <= config.optim.warmup_proportion < 1.0:
+    raise ValueError(f"config.optim.warmup_proportion={config.optim.warmup_proportion} must be in [0, 1)")
+  if not 0.0 < config.optim.layerwise_lr_decay <= 1.0:
+    raise ValueError(f"config.optim.layerwise_lr_decay={config.optim.layerwise_lr_decay} must be in (0, 1]")
+  if not config.init.model:
+    raise ValueError("config.init.model is not set: give a Hugging Face or converted model directory, a "
+                     "pre-training workdir or a fine-tuning workdir")
+  if not config.data_dir:
+    raise ValueError("config.data_dir is not set: give the directory the task's files are in")
+
+
+def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict, max_len: int) -> ModelConfig:
+  """The initial model's config with the fine-tuning overrides (dtype, dropouts...) applied."""
+  config = initial.replace(**{name: overrides[name] for name in MODEL_OVERRIDES if overrides[name] is not None})
+  if max_len > config.max_position_embeddings:
+    raise ValueError(f"config.max_len={max_len} exceeds the model's max_position_embeddings="
+                     f"{config.max_position_embeddings}")
+  return config
+
+
+def _token_axis(kind: str) -> int:
+  return 2 if kind == "multiple_choice" else 1
+
+
+def trim_features(features: dict[str, np.ndarray], kind: str, max_len: int, seq_len: int) -> dict[str, np.ndarray]:
+  """Cuts every per-token array from max_len to seq_len tokens (only padding is removed)."""
+  axis = _token_axis(kind)
+  trimmed = {}
+  for key, value in features.items():
+    if value.ndim > axis and value.shape[axis] == max_len:
+      value = np.take(value, np.arange(seq_len), axis=axis)
+    trimmed[key] = value
+  return trimmed
+
+
+def padded_length(feature_sets: Sequence[dict[str, np.ndarray]], max_len: int) -> int:
+  """The longest row of all feature sets, rounded up to a multiple of 8, at most max_len."""
+  longest = max(int(features["lengths"].max()) for features in feature_sets)
+  return min(max_len, -(-longest // _LENGTH_MULTIPLE) * _LENGTH_MULTIPLE)
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """One evaluation split: its examples and (trimmed) features."""
+
+  split: str
+  examples: list[Any]
+  features: dict[str, np.ndarray]
+
+
+class BatchMaker:
+  """Fixed-shape host batches from feature arrays; rows past the data are weight-0 padding.
+
+  Each process builds the whole global batch's row indices and keeps its own
+  contiguous slice, which `global_batch` assembles into global arrays.
+  """
+
+  def __init__(self, fields: Sequence[str], batch_size: int, mesh):
+    self.fields = tuple(fields)
+    self.batch_size = batch_size
+    self.mesh = mesh
+    rows_per_process = batch_size // jax.process_count()
+    self.local_rows = slice(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
+
+  def __call__(self, features: dict[str, np.ndarray], rows: np.ndarray, seed: int) -> dict[str, jax.Array]:
+    """Global batch of `rows` of `features` (fewer rows than batch_size are padded)."""
+    real = len(rows)
+    padded_rows = np.concatenate([rows, np.zeros(self.batch_size - real, rows.dtype)])[self.local_rows]
+    weights = (np.arange(self.batch_size) < real).astype(np.float32)[self.local_rows]
+    local = {field: features[field][padded_rows] for field in self.fields}
+    local["weights"] = weights
+    local["seed"] = np.full(len(padded_rows), seed, np.int32)
+    return sharding_lib.global_batch(local, self.mesh)
+
+
+def predict_outputs(predict_step, params, features: dict[str, np.ndarray], make_batch: BatchMaker) -> np.ndarray:
+  """Raw head outputs for every feature row, in order, padding rows dropped."""
+  num_rows = len(features["input_ids"])
+  pending = []
+  for start in range(0, num_rows, make_batch.batch_size):
+    rows = np.arange(start, min(start + make_batch.batch_size, num_rows))
+    pending.append((len(rows), predict_step(params, make_batch(features, rows, 0))))
+  return np.concatenate([np.asarray(outputs)[:count] for count, outputs in pending])
+
+
+def evaluate_splits(task: Task, predict_step, params, eval_sets: Sequence[EvalSet],
+                    make_batch: BatchMaker) -> dict[str, dict[str, float]]:
+  """{split: task metrics} for each evaluation split."""
+  return {eval_set.split: task.evaluate(predict_outputs(predict_step, params, eval_set.features, make_batch),
+                                        eval_set.features, eval_set.examples)
+          for eval_set in eval_sets}
+
+
+def selection_rule(task: Task, config: ml_collections.ConfigDict) -> str:
+  """The model-selection rule in words, as written into the results."""
+  when = {"epoch": "at the end of every epoch", "end": "once, after the last step"}.get(
+      config.train.eval_every, f"every {config.train.eval_every} steps and after the last step")
+  if config.train.selection == "last":
+    chosen = "the last evaluation is reported and its parameters kept"
+  else:
+    chosen = (f"the evaluation with the highest {task.selection_metric} on {task.eval_splits[0]} is reported "
+              "and its parameters kept (ties keep the earlier one)")
+  stop = (f"; training stops after {config.train.early_stopping_patience} evaluations without improvement"
+          if config.train.early_stopping_patience else "")
+  return f"dev evaluated {when}; {chosen}{stop}"
+
+
+def summarize_seeds(task: Task, seed_results: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+  """{split: {metric: {mean, median, std, min, max, values}}} over seeds (std with n - 1; 0 for one seed)."""
+  summary: dict[str, dict[str, dict[str, Any]]] = {}
+  for split in task.eval_splits:
+    summary[split] = {}
+    for metric in task.metric_names:
+      values = [result["selected"]["metrics"][split][metric] for result in seed_results]
+      summary[split][metric] = {
+          "mean": statistics.fmean(values), "median": statistics.median(values),
+          "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values),
+          "values": values}
+  return summary
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+  """results.md: the run's header and one table row per (split, metric)."""
+  seeds = [r["seed"] for r in results["seeds"]]
+  train_seconds = [r["train_seconds"] for r in results["seeds"]]
+  lines = [f"# {results['task']} fine-tuning", "",
+           f"- initial model: {results['init']['path']} ({results['init']['source']})",
+           f"- seeds: {', '.join(map(str, seeds))}; best seed: {results['best_seed']}",
+           f"- selection: {results['selection_rule']}",
+           f"- train time per seed (s): {', '.join(f'{seconds:.1f}' for seconds in train_seconds)}", "",
+           f"| split | metric | mean | median | std | min | max | per seed ({', '.join(map(str, seeds))}) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for split, metrics in results["summary"].items():
+    for metric, stats in metrics.items():
+      lines.append(f"| {split} | {metric} | {stats['mean']:.2f} | {stats['median']:.2f} | {stats['std']:.2f} | "
+                   f"{stats['min']:.2f} | {stats['max']:.2f} | {', '.join(f'{v:.2f}' for v in stats['values'])} |")
+  return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass
+class _Run:
+  """What every seed of one `finetune` call shares."""
+
+  config: ml_collections.ConfigDict
+  task: Task
+  workdir: pathlib.Path
+  objective: FinetuneObjective
+  partitioning: Partitioning
+  tx: Any
+  schedule: Any
+  train_features: dict[str, np.ndarray]
+  eval_sets: list[EvalSet]
+  train_batches: BatchMaker
+  eval_batches: BatchMaker
+  dummy_batch: dict[str, jax.Array]
+  initial_params: dict[str, Any]
+  steps_per_epoch: int
+  train_step: Any = None
+  predict_step: Any = None
+  head_report: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
+def _init_state(run: _Run, seed: int):
+  """Sharded state for `seed`: random head, loaded encoder (and reusable head leaves)."""
+  state, shardings = create_state(lambda key: run.objective.init_variables(key, run.dummy_batch), run.tx,
+                                  jax.random.key(seed), run.partitioning)
+  params, reused, fresh = merge_initial_params(state.params, run.initial_params)
+  run.head_report = {"reused": reused, "reinitialised": fresh}
+  state = state.replace(params=jax.device_put(params, shardings.params))
+  if run.train_step is None:
+    run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
+                                     rng=jax.random.key(0), partitioning=run.partitioning, state_shardings=shardings)
+    run.predict_step = make_predict_step(run.objective, run.partitioning, shardings.params)
+  return state
+
+
+def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
+  """Trains and evaluates one seed; returns its result (also written to seed_<s>/result.json)."""
+  config, task = run.config, run.task
+  seed_dir = run.workdir / f"seed_{seed}"
+  if (seed_dir / "result.json").exists():
+    log.info("seed %d already finished in %s; reusing its result", seed, seed_dir)
+    return json.loads((seed_dir / "result.json").read_text())
+  primary = jax.process_index() == 0
+  state = _init_state(run, seed)
+  writer = metrics_lib.MetricWriter(seed_dir, enabled=primary)
+  checkpointer = checkpoint_lib.Checkpointer(seed_dir, keep=1) if config.train.save_checkpoint else None
+  interval = _eval_interval(config.train.eval_every)
+  total_steps = config.train.epochs * run.steps_per_epoch
+  num_rows = len(run.train_features["input_ids"])
+  selection_split = task.eval_splits[0]
+  history: list[dict[str, Any]] = []
+  pending: list[dict[str, jax.Array]] = []
+  selected: dict[str, Any] | None = None
+  evaluations_since_best = 0
+  train_seconds = eval_seconds = 0.0
+  step, stopped_early = 0, False
+
+  def flush() -> None:
+    if not pending:
+      return
+    fetched = [metrics_lib.to_python(m) for m in pending]
+    pending.clear()
+    if any(m["nonfinite"] for m in fetched):
+      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients before step {step}; "
+                               "try a lower config.optim.lr or more warmup")
+    averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "nonfinite"}
+    writer.write(step, averaged, prefix="train/")
+
+  def evaluate(epoch: float) -> bool:
+    """Scores dev, updates the selection; returns True when early stopping says stop."""
+    nonlocal selected, evaluations_since_best, train_seconds, eval_seconds
+    flush()
+    jax.block_until_ready(state.params)
+    started = time.perf_counter()
+    train_seconds += started - clock[0]
+    metrics = evaluate_splits(task, run.predict_step, state.params, run.eval_sets, run.eval_batches)
+    record = {"step": step, "epoch": round(epoch, 4), "metrics": metrics}
+    history.append(record)
+    for split, values in metrics.items():
+      writer.write(step, values, prefix=f"eval/{split}/" if len(metrics) > 1 else "eval/")
+    value = metrics[selection_split][task.selection_metric]
+    improved = selected is None or value > selected["metrics"][selection_split][task.selection_metric]
+    evaluations_since_best = 0 if improved else evaluations_since_best + 1
+    if config.train.selection == "last" or improved:
+      selected = record
+      if checkpointer is not None:
+        checkpointer.save(step, {"params": state.params}, {}, {"step": step, "seed": seed}, force=True)
+    log.info("seed %d step %d: %s", seed, step, json.dumps(metrics))
+    eval_seconds += time.perf_counter() - started
+    clock[0] = time.perf_counter()
+    patience = config.train.early_stopping_patience
+    return bool(patience) and evaluations_since_best >= patience
+
+  clock = [time.perf_counter()]
+  for epoch in range(config.train.epochs):
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    for batch_index, start in enumerate(range(0, num_rows, run.train_batches.batch_size)):
+      state, step_metrics = run.train_step(state, run.train_batches(run.train_features,
+                                                                    order[start:start + run.train_batches.batch_size],
+                                                                    seed))
+      pending.append(step_metrics)
+      step += 1
+      if step % config.train.log_every == 0:
+        flush()
+      epoch_end = batch_index == run.steps_per_epoch - 1
+      due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
+      if due and evaluate(epoch + (batch_index + 1) / run.steps_per_epoch):
+        stopped_early = step < total_steps
+        break
+    if stopped_early:
+      break
+  if checkpointer is not None:
+    checkpointer.close()
+  writer.close()
+  result = {"seed": seed, "steps": step, "stopped_early": stopped_early, "selected": selected, "history": history,
+            "train_seconds": train_seconds, "eval_seconds": eval_seconds, "head": run.head_report}
+  if primary:
+    (seed_dir / "result.json").write_text(json.dumps(result, indent=2))
+  return result
+
+
+def _optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_params: Any, model_config: ModelConfig,
+               feature_based: bool):
+  """AdamW/LAMB with warmup_proportion of the steps, layer-wise LR decay, frozen encoder in feature mode."""
+  optim_config = ml_collections.ConfigDict({key: value for key, value in config.optim.items()
+                                            if key not in ("warmup_proportion", "layerwise_lr_decay")})
+  optim_config.warmup_steps = int(config.optim.warmup_proportion * total_steps)
+  lr_factors = None
+  if config.optim.layerwise_lr_decay < 1.0:
+    lr_factors = optim.layerwise_lr_factors(abstract_params, model_config.num_layers,
+                                            model_config.num_shared_groups or model_config.num_layers,
+                                            config.optim.layerwise_lr_decay)
+  tx, schedule = optim.make_optimizer(optim_config, total_steps, lr_factors=lr_factors)
+  return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
+
+
+def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: str) -> dict[str, np.ndarray]:
+  if not examples:
+    raise ValueError(f"{task.name}: the {what} split has no examples")
+  return task.featurize(examples, tokenizer, max_len)
+
+
+def _dummy_batch(kind: str, batch_size: int, seq_len: int, num_choices: int) -> dict[str, jax.Array]:
+  rows = (batch_size, num_choices) if kind == "multiple_choice" else (batch_size,)
+  batch = {"input_ids": jnp.zeros(rows + (seq_len,), jnp.int32), "segment_ids": jnp.zeros(rows + (seq_len,), jnp.int32),
+           "lengths": jnp.full(rows, seq_len, jnp.int32), "weights": jnp.ones((batch_size,), jnp.float32),
+           "seed": jnp.zeros((batch_size,), jnp.int32)}
+  return batch
+
+
+def _write_json(path: pathlib.Path, value: Any) -> None:
+  path.write_text(json.dumps(value, indent=2, default=str) + "\n")
+
+
+def _check_workdir_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+  """A workdir holds one experiment: an existing config.json must equal this one."""
+  path = workdir / "config.json"
+  if path.exists() and json.loads(path.read_text()) != json.loads(json.dumps(config.to_dict(), default=str)):
+    raise ValueError(f"{workdir} already holds a fine-tuning run with another config ({path}); "
+                     "use a new workdir")
+
+
+def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
+  """Fine-tunes `config.init.model` on `config.task` once per seed and writes the results.
+
+  Returns:
+    The content of results.json: task, init, selection_rule, seeds (one
+    result per seed: selected evaluation, history, train/eval seconds),
+    summary ({split: {metric: mean, median, std, min, max, values}}),
+    best_seed, seq_len, num_params.
+  """
+  distributed.initialize()
+  workdir = pathlib.Path(workdir)
+  primary = jax.process_index() == 0
+  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
+  validate(config, sharding_lib.data_parallel_size(mesh))
+  partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
+  task = get_task(config.task, **config.task_options.to_dict())
+  initial = load_initial_model(config.init.model)
+  model_config = model_config_for(initial.config, config.model, config.max_len)
+  tokenizer = task_tokenizer(initial.tokenizer)
+
+  train_examples = task.load(config.data_dir, "train")
+  train_features = _featurize(task, train_examples, tokenizer, config.max_len, "train")
+  eval_examples = {split: task.load(config.data_dir, split) for split in task.eval_splits}
+  eval_features = {split: _featurize(task, examples, tokenizer, config.max_len, split)
+                   for split, examples in eval_examples.items()}
+  seq_len = padded_length([train_features, *eval_features.values()], config.max_len)
+  train_features = trim_features(train_features, task.kind, config.max_len, seq_len)
+  eval_sets = [EvalSet(split, eval_examples[split], trim_features(eval_features[split], task.kind, config.max_len,
+                                                                  seq_len)) for split in task.eval_splits]
+
+  feature = config.feature_based
+  model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
+                      feature.head_size, feature.head_layers, feature.dropout)
+  objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1)
+  batch_size = config.train.batch_size
+  steps_per_epoch = math.ceil(len(train_features["input_ids"]) / batch_size)
+  total_steps = config.train.epochs * steps_per_epoch
+  dummy = _dummy_batch(task.kind, batch_size, seq_len, task.num_choices)
+  abstract_params = nn.unbox(jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"])
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
+  tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(feature.layers))
+  fields = device_fields(task.kind)
+  run = _Run(config=config, task=task, workdir=workdir, objective=objective, partitioning=partitioning, tx=tx,
+             schedule=schedule, train_features=train_features, eval_sets=eval_sets,
+             train_batches=BatchMaker(fields, batch_size, mesh),
+             eval_batches=BatchMaker(fields, config.train.eval_batch_size, mesh), dummy_batch=dummy,
+             initial_params=initial.params, steps_per_epoch=steps_per_epoch)
+
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
+    _check_workdir_config(workdir, config)
+    _write_json(workdir / "config.json", config.to_dict())
+    _write_json(workdir / "model_config.json", dataclasses.asdict(model_config))
+    initial.tokenizer.save(workdir / "tokenizer")
+    print(f"bert_jax finetune: task={task.name} ({task.kind}) init={config.init.model} ({initial.source}) "
+          f"params={num_params / 1e6:.2f}M\n  train rows={len(train_features['input_ids'])} "
+          f"seq_len={seq_len} global batch={batch_size} per-host batch={batch_size // jax.process_count()} "
+          f"tokens/step={batch_size * seq_len * max(task.num_choices, 1)} devices={mesh.size} "
+          f"steps={total_steps} seeds={tuple(config.seeds)}\n  workdir={workdir.absolute()}", flush=True)
+
+  seed_results = [_train_seed(run, seed) for seed in config.seeds]
+  summary = summarize_seeds(task, seed_results)
+  selection_split = task.eval_splits[0]
+  best = max(seed_results, key=lambda r: r["selected"]["metrics"][selection_split][task.selection_metric])
+  results = {"task": task.name, "kind": task.kind,
+             "init": {"path": str(config.init.model), "source": initial.source, "head": seed_results[0]["head"]},
+             "selection_rule": selection_rule(task, config), "selection_metric": task.selection_metric,
+             "seeds": seed_results, "summary": summary, "best_seed": best["seed"], "seq_len": seq_len,
+             "num_params": num_params}
+  if primary:
+    _write_json(workdir / "results.json", results)
+    (workdir / "results.md").write_text(results_markdown(results))
+    _write_json(workdir / RUN_FILE, {
+        "task": task.name, "kind": task.kind, "num_labels": task.num_labels, "family": initial.family,
+        "model_config": dataclasses.asdict(model_config), "seq_len": seq_len, "seeds": list(config.seeds),
+        "best_seed": best["seed"], "best_seed_dir": f"seed_{best['seed']}"})
+  return results
+
+
+def _test_splits(task: Task) -> tuple[str, ...]:
+  return tuple(task.spec.submissions) if isinstance(task, GlueTask) else ("test",)
+
+
+def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequence[int] | None = None,
+                 data_dir: str | None = None) -> dict[int, dict[str, Any]]:
+  """Re-scores the saved checkpoints of a fine-tuning run.
+
+  Args:
+    workdir: a finished `finetune` workdir.
+    split: "dev" scores the task's evaluation splits and writes
+      evaluate_dev.json; "test" predicts the test splits and writes GLUE
+      submission files (submission/seed_<s>/TASK.tsv) or, for other tasks,
+      predictions/seed_<s>/<split>.json.
+    seeds: which seeds; None for all of the run's.
+    data_dir: where the task's files are; None for the run's config.data_dir.
+
+  Returns:
+    {seed: {split: metrics}} for dev, {seed: {split: written file}} for test.
+  """
+  if split not in ("dev", "test"):
+    raise ValueError(f"split must be 'dev' or 'test', got {split!r}")
+  distributed.initialize()
+  workdir = pathlib.Path(workdir)
+  if not (workdir / RUN_FILE).exists():
+    raise FileNotFoundError(f"{workdir / RUN_FILE} not found: is {workdir} a finished fine-tuning run?")
+  run_info = json.loads((workdir / RUN_FILE).read_text())
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
+  partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
+  task = get_task(config.task, **config.task_options.to_dict())
+  model_config = ModelConfig(**run_info["model_config"])
+  tokenizer = task_tokenizer(load_tokenizer(workdir / "tokenizer"))
+  feature = config.feature_based
+  objective = FinetuneObjective(build_model(model_config, task.kind, task.num_labels, tuple(feature.layers),
+                                            feature.head, feature.head_size, feature.head_layers, feature.dropout),
+                                task.kind, single_token_type=model_config.type_vocab_size == 1)
+  data_dir = data_dir or config.data_dir
+  splits = task.eval_splits if split == "dev" else _test_splits(task)
+  eval_sets = []
+  for name in splits:
+    examples = task.load(data_dir, name)
+    features = _featurize(task, examples, tokenizer, config.max_len, name)
+    seq_len = max(run_info["seq_len"], padded_length([features], config.max_len))
+    eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, config.max_len, seq_len)))
+  make_batch = BatchMaker(device_fields(task.kind), config.train.eval_batch_size, mesh)
+  outcome: dict[int, dict[str, Any]] = {}
+  predict_step = None
+  for seed in seeds or run_info["seeds"]:
+    _, params = checkpoint_lib.restore_params(workdir / f"seed_{seed}")
+    if predict_step is None:
+      dummy = _dummy_batch(task.kind, config.train.eval_batch_size, eval_sets[0].features["input_ids"].shape[-1],
+                           task.num_choices)
+      with partitioning.context():
+        abstract = jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"]
+        param_shardings = sharding_lib.logical_shardings(abstract, mesh, partitioning.rules)
+      predict_step = make_predict_step(objective, partitioning, param_shardings)
+    params = jax.device_put(params, param_shardings)
+    if split == "dev":
+      outcome[seed] = evaluate_splits(task, predict_step, params, eval_sets, make_batch)
+      continue
+    outcome[seed] = {}
+    for eval_set in eval_sets:
+      outputs = predict_outputs(predict_step, params, eval_set.features, make_batch)
+      predictions = task.predict(outputs, eval_set.features, eval_set.examples)
+      if isinstance(task, GlueTask):
+        path = task.write_submission(workdir / "submission" / f"seed_{seed}", eval_set.split, eval_set.examples,
+                                     predictions)
+      else:
+        path = workdir / "predictions" / f"seed_{seed}" / f"{eval_set.split}.json"
+        if jax.process_index() == 0:
+          path.parent.mkdir(parents=True, exist_ok=True)
+          _write_json(path, predictions)
+      outcome[seed][eval_set.split] = str(path)
+  if split == "dev" and jax.process_index() == 0:
+    _write_json(workdir / "evaluate_dev.json", outcome)
+  return outcome
+
+
+def main(argv: list[str]) -> int:
+  """bert-jax finetune --config FILE[:ARG] --workdir DIR [--config.KEY=VALUE ...]."""
+  parser = argparse.ArgumentParser(prog="bert-jax finetune", description=main.__doc__)
+  parser.add_argument("--config", required=True, help="configs/finetune/NAME.py[:arg]")
+  parser.add_argument("--workdir", required=True, help="run directory (finished seeds are not trained again)")
+  args, rest = parser.parse_known_args(argv)
+  unknown = [a for a in rest if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognised arguments {unknown}; overrides look like --config.optim.lr=3e-5")
+  try:
+    config = config_lib.load_config(args.config, rest)
+  except config_lib.ConfigError as error:
+    print(f"bert-jax finetune: {error}")
+    return 2
+  results = finetune(config, args.workdir)
+  if jax.process_index() == 0:
+    print(results_markdown(results))
+  return 0
+
+
+def evaluate_main(argv: list[str]) -> int:
+  """bert-jax evaluate --workdir DIR [--split dev|test] [--seed S] [--data-dir DIR]."""
+  parser = argparse.ArgumentParser(prog="bert-jax evaluate", description=evaluate_main.__doc__)
+  parser.add_argument("--workdir", required=True, help="a finished fine-tuning run")
+  parser.add_argument("--split", default="dev", choices=("dev", "test"))
+  parser.add_argument("--seed", type=int, action="append", help="seed to score (repeatable; default all)")
+  parser.add_argument("--data-dir", help="task files (default: the run's config.data_dir)")
+  args = parser.parse_args(argv)
+  outcome = evaluate_run(args.workdir, args.split, args.seed, args.data_dir)
+  if jax.process_index() == 0:
+    for seed, per_split in outcome.items():
+      for split, value in per_split.items():
+        shown = ", ".join(f"{k}={v:.2f}" for k, v in value.items()) if isinstance(value, dict) else value
+        print(f"seed {seed} {split}: {shown}")
+  return 0

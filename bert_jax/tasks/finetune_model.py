@@ -1,0 +1,361 @@
+"""Fine-tuning models, losses and starting points.
+
+  FinetuneObjective   one task kind's loss behind the train step's interface
+                      (`bert_jax.train.step`): prepare / denominators /
+                      forward, plus `predict` for the head's raw outputs.
+  FeatureBasedTagger  BERT's feature-based mode: a frozen encoder whose chosen
+                      layers are concatenated and fed to a small trained head.
+  load_initial_model  the encoder (and any reusable head) to start from: a
+                      Hugging Face directory or our converted directory, a
+                      pre-training run, or an earlier fine-tuning run.
+
+Batches hold the task's feature arrays (`bert_jax.tasks.base`) for the fields
+in `device_fields(kind)`, plus `weights` float32 [B] (0 on rows that only pad
+the last batch) and `seed` int32 [B] (the run's seed on every row, so one
+compiled step serves every seed of a multi-seed run).
+
+Losses are sums over the batch (the step divides once by `denominators`):
+classification and multiple choice cross-entropy per example, regression
+squared error per example, span (start CE + end CE) / 2 per window, tagging
+cross-entropy per labelled word piece (-1 labels are ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bert_jax.convert.params import encoder_params
+from bert_jax.convert.pretrained import load_pretrained
+from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+from bert_jax.models import Encoder, FinetuneModel, ModelConfig
+from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
+from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train.objectives import cross_entropy_sums
+
+Array = jax.Array
+Params = dict[str, Any]
+
+# Written into every fine-tuning workdir; its presence marks one.
+RUN_FILE = "finetune_run.json"
+FEATURE_HEADS = ("bilstm", "mlp")
+_LABEL_FIELDS: dict[str, tuple[str, ...]] = {
+    "classification": ("labels",), "regression": ("labels",), "multiple_choice": ("labels",),
+    "tagging": ("labels",), "span": ("start_positions", "end_positions"),
+}
+
+
+def device_fields(kind: TaskKind) -> tuple[str, ...]:
+  """Feature arrays of `kind` that go to the device (the rest stay on the host for decoding)."""
+  return ("input_ids", "segment_ids", "lengths") + _LABEL_FIELDS[kind]
+
+
+class FeatureHead(nn.Module):
+  """The small trained head of feature-based tagging: BiLSTM layers or an MLP, then dense(num_labels).
+
+  Attributes:
+    num_labels: tags.
+    kind: "bilstm" (BERT's two-layer BiLSTM) or "mlp" (dense + GELU layers).
+    size: LSTM units per direction, or MLP width.
+    num_layers: BiLSTM or MLP layers.
+    dropout: dropout on the features and between layers.
+  """
+
+  num_labels: int
+  kind: str
+  size: int
+  num_layers: int
+  dropout: float
+
+  @nn.compact
+  def __call__(self, features_blf: Array, lengths_b: Array, deterministic: bool) -> Array:
+    x_blf = nn.Dropout(self.dropout)(features_blf, deterministic=deterministic)
+    for layer in range(self.num_layers):
+      if self.kind == "bilstm":
+        x_blf = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(self.size), name=f"forward_{layer}"),
+                                 nn.RNN(nn.OptimizedLSTMCell(self.size), name=f"backward_{layer}"),
+                                 name=f"bilstm_{layer}")(x_blf, seq_lengths=lengths_b)
+      else:
+        x_blf = nn.gelu(nn.Dense(self.size, name=f"dense_{layer}")(x_blf))
+      x_blf = nn.Dropout(self.dropout)(x_blf, deterministic=deterministic)
+    return nn.Dense(self.num_labels, name="classifier")(x_blf)
+
+
+class FeatureBasedTagger(nn.Module):
+  """Frozen encoder -> chosen hidden states concatenated -> `FeatureHead` -> [B, L, labels] logits.
+
+  Layer 0 is the embedding output and -1 the last block's, as in Hugging
+  Face's `hidden_states`. The encoder runs without dropout and no gradient
+  reaches it; its parameters are also excluded from the optimizer
+  (`frozen_encoder_optimizer`), so weight decay leaves them untouched.
+  """
+
+  config: ModelConfig
+  num_labels: int
+  layers: tuple[int, ...]
+  head_kind: str = "bilstm"
+  head_size: int = 768
+  head_layers: int = 2
+  head_dropout: float = 0.1
+
+  @nn.compact
+  def __call__(self, input_ids: Array, *, segment_ids: Array | None = None, position_ids: Array | None = None,
+               pack_ids: Array | None = None, deterministic: bool = True) -> Array:
+    states = Encoder(self.config, name="encoder")(input_ids, segment_ids, position_ids, pack_ids, deterministic=True,
+                                                  output_hidden_states=True)["hidden_states"]
+    features_blf = jnp.concatenate([states[layer] for layer in self.layers], axis=-1).astype(jnp.float32)
+    features_blf = jax.lax.stop_gradient(features_blf)
+    lengths_b = jnp.sum(pack_ids > 0, axis=-1) if pack_ids is not None else None
+    return FeatureHead(self.num_labels, self.head_kind, self.head_size, self.head_layers, self.head_dropout,
+                       name="head")(features_blf, lengths_b, deterministic)
+
+
+def frozen_encoder_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` on everything but the "encoder" subtree, whose updates are zero."""
+  def labels(params):
+    return {name: jax.tree.map(lambda _: "frozen" if name == "encoder" else "trained", subtree)
+            for name, subtree in params.items()}
+
+  return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneObjective:
+  """A task kind's loss on a `FinetuneModel` or `FeatureBasedTagger` (see the module docstring).
+
+  Attributes:
+    model: the Flax module; its params tree is {"encoder", "head"}.
+    kind: the task kind.
+    single_token_type: zero the segment ids (models with one token type, RoBERTa).
+  """
+
+  model: nn.Module
+  kind: TaskKind
+  single_token_type: bool = False
+  weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"task": 1.0})
+
+  def prepare(self, batch: dict[str, Array]) -> dict[str, Array]:
+    """Adds pack_ids [..., L] (1 on real tokens, 0 on padding) from `lengths`."""
+    inputs = dict(batch)
+    length = batch["input_ids"].shape[-1]
+    inputs["pack_ids"] = (jnp.arange(length, dtype=jnp.int32) < batch["lengths"][..., None]).astype(jnp.int32)
+    if self.single_token_type:
+      inputs["segment_ids"] = jnp.zeros_like(batch["segment_ids"])
+    return inputs
+
+  def _loss_weights(self, inputs: dict[str, Array]) -> Array:
+    """Float32 weight per loss item: [B] per example, [B, L] per token for tagging."""
+    rows = inputs["weights"].astype(jnp.float32)
+    if self.kind == "regression":
+      return rows * jnp.isfinite(inputs["labels"])
+    if self.kind == "tagging":
+      return rows[:, None] * (inputs["labels"] >= 0)
+    if self.kind == "span":
+      return rows
+    return rows * (inputs["labels"] >= 0)
+
+  def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
+    return {"task": jnp.sum(self._loss_weights(inputs))}
+
+  def _apply(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> Any:
+    rngs = {"dropout": jax.random.fold_in(rng, inputs["seed"][0])} if train and rng is not None else {}
+    return self.model.apply({"params": params}, inputs["input_ids"], segment_ids=inputs["segment_ids"],
+                            pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs)
+
+  def _span_logits(self, outputs: tuple[Array, Array], inputs: dict[str, Array]) -> Array:
+    """(start [B, L], end [B, L]) -> float32 [B, L, 2] with padding at the float32 minimum."""
+    logits_bl2 = jnp.stack(outputs, axis=-1).astype(jnp.float32)
+    return jnp.where(inputs["pack_ids"][..., None] > 0, logits_bl2, jnp.finfo(jnp.float32).min)
+
+  def forward(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]:
+    """task_loss (and task_correct, except for regression) summed over the batch."""
+    outputs = self._apply(params, inputs, rng, train)
+    weights = self._loss_weights(inputs)
+    if self.kind == "regression":
+      targets = jnp.where(jnp.isfinite(inputs["labels"]), inputs["labels"], 0.0)
+      return {"task_loss": jnp.sum(jnp.square(outputs.astype(jnp.float32) - targets) * weights)}
+    if self.kind == "span":
+      logits_bl2 = self._span_logits(outputs, inputs)
+      start_loss, _ = cross_entropy_sums(logits_bl2[..., 0], inputs["start_positions"], weights)
+      end_loss, _ = cross_entropy_sums(logits_bl2[..., 1], inputs["end_positions"], weights)
+      both_correct = ((jnp.argmax(logits_bl2[..., 0], -1) == inputs["start_positions"])
+                      & (jnp.argmax(logits_bl2[..., 1], -1) == inputs["end_positions"]))
+      return {"task_loss": (start_loss + end_loss) / 2, "task_correct": jnp.sum(both_correct * weights)}
+    loss, correct = cross_entropy_sums(outputs, jnp.maximum(inputs["labels"], 0), weights)
+    return {"task_loss": loss, "task_correct": correct}
+
+  def predict(self, params: Params, inputs: dict[str, Array]) -> Array:
+    """The head's raw float32 outputs in `Task.evaluate`'s layout (span: [B, L, 2])."""
+    outputs = self._apply(params, inputs, None, False)
+    if self.kind == "span":
+      return self._span_logits(outputs, inputs)
+    return outputs.astype(jnp.float32)
+
+  def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
+    """Boxed variables (params with logical axes) from a batch of the right shapes."""
+    inputs = self.prepare(batch)
+    return self.model.init({"params": rng, "dropout": rng}, inputs["input_ids"], segment_ids=inputs["segment_ids"],
+                           pack_ids=inputs["pack_ids"])
+
+
+class SentencePieceTaskAdapter:
+  """`TaskTokenizer` over a SentencePiece model (ALBERT), offsets from its piece spans."""
+
+  def __init__(self, tokenizer: SentencePieceTokenizer):
+    self._processor = tokenizer.processor
+    self.cls_id, self.sep_id, self.pad_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id
+
+  def tokenize_with_offsets(self, texts: Sequence[str]) -> tuple[list[list[int]], list[Offsets]]:
+    protos = self._processor.encode(list(texts), out_type="immutable_proto")
+    return ([[piece.id for piece in proto.pieces] for proto in protos],
+            [[(piece.begin, piece.end) for piece in proto.pieces] for proto in protos])
+
+
+def task_tokenizer(tokenizer: Tokenizer) -> TaskTokenizer:
+  """The offsets-reporting view of a project tokenizer that the tasks featurise with."""
+  if isinstance(tokenizer, HFTokenizer):
+    token = tokenizer.tokenizer.id_to_token
+    return HFTokenizerAdapter(tokenizer.tokenizer, cls_token=token(tokenizer.cls_id),
+                              sep_token=token(tokenizer.sep_id), pad_token=token(tokenizer.pad_id))
+  if isinstance(tokenizer, SentencePieceTokenizer):
+    return SentencePieceTaskAdapter(tokenizer)
+  raise TypeError(f"no task tokenizer for {type(tokenizer).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitialModel:
+  """Where fine-tuning starts.
+
+  Attributes:
+    source: "pretrained" (a model directory), "pretraining_run" or "finetune_run".
+    family: model family ("bert", "roberta", "albert", "electra").
+    config: the encoder's config.
+    params: {"encoder": tree, "head": tree} with any head parameters worth
+      reusing (a pre-trained pooler, an earlier fine-tuning run's head).
+    tokenizer: the model's tokenizer.
+    tokenizer_dir: the directory it was read from.
+    head_kind: task kind of the reused head for "finetune_run", else None.
+  """
+
+  source: str
+  family: str
+  config: ModelConfig
+  params: Params
+  tokenizer: Tokenizer
+  tokenizer_dir: pathlib.Path
+  head_kind: str | None = None
+
+
+def _pretraining_pooler(params: Params) -> Params:
+  """The NSP/SOP head's pooler of a PretrainingModel tree, as {"pooler": ...}, or {}."""
+  sentence = params.get("sentence", {})
+  return {"pooler": sentence["pooler"]} if "pooler" in sentence else {}
+
+
+def load_initial_model(path: str | pathlib.Path) -> InitialModel:
+  """Reads the starting point at `path`, whichever of the three kinds it is.
+
+  An earlier fine-tuning run (it holds `finetune_run.json`) gives its best
+  seed's encoder and head; a pre-training run (checkpoints/ and
+  model_config.json) gives the encoder of its newest checkpoint and the
+  NSP/SOP pooler; anything else is read by `load_pretrained` (Hugging Face or
+  our converted directory) with the base model's pooler when it has one.
+
+  Raises:
+    FileNotFoundError: when `path` is none of these or has no tokenizer.
+  """
+  path = pathlib.Path(path)
+  if (path / RUN_FILE).exists():
+    run = json.loads((path / RUN_FILE).read_text())
+    _, params = checkpoint_lib.restore_params(path / run["best_seed_dir"])
+    return InitialModel("finetune_run", run["family"], ModelConfig(**run["model_config"]),
+                        {"encoder": params["encoder"], "head": params["head"]}, load_tokenizer(path / "tokenizer"),
+                        path / "tokenizer", head_kind=run["kind"])
+  if (path / "checkpoints").is_dir() and (path / "model_config.json").exists():
+    run_config = checkpoint_lib.read_run_config(path)
+    config = ModelConfig(**json.loads((path / "model_config.json").read_text()))
+    if run_config.get("objective") == "ltr":
+      config = config.replace(causal=True)
+    _, params = checkpoint_lib.restore_params(path)
+    return InitialModel("pretraining_run", run_config["model"]["family"], config,
+                        {"encoder": encoder_params(params), "head": _pretraining_pooler(params)},
+                        load_tokenizer(path / "tokenizer"), path / "tokenizer")
+  loaded, extras = load_pretrained(path, return_extras=True)
+  if loaded.tokenizer_path is None:
+    raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json, vocab.txt, *.model, ...)")
+  head = {"pooler": extras["pooler"]} if "pooler" in extras else {}
+  return InitialModel("pretrained", loaded.family, loaded.config, {"encoder": encoder_params(loaded.params),
+                                                                     "head": head},
+                      load_tokenizer(loaded.tokenizer_path), loaded.tokenizer_path)
+
+
+def merge_initial_params(initialised: Params, loaded: Params) -> tuple[Params, list[str], list[str]]:
+  """Puts loaded parameters into a freshly initialised {"encoder", "head"} tree.
+
+  Every encoder leaf must be loaded with its shape; head leaves are taken
+  where the loaded tree has them with the same shape (a pooler, an earlier
+  run's classifier with as many labels) and re-initialised otherwise.
+
+  Args:
+    initialised: host params of the new model.
+    loaded: `InitialModel.params`.
+
+  Returns:
+    (params, reused head leaves, re-initialised head leaves), leaves named as
+    '/'-joined paths.
+
+  Raises:
+    ValueError: naming every missing or mis-shaped encoder leaf.
+  """
+  loaded_leaves = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(loaded)}
+  problems, reused, fresh = [], [], []
+
+  def pick(path, value):
+    name = jax.tree_util.keystr(path)
+    candidate = loaded_leaves.get(name)
+    fits = candidate is not None and tuple(np.shape(candidate)) == tuple(value.shape)
+    if name.startswith("['encoder']"):
+      if not fits:
+        problems.append(f"{name}: expected {tuple(value.shape)}, "
+                        f"{'missing' if candidate is None else f'got {tuple(np.shape(candidate))}'}")
+        return value
+      return np.asarray(candidate, value.dtype)
+    (reused if fits else fresh).append(name)
+    return np.asarray(candidate, value.dtype) if fits else value
+
+  merged = jax.tree_util.tree_map_with_path(pick, initialised)
+  if problems:
+    raise ValueError("the initial model does not fit this encoder:\n  " + "\n  ".join(problems))
+  return merged, reused, fresh
+
+
+def build_model(config: ModelConfig, kind: TaskKind, num_labels: int, feature_layers: Sequence[int] = (),
+                feature_head: str = "bilstm", feature_head_size: int = 768, feature_head_layers: int = 2,
+                feature_dropout: float = 0.1) -> nn.Module:
+  """`FinetuneModel`, or `FeatureBasedTagger` when `feature_layers` is non-empty.
+
+  Raises:
+    ValueError: feature-based mode for a kind other than tagging, an unknown
+      head or a layer outside [-(L + 1), L].
+  """
+  if not feature_layers:
+    return FinetuneModel(config, kind, num_labels)
+  if kind != "tagging":
+    raise ValueError(f"config.feature_based.layers is set, but feature-based mode serves tagging tasks "
+                     f"(BERT's NER comparison), not {kind}")
+  if feature_head not in FEATURE_HEADS:
+    raise ValueError(f"config.feature_based.head={feature_head!r}: expected one of {FEATURE_HEADS}")
+  bad = [layer for layer in feature_layers if not -(config.num_layers + 1) <= layer <= config.num_layers]
+  if bad:
+    raise ValueError(f"config.feature_based.layers {list(feature_layers)}: {bad} outside "
+                     f"[{-(config.num_layers + 1)}, {config.num_layers}] for {config.num_layers} layers")
+  return FeatureBasedTagger(config, num_labels, tuple(feature_layers), feature_head, feature_head_size,
+                            feature_head_layers, feature_dropout)

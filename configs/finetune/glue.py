@@ -1,0 +1,48 @@
+"""GLUE fine-tuning with BERT's recipe; any of the nine tasks.
+
+  bert-jax finetune --config configs/finetune/glue.py:task=rte --workdir runs/glue/rte \
+      --config.init.model=MODEL_DIR --config.data_dir=../shared/data/glue
+
+task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (or a GLUE folder name:
+SST-2, STS-B...). MODEL_DIR is a Hugging Face or converted model directory, a
+pre-training workdir, or a fine-tuning workdir: RTE, MRPC and STS-B from an
+MNLI run (`--config.init.model=runs/glue/mnli`) keep its encoder and pooler
+and re-initialise the classifier when the label counts differ.
+
+Defaults follow BERT (Devlin et al. 2019, Sec. 4.1 and App. A.3): batch 32,
+3 epochs, AdamW with 10% linear warmup then linear decay, weight decay 0.01,
+max_len 128, dropout 0.1, several restarts (seeds) with the best on dev.
+`get_sweep()` is BERT's learning-rate grid {5e-5, 3e-5, 2e-5}.
+"""
+
+from bert_jax.tasks import TASK_NAMES
+from bert_jax.tasks.finetune import finetune_defaults
+from bert_jax.train.config_lib import ConfigError, parse_arg
+
+LEARNING_RATES = (5e-5, 3e-5, 2e-5)
+
+
+def get_config(arg=None):
+  args = parse_arg(arg, task="rte")
+  config = finetune_defaults()
+  name = f"glue/{args.task.lower()}"
+  glue_names = [n for n in TASK_NAMES if n.startswith("glue/")]
+  aliases = {"glue/sst-2": "glue/sst2", "glue/sts-b": "glue/stsb"}
+  name = aliases.get(name, name)
+  if name not in glue_names:
+    raise ConfigError(f"glue.py: unknown task {args.task!r}; expected one of "
+                      f"{[n.removeprefix('glue/') for n in glue_names]}")
+  config.task = name
+  config.max_len = 128
+  config.seeds = (1, 2, 3)
+  config.optim.lr = 2e-5
+  config.optim.warmup_proportion = 0.1
+  config.optim.weight_decay = 0.01
+  config.train.batch_size = 32
+  config.train.epochs = 3
+  return config
+
+
+def get_sweep(arg=None):
+  del arg
+  return [{"optim.lr": lr} for lr in LEARNING_RATES]
