@@ -4,8 +4,8 @@
 
 The built-in corpus is the text of the Python standard library's documentation
 (pydoc topics and docstrings), present on every machine offline. The run
-trains an 8k WordPiece vocabulary on it, prepares shards, pre-trains a
-2-layer, 128-wide BERT for a few hundred steps and ends with fill-mask
+trains a 4k WordPiece vocabulary on it, prepares shards, pre-trains a
+2-layer, 128-wide BERT (BERT-Tiny) for 800 steps of 64 x 64 tokens and ends with fill-mask
 predictions. Run it again with the same workdir and it resumes (or, when
 finished, just re-prints the results).
 """
@@ -14,24 +14,24 @@ from bert_jax.train.config_lib import model_section, parse_arg, pretrain_default
 
 
 def get_config(arg=None):
-  args = parse_arg(arg, steps=600, size="tiny")
+  args = parse_arg(arg, steps=800, size="tiny")
   config = pretrain_defaults()
   config.objective = "mlm+nsp"
-  config.model = model_section("bert", args.size, max_position_embeddings=128)
+  config.model = model_section("bert", args.size, max_position_embeddings=64)
   config.data.builtin = True
-  config.data.builtin_vocab_size = 8000
+  config.data.builtin_vocab_size = 4000
   config.data.format = "segment_pair"
-  config.data.seq_len = 128
-  config.masking.max_predictions = 20
-  config.optim.lr = 1e-3
-  config.optim.warmup_steps = 60
+  config.data.seq_len = 64
+  config.masking.max_predictions = 10
+  config.optim.lr = 2e-3
+  config.optim.warmup_steps = 80
   config.optim.weight_decay = 0.01
-  config.train.batch_size = 32
+  config.train.batch_size = 64
   config.train.steps = args.steps
   config.train.log_every = 25
-  config.train.eval_every = 200
+  config.train.eval_every = 400
   config.train.eval_batches = 8
-  config.train.checkpoint_every = 200
+  config.train.checkpoint_every = 400
   config.train.fill_mask = (
       "The [MASK] statement is used to define a function.",
       "A list is a mutable [MASK] of items.",
