@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     print("usage: bert-jax <command> [args]\n\ncommands:\n" + "\n".join(lines))
     return 0 if argv and argv[0] in ("-h", "--help") else 2
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-  logging.getLogger("absl").setLevel(logging.WARNING)
+  from absl import logging as absl_logging
+
+  absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax's per-save INFO lines drown the progress bar.
   command, rest = argv[0], argv[1:]
   if command == "pretrain":
     return pretrain_main(rest)

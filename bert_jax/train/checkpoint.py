@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import shutil
+import time
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from bert_jax.parallel.distributed import sync_global_devices
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +59,22 @@ class Checkpointer:
         _check_finite(restored["state"], step)
         return step, restored["state"], dict(restored["data"] or {}), dict(restored["meta"] or {})
       except Exception as error:  # noqa: BLE001 - any failure to read means "unusable".
-        log.warning("checkpoint at step %d in %s cannot be restored (%s: %s); trying the previous one",
-                    step, self.directory, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        kept = self._set_aside(step)
+        log.warning("checkpoint at step %d in %s cannot be restored (%s: %s); moved it to %s and trying the "
+                    "previous one", step, self.directory, type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "", kept)
     return None
+
+  def _set_aside(self, step: int) -> pathlib.Path:
+    """Moves an unreadable checkpoint out of the manager's way (kept for inspection, never deleted)."""
+    source = self.directory / str(step)
+    target = self.directory.parent / "corrupt_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      shutil.move(str(source), str(target))
+    sync_global_devices(f"set_aside_checkpoint_{step}")
+    self.manager.reload()
+    return target
 
   def close(self) -> None:
     self.manager.wait_until_finished()
