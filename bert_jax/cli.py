@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
   from absl import logging as absl_logging
 
   absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax's per-save INFO lines drown the progress bar.
+  for noisy in ("absl", "jax", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.ERROR)
   command, rest = argv[0], argv[1:]
   if command == "pretrain":
     return pretrain_main(rest)
