@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand -> (module with main(argv), one-line help)
@@ -83,11 +84,19 @@ def main(argv: list[str] | None = None) -> int:
   for noisy in ("absl", "jax", "orbax"):
     logging.getLogger(noisy).setLevel(logging.ERROR)
   command, rest = argv[0], argv[1:]
-  if command == "pretrain":
-    return pretrain_main(rest)
-  module = importlib.import_module(SUBCOMMANDS[command][0])
-  entry = getattr(module, "evaluate_main" if command == "evaluate" else "main")
-  return entry(rest)
+  try:
+    if command == "pretrain":
+      return pretrain_main(rest)
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    entry = getattr(module, "evaluate_main" if command == "evaluate" else "main")
+    return entry(rest)
+  except (ValueError, FileNotFoundError, FloatingPointError) as error:
+    # Bad input (config, data, checkpoint, NaN loss): the message names the problem; a traceback
+    # would bury it. BERT_JAX_TRACEBACK=1 shows it anyway.
+    if os.environ.get("BERT_JAX_TRACEBACK"):
+      raise
+    print(f"bert-jax {command}: error: {error}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ def mlm_params_from_run(params: dict[str, Any]) -> dict[str, Any]:
     encoder = dict(params["generator"])
     encoder["embeddings"] = params["embeddings"]
     return {"encoder": encoder, "mlm": params["generator_mlm"]}
+  if "mlm" not in params:
+    raise ValueError("this model has no masked-LM head (a base-model checkpoint such as BertModel); fill-mask needs "
+                     "one with MLM weights (ForMaskedLM / ForPreTraining, or a bert_jax pre-training run)")
   return {"encoder": params["encoder"], "mlm": params["mlm"]}
 
 
