@@ -1,0 +1,206 @@
+"""Multi-host pre-training with real processes on this machine, checked against one process.
+
+Each run below is `bert-jax pretrain` (the real CLI) in N processes with 2
+CPU devices each, joined by `jax.distributed` on localhost, all writing one
+shared workdir as hosts would on shared storage. The reference is one process
+with 4 devices: the same global devices, batch and steps. A small driver wraps
+the data pipeline to record the `example_ids` each process fed into each step.
+
+  reference    1 process x 4 devices, data parallel, 6 steps (checkpoints at 3 and 6)
+  two_process  2 processes x 2 devices, data parallel and FSDP, 6 steps
+  resumed      the step-3 checkpoint of one run continued to step 6 by the
+               other process count (resharding on restore)
+"""
+
+import json
+import pathlib
+import shutil
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import multiprocess_util
+from test_trainer import prepared  # noqa: F401 - the session fixture (prepared built-in corpus)
+
+pytestmark = pytest.mark.slow
+
+TESTS = pathlib.Path(__file__).resolve().parent
+STEPS, CHECKPOINT_EVERY, GLOBAL_BATCH = 6, 3, 16
+MESHES = {"data": dict(data=-1, fsdp=1), "fsdp": dict(data=1, fsdp=-1)}
+
+# Runs the CLI with the train pipeline wrapped to record the example ids of
+# every batch this process fed, then reports them on a RESULT line.
+_DRIVER = textwrap.dedent("""
+    import json, sys
+    from bert_jax import cli
+    from bert_jax.data import pipeline
+
+    fed = []
+    make_iterator = pipeline.pretraining_iterator
+
+    class Recording:
+      def __init__(self, inner):
+        self.inner = inner
+
+      def __iter__(self):
+        return self
+
+      def __next__(self):
+        batch = next(self.inner)
+        fed.append(batch["example_ids"].tolist())
+        return batch
+
+      def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def recording_iterator(*args, split, **kwargs):
+      iterator = make_iterator(*args, split=split, **kwargs)
+      return Recording(iterator) if split == "train" else iterator
+
+    pipeline.pretraining_iterator = recording_iterator
+    code = cli.main(sys.argv[1:])
+    print("RESULT " + json.dumps({"exit": code, "fed": fed}), flush=True)
+""")
+
+_CONFIG = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_trainer import tiny_config
+
+    def get_config(arg):
+      config = tiny_config({prepared!r}, steps={steps}, log_every=1, eval_every={steps}, eval_batches=1,
+                           checkpoint_every={checkpoint_every}, batch_size={batch})
+      config.unlock()
+      return config
+""")
+
+
+class Runner:
+  """Starts `bert-jax pretrain` in N processes on the tiny config; one compilation cache for the module."""
+
+  def __init__(self, root: pathlib.Path, prepared_dir: pathlib.Path):
+    self.config_file = root / "tiny_multihost.py"
+    self.config_file.write_text(_CONFIG.format(tests=str(TESTS), prepared=str(prepared_dir), steps=STEPS,
+                                               checkpoint_every=CHECKPOINT_EVERY, batch=GLOBAL_BATCH))
+    # JAX reads and writes this cache on process 0 only, which still spares
+    # that process's compile (and a CPU core) for programs seen before.
+    self.env = {"JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+
+  def __call__(self, workdir: pathlib.Path, num_processes: int, mesh: str) -> list[multiprocess_util.ProcessResult]:
+    overrides = [f"--config.mesh.sizes.{axis}={size}" for axis, size in MESHES[mesh].items()]
+    command = [sys.executable, "-c", _DRIVER, "pretrain", "--config", str(self.config_file), "--workdir",
+               str(workdir)] + overrides
+    return multiprocess_util.run_processes(command, num_processes, local_devices=4 // num_processes,
+                                           timeout_s=300, extra_env=self.env,
+                                           xla_flags=multiprocess_util.FAST_COMPILE_FLAGS)
+
+
+def metrics(workdir: pathlib.Path) -> list[dict]:
+  """The run's metrics.jsonl records, in order."""
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(workdir: pathlib.Path) -> dict[int, float]:
+  """step -> train loss; fails on a step logged twice."""
+  records = [r for r in metrics(workdir) if "train/loss" in r]
+  steps = [r["step"] for r in records]
+  assert len(steps) == len(set(steps)), f"duplicated metrics lines: steps {steps}"
+  return {r["step"]: r["train/loss"] for r in records}
+
+
+def fed_per_process(results) -> list[list[list[int]]]:
+  """[process][step] -> example ids that process fed."""
+  return [r.json()["fed"] for r in results]
+
+
+def resume_copy(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+  """`source` as it was at the step-3 checkpoint: the later checkpoint and the metrics go."""
+  shutil.copytree(source, target)
+  shutil.rmtree(target / "checkpoints" / str(STEPS))
+  (target / "metrics.jsonl").unlink()
+  return target
+
+
+@pytest.fixture(scope="module")
+def runner(prepared, tmp_path_factory):  # noqa: F811
+  return Runner(tmp_path_factory.mktemp("multihost"), prepared)
+
+
+@pytest.fixture(scope="module")
+def reference(runner, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("reference")
+  (result,) = runner(workdir, 1, "data")
+  return workdir, result.json()["fed"]
+
+
+@pytest.fixture(scope="module", params=sorted(MESHES))
+def two_process(request, runner, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp(f"two_process_{request.param}")
+  return workdir, runner(workdir, 2, request.param)
+
+
+def assert_losses_match(workdir, reference_dir, steps):
+  """The run logged each of `steps` once, with the single-process run's loss."""
+  expected, losses = train_losses(reference_dir), train_losses(workdir)
+  assert sorted(losses) == list(steps)
+  np.testing.assert_allclose([losses[s] for s in steps], [expected[s] for s in steps], rtol=1e-5)
+
+
+def assert_rows_split_by_process(fed, reference_fed, steps):
+  """Process p fed exactly rows [p*G/n, (p+1)*G/n) of each global batch the single process fed."""
+  num_processes = len(fed)
+  local = GLOBAL_BATCH // num_processes
+  for process, batches in enumerate(fed):
+    assert len(batches) == len(steps)
+    for batch, step in zip(batches, steps):
+      assert batch == reference_fed[step - 1][process * local:(process + 1) * local], (process, step)
+
+
+def test_each_process_feeds_only_its_own_rows(two_process, reference):
+  (_, results), (_, reference_fed) = two_process, reference
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, STEPS + 1))
+
+
+def test_losses_equal_the_single_process_run(two_process, reference):
+  (workdir, _), (reference_dir, _) = two_process, reference
+  assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
+  evaluation = [r for r in metrics(workdir) if "eval/mlm_loss" in r]
+  reference_eval = [r for r in metrics(reference_dir) if "eval/mlm_loss" in r]
+  assert len(evaluation) == 1
+  np.testing.assert_allclose(evaluation[0]["eval/mlm_loss"], reference_eval[0]["eval/mlm_loss"], rtol=1e-5)
+
+
+def test_primary_only_side_effects_happen_once(two_process):
+  workdir, results = two_process
+  assert len(metrics(workdir)) == STEPS + 1  # one line per train step and one eval line, no duplicates
+  assert json.loads((workdir / "environment.json").read_text())["process_count"] == 2
+  assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == STEPS
+  assert len(list((workdir / "tensorboard").iterdir())) == 1  # one event file
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(CHECKPOINT_EVERY), str(STEPS)]
+  primary, other = results[0].stdout, results[1].stdout
+  assert primary.count("bert_jax pretrain:") == 1
+  assert "pretrain: 100%" in primary  # the progress bar
+  assert primary.count("Checkpoints: ") == 1  # the CLI's closing report
+  for text in ("pretrain", "eval @", "Checkpoints", "MLM loss"):
+    assert text not in other, f"process 1 printed {text!r}:\n{other}"
+
+
+def test_two_process_checkpoint_continues_in_one_process(two_process, reference, runner, tmp_path):
+  """Written by 2 processes (each holding its shards), restored and continued by 1 with 4 devices."""
+  (source, _), (reference_dir, reference_fed) = two_process, reference
+  workdir = resume_copy(source, tmp_path / "resumed")
+  (result,) = runner(workdir, 1, "data")
+  assert_rows_split_by_process([result.json()["fed"]], reference_fed, range(CHECKPOINT_EVERY + 1, STEPS + 1))
+  assert_losses_match(workdir, reference_dir, range(CHECKPOINT_EVERY + 1, STEPS + 1))
+
+
+def test_one_process_checkpoint_continues_in_two_processes_with_fsdp(reference, runner, tmp_path):
+  """Written by 1 process with replicated parameters, restored sharded (FSDP) over 2 processes."""
+  reference_dir, reference_fed = reference
+  workdir = resume_copy(reference_dir, tmp_path / "resumed")
+  results = runner(workdir, 2, "fsdp")
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(CHECKPOINT_EVERY + 1, STEPS + 1))
+  assert_losses_match(workdir, reference_dir, range(CHECKPOINT_EVERY + 1, STEPS + 1))
