@@ -96,6 +96,8 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules) -> Any:
   shapes = nn.unbox(abstract_tree)
 
   def fit(spec: PartitionSpec, value) -> NamedSharding:
+    if not hasattr(value, "shape"):  # An empty optimizer-state node (optax.MaskedNode): nothing to place.
+      return value
     axes = []
     for dim, axis in zip(value.shape, tuple(spec) + (None,) * (len(value.shape) - len(spec))):
       names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
