@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from bert_jax.data import pipeline
 from bert_jax.data.prepare import open_prepared
@@ -89,8 +90,6 @@ def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel
       config.objective]:
     raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
                      f"{objectives.SENTENCE_FORMATS[config.objective]!r}, got {config.data.format!r}")
-  if config.data.seq_len > (config.model.max_position_embeddings or 512):
-    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's max_position_embeddings")
   if config.masking.max_predictions > config.data.seq_len:
     raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
                      f"config.data.seq_len={config.data.seq_len}")
@@ -130,13 +129,24 @@ def _environment() -> dict[str, Any]:
 
 
 class _Preemption:
-  """Turns SIGTERM into a flag the loop checks between steps."""
+  """Turns SIGTERM into a stop that every process takes after the same step.
+
+  One process: a Python handler sets a flag the loop reads between steps.
+  Several processes: a per-process flag would stop the signalled process while
+  the others enter the next step's collectives, and all would hang. JAX's
+  preemption service (started by `jax.distributed.initialize`) takes SIGTERM on
+  any process instead and names the step at which all of them stop, so no
+  Python handler is installed there.
+  """
 
   def __init__(self):
-    self.requested = False
+    self._requested = False
     self._previous = None
+    self._multiprocess = jax.process_count() > 1
 
   def __enter__(self):
+    if self._multiprocess:
+      return self
     try:
       self._previous = signal.signal(signal.SIGTERM, self._handle)
     except ValueError:  # Not in the main thread: no handler.
@@ -145,7 +155,13 @@ class _Preemption:
 
   def _handle(self, signum, frame):
     del signum, frame
-    self.requested = True
+    self._requested = True
+
+  def should_stop(self, step: int) -> bool:
+    """Whether to save and stop after `step`; call it once after every step, on every process."""
+    if self._multiprocess:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._requested
 
   def __exit__(self, *exc):
     if self._previous is not None:
@@ -194,6 +210,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   corpus = open_prepared(prepared_dir)
   tokenizer = corpus.load_tokenizer()
   model_cfg = build_model_config(config.model, tokenizer.vocab_size)
+  if model_cfg.position_embedding == "learned" and \
+      config.data.seq_len + model_cfg.position_offset > model_cfg.max_position_embeddings:
+    raise ValueError(f"config.data.seq_len={config.data.seq_len} does not fit the model's "
+                     f"max_position_embeddings={model_cfg.max_position_embeddings} "
+                     f"(position offset {model_cfg.position_offset})")
   objective = objectives.make_objective(config, model_cfg, tokenizer.mask_id)
   total_steps = config.train.steps
   tx, schedule = optim.make_optimizer(config.optim, total_steps)
@@ -288,12 +309,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
           writer.write(step, eval_results, prefix="eval/")
           if primary:
             _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
-        if preemption.requested or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0) \
-            or last:
+        preempted = preemption.should_stop(step)
+        if preempted or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0) or last:
           flush_pending(step)
           checkpointer.save(step, state, train_iter.get_state(), {"step": step}, force=True)
-        if preemption.requested:
-          preempted = True
+        if preempted:
           _print_line(progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
           break
     finally:
@@ -330,8 +350,7 @@ def _progress_bar(primary: bool, start: int, total: int):
   if not primary:
     return None
   from tqdm import tqdm
-  return tqdm(total=total, initial=start, desc="pretrain", dynamic_ncols=True, mininterval=1.0,
-              file=sys.stdout, disable=not sys.stdout.isatty() and False)
+  return tqdm(total=total, initial=start, desc="pretrain", dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
