@@ -61,11 +61,12 @@ from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib, metrics as metrics_lib, optim
-from bert_jax.train.step import Partitioning, create_state, make_predict_step, make_train_step
+from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
 
 log = logging.getLogger(__name__)
 
 SELECTIONS = ("best", "last")
+RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
 MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "attention_impl", "remat")
 _LENGTH_MULTIPLE = 8
@@ -89,7 +90,10 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   ("epoch", "end" or a step count), selection ("best" on the
                   task's selection metric, or "last"), early_stopping_patience
                   (evaluations without improvement; 0 = never stop early),
-                  log_every, save_checkpoint.
+                  log_every, save_checkpoint, rng_impl (the dropout key's PRNG:
+                  "rbg", XLA's RngBitGenerator, draws [B, heads, L, L]
+                  attention-dropout masks far faster on GPU than
+                  "threefry2x32"; both are reproducible on one backend).
   feature_based.* layers to concatenate from a frozen encoder (empty = full
                   fine-tuning), head ("bilstm" or "mlp"), head_size,
                   head_layers, dropout.
@@ -111,7 +115,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
       power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
   config.train = ml_collections.ConfigDict(dict(
       batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
-      early_stopping_patience=0, log_every=50, save_checkpoint=True))
+      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg"))
   config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
                                                         dropout=0.1))
   config.mesh = ml_collections.ConfigDict(dict(
@@ -146,6 +150,8 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     raise ValueError(f"config.train.epochs={train.epochs} must be at least 1")
   if train.selection not in SELECTIONS:
     raise ValueError(f"config.train.selection={train.selection!r}: expected one of {SELECTIONS}")
+  if train.rng_impl not in RNG_IMPLS:
+    raise ValueError(f"config.train.rng_impl={train.rng_impl!r}: expected one of {RNG_IMPLS}")
   if train.early_stopping_patience < 0:
     raise ValueError(f"config.train.early_stopping_patience={train.early_stopping_patience} must be >= 0")
   _eval_interval(train.eval_every)
@@ -308,6 +314,8 @@ class _Run:
   dummy_batch: dict[str, jax.Array]
   initial_params: dict[str, Any]
   steps_per_epoch: int
+  state_init: Any = None
+  state_shardings: Any = None
   train_step: Any = None
   predict_step: Any = None
   head_report: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -315,16 +323,18 @@ class _Run:
 
 def _init_state(run: _Run, seed: int):
   """Sharded state for `seed`: random head, loaded encoder (and reusable head leaves)."""
-  state, shardings = create_state(lambda key: run.objective.init_variables(key, run.dummy_batch), run.tx,
-                                  jax.random.key(seed), run.partitioning)
+  if run.state_init is None:
+    run.state_init, run.state_shardings = make_state_init(
+        lambda key: run.objective.init_variables(key, run.dummy_batch), run.tx, run.partitioning, jax.random.key(0))
+    run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
+                                     rng=jax.random.key(0, impl=run.config.train.rng_impl),
+                                     partitioning=run.partitioning,
+                                     state_shardings=run.state_shardings)
+    run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
+  state = run.state_init(jax.random.key(seed))
   params, reused, fresh = merge_initial_params(state.params, run.initial_params)
   run.head_report = {"reused": reused, "reinitialised": fresh}
-  state = state.replace(params=jax.device_put(params, shardings.params))
-  if run.train_step is None:
-    run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
-                                     rng=jax.random.key(0), partitioning=run.partitioning, state_shardings=shardings)
-    run.predict_step = make_predict_step(run.objective, run.partitioning, shardings.params)
-  return state
+  return state.replace(params=jax.device_put(params, run.state_shardings.params))
 
 
 def _train_seed(run: _Run, seed: int) -> dict[str, Any]:

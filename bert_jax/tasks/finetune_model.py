@@ -119,12 +119,16 @@ class FeatureBasedTagger(nn.Module):
 
 
 def frozen_encoder_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """`tx` on everything but the "encoder" subtree, whose updates are zero."""
-  def labels(params):
-    return {name: jax.tree.map(lambda _: "frozen" if name == "encoder" else "trained", subtree)
-            for name, subtree in params.items()}
+  """`tx` with the updates of the "encoder" subtree set to zero (weight decay included).
 
-  return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+  The encoder's optimizer state is still allocated, which keeps every state
+  leaf an array that the sharding rules can place.
+  """
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, state, params)
+    return {**updates, "encoder": jax.tree.map(jnp.zeros_like, updates["encoder"])}, state
+
+  return optax.GradientTransformation(tx.init, update)
 
 
 @dataclasses.dataclass(frozen=True)

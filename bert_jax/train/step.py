@@ -198,3 +198,35 @@ def make_predict_step(task: Any, partitioning: Partitioning, param_shardings: An
   replicated = sharding_lib.replicated(partitioning.mesh)
   return jax.jit(predict_step, in_shardings=(param_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
                  out_shardings=replicated)
+
+
+def make_state_init(init_variables: Callable[[Array], Any], tx: optax.GradientTransformation,
+                    partitioning: Partitioning, example_rng: Array) -> tuple[Callable[[Array], TrainState], Any]:
+  """`create_state` split into a jitted `init(rng) -> state` compiled once, and the state shardings.
+
+  For runs that build many states of one model (fine-tuning seeds): each call
+  initialises directly in its shards without compiling again.
+
+  Args:
+    init_variables: rng -> boxed variables ({"params": ...}) with logical axes.
+    tx: the optimizer.
+    partitioning: mesh and rules.
+    example_rng: any key of the kind that `init` will be given (for shapes).
+
+  Returns:
+    (init, state shardings).
+  """
+  def init_boxed(key):
+    params = init_variables(key)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  with partitioning.context():
+    abstract = jax.eval_shape(init_boxed, example_rng)
+    shardings = sharding_lib.logical_shardings(abstract, partitioning.mesh, partitioning.rules)
+    jitted = jax.jit(lambda key: nn.unbox(init_boxed(key)), out_shardings=shardings)
+
+  def init(rng: Array) -> TrainState:
+    with partitioning.context():
+      return jitted(rng)
+
+  return init, shardings
