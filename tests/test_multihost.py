@@ -10,6 +10,8 @@ the data pipeline to record the `example_ids` each process fed into each step.
   two_process  2 processes x 2 devices, data parallel and FSDP, 6 steps
   resumed      the step-3 checkpoint of one run continued to step 6 by the
                other process count (resharding on restore)
+  preempted    2 processes, SIGTERM to process 0 only: both stop after the same
+               step with a checkpoint; the same command again finishes the run
 """
 
 import json
@@ -31,14 +33,16 @@ STEPS, CHECKPOINT_EVERY, GLOBAL_BATCH = 6, 3, 16
 MESHES = {"data": dict(data=-1, fsdp=1), "fsdp": dict(data=1, fsdp=-1)}
 
 # Runs the CLI with the train pipeline wrapped to record the example ids of
-# every batch this process fed, then reports them on a RESULT line.
+# every batch this process fed, then reports them on a RESULT line. With
+# SIGTERM_AT_BATCH=k, process 0 alone sends itself SIGTERM when it takes batch k.
 _DRIVER = textwrap.dedent("""
-    import json, sys
+    import json, os, signal, sys
     from bert_jax import cli
     from bert_jax.data import pipeline
 
     fed = []
     make_iterator = pipeline.pretraining_iterator
+    sigterm_at = int(os.environ.get("SIGTERM_AT_BATCH", "0"))
 
     class Recording:
       def __init__(self, inner):
@@ -50,6 +54,8 @@ _DRIVER = textwrap.dedent("""
       def __next__(self):
         batch = next(self.inner)
         fed.append(batch["example_ids"].tolist())
+        if len(fed) == sigterm_at and os.environ["BERT_JAX_PROCESS_ID"] == "0":
+          os.kill(os.getpid(), signal.SIGTERM)
         return batch
 
       def __getattr__(self, name):
@@ -89,12 +95,14 @@ class Runner:
     self.env = {"JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 
-  def __call__(self, workdir: pathlib.Path, num_processes: int, mesh: str) -> list[multiprocess_util.ProcessResult]:
+  def __call__(self, workdir: pathlib.Path, num_processes: int, mesh: str,
+               sigterm_at_batch: int = 0) -> list[multiprocess_util.ProcessResult]:
     overrides = [f"--config.mesh.sizes.{axis}={size}" for axis, size in MESHES[mesh].items()]
     command = [sys.executable, "-c", _DRIVER, "pretrain", "--config", str(self.config_file), "--workdir",
                str(workdir)] + overrides
     return multiprocess_util.run_processes(command, num_processes, local_devices=4 // num_processes,
-                                           timeout_s=300, extra_env=self.env,
+                                           timeout_s=300,
+                                           extra_env={**self.env, "SIGTERM_AT_BATCH": str(sigterm_at_batch)},
                                            xla_flags=multiprocess_util.FAST_COMPILE_FLAGS)
 
 
@@ -188,8 +196,9 @@ def test_primary_only_side_effects_happen_once(two_process):
     assert text not in other, f"process 1 printed {text!r}:\n{other}"
 
 
+@pytest.mark.parametrize("two_process", ["fsdp"], indirect=True)  # the harder layout is enough
 def test_two_process_checkpoint_continues_in_one_process(two_process, reference, runner, tmp_path):
-  """Written by 2 processes (each holding its shards), restored and continued by 1 with 4 devices."""
+  """Written by 2 processes, each holding its own parameter shards (FSDP), restored and continued by 1."""
   (source, _), (reference_dir, reference_fed) = two_process, reference
   workdir = resume_copy(source, tmp_path / "resumed")
   (result,) = runner(workdir, 1, "data")
@@ -204,3 +213,22 @@ def test_one_process_checkpoint_continues_in_two_processes_with_fsdp(reference, 
   results = runner(workdir, 2, "fsdp")
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(CHECKPOINT_EVERY + 1, STEPS + 1))
   assert_losses_match(workdir, reference_dir, range(CHECKPOINT_EVERY + 1, STEPS + 1))
+
+
+def test_sigterm_on_one_process_stops_all_at_the_same_step_and_resumes(reference, runner, tmp_path):
+  """A preemption notice reaching only process 0 still stops both processes after one step, with a checkpoint."""
+  reference_dir, reference_fed = reference
+  workdir = tmp_path / "preempted"
+  results = runner(workdir, 2, "data", sigterm_at_batch=2)
+  stopped = {len(fed) for fed in fed_per_process(results)}
+  assert len(stopped) == 1, f"processes stopped after different steps: {stopped}"
+  (stop,) = stopped
+  assert 2 <= stop < STEPS
+  assert f"Preempted at step {stop}" in results[0].stdout
+  assert all(f"SIGTERM: saved checkpoint at step {stop}" in r.stdout for r in results)
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [stop]
+  assert sorted(train_losses(workdir)) == list(range(1, stop + 1))
+
+  results = runner(workdir, 2, "data")  # the same command again
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(stop + 1, STEPS + 1))
+  assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
