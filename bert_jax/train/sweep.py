@@ -58,7 +58,11 @@ def run_sweep(spec: str, workdir: str | pathlib.Path, base_overrides: list[str] 
     if "task" in probe:
       from bert_jax.tasks import finetune
 
-      run = lambda config, directory: finetune.finetune(config, directory)["summary"]  # noqa: E731
+      def run(config, directory):
+        # Fine-tuning rows report the median over seeds of each split's metrics.
+        summary = finetune.finetune(config, directory)["summary"]
+        return {f"{split}/{metric}": stats["median"] for split, metrics in summary.items()
+                for metric, stats in metrics.items()}
     else:
       run = _pretrain
   workdir = pathlib.Path(workdir)
