@@ -83,6 +83,9 @@ def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel
   if train.batch_size % jax.process_count():
     raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the "
                      f"{jax.process_count()} processes")
+  if train.eval_batch_size and train.eval_batch_size % (data_parallel * jax.process_count()):
+    raise ValueError(f"config.train.eval_batch_size={train.eval_batch_size} is not divisible by the data-parallel "
+                     f"size {data_parallel} and the {jax.process_count()} processes")
   if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
     raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
                      f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
@@ -247,8 +250,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
   predictions_per_token = 1.0 if config.objective == "ltr" else config.masking.max_predictions / config.data.seq_len
-  throughput = metrics_lib.Throughput(tokens_per_step,
-                                      model_cfg.flops_per_token(config.data.seq_len, predictions_per_token), mesh.size)
+  flops_per_token = sum(cfg.flops_per_token(config.data.seq_len, predictions_per_token)
+                        for cfg in (objective.model_config, objective.generator_config) if cfg is not None)
+  throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
   writer = metrics_lib.MetricWriter(workdir, enabled=primary)
   if primary:
     (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
