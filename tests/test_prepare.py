@@ -166,6 +166,16 @@ def test_tfds_input_without_tensorflow_names_the_extra(tmp_path, tokenizer):
                            log=lambda *_: None)
 
 
+def test_tfds_text_dataset_is_prepared_with_mock_data(tmp_path, tokenizer):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  with tfds.testing.mock_data(num_examples=6):
+    manifest = prepare.prepare_corpus(["tfds:wikipedia/20230601.en"], tokenizer, tmp_path / "out", num_workers=0,
+                                      log=lambda *_: None)
+  assert manifest["totals"]["documents"] >= 1 and manifest["inputs"][0]["input"] == "tfds:wikipedia/20230601.en"
+  corpus = prepare.open_prepared(tmp_path / "out")
+  assert corpus.num_documents == manifest["totals"]["documents"] and corpus.num_sentences > 0
+
+
 def test_cli_trains_a_tokenizer_and_prepares(tmp_path, capsys):
   corpus = write_bert_format(tmp_path / "corpus.txt", DOCUMENTS)
   argv = ["--input", str(corpus), "--out", str(tmp_path / "out"), "--train-tokenizer", "wordpiece",
