@@ -304,3 +304,13 @@ def test_real_rte_featurises_like_transformers(shared_data, minilm_dir):
     assert features["input_ids"][row, :len(ids)].tolist() == ids
     assert features["segment_ids"][row, :len(ids)].tolist() == reference["token_type_ids"][row]
   assert set(features["labels"].tolist()) <= {0, 1}
+
+
+def test_glue_from_tfds_with_mock_data(tiny_model, tmp_path):
+  """config.data_dir=tfds reads TFDS glue/* (mocked records): the run trains and scores the dev split."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  with tfds.testing.mock_data(num_examples=32, policy=tfds.testing.MockPolicy.USE_CODE):
+    results = _finetune("configs/finetune/glue.py:task=rte", tiny_model, f"tfds:{tmp_path / 'tfds'}",
+                        tmp_path / "run", "--config.train.epochs=1")
+  accuracy = results["summary"]["dev"]["accuracy"]["values"][0]
+  assert 0.0 <= accuracy <= 100.0

@@ -78,7 +78,8 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   task            registry name ("glue/rte", "squad/v1.1", "swag", "conll2003").
   task_options    keyword options of the task (SQuAD doc_stride..., CoNLL
                   document_context); the config file fixes which exist.
-  data_dir        where `Task.load` reads the splits (the GLUE root for GLUE).
+  data_dir        where `Task.load` reads the splits (the GLUE root for GLUE), or
+                  "tfds" / "tfds:TFDS_DATA_DIR" for TFDS `glue/*` (the `[tfds]` extra).
   init.model      Hugging Face or converted model directory, pre-training
                   workdir, or fine-tuning workdir (e.g. MNLI for RTE).
   model.*         dtype, dropouts, attention_impl, remat (None: the model's own).
@@ -438,6 +439,15 @@ def _optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_par
   return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
 
 
+def load_split(task: Task, data_dir: str, split: str) -> list[Any]:
+  """A split from task files, or from TFDS when data_dir is "tfds" or "tfds:TFDS_DATA_DIR"."""
+  if data_dir == "tfds" or data_dir.startswith("tfds:"):
+    if not hasattr(task, "load_tfds"):
+      raise ValueError(f"config.data_dir={data_dir!r}: task {task.name} has no TFDS source; give its files")
+    return task.load_tfds(split, data_dir=data_dir.partition(":")[2] or None)
+  return task.load(data_dir, split)
+
+
 def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: str) -> dict[str, np.ndarray]:
   if not examples:
     raise ValueError(f"{task.name}: the {what} split has no examples")
@@ -484,9 +494,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
   model_config = model_config_for(initial.config, config.model, config.max_len)
   tokenizer = task_tokenizer(initial.tokenizer)
 
-  train_examples = task.load(config.data_dir, "train")
+  train_examples = load_split(task, config.data_dir, "train")
   train_features = _featurize(task, train_examples, tokenizer, config.max_len, "train")
-  eval_examples = {split: task.load(config.data_dir, split) for split in task.eval_splits}
+  eval_examples = {split: load_split(task, config.data_dir, split) for split in task.eval_splits}
   eval_features = {split: _featurize(task, examples, tokenizer, config.max_len, split)
                    for split, examples in eval_examples.items()}
   seq_len = padded_length([train_features, *eval_features.values()], config.max_len)
@@ -584,7 +594,7 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
   splits = task.eval_splits if split == "dev" else _test_splits(task)
   eval_sets = []
   for name in splits:
-    examples = task.load(data_dir, name)
+    examples = load_split(task, data_dir, name)
     features = _featurize(task, examples, tokenizer, config.max_len, name)
     seq_len = max(run_info["seq_len"], padded_length([features], config.max_len))
     eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, config.max_len, seq_len)))
