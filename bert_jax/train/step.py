@@ -10,6 +10,7 @@ and reports `nonfinite=1`; the loop stops the run on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Protocol
 
@@ -49,22 +50,11 @@ class Partitioning:
   mesh: Mesh
   rules: tuple
 
+  @contextlib.contextmanager
   def context(self):
     """Mesh + logical rules in scope, so the model's logical constraints resolve."""
-    return _Both(self.mesh, nn.logical_axis_rules(self.rules))
-
-
-class _Both:
-  def __init__(self, *contexts):
-    self.contexts = contexts
-
-  def __enter__(self):
-    for c in self.contexts:
-      c.__enter__()
-
-  def __exit__(self, *exc):
-    for c in reversed(self.contexts):
-      c.__exit__(*exc)
+    with self.mesh, nn.logical_axis_rules(self.rules):
+      yield
 
 
 def create_state(init_variables: Callable[[Array], Any], tx: optax.GradientTransformation, rng: Array,
@@ -80,15 +70,8 @@ def create_state(init_variables: Callable[[Array], Any], tx: optax.GradientTrans
   Returns:
     (state, state shardings).
   """
-  def init_boxed(key):
-    params = init_variables(key)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-  with partitioning.context():
-    abstract = jax.eval_shape(init_boxed, rng)
-    shardings = sharding_lib.logical_shardings(abstract, partitioning.mesh, partitioning.rules)
-    state = jax.jit(lambda key: nn.unbox(init_boxed(key)), out_shardings=shardings)(rng)
-  return state, shardings
+  init, shardings = make_state_init(init_variables, tx, partitioning, rng)
+  return init(rng), shardings
 
 
 def _split_microbatches(inputs: dict[str, Array], accum_steps: int) -> dict[str, Array]:
