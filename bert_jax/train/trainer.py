@@ -98,6 +98,19 @@ def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel
                      f"config.data.seq_len={config.data.seq_len}")
 
 
+def _warn_single_sentence_documents(corpus, example_format: str) -> None:
+  """Sentence-pair formats need multi-sentence documents; say so when most have one sentence."""
+  if example_format not in ("segment_pair", "sop"):
+    return
+  sentences_per_document = np.diff(corpus.document_starts)
+  single = float(np.mean(sentences_per_document == 1)) if len(sentences_per_document) else 0.0
+  if single > 0.5:
+    log.warning("%.0f%% of the documents in %s have a single sentence: %s examples from them cannot pair "
+                "consecutive sentences (NSP always takes a random B, SOP splits inside the sentence). Is the "
+                "input one sentence per line with blank lines between documents?", 100 * single,
+                corpus.directory, example_format)
+
+
 def _dummy_batch(rows: int, seq_len: int, packs: int) -> dict[str, jax.Array]:
   zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
   ones = jnp.ones((rows, seq_len), jnp.int32)
@@ -211,6 +224,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   prepared_dir = prepare_data(config, workdir)
   corpus = open_prepared(prepared_dir)
+  _warn_single_sentence_documents(corpus, config.data.format)
   tokenizer = corpus.load_tokenizer()
   model_cfg = build_model_config(config.model, tokenizer.vocab_size)
   if model_cfg.position_embedding == "learned" and \
