@@ -204,3 +204,20 @@ def test_demo_cli_runs(tmp_path):
   assert fill.returncode == 0, fill.stderr
   assert "[MASK] #1:" in fill.stdout
   shutil.rmtree(tmp_path / "demo")
+
+
+def test_single_sentence_documents_are_flagged_for_sentence_pair_formats(prepared, tmp_path, caplog):
+  lines = "\n\n".join(f"Sentence number {i} stands alone in its document." for i in range(20))
+  (tmp_path / "flat.txt").write_text(lines + "\n")
+  prepare.prepare_corpus([str(tmp_path / "flat.txt")], prepared.parent / "tokenizer", tmp_path / "flat",
+                         num_workers=1, log=lambda *a: None)
+  flat = prepare.open_prepared(tmp_path / "flat")
+  with caplog.at_level(logging.WARNING):
+    trainer._warn_single_sentence_documents(flat, "full_sentences")
+    assert not caplog.records
+    trainer._warn_single_sentence_documents(flat, "segment_pair")
+  assert "100% of the documents" in caplog.text and "single sentence" in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    trainer._warn_single_sentence_documents(prepare.open_prepared(prepared), "segment_pair")
+  assert not caplog.records
