@@ -108,6 +108,17 @@ check_config() {
   fi
 }
 
+# run_arguments CONFIG WORKDIR [OVERRIDES...]: sets config, workdir and overrides (an array) and
+# checks them: the config file exists, a workdir is given, each override is --config.KEY=VALUE.
+run_arguments() {
+  config="${1:-}"
+  workdir="${2:-}"
+  check_config "$config"
+  require "$workdir" "WORKDIR"
+  overrides=("${@:3}")
+  check_overrides "${overrides[@]}"
+}
+
 # check_overrides ARGS...: each trainer override is --config.KEY=VALUE.
 check_overrides() {
   local arg

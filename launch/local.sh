@@ -23,12 +23,7 @@ while (( $# )); do
     *) positional+=("$1"); shift ;;
   esac
 done
-config="${positional[0]:-}"
-workdir="${positional[1]:-}"
-check_config "$config"
-require "$workdir" "WORKDIR"
-overrides=("${positional[@]:2}")
-check_overrides "${overrides[@]}"
+run_arguments "${positional[@]}"
 
 say "pretraining $config on this host (all local devices), workdir $workdir"
 unset BERT_JAX_COORDINATOR BERT_JAX_NUM_PROCESSES BERT_JAX_PROCESS_ID BERT_JAX_LOCAL_DEVICE_IDS

@@ -60,12 +60,7 @@ fi
 if [[ -n "$local_device_ids" && ! "$local_device_ids" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
   die "--local-device-ids must be comma-separated integers such as 0,1; got '$local_device_ids'"
 fi
-config="${positional[0]:-}"
-workdir="${positional[1]:-}"
-check_config "$config"
-require "$workdir" "WORKDIR"
-overrides=("${positional[@]:2}")
-check_overrides "${overrides[@]}"
+run_arguments "${positional[@]}"
 
 dist_env=(BERT_JAX_COORDINATOR="$coordinator" BERT_JAX_NUM_PROCESSES="$num_processes"
           BERT_JAX_PROCESS_ID="$process_id")
