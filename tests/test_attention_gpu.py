@@ -1,8 +1,10 @@
-"""cuDNN fused attention vs the XLA path on a GPU, in bfloat16: forward and gradients.
+"""Fused attention (cuDNN; our flash kernels with dropout) vs the XLA path on a GPU, in bfloat16.
 
-Skipped without a GPU. Both bf16 paths are compared with a float32 XLA
-reference on the same inputs (relative error ||a - ref|| / ||ref|| over the
-real query rows) and with each other; `pytest -s` prints the figures.
+Skipped without a GPU. Each fused path and XLA's bf16 path are compared with a
+float32 XLA reference on the same inputs (relative error ||a - ref|| / ||ref||
+over the real query rows) and with each other, forward and gradients; with
+dropout all paths drop the same probabilities (one hash mask). `pytest -s`
+prints the figures.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a 
 RELATIVE_TOLERANCE = 2e-2
 
 
-def attention_errors(batch: int, length: int, heads: int, head_dim: int, packed: bool, seed: int = 0) -> dict:
-  """Max-abs and relative errors of out, dq, dk, dv: cuDNN vs XLA, and each vs float32.
+def attention_errors(batch: int, length: int, heads: int, head_dim: int, packed: bool, seed: int = 0,
+                     candidate: str = "cudnn", dropout_rate: float = 0.0, causal: bool = False) -> dict:
+  """Max-abs and relative errors of out, dq, dk, dv: `candidate` vs XLA, and each vs float32.
 
   Rows have random real lengths (padding at the end); with `packed`, each row
   holds two examples (block-diagonal attention). Errors count real query rows
@@ -41,7 +44,9 @@ def attention_errors(batch: int, length: int, heads: int, head_dim: int, packed:
   def loss(implementation, dtype):
     def f(q, k, v):
       out, _ = dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), pack_ids=pack_ids,
-                                     packed=packed, implementation=implementation)
+                                     packed=packed, causal=causal, implementation=implementation,
+                                     dropout_rate=dropout_rate,
+                                     dropout_rng=jax.random.key(seed + 1) if dropout_rate else None)
       out = jnp.where(real, out.astype(jnp.float32), 0.0)
       return jnp.sum(out * cotangent), out
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
@@ -50,7 +55,7 @@ def attention_errors(batch: int, length: int, heads: int, head_dim: int, packed:
     (_, out_ref), grads_ref = loss("xla", jnp.float32)(q, k, v)
   results = {}
   outputs = {}
-  for implementation in ("cudnn", "xla"):
+  for implementation in (candidate, "xla"):
     (_, out), grads = loss(implementation, jnp.bfloat16)(q, k, v)
     outputs[implementation] = (out,) + tuple(grads)
   reference = (out_ref,) + tuple(grads_ref)
@@ -58,19 +63,25 @@ def attention_errors(batch: int, length: int, heads: int, head_dim: int, packed:
     def compare(a, b):
       a, b = np.asarray(jnp.where(real, a, 0.0)), np.asarray(jnp.where(real, b, 0.0))
       return float(np.max(np.abs(a - b))), float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    results[name] = {"cudnn_vs_xla": compare(outputs["cudnn"][index], outputs["xla"][index]),
-                     "cudnn_vs_f32": compare(outputs["cudnn"][index], reference[index]),
+    results[name] = {"fused_vs_xla": compare(outputs[candidate][index], outputs["xla"][index]),
+                     "fused_vs_f32": compare(outputs[candidate][index], reference[index]),
                      "xla_vs_f32": compare(outputs["xla"][index], reference[index])}
   return results
 
 
-@pytest.mark.parametrize("length,packed", [(128, False), (512, False), (128, True)])
-def test_cudnn_matches_xla_in_bf16(length, packed):
-  errors = attention_errors(batch=4, length=length, heads=12, head_dim=64, packed=packed)
+CASES = [("cudnn", 128, False, 0.0, False), ("cudnn", 512, False, 0.0, False), ("cudnn", 128, True, 0.0, False),
+         ("flash", 128, False, 0.1, False), ("flash", 512, False, 0.1, False), ("flash", 128, True, 0.1, False),
+         ("flash", 384, False, 0.0, True)]
+
+
+@pytest.mark.parametrize("candidate,length,packed,dropout_rate,causal", CASES)
+def test_fused_attention_matches_xla_in_bf16(candidate, length, packed, dropout_rate, causal):
+  errors = attention_errors(batch=4, length=length, heads=12, head_dim=64, packed=packed, candidate=candidate,
+                            dropout_rate=dropout_rate, causal=causal)
   for name, pairs in errors.items():
-    print(f"L={length} packed={packed} {name}: " + ", ".join(
+    print(f"{candidate} L={length} packed={packed} dropout={dropout_rate} causal={causal} {name}: " + ", ".join(
         f"{pair} max-abs {max_abs:.2e} rel {rel:.2e}" for pair, (max_abs, rel) in pairs.items()))
     for pair, (_, rel) in pairs.items():
       assert rel < RELATIVE_TOLERANCE, (name, pair, rel)
-    # cuDNN is no further from float32 than XLA's own bf16 path is, give or take rounding.
-    assert pairs["cudnn_vs_f32"][1] < 2 * pairs["xla_vs_f32"][1] + 1e-3, (name, pairs)
+    # The fused path is no further from float32 than XLA's own bf16 path is, give or take rounding.
+    assert pairs["fused_vs_f32"][1] < 2 * pairs["xla_vs_f32"][1] + 1e-3, (name, pairs)

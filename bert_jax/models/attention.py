@@ -1,11 +1,18 @@
 """The one attention function every layer calls.
 
-Two implementations behind one signature:
+Three implementations behind one signature:
   * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, the fused
     flash-attention kernel. Used on GPU for float16/bfloat16 when the head size
     allows, no attention dropout is active and probabilities are not requested.
+  * "flash": our Pallas (Triton) flash-attention kernels with in-kernel
+    attention dropout (`flash_attention.py`). Used on GPU for float16/bfloat16
+    when attention dropout is active (pre-training), the head size is a power
+    of two up to 128 and lengths are multiples of 16.
   * "xla": an explicit einsum/softmax path (float32 softmax) that also applies
     attention dropout and can return the probabilities for analysis.
+
+"flash" and "xla" drop the same probabilities: the mask is a hash of (seed,
+batch row, head, query, key), `flash_attention.keep_mask`.
 
 Masking: `pack_ids` [B, L] says which packed example each token belongs to
 (0 = padding). Unpacked rows are 1 on real tokens, and their padding is passed
@@ -20,7 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+from bert_jax.models import flash_attention
+
+IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
 
 
 @functools.cache
@@ -29,20 +38,35 @@ def _backend() -> str:
 
 
 def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_active: bool,
-                           return_probs: bool) -> str:
-  """Chooses "cudnn" or "xla" for `requested` in IMPLEMENTATIONS."""
+                           return_probs: bool, length: int | None = None) -> str:
+  """Chooses "cudnn", "flash" or "xla" for `requested` in IMPLEMENTATIONS.
+
+  `length` (the sequence length) gates "flash" under "auto"; None skips that
+  check (for reporting which path a config takes).
+  """
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {requested!r} not in {IMPLEMENTATIONS}")
-  cudnn_ok = (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-              and not dropout_active and not return_probs)
+  half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128 and not dropout_active and not return_probs
+  flash_ok = (not return_probs and flash_attention.supported(head_dim=head_dim, q_len=length or 16,
+                                                             k_len=length or 16))
   if requested == "cudnn":
     if not cudnn_ok:
       raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128, no "
                        f"attention dropout and no returned probabilities (dtype={jnp.dtype(dtype)}, "
                        f"head_dim={head_dim}, dropout_active={dropout_active}, return_probs={return_probs})")
     return "cudnn"
-  if requested == "auto" and cudnn_ok and _backend() == "gpu":
-    return "cudnn"
+  if requested == "flash":
+    if not flash_ok:
+      raise ValueError(f"flash attention needs a power-of-two head size in [16, 128], lengths that are multiples "
+                       f"of 16 and no returned probabilities (head_dim={head_dim}, length={length}, "
+                       f"return_probs={return_probs})")
+    return "flash"
+  if requested == "auto" and _backend() == "gpu":
+    if cudnn_ok:
+      return "cudnn"
+    if half and dropout_active and flash_ok:
+      return "flash"
   return "xla"
 
 
@@ -76,7 +100,8 @@ def dot_product_attention(
       None means no padding.
     packed: whether rows may hold several examples (needs the block mask).
     causal: attend only to earlier positions.
-    implementation: "auto", "cudnn" or "xla".
+    implementation: "auto", "cudnn", "flash" or "xla" ("flash" off GPU runs the
+      kernels in Pallas' interpreter: slow, for tests).
     dropout_rate: attention-probability dropout; applied when `dropout_rng` is
       given.
     return_probs: also return the [batch, heads, length, length] float32
@@ -88,7 +113,12 @@ def dot_product_attention(
   head_dim = query_blhd.shape[-1]
   dropout_active = dropout_rng is not None and dropout_rate > 0.0
   impl = resolve_implementation(implementation, dtype=query_blhd.dtype, head_dim=head_dim,
-                                dropout_active=dropout_active, return_probs=return_probs)
+                                dropout_active=dropout_active, return_probs=return_probs, length=query_blhd.shape[1])
+  if impl == "flash":
+    out = flash_attention.flash_attention(query_blhd, key_blhd, value_blhd, pack_ids=pack_ids, causal=causal,
+                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                          interpret=_backend() != "gpu")
+    return out, None
   if impl == "cudnn":
     mask, lengths = None, None
     if pack_ids is not None:
@@ -119,7 +149,9 @@ def dot_product_attention(
     probs_bhqk = jnp.where(mask.any(axis=-1, keepdims=True), probs_bhqk, 0.0)
   weights = probs_bhqk
   if dropout_active:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    batch, heads, q_len, k_len = weights.shape
+    keep = flash_attention.keep_mask(flash_attention.dropout_seeds(dropout_rng), batch, heads, q_len, k_len,
+                                     dropout_rate)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value_blhd.dtype), value_blhd)
   return out, (probs_bhqk if return_probs else None)

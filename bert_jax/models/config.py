@@ -54,8 +54,9 @@ class ModelConfig:
     dtype: compute dtype ("float32" or "bfloat16"); softmax, LayerNorm
       statistics and losses stay float32.
     param_dtype: parameter dtype (float32).
-    attention_impl: "auto" (cuDNN fused attention on GPU when dtype and shapes
-      allow, XLA otherwise), "cudnn" or "xla".
+    attention_impl: "auto" (on GPU in float16/bfloat16: cuDNN fused attention
+      without attention dropout, our Pallas flash kernels with it, when shapes
+      allow; XLA otherwise), "cudnn", "flash" or "xla".
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
   """
@@ -101,7 +102,7 @@ class ModelConfig:
     if self.hidden_act not in ACTIVATIONS:
       fail("hidden_act", f"expected one of {ACTIVATIONS}")
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
-               "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "xla"),
+               "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "flash", "xla"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16")}
     for field, allowed in choices.items():
