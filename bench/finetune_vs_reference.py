@@ -220,7 +220,7 @@ def run_ours(carry: pathlib.Path, data: pathlib.Path, model: pathlib.Path, task:
                "optim.eps": 1e-8, "train.epochs": hyper["epochs"], "train.batch_size": hyper["batch"],
                "max_len": hyper["max_len"], "model.dtype": "bfloat16", "train.selection": "last",
                "train.eval_every": "end", "train.eval_batch_size": hyper["eval_batch"],
-               "train.save_checkpoint": False, "model.attention_impl": "xla"}
+               "train.save_checkpoint": False, "model.attention_impl": hyper.get("attention", "auto")}
   command = [sys.executable, "-m", "bert_jax.cli", "finetune", "--config", config, "--workdir", str(workdir),
              *[f"--config.{key}={value}" for key, value in overrides.items()]]
   _, wall = _run_process(command, "bert_jax", task, log)
@@ -272,7 +272,7 @@ def environment() -> dict:
 def task_hyper(task: str, args) -> dict:
   if task not in HYPER:
     raise SystemExit(f"unknown task {task!r}; expected some of {', '.join(HYPER)}")
-  return {**HYPER[task], **({"epochs": args.epochs} if args.epochs else {})}
+  return {**HYPER[task], **({"epochs": args.epochs} if args.epochs else {}), "attention": args.attention}
 
 
 def run(args) -> None:
@@ -345,6 +345,8 @@ def main() -> None:
   run_parser.add_argument("--epochs", type=int, default=0, help="override every task's epochs (default: HYPER)")
   run_parser.add_argument("--limit", type=int, default=0,
                           help="squad/conll smoke test: only the first N train and N dev questions/sentences")
+  run_parser.add_argument("--attention", default="auto",
+                          help="our attention implementation (auto: on GPU, the flash kernels with dropout)")
   run_parser.add_argument("--scratch", default="/tmp/finetune_bench")
   run_parser.add_argument("--out-dir", help="where the table goes (default: $OUT, else SCRATCH/results)")
   args = parser.parse_args()

@@ -219,6 +219,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
   flops_per_token = model_cfg.flops_per_token(seq_len, predictions_per_token=predictions / seq_len)
   tokens_per_s = tokens / steps / seconds
   achieved = flops_per_token * rows * seq_len / seconds  # MFU counts every position of the rows.
+  devices = jax.device_count()
   return {
       "family": config.model.family, "size": config.model.size, "objective": config.objective,
       "seq": seq_len, "batch": rows, "remat": model_cfg.remat, "attention_dropout": model_cfg.attention_dropout,
@@ -229,7 +230,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
       "data": "synthetic" if data_dir is None else data_dir,
       "packing": bool(data.packing), "step_s": seconds, "seq_per_s": rows / seconds,
       "tokens_per_s": tokens_per_s, "real_token_fraction": tokens / (steps * rows * seq_len),
-      "tflops": achieved / 1e12, "mfu": achieved / (peak_tflops * 1e12), "peak_bytes": peak_memory_bytes(),
+      "tflops": achieved / 1e12, "mfu": achieved / (peak_tflops * 1e12 * devices), "peak_bytes": peak_memory_bytes(),
       "compile_s": compile_s, "loss": loss, "flops_per_token": flops_per_token,
       "device": jax.devices()[0].device_kind, "device_count": jax.device_count(), "jax": jax.__version__,
       "profile": profile}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from bert_jax.models.attention import dot_product_attention
 from bert_jax.models.config import ModelConfig
+from bert_jax.models.dropout import Dropout
 
 Array = jax.Array
 
@@ -92,7 +93,7 @@ class Embeddings(nn.Module):
     self.token_type_embeddings = nn.Embed(cfg.type_vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
                                           param_dtype=cfg.weight_dtype, embedding_init=embed_init((None, "embed")))
     self.norm = layer_norm(cfg, "norm")
-    self.dropout = nn.Dropout(cfg.hidden_dropout)
+    self.dropout = Dropout(cfg.hidden_dropout)
 
   def __call__(self, input_ids_bl: Array, segment_ids_bl: Array, position_ids_bl: Array,
                deterministic: bool) -> Array:
@@ -173,7 +174,7 @@ class TransformerBlock(nn.Module):
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
                deterministic: bool = True, return_probs: bool = False) -> tuple[Array, Array | None]:
     cfg = self.config
-    dropout = nn.Dropout(cfg.hidden_dropout)
+    dropout = Dropout(cfg.hidden_dropout)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
     attention = SelfAttention(cfg, name="attention")
     ffn = FeedForward(cfg, name="ffn")

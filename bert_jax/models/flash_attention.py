@@ -9,8 +9,8 @@ running max and sum per query row and never writes the probabilities; the
 backward pass recomputes them from the saved log-sum-exp.
 
 The dropout mask is a pure function of (seed, global batch row, head, query,
-key), `keep_mask` below: a 32-bit integer hash (two MurmurHash3 finalisers)
-compared with (1 - rate) * 2^31. The backward kernels recompute it instead of
+key), `keep_mask` below: a 32-bit integer hash (MurmurHash3 finalisers, as
+`dropout.py`) compared with (1 - rate) * 2^31. The backward kernels recompute it instead of
 storing it, the XLA path of `attention.py` uses the same function (so both
 implementations drop the same probabilities), and under a sharded mesh every
 device hashes only its own rows and heads, with global indices, so the mask
@@ -32,42 +32,23 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from bert_jax.models.dropout import dropout_seeds, fmix32, keep_bits
+
 Array = jax.Array
 
-_MIX1 = int(np.array(0x85EBCA6B, np.uint32).view(np.int32))
-_MIX2 = int(np.array(0xC2B2AE35, np.uint32).view(np.int32))
 _GOLDEN = int(np.array(0x9E3779B9, np.uint32).view(np.int32))
 _NEG = -1e30  # Logit of a masked pair: finite, so fully masked rows never make inf - inf.
 BLOCK_Q = 64
 BLOCK_K = 64
 
 
-def _fmix32(x: Array) -> Array:
-  """MurmurHash3's 32-bit finaliser on int32 (wrapping multiply, logical shifts)."""
-  x = x ^ lax.shift_right_logical(x, 16)
-  x = x * _MIX1
-  x = x ^ lax.shift_right_logical(x, 13)
-  x = x * _MIX2
-  return x ^ lax.shift_right_logical(x, 16)
-
-
-def _keep_threshold(rate: float) -> int:
-  return int(round((1.0 - rate) * 2 ** 31))
-
-
 def _row_keys(rows: Array, seed0: Array) -> Array:
-  return _fmix32(rows ^ seed0)
+  return fmix32(rows ^ seed0)
 
 
 def _keep(row_keys: Array, cols: Array, seed1: Array, rate: float) -> Array:
   """[rows] x [cols] -> bool keep mask."""
-  bits = _fmix32((row_keys[:, None] + cols[None, :] * _GOLDEN) ^ seed1)
-  return lax.shift_right_logical(bits, 1) < _keep_threshold(rate)
-
-
-def dropout_seeds(rng: Array) -> Array:
-  """Two int32 seeds for `keep_mask` / `flash_attention` from a PRNG key."""
-  return lax.bitcast_convert_type(jax.random.bits(rng, (2,), jnp.uint32), jnp.int32)
+  return keep_bits(fmix32((row_keys[:, None] + cols[None, :] * _GOLDEN) ^ seed1), rate)
 
 
 def keep_mask(seeds: Array, batch: int, heads: int, q_len: int, k_len: int, rate: float) -> Array:
@@ -336,6 +317,9 @@ def flash_attention(query_blhd: Array, key_blhd: Array, value_blhd: Array, *, pa
   seeds = dropout_seeds(dropout_rng) if rate > 0 else jnp.zeros((2,), jnp.int32)
   if pack_ids is None:
     pack_ids = jnp.ones((batch, key_blhd.shape[1]), jnp.int32)
+  if pack_ids.shape != (batch, key_blhd.shape[1]) or q_len != key_blhd.shape[1]:
+    raise ValueError(f"flash attention: self-attention with pack_ids [batch, length] expected, got query "
+                     f"{query_blhd.shape}, key {key_blhd.shape}, pack_ids {pack_ids.shape}")
   pack_ids = pack_ids.astype(jnp.int32)
   scale = 1.0 / math.sqrt(head_dim)
   run = functools.partial(_flash, scale=scale, causal=causal, rate=rate, num_heads=heads, interpret=interpret)
@@ -349,6 +333,11 @@ def flash_attention(query_blhd: Array, key_blhd: Array, value_blhd: Array, *, pa
   from jax.sharding import PartitionSpec as P
   batch_axes, _, head_axes, _ = nn.logical_to_mesh_axes(("batch", "length", "heads", "kv"))
   batch_axes, head_axes = _axes(batch_axes), _axes(head_axes)
+  # An axis that does not divide its dimension (e.g. a one-row init batch) is left unsplit.
+  if batch % math.prod(mesh.shape[a] for a in batch_axes):
+    batch_axes = ()
+  if heads % math.prod(mesh.shape[a] for a in head_axes):
+    head_axes = ()
   qkv_spec = P(batch_axes or None, None, head_axes or None, None)
 
   def per_shard(q, k, v, pack, seeds):

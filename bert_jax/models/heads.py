@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from bert_jax.models.config import ModelConfig
+from bert_jax.models.dropout import Dropout
 from bert_jax.models.encoder import activation, bias_init, dense, layer_norm
 
 Array = jax.Array
@@ -70,7 +71,7 @@ class SentenceHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array, cls_positions_bp: Array | None = None, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble, cls_positions_bp)
-    pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    pooled = Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
     return dense(self.config, 2, ("embed", None), "classifier")(pooled)
 
 
@@ -121,7 +122,7 @@ class ClassificationHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble)[:, 0]
-    pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    pooled = Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
     return dense(self.config, self.num_labels, ("embed", None), "classifier")(pooled)
 
 
@@ -144,7 +145,7 @@ class MultipleChoiceHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble)[:, 0]
-    pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    pooled = Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
     return dense(self.config, 1, ("embed", None), "classifier")(pooled)[..., 0]
 
 
@@ -156,5 +157,5 @@ class TokenClassificationHead(nn.Module):
 
   @nn.compact
   def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
-    x = nn.Dropout(self.config.hidden_dropout)(hidden_ble, deterministic=deterministic)
+    x = Dropout(self.config.hidden_dropout)(hidden_ble, deterministic=deterministic)
     return dense(self.config, self.num_labels, ("embed", None), "classifier")(x)

@@ -37,6 +37,7 @@ from bert_jax.convert.params import encoder_params
 from bert_jax.convert.pretrained import load_pretrained
 from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from bert_jax.models import Encoder, FinetuneModel, ModelConfig
+from bert_jax.models.dropout import Dropout
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train.objectives import cross_entropy_sums
@@ -77,7 +78,7 @@ class FeatureHead(nn.Module):
 
   @nn.compact
   def __call__(self, features_blf: Array, lengths_b: Array, deterministic: bool) -> Array:
-    x_blf = nn.Dropout(self.dropout)(features_blf, deterministic=deterministic)
+    x_blf = Dropout(self.dropout)(features_blf, deterministic=deterministic)
     for layer in range(self.num_layers):
       if self.kind == "bilstm":
         x_blf = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(self.size), name=f"forward_{layer}"),
@@ -85,7 +86,7 @@ class FeatureHead(nn.Module):
                                  name=f"bilstm_{layer}")(x_blf, seq_lengths=lengths_b)
       else:
         x_blf = nn.gelu(nn.Dense(self.size, name=f"dense_{layer}")(x_blf))
-      x_blf = nn.Dropout(self.dropout)(x_blf, deterministic=deterministic)
+      x_blf = Dropout(self.dropout)(x_blf, deterministic=deterministic)
     return nn.Dense(self.num_labels, name="classifier")(x_blf)
 
 

@@ -1,0 +1,85 @@
+"""The Pallas flash-attention kernels, run in Pallas' interpreter on CPU, against a float32 reference.
+
+The reference is plain softmax attention with the same hashed dropout mask
+(`flash_attention.keep_mask`), so outputs and gradients must agree to float32
+rounding; on a GPU, tests/test_attention_gpu.py checks the compiled kernels in
+bfloat16. Also checked: the sharded call (shard_map over batch and heads with
+global mask indices) equals the unsharded one.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import flash_attention as fa
+from bert_jax.models.attention import dot_product_attention
+from bert_jax.parallel.sharding import DEFAULT_RULES
+
+
+def reference(q, k, v, pack, seeds, rate, causal):
+  batch, length, heads, head_dim = q.shape
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(head_dim)
+  allowed = (pack[:, :, None] == pack[:, None, :]) & (pack[:, None, :] > 0)
+  if causal:
+    allowed &= jnp.tril(jnp.ones((length, length), bool))
+  allowed = allowed[:, None]
+  p = jax.nn.softmax(jnp.where(allowed, s, -1e30), -1)
+  p = jnp.where(allowed.any(-1, keepdims=True), p, 0.0)
+  if rate > 0:
+    p = jnp.where(fa.keep_mask(seeds, batch, heads, length, length, rate), p / (1 - rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+
+
+def inputs(batch=2, length=64, heads=2, head_dim=16):
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, cotangent = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.float32) for key in keys)
+  # Row 0: one example then padding; row 1: two packed examples then padding.
+  pack = np.zeros((batch, length), np.int32)
+  pack[0, :40] = 1
+  pack[1, :20], pack[1, 20:50] = 1, 2
+  pack[2:] = pack[:2][np.arange(batch - 2) % 2]
+  return q, k, v, cotangent, jnp.asarray(pack)
+
+
+@pytest.mark.parametrize("rate,causal", [(0.0, False), (0.1, False), (0.3, True)])
+def test_kernels_match_reference(rate, causal):
+  q, k, v, cotangent, pack = inputs()
+  rng = jax.random.key(5)
+  seeds = fa.dropout_seeds(rng)
+  flash = lambda q, k, v: fa.flash_attention(q, k, v, pack_ids=pack, causal=causal, dropout_rate=rate,  # noqa: E731
+                                             dropout_rng=rng, interpret=True)
+  plain = lambda q, k, v: reference(q, k, v, pack, seeds, rate, causal)  # noqa: E731
+  np.testing.assert_allclose(flash(q, k, v), plain(q, k, v), atol=2e-6)
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2))(q, k, v) for f in (flash, plain)]
+  for ours, expected in zip(*grads):
+    np.testing.assert_allclose(ours, expected, atol=5e-6)
+  # Padding query rows give zeros.
+  np.testing.assert_array_equal(np.asarray(flash(q, k, v))[0, 40:], 0.0)
+
+
+def test_xla_path_drops_the_same_probabilities():
+  q, k, v, _, pack = inputs()
+  rng = jax.random.key(9)
+  outs = [dot_product_attention(q, k, v, pack_ids=pack, packed=True, implementation=impl, dropout_rate=0.2,
+                                dropout_rng=rng)[0] for impl in ("flash", "xla")]
+  np.testing.assert_allclose(outs[0], outs[1], atol=2e-6)
+
+
+def test_sharded_call_equals_unsharded():
+  q, k, v, cotangent, pack = inputs(batch=4, heads=4)
+  rng = jax.random.key(2)
+
+  def loss(q, k, v):
+    out = fa.flash_attention(q, k, v, pack_ids=pack, dropout_rate=0.1, dropout_rng=rng,
+                             interpret=True)
+    return jnp.sum(out * cotangent), out
+
+  (_, expected), expected_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+  with mesh, nn.logical_axis_rules(DEFAULT_RULES):
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  np.testing.assert_allclose(out, expected, atol=2e-6)
+  for ours, want in zip(grads, expected_grads):
+    np.testing.assert_allclose(ours, want, atol=5e-6)
