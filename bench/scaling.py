@@ -150,11 +150,17 @@ def shell_line(env: dict[str, str], command: list[str]) -> str:
 
 
 def plan(args: argparse.Namespace, rows: dict[str, tuple[str, int, int]], gpus: list[int]) -> list[dict[str, Any]]:
-  """Every scaling measurement: per row, n=1 once ("single"), then data and fsdp for every other n."""
+  """Every scaling measurement: per row, n=1 once ("single"), then data and fsdp for every other n.
+
+  `--only row:strategy:n,...` keeps just those measurements (plus each row's n=1 baseline).
+  """
+  only = {tuple(item.split(":")) for item in args.only.split(",")} if getattr(args, "only", None) else None
   runs = []
   for name, (size, seq, per_gpu) in rows.items():
     for n in gpus:
       for strategy in ("single",) if n == 1 else ("data", "fsdp"):
+        if only is not None and n != 1 and (name, strategy, str(n)) not in only:
+          continue
         runs.append(dict(row=name, size=size, seq=seq, per_gpu_batch=per_gpu, global_batch=per_gpu * n, gpus=n,
                          strategy=strategy, remat="none", search=None))
   return runs
@@ -327,6 +333,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--gpus", default="1,2,4", help="device counts; 1 is the baseline and is always run")
   parser.add_argument("--rows", default="all", help=f"'all', 'none' (searches only) or comma-separated names of "
                       f"{list(ROWS)} (with --tiny: {list(TINY_ROWS)})")
+  parser.add_argument("--only", help="keep only these row:strategy:GPUs runs, e.g. base-128:data:4,large-512:fsdp:4")
   parser.add_argument("--steps", type=int, help="timed steps per measurement (default 15; 3 with --tiny)")
   parser.add_argument("--warmup", type=int, help="untimed steps after compiling (default 3; 1 with --tiny)")
   parser.add_argument("--objective", default="mlm+nsp")
