@@ -108,6 +108,23 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules) -> Any:
   return jax.tree.map(fit, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def gathered(shardings: Any, axis: str = "fsdp") -> Any:
+  """The same shardings with `axis` removed: FSDP parameters as the forward pass uses them (whole)."""
+  def drop(sharding):
+    if not isinstance(sharding, NamedSharding):
+      return sharding
+    def entry(e):
+      if e == axis:
+        return None
+      if isinstance(e, tuple):
+        rest = tuple(a for a in e if a != axis)
+        return rest or None
+      return e
+    return NamedSharding(sharding.mesh, PartitionSpec(*(entry(e) for e in sharding.spec)))
+
+  return jax.tree.map(drop, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over data x fsdp; other axes replicated."""
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

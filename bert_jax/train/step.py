@@ -92,8 +92,21 @@ def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
                     rng: Array, partitioning: Partitioning, state_shardings: Any) -> Callable:
-  """Returns the jitted `train_step(state, batch) -> (state, metrics)`."""
-  grad_fn = jax.value_and_grad(_loss_and_terms, argnums=1, has_aux=True)
+  """Returns the jitted `train_step(state, batch) -> (state, metrics)`.
+
+  With an FSDP mesh axis the parameters are gathered whole for the forward
+  and backward passes (their gradients reduce-scattered back): left to
+  itself, XLA keeps the weights sharded and moves the activations instead
+  (all-gathers and all-reduces of [batch, length, hidden] per layer).
+  """
+  if partitioning.mesh.shape.get("fsdp", 1) > 1:
+    compute_shardings = sharding_lib.gathered(state_shardings.params)
+
+    def loss_fn(task, params, *args):
+      return _loss_and_terms(task, jax.lax.with_sharding_constraint(params, compute_shardings), *args)
+  else:
+    loss_fn = _loss_and_terms
+  grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
 
   def train_step(state: TrainState, batch: dict[str, Array]):
     with partitioning.context():
