@@ -59,13 +59,12 @@ def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> t
 
 
 def dropout_key(key: Array) -> Array:
-  """An "rbg" key drawn from `key`, for dropout.
+  """An "rbg" key drawn from `key`, for the "dropout" RNG stream.
 
-  Dropout masks are most of a training step's random bits (about 1e9 per
-  BERT-Base step at seq 128 x 256 rows). From an "rbg" key they come from
-  XLA's RngBitGenerator (Philox on GPU) instead of threefry: still i.i.d.
-  Bernoulli masks fixed by the step key, and the same whatever the sharding,
-  but a different stream from a threefry key's.
+  The masks themselves are hashed (`bert_jax.models.dropout`); each dropout
+  site draws only two seeds from this stream, so the key's implementation no
+  longer matters for speed. It stays "rbg" so that the seeds, and with them
+  the masks of a given step key, are those of runs already made.
   """
   return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
 

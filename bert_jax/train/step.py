@@ -90,23 +90,27 @@ def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
   return loss, terms
 
 
+def _gather_fsdp(partitioning: Partitioning, param_shardings: Any) -> Callable[[Any], Any]:
+  """params -> params gathered whole along the fsdp mesh axis (identity without one).
+
+  Every step that runs the model calls it on the parameters first: left to
+  itself, XLA keeps FSDP weights sharded and moves the activations instead
+  (all-gathers and all-reduces of [batch, length, hidden] per layer). In the
+  train step the gradients of the gathered parameters are reduced back into
+  the shards.
+  """
+  if partitioning.mesh.shape.get("fsdp", 1) == 1:
+    return lambda params: params
+  whole = sharding_lib.gathered(param_shardings)
+  return lambda params: jax.lax.with_sharding_constraint(params, whole)
+
+
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
                     rng: Array, partitioning: Partitioning, state_shardings: Any) -> Callable:
-  """Returns the jitted `train_step(state, batch) -> (state, metrics)`.
-
-  With an FSDP mesh axis the parameters are gathered whole for the forward
-  and backward passes (their gradients reduce-scattered back): left to
-  itself, XLA keeps the weights sharded and moves the activations instead
-  (all-gathers and all-reduces of [batch, length, hidden] per layer).
-  """
-  if partitioning.mesh.shape.get("fsdp", 1) > 1:
-    compute_shardings = sharding_lib.gathered(state_shardings.params)
-
-    def loss_fn(task, params, *args):
-      return _loss_and_terms(task, jax.lax.with_sharding_constraint(params, compute_shardings), *args)
-  else:
-    loss_fn = _loss_and_terms
-  grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+  """Returns the jitted `train_step(state, batch) -> (state, metrics)`."""
+  whole = _gather_fsdp(partitioning, state_shardings.params)
+  grad_fn = jax.value_and_grad(lambda task, params, *args: _loss_and_terms(task, whole(params), *args), argnums=1,
+                               has_aux=True)
 
   def train_step(state: TrainState, batch: dict[str, Array]):
     with partitioning.context():
@@ -165,11 +169,13 @@ def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array
 
 def make_eval_step(task: Task, partitioning: Partitioning, state_shardings: Any) -> Callable:
   """Returns the jitted `eval_step(params, batch) -> sums` (loss/correct sums and counts per term)."""
+  whole = _gather_fsdp(partitioning, state_shardings.params)
+
   def eval_step(params, batch):
     with partitioning.context():
       inputs = task.prepare(batch)
       denominators = task.denominators(inputs)
-      terms = task.forward(params, inputs, None, False)
+      terms = task.forward(whole(params), inputs, None, False)
       sums = dict(terms)
       for name in task.weights:
         sums[f"{name}_count"] = denominators[name]
@@ -187,9 +193,11 @@ def make_predict_step(task: Any, partitioning: Partitioning, param_shardings: An
   the head's raw outputs in evaluation mode (no dropout); fine-tuning reads
   logits through it for the official metrics.
   """
+  whole = _gather_fsdp(partitioning, param_shardings)
+
   def predict_step(params, batch):
     with partitioning.context():
-      return task.predict(params, task.prepare(batch))
+      return task.predict(whole(params), task.prepare(batch))
 
   replicated = sharding_lib.replicated(partitioning.mesh)
   return jax.jit(predict_step, in_shardings=(param_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
