@@ -19,14 +19,16 @@ import jax.numpy as jnp
 
 from bert_jax.models.attention import dot_product_attention
 from bert_jax.models.config import ModelConfig
+from bert_jax.models import ops
 from bert_jax.models.dropout import Dropout
 
 Array = jax.Array
 
 
 def activation(name: str):
-  return {"gelu": lambda x: nn.gelu(x, approximate=False),
-          "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+  """The elementwise activation of a config's `hidden_act` (GELUs with a saved-input-only gradient)."""
+  return {"gelu": lambda x: ops.gelu(x, False),
+          "gelu_tanh": lambda x: ops.gelu(x, True),
           "relu": nn.relu}[name]
 
 
@@ -38,11 +40,29 @@ def bias_init(axes: tuple[str | None, ...]):
   return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
 
 
-def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> nn.LayerNorm:
-  """LayerNorm whose statistics are computed in float32 whatever the compute dtype."""
-  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (axis_name,)),
-                      bias_init=bias_init((axis_name,)), use_fast_variance=False, name=name)
+class LayerNorm(nn.Module):
+  """LayerNorm over the last axis with float32 statistics whatever the compute dtype.
+
+  Parameters "scale" and "bias" as in `flax.linen.LayerNorm`; the arithmetic
+  and its gradient are `ops.layer_norm`.
+  """
+
+  epsilon: float
+  dtype: Any
+  param_dtype: Any
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = (x.shape[-1],)
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
+                       features, self.param_dtype)
+    bias = self.param("bias", bias_init((self.axis_name,)), features, self.param_dtype)
+    return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype)
+
+
+def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> LayerNorm:
+  return LayerNorm(config.layer_norm_eps, config.compute_dtype, config.weight_dtype, axis_name, name=name)
 
 
 def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> nn.Dense:

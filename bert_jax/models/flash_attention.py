@@ -40,6 +40,8 @@ _GOLDEN = int(np.array(0x9E3779B9, np.uint32).view(np.int32))
 _NEG = -1e30  # Logit of a masked pair: finite, so fully masked rows never make inf - inf.
 BLOCK_Q = 64
 BLOCK_K = 64
+# Triton launch parameters (num_warps, num_stages) per kernel; bench/attention.py --sweep measures others.
+KERNEL_PARAMS = {"forward": (4, 2), "dkdv": (4, 2), "dq": (4, 2)}
 
 
 def _row_keys(rows: Array, seed0: Array) -> Array:
@@ -195,9 +197,10 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _compiler_params():
+def _compiler_params(kernel: str):
   from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=4, num_stages=2)
+  num_warps, num_stages = KERNEL_PARAMS[kernel]
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _specs(batch_len: int, head_dim: int, block: int | None, index):
@@ -224,7 +227,7 @@ def _forward(q, k, v, pack_ids, meta, scale, causal, rate, num_heads, interpret)
       out_specs=[_specs(q_len, head_dim, block_q, lambda i: i),
                  pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
-      compiler_params=None if interpret else _compiler_params(),
+      compiler_params=None if interpret else _compiler_params("forward"),
       interpret=interpret,
       name="flash_attention_forward",
   )(meta, pack_ids, q, k, v)
@@ -246,7 +249,7 @@ def _backward(q, k, v, pack_ids, meta, out, lse, d_out, scale, causal, rate, num
                 _specs(k_len, head_dim, block_k, lambda i: i), full_q, row_stats, row_stats],
       out_specs=[_specs(k_len, head_dim, block_k, lambda i: i)] * 2,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=None if interpret else _compiler_params(),
+      compiler_params=None if interpret else _compiler_params("dkdv"),
       interpret=interpret,
       name="flash_attention_dkdv",
   )(meta, pack_ids, q, k, v, d_out, lse, delta)
@@ -258,7 +261,7 @@ def _backward(q, k, v, pack_ids, meta, out, lse, d_out, scale, causal, rate, num
                 _specs(q_len, head_dim, block_q, lambda i: i), row_block, row_block],
       out_specs=_specs(q_len, head_dim, block_q, lambda i: i),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=None if interpret else _compiler_params(),
+      compiler_params=None if interpret else _compiler_params("dq"),
       interpret=interpret,
       name="flash_attention_dq",
   )(meta, pack_ids, q, k, v, d_out, lse, delta)

@@ -41,13 +41,51 @@ Array = jax.Array
 
 
 def cross_entropy_sums(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
-  """Weighted sums of token cross-entropy and of correct argmax predictions (float32)."""
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  loss = jnp.sum((log_z - target_logit) * weights)
+  """Weighted sums of token cross-entropy and of correct argmax predictions (float32).
+
+  Args:
+    logits: [..., V] in any float dtype (the arithmetic is float32).
+    targets: [...] int class ids.
+    weights: [...] per-token weights (0 for padding predictions).
+
+  Returns:
+    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
+  """
+  targets = targets.astype(jnp.int32)
+  loss = _weighted_cross_entropy(logits, targets, weights.astype(jnp.float32))
   correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
   return loss, correct
+
+
+@jax.custom_vjp
+def _weighted_cross_entropy(logits: Array, targets: Array, weights: Array) -> Array:
+  return _weighted_cross_entropy_fwd(logits, targets, weights)[0]
+
+
+def _weighted_cross_entropy_fwd(logits, targets, weights):
+  logits32 = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits32, axis=-1)
+  target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
+  token_loss = log_z - target_logit
+  return jnp.sum(token_loss * weights), (logits, targets, weights, log_z, token_loss)
+
+
+def _weighted_cross_entropy_bwd(residuals, g):
+  """d/dlogits = g * weight * (softmax - one_hot(target)), written in one elementwise pass in the logits' dtype.
+
+  Autodiff of the forward gives a float32 [..., V] softmax plus a scatter-add
+  for the target pick; for BERT's sparse MLM head that is a few [B * M, vocab]
+  float32 arrays per step.
+  """
+  logits, targets, weights, log_z, token_loss = residuals
+  scale = (g * weights)[..., None]
+  softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
+  one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+  dlogits = (scale * (softmax - one_hot)).astype(logits.dtype)
+  return dlogits, None, g * token_loss
+
+
+_weighted_cross_entropy.defvjp(_weighted_cross_entropy_fwd, _weighted_cross_entropy_bwd)
 
 
 def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> tuple[Array, Array]:

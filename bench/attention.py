@@ -1,0 +1,104 @@
+"""Times one attention call (forward, forward + backward) for each implementation, and tunes the flash kernels.
+
+  python bench/attention.py                       # B=256 L=128 and B=64 L=512, 12 heads x 64, bf16
+  python bench/attention.py --sweep               # also flash (num_warps, num_stages) per kernel
+  python bench/attention.py --shapes 2x64 --impls xla,flash   # CPU smoke run (flash in Pallas' interpreter)
+
+Implementations: "xla" (the reference path, with dropout), "flash" (Pallas
+kernels, with dropout), "cudnn" (GPU only, without dropout: cuDNN's fused
+attention has no per-call dropout seed, see bench/NOTES.md), "flash-nodrop".
+The sweep varies the Triton launch parameters of `flash_attention.KERNEL_PARAMS`:
+the forward kernel timed alone, the two backward kernels together in the
+forward + backward time. Prints one table per part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bert_jax.models import flash_attention  # noqa: E402
+from bert_jax.models.attention import dot_product_attention  # noqa: E402
+
+IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0)}
+
+
+def _time_ms(fn, *args, iters: int) -> float:
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  for _ in range(iters):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / iters * 1e3
+
+
+def time_attention(batch: int, length: int, impl: str, *, heads: int = 12, head_dim: int = 64,
+                   iters: int = 20) -> tuple[float, float]:
+  """(forward ms, forward + backward ms) of one bf16 attention call with every token real."""
+  implementation, rate = IMPLS[impl]
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, cotangent = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.bfloat16) for key in keys)
+  pack = jnp.ones((batch, length), jnp.int32)
+
+  def loss(q, k, v):
+    out, _ = dot_product_attention(q, k, v, pack_ids=pack, implementation=implementation, dropout_rate=rate,
+                                   dropout_rng=jax.random.key(1) if rate else None)
+    return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+  forward = jax.jit(loss)
+  backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  return _time_ms(forward, q, k, v, iters=iters), _time_ms(backward, q, k, v, iters=iters)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default="256x128,64x512", help="BATCHxLENGTH,...")
+  parser.add_argument("--impls", default="xla,cudnn,flash,flash-nodrop")
+  parser.add_argument("--sweep", action="store_true", help="tune flash num_warps / num_stages")
+  parser.add_argument("--iters", type=int, default=20)
+  args = parser.parse_args()
+  shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+  gpu = jax.default_backend() == "gpu"
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+
+  rows = ["| shape | impl | fwd ms | fwd+bwd ms |", "|---|---|---|---|"]
+  for (batch, length), impl in itertools.product(shapes, args.impls.split(",")):
+    if impl == "cudnn" and not gpu:
+      continue
+    try:
+      fwd, both = time_attention(batch, length, impl, iters=args.iters)
+      rows.append(f"| B={batch} L={length} | {impl} | {fwd:.3f} | {both:.3f} |")
+    except Exception as error:  # noqa: BLE001 -- a failed config is a row, not the end of the sweep.
+      rows.append(f"| B={batch} L={length} | {impl} | failed: {repr(error)[:200]} | |")
+    print(rows[-1], flush=True)
+
+  if args.sweep:
+    default = dict(flash_attention.KERNEL_PARAMS)
+    rows += ["", "| shape | kernels | num_warps | num_stages | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|---|"]
+    for (batch, length), warps, stages in itertools.product(shapes, (4, 8), (1, 2, 3)):
+      for part in ("forward", "backward"):
+        flash_attention.KERNEL_PARAMS.update(default)
+        kernels = ("forward",) if part == "forward" else ("dkdv", "dq")
+        for kernel in kernels:
+          flash_attention.KERNEL_PARAMS[kernel] = (warps, stages)
+        try:
+          fwd, both = time_attention(batch, length, "flash", iters=args.iters)
+          rows.append(f"| B={batch} L={length} | {'+'.join(kernels)} | {warps} | {stages} | {fwd:.3f} | {both:.3f} |")
+        except Exception as error:  # noqa: BLE001
+          rows.append(f"| B={batch} L={length} | {'+'.join(kernels)} | {warps} | {stages} | failed: "
+                      f"{repr(error)[:120]} | |")
+        print(rows[-1], flush=True)
+    flash_attention.KERNEL_PARAMS.update(default)
+  print("\n".join(rows))
+
+
+if __name__ == "__main__":
+  main()

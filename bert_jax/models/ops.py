@@ -1,0 +1,113 @@
+"""LayerNorm and GELU with hand-written gradients (same values as the textbook forms).
+
+Autodiff of the textbook formulas leaves XLA with more memory traffic than
+the math needs. On an H200, BERT-Base seq 128 spent 6.1 ms of a 59 ms step in
+LayerNorm backward and 7.8 ms in the feed-forward elementwise work, whose
+exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
+
+- `layer_norm` saves only its input (compute dtype) and two float32 numbers
+  per row (mean, 1/std), and its backward is one row reduction (two sums)
+  plus one column reduction (two sums), written so that XLA fuses each into
+  one kernel.
+- `gelu` saves only its input; the backward recomputes Phi(x) and phi(x).
+
+Both compute in float32 and return the input's dtype (LayerNorm: `dtype`),
+so their values match `flax.linen.LayerNorm(use_fast_variance=False)` and
+`jax.nn.gelu` evaluated in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype) -> Array:
+  """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, statistics in float32.
+
+  Args:
+    x: [..., E] input, any float dtype.
+    scale: [E] (float32 parameters).
+    bias: [E].
+    epsilon: added to the variance.
+    dtype: dtype of the result.
+
+  Returns:
+    [..., E] in `dtype`.
+  """
+  return _layer_norm_fwd(x, scale, bias, epsilon, dtype)[0]
+
+
+def _statistics(x: Array, epsilon: float) -> tuple[Array, Array]:
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  return mean, jax.lax.rsqrt(var + epsilon)
+
+
+def _layer_norm_fwd(x, scale, bias, epsilon, dtype):
+  mean, rstd = _statistics(x, epsilon)
+  y = (x.astype(jnp.float32) - mean) * (rstd * scale.astype(jnp.float32)) + bias.astype(jnp.float32)
+  return y.astype(dtype), (x, mean, rstd, scale, bias)
+
+
+def _layer_norm_bwd(epsilon, dtype, residuals, dy):
+  del epsilon, dtype
+  x, mean, rstd, scale, bias = residuals
+  dy32 = dy.astype(jnp.float32)
+  xhat = (x.astype(jnp.float32) - mean) * rstd
+  g = dy32 * scale.astype(jnp.float32)
+  # Row reductions (one fusion): mean of g and of g * xhat over the features.
+  mean_g = jnp.mean(g, axis=-1, keepdims=True)
+  mean_gx = jnp.mean(g * xhat, axis=-1, keepdims=True)
+  dx = (rstd * (g - mean_g - xhat * mean_gx)).astype(x.dtype)
+  # Column reductions (one fusion): over every row.
+  rows = tuple(range(x.ndim - 1))
+  dscale = jnp.sum(dy32 * xhat, axis=rows).astype(scale.dtype)
+  dbias = jnp.sum(dy32, axis=rows).astype(bias.dtype)
+  return dx, dscale, dbias
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+_SQRT_HALF = float(np.sqrt(0.5))
+_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
+_INV_SQRT_2PI = float(1.0 / np.sqrt(2.0 * np.pi))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gelu(x: Array, approximate: bool = False) -> Array:
+  """x * Phi(x) (exact, erf) or its tanh approximation, computed in float32, returned in x's dtype."""
+  return _gelu_value(x.astype(jnp.float32), approximate).astype(x.dtype)
+
+
+def _gelu_value(x32: Array, approximate: bool) -> Array:
+  if approximate:
+    return 0.5 * x32 * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x32 + 0.044715 * x32 ** 3)))
+  return 0.5 * x32 * jax.lax.erfc(-x32 * _SQRT_HALF)
+
+
+def _gelu_derivative(x32: Array, approximate: bool) -> Array:
+  if approximate:
+    inner = _SQRT_2_OVER_PI * (x32 + 0.044715 * x32 ** 3)
+    t = jnp.tanh(inner)
+    return 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x32 * x32)
+  return 0.5 * jax.lax.erfc(-x32 * _SQRT_HALF) + x32 * _INV_SQRT_2PI * jnp.exp(-0.5 * x32 * x32)
+
+
+def _gelu_fwd(x, approximate):
+  return gelu(x, approximate), x
+
+
+def _gelu_bwd(approximate, x, dy):
+  x32 = x.astype(jnp.float32)
+  return ((dy.astype(jnp.float32) * _gelu_derivative(x32, approximate)).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -1,0 +1,81 @@
+"""Hand-written gradients (`models/ops.py`, the MLM cross-entropy) against autodiff of the textbook forms."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import ops
+from bert_jax.models.encoder import LayerNorm
+from bert_jax.train.objectives import cross_entropy_sums
+
+
+def _close(a, b, rtol, atol):
+  np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_norm_matches_flax_values_and_gradients(dtype):
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = (3.0 + 2.0 * jax.random.normal(keys[0], (4, 7, 96))).astype(dtype)
+  dy = jax.random.normal(keys[1], x.shape).astype(dtype)
+  ours = LayerNorm(1e-12, dtype, jnp.float32)
+  reference = nn.LayerNorm(epsilon=1e-12, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False)
+  params = reference.init(keys[2], x)
+  params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(keys[3], p.shape), params)
+  assert jax.tree.structure(nn.unbox(ours.init(keys[2], x))) == jax.tree.structure(params)
+
+  def loss(module, params, x):
+    return jnp.sum(module.apply(params, x).astype(jnp.float32) * dy.astype(jnp.float32))
+
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  _close(ours.apply(params, x).astype(jnp.float32), reference.apply(params, x).astype(jnp.float32), **tol)
+  ours_grads = jax.grad(loss, argnums=(1, 2))(ours, params, x)
+  reference_grads = jax.grad(loss, argnums=(1, 2))(reference, params, x)
+  for a, b in zip(jax.tree.leaves(ours_grads), jax.tree.leaves(reference_grads)):
+    assert a.dtype == b.dtype
+    _close(a, b, rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else _close(a, b, rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_matches_jax_in_float32(approximate):
+  x = jnp.linspace(-8.0, 8.0, 4001, dtype=jnp.float32)
+  _close(ops.gelu(x, approximate), jax.nn.gelu(x, approximate=approximate), rtol=1e-6, atol=1e-6)
+  ours = jax.grad(lambda x: jnp.sum(ops.gelu(x, approximate)))(x)
+  reference = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x, approximate=approximate)))(x)
+  _close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_bfloat16_is_the_rounded_float32_value():
+  x = jax.random.normal(jax.random.key(1), (1000,)).astype(jnp.bfloat16)
+  out = ops.gelu(x, False)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.nn.gelu(x.astype(jnp.float32), False)
+                                                           .astype(jnp.bfloat16)))
+  grad = jax.grad(lambda x: jnp.sum(ops.gelu(x, False).astype(jnp.float32)))(x)
+  assert grad.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_gradient_matches_autodiff(dtype):
+  keys = jax.random.split(jax.random.key(2), 3)
+  logits = (4.0 * jax.random.normal(keys[0], (3, 5, 50))).astype(dtype)
+  targets = jax.random.randint(keys[1], (3, 5), 0, 50)
+  weights = (jax.random.uniform(keys[2], (3, 5)) > 0.3).astype(jnp.float32)
+
+  def reference(logits, weights):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * weights)
+
+  loss, correct = cross_entropy_sums(logits, targets, weights)
+  _close(loss, reference(logits, weights), rtol=1e-5, atol=1e-4)
+  expected_correct = np.sum((np.argmax(np.asarray(logits, np.float32), -1) == np.asarray(targets))
+                            * np.asarray(weights))
+  assert float(correct) == expected_correct
+  ours = jax.grad(lambda l, w: cross_entropy_sums(l, targets, w)[0], argnums=(0, 1))(logits, weights)
+  expected = jax.grad(reference, argnums=(0, 1))(logits, weights)
+  assert ours[0].dtype == dtype
+  tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=4e-3)
+  _close(ours[0], expected[0], **tol)
+  _close(ours[1], expected[1], rtol=1e-5, atol=1e-4)
