@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import os
+import pathlib
 import sys
 
 # subcommand -> (module with main(argv), one-line help)
@@ -71,6 +72,23 @@ def _report(config, result) -> None:
   print(f"Checkpoints: {workdir}/checkpoints\nMetrics: {workdir}/metrics.jsonl (TensorBoard: {workdir}/tensorboard)")
 
 
+def enable_compilation_cache() -> None:
+  """Turns on JAX's persistent compilation cache for this process.
+
+  Where: $BERT_JAX_COMPILATION_CACHE (a directory, or "none" to leave it off),
+  default ~/.cache/bert_jax/xla; an explicit $JAX_COMPILATION_CACHE_DIR wins.
+  A rerun, a resumed run or another task with the same shapes then loads its
+  compiled steps instead of compiling them again (on a GPU, tens of seconds
+  per step function).
+  """
+  location = os.environ.get("BERT_JAX_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "bert_jax" / "xla"))
+  if location == "none" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", location)
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
@@ -84,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
   for noisy in ("absl", "jax", "orbax"):
     logging.getLogger(noisy).setLevel(logging.ERROR)
   command, rest = argv[0], argv[1:]
+  enable_compilation_cache()
   try:
     if command == "pretrain":
       return pretrain_main(rest)

@@ -8,6 +8,8 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The CLI's persistent compilation cache stays off in tests (test_cli_compilation_cache turns it on).
+os.environ.setdefault("BERT_JAX_COMPILATION_CACHE", "none")
 
 import pathlib
 

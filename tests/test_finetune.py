@@ -170,6 +170,11 @@ def test_classification_beats_chance_with_a_multi_seed_summary(classification_ru
   assert "| dev | accuracy |" in table and results["selection_rule"] in table
   lines = [json.loads(line) for line in (workdir / "seed_1" / "metrics.jsonl").read_text().splitlines()]
   assert any("train/task_loss" in line for line in lines) and any("eval/accuracy" in line for line in lines)
+  # The steps are compiled once, before the first seed, and that time is reported apart from training.
+  compiles = [seed["compile_seconds"] for seed in results["seeds"]]
+  assert compiles[0] > 0 and all(seconds == 0 for seconds in compiles[1:])
+  assert results["timings"]["compile train and predict steps (once)"] == compiles[0]
+  assert "- compile train and predict steps (once) (s):" in table
 
 
 def test_best_evaluation_is_selected_and_rescored_by_evaluate(classification_run, capsys):
@@ -314,3 +319,19 @@ def test_glue_from_tfds_with_mock_data(tiny_model, tmp_path):
                         tmp_path / "run", "--config.train.epochs=1")
   accuracy = results["summary"]["dev"]["accuracy"]["values"][0]
   assert 0.0 <= accuracy <= 100.0
+
+
+def test_cli_compilation_cache(tmp_path, monkeypatch):
+  from bert_jax import cli
+
+  before = jax.config.jax_compilation_cache_dir
+  monkeypatch.setenv("BERT_JAX_COMPILATION_CACHE", str(tmp_path / "xla"))
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  try:
+    cli.enable_compilation_cache()
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  monkeypatch.setenv("BERT_JAX_COMPILATION_CACHE", "none")
+  cli.enable_compilation_cache()
+  assert jax.config.jax_compilation_cache_dir == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 import time
 from typing import Any, Mapping
 
@@ -43,11 +44,8 @@ class MetricWriter:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
-    try:
-      from tensorboardX import SummaryWriter
-      self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
-    except ImportError:
-      self.tensorboard = None
+    summary_writer = _tensorboard_writer_class()
+    self.tensorboard = summary_writer(str(workdir / "tensorboard")) if summary_writer else None
 
   def write(self, step: int, scalars: Mapping[str, float], prefix: str = "") -> None:
     if not self.enabled:
@@ -63,6 +61,26 @@ class MetricWriter:
       self.jsonl.close()
       if self.tensorboard is not None:
         self.tensorboard.close()
+
+
+def _tensorboard_writer_class():
+  """tensorboardX's SummaryWriter (None when it is not installed), imported without PyTorch.
+
+  tensorboardX imports torch whenever it is installed, only to accept torch
+  tensors; we write floats, and on a GPU machine that import costs seconds
+  of every run's start-up.
+  """
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles.
+  try:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  except ImportError:
+    return None
+  finally:
+    if blocked:
+      del sys.modules["torch"]
 
 
 def _json_number(value: float) -> float | str:
