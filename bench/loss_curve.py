@@ -103,9 +103,9 @@ def main() -> None:
     subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
   rows, worst, whole = compare(curves["baseline"], curves["current"])
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                   text=True).stdout.strip()
-  verdict = (f"{whole}; largest per-step |z| {worst:.2f} over {len(rows) - 2} logged steps. Read: a |t| below "
-             f"~2.6 (5% two-sided at 5 dof) means the curves agree within the noise of the seeds.")
+                        text=True).stdout.strip()
+  verdict = (f"{whole}; largest per-step |z| {worst:.2f} over {len(rows) - 2} logged steps. Read: |t| under "
+             f"Student's two-sided 5% point at those dof (2.57 at 5) means agreement within seed noise.")
   text = (f"# Train MLM loss: {head} (current, with local changes if any) vs {args.baseline} (baseline)\n\n"
           f"Command: python bench/loss_curve.py --baseline {args.baseline} --config {args.config} --seeds "
           f"{args.seeds} --steps {args.steps} --dtype {args.dtype}\n\n" + "\n".join(rows) + f"\n\n{verdict}\n")
