@@ -17,9 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bert_jax.models import ops
 from bert_jax.models.attention import dot_product_attention
 from bert_jax.models.config import ModelConfig
-from bert_jax.models import ops
 from bert_jax.models.dropout import Dropout
 
 Array = jax.Array

@@ -14,6 +14,10 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
 Both compute in float32 and return the input's dtype (LayerNorm: `dtype`),
 so their values match `flax.linen.LayerNorm(use_fast_variance=False)` and
 `jax.nn.gelu` evaluated in float32.
+
+Measured on the H200 (bench/NOTES.md, session 3): LayerNorm 58.7 -> 57.4 ms
+per BERT-Base seq-128 step; the GELU made no measurable difference (XLA had
+already fused most of its work); peak memory unchanged.
 """
 
 from __future__ import annotations
