@@ -1,6 +1,7 @@
 """Train step: gradient accumulation, data/FSDP/tensor sharding equivalence, non-finite guard, optimizers."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,28 @@ def test_sharded_steps_equal_single_device(mesh_sizes):
   if "fsdp" in mesh_sizes or "tensor" in mesh_sizes:
     shardings = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(sharded_state.params)}
     assert any(axis in spec for spec in shardings for axis in mesh_sizes), shardings
+
+
+def _all_gather_shapes(step, state, mesh):
+  """Result shapes of the all-gathers in the compiled train step."""
+  hlo = step.lower(state, sharding_lib.global_batch(synthetic_batch(), mesh)).compile().as_text()
+  return re.findall(r"= (\S+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
+
+
+def test_fsdp_gathers_weights_where_used_and_again_under_remat():
+  """FSDP moves weights, never activations; with remat the backward pass gathers each block's weights again."""
+  single_losses = single_device_losses()
+  counts = {}
+  for remat in ("none", "full"):
+    state, step, mesh, *_ = build(mesh_sizes={"fsdp": 4}, model_overrides={"remat": remat})
+    shapes = _all_gather_shapes(step, state, mesh)
+    # A float [batch, length, ...] all-gather would be activations moving (integer inputs may move).
+    activations = [shape for shape in shapes if shape.startswith(("f32", "bf16")) and f"[{ROWS},{SEQ}" in shape]
+    assert shapes and not activations, activations
+    counts[remat] = len(shapes)
+    _, losses = run_steps(state, step, mesh, [synthetic_batch(seed=s) for s in range(2)])
+    np.testing.assert_allclose(single_losses, losses, rtol=2e-5)
+  assert counts["full"] > counts["none"], counts
 
 
 def test_nonfinite_loss_leaves_parameters_unchanged():

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.experimental.mesh_utils
 import numpy as np
@@ -123,6 +124,38 @@ def gathered(shardings: Any, axis: str = "fsdp") -> Any:
     return NamedSharding(sharding.mesh, PartitionSpec(*(entry(e) for e in sharding.spec)))
 
   return jax.tree.map(drop, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+@flax.struct.dataclass
+class GatherOnUse(flax.core.meta.AxisMetadata):
+  """A parameter that Flax hands to the module reading it gathered to `sharding` (with_sharding_constraint).
+
+  Flax unboxes `AxisMetadata` where a module reads its parameter, so the
+  gather happens at the point of use: inside a rematerialised block it is
+  part of what the backward pass recomputes, and only that block's weights
+  are whole at a time (ZeRO-3). The gradient flows back through the
+  constraint into the sharded value.
+  """
+
+  value: Any
+  sharding: NamedSharding = flax.struct.field(pytree_node=False)
+
+  def unbox(self) -> Any:
+    return jax.lax.with_sharding_constraint(self.value, self.sharding)
+
+  def replace_boxed(self, val: Any) -> "GatherOnUse":
+    return self.replace(value=val)
+
+  def add_axis(self, index: int, params: dict[Any, Any]) -> "GatherOnUse":
+    raise NotImplementedError("GatherOnUse parameters cannot go through nn.scan / nn.vmap")
+
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> "GatherOnUse":
+    raise NotImplementedError("GatherOnUse parameters cannot go through nn.scan / nn.vmap")
+
+
+def gather_on_use(params: Any, shardings: Any) -> Any:
+  """Boxes every parameter as `GatherOnUse` with its sharding from `shardings` (a tree of the same structure)."""
+  return jax.tree.map(lambda value, sharding: GatherOnUse(value, sharding), params, shardings)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

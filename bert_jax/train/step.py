@@ -91,18 +91,20 @@ def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
 
 
 def _gather_fsdp(partitioning: Partitioning, param_shardings: Any) -> Callable[[Any], Any]:
-  """params -> params gathered whole along the fsdp mesh axis (identity without one).
+  """params -> params that the model reads gathered whole along the fsdp mesh axis (identity without one).
 
-  Every step that runs the model calls it on the parameters first: left to
+  Every step that runs the model calls it on the parameters first. Left to
   itself, XLA keeps FSDP weights sharded and moves the activations instead
-  (all-gathers and all-reduces of [batch, length, hidden] per layer). In the
-  train step the gradients of the gathered parameters are reduced back into
-  the shards.
+  (all-gathers and all-reduces of [batch, length, hidden] per layer). Each
+  parameter is boxed (`sharding.GatherOnUse`) so that it is gathered where a
+  module reads it: inside a rematerialised block (`model.remat`) the gather
+  is recomputed in the backward pass, so only that block's weights are whole
+  at a time. In the train step the gradients are reduced back into the shards.
   """
   if partitioning.mesh.shape.get("fsdp", 1) == 1:
     return lambda params: params
   whole = sharding_lib.gathered(param_shardings)
-  return lambda params: jax.lax.with_sharding_constraint(params, whole)
+  return lambda params: sharding_lib.gather_on_use(params, whole)
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
