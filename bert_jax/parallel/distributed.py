@@ -32,11 +32,13 @@ the environment, in this order, and takes the first rule that applies:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import glob
 import logging
 import os
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -244,7 +246,23 @@ def initialize() -> None:
     logging.info("distributed.initialize: process %d of %d, %d local / %d global devices",
                  jax.process_index(), jax.process_count(),
                  jax.local_device_count(), jax.device_count())
+    atexit.register(_shutdown_at_exit)
   _plan_taken = decided
+
+
+def _shutdown_at_exit() -> None:
+  """At a normal exit, every process enters JAX's shutdown barrier (`jax.distributed.shutdown`).
+
+  Otherwise process 0, which hosts the coordination service, can reach the
+  end of its interpreter after a peer has already gone and wait out the
+  heartbeat timeout (seen: a finished process 0 hanging at exit), or leave
+  while its peers still tear down. After an uncaught exception the barrier is
+  skipped: the peers are still running, and the failed process should exit
+  at once so that the launcher sees the failure.
+  """
+  if getattr(sys, "last_value", None) is not None:
+    return
+  jax.distributed.shutdown()
 
 
 def is_primary() -> bool:
