@@ -132,6 +132,15 @@ def test_fsdp_gathers_weights_where_used_and_again_under_remat():
   assert counts["full"] > counts["none"], counts
 
 
+def test_fsdp_electra_with_shared_embeddings_equals_single_device():
+  """The generator and discriminator read one embedding table: gathered at each use, the step is unchanged."""
+  batches = [synthetic_batch(seed=s) for s in range(2)]
+  losses = [run_steps(state, step, mesh, batches)[1]
+            for state, step, mesh, *_ in (build("rtd"), build("rtd", mesh_sizes={"fsdp": 4},
+                                                               model_overrides={"remat": "full"}))]
+  np.testing.assert_allclose(losses[0], losses[1], rtol=2e-5)
+
+
 def test_nonfinite_loss_leaves_parameters_unchanged():
   state, step, mesh, *_ = build()
   before = jax.tree.map(np.asarray, state.params)
