@@ -5,8 +5,9 @@ compiled once with in/out shardings and the state donated. Gradient
 accumulation scans over micro-batches, summing gradients of losses that are
 already divided by the *whole* batch's counts, so it equals the direct step
 (exactly without dropout and ELECTRA's sampling; with them each micro-batch
-draws its own random numbers, so the two agree in distribution). A step whose loss or gradients are not finite leaves the parameters unchanged
-and reports `nonfinite=1`; the loop stops the run on it.
+draws its own random numbers, so the two agree in distribution). A step
+whose loss or gradients are not finite leaves the parameters unchanged and
+reports `nonfinite=1`; the loop stops the run on it.
 """
 
 from __future__ import annotations
