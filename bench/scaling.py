@@ -48,8 +48,10 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bert_jax.models.config import model_config  # noqa: E402  (no JAX backend is started in this process)
+from pretrain_vs_reference import gib, render  # noqa: E402  (the same table cells and layout)
 
 HERE = pathlib.Path(__file__).resolve().parent
 # name -> (BERT size, seq, per-GPU batch).
@@ -193,19 +195,14 @@ def params_text(size: str) -> str:
 
 
 def mfu_per_gpu(result: dict[str, Any]) -> str:
-  """Model FLOP/s per device over the peak, from the child's FLOPs per token (its own "mfu" is per mesh)."""
+  """Model FLOP/s per device over the peak, from the child's FLOPs per token.
+
+  Recomputed rather than read from the child's "mfu": children from before
+  bench/train_step.py reported MFU per device gave it per mesh, and --render
+  still reads their results.
+  """
   flops = result["flops_per_token"] * result["batch"] * result["seq"] / result["step_s"] / result["device_count"]
   return f"{100 * flops / (PEAK_TFLOPS * 1e12):.1f}%"
-
-
-def gib(value: Any) -> str:
-  return "-" if not value else f"{value / 2**30:.1f}"
-
-
-def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-  widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-  line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-  return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
 def baseline(runs: list[dict[str, Any]], row: str) -> float | None:

@@ -232,7 +232,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
       "tokens_per_s": tokens_per_s, "real_token_fraction": tokens / (steps * rows * seq_len),
       "tflops": achieved / 1e12, "mfu": achieved / (peak_tflops * 1e12 * devices), "peak_bytes": peak_memory_bytes(),
       "compile_s": compile_s, "loss": loss, "flops_per_token": flops_per_token,
-      "device": jax.devices()[0].device_kind, "device_count": jax.device_count(), "jax": jax.__version__,
+      "device": jax.devices()[0].device_kind, "device_count": devices, "jax": jax.__version__,
       "profile": profile}
 
 
