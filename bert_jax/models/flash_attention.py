@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bert_jax.models.dropout import dropout_seeds, fmix32, keep_bits
+from bert_jax.models.dropout import dropout_seeds, element_index, fmix32, keep_bits
 
 Array = jax.Array
 
@@ -60,10 +60,7 @@ def keep_mask(seeds: Array, batch: int, heads: int, q_len: int, k_len: int, rate
   falls under (1 - rate) of the 31-bit range: i.i.d. Bernoulli(1 - rate) for
   practical purposes (tests check the keep rate and pairwise independence).
   """
-  rows = lax.broadcasted_iota(jnp.int32, (batch, heads, q_len), 0) * heads
-  rows = (rows + lax.broadcasted_iota(jnp.int32, (batch, heads, q_len), 1)) * q_len
-  rows = rows + lax.broadcasted_iota(jnp.int32, (batch, heads, q_len), 2)
-  keys = _row_keys(rows.reshape(-1), seeds[0])
+  keys = _row_keys(element_index((batch, heads, q_len)).reshape(-1), seeds[0])
   keep = _keep(keys, jnp.arange(k_len, dtype=jnp.int32), seeds[1], rate)
   return keep.reshape(batch, heads, q_len, k_len)
 
