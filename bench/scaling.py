@@ -31,7 +31,7 @@ enough for everything, split it (--rows, --largest) and join the pieces:
 
   NCCL_NVLS_ENABLE=0 python bench/scaling.py --largest none --max-minutes 9
   NCCL_NVLS_ENABLE=0 python bench/scaling.py --rows none --max-minutes 9
-  python bench/scaling.py --render A/scaling_*.jsonl B/scaling_*.jsonl   # one table, no device needed
+  python bench/scaling.py --render A/scaling_*.jsonl B/scaling_*.jsonl [--stem NAME]   # one table, no device
 """
 
 from __future__ import annotations
@@ -313,8 +313,8 @@ def write(out_dir: pathlib.Path, stem: str, headers: list[dict[str, Any]], runs:
   print(text)
 
 
-def render_files(paths: list[str], out_dir: pathlib.Path) -> None:
-  """Joins the .jsonl of earlier calls into one table (scaling_<card>_<date>_joined.md/.json)."""
+def render_files(paths: list[str], out_dir: pathlib.Path, stem: str | None = None) -> None:
+  """Joins the .jsonl of earlier calls into one table (`stem`.md/.json; default scaling_<card>_<date>_joined)."""
   headers, runs = [], []
   for path in paths:
     for line in pathlib.Path(path).read_text().splitlines():
@@ -322,7 +322,7 @@ def render_files(paths: list[str], out_dir: pathlib.Path) -> None:
       (headers if record.pop("kind") == "header" else runs).append(record)
   if not headers:
     raise SystemExit(f"no header line in {paths}")
-  write(out_dir, f"{headers[0]['stem']}_joined", headers, runs)
+  write(out_dir, stem or f"{headers[0]['stem']}_joined", headers, runs)
 
 
 def main(argv: list[str]) -> None:
@@ -354,12 +354,13 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--out-dir", default=os.environ.get("OUT") or str(HERE / "results"))
   parser.add_argument("--dry-run", action="store_true", help="print the child commands and exit")
   parser.add_argument("--render", nargs="+", metavar="JSONL", help="join earlier calls' .jsonl into one table")
+  parser.add_argument("--stem", help="file name (no suffix) of the --render table; default <first stem>_joined")
   args, rest = parser.parse_known_args(argv)
   extra = [a for a in rest if a.startswith("--config.")]  # Passed to every child (train_step's overrides).
   if len(extra) != len(rest):
     parser.error(f"unrecognised arguments {[a for a in rest if not a.startswith('--config.')]}")
   if args.render:
-    render_files(args.render, pathlib.Path(args.out_dir))
+    render_files(args.render, pathlib.Path(args.out_dir), args.stem)
     return
   args.steps = args.steps or (3 if args.tiny else 15)
   args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
