@@ -8,6 +8,7 @@ the data pipeline to record the `example_ids` each process fed into each step.
 
   reference    1 process x 4 devices, data parallel, 6 steps (checkpoints at 3 and 6)
   two_process  2 processes x 2 devices, data parallel and FSDP, 6 steps
+  four_process 4 processes x 1 device, FSDP (every parameter split over the 4 processes), 6 steps
   resumed      the step-3 checkpoint of one run continued to step 6 by the
                other process count (resharding on restore)
   preempted    2 processes, SIGTERM to process 0 only: both stop after the same
@@ -213,6 +214,24 @@ def test_one_process_checkpoint_continues_in_two_processes_with_fsdp(reference, 
   results = runner(workdir, 2, "fsdp")
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(CHECKPOINT_EVERY + 1, STEPS + 1))
   assert_losses_match(workdir, reference_dir, range(CHECKPOINT_EVERY + 1, STEPS + 1))
+
+
+def test_four_processes_with_fsdp_equal_the_single_process_run_and_continue_in_two(reference, runner, tmp_path):
+  """4 processes with one device each: rows, losses and side effects as one process; the checkpoint reshards to 2."""
+  reference_dir, reference_fed = reference
+  workdir = tmp_path / "four_process"
+  results = runner(workdir, 4, "fsdp")
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, STEPS + 1))
+  assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
+  assert len(metrics(workdir)) == STEPS + 1
+  assert json.loads((workdir / "environment.json").read_text())["process_count"] == 4
+  assert results[0].stdout.count("Checkpoints: ") == 1
+  assert not any("Checkpoints" in r.stdout or "eval @" in r.stdout for r in results[1:])
+
+  resumed = resume_copy(workdir, tmp_path / "resumed")
+  results = runner(resumed, 2, "data")
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(CHECKPOINT_EVERY + 1, STEPS + 1))
+  assert_losses_match(resumed, reference_dir, range(CHECKPOINT_EVERY + 1, STEPS + 1))
 
 
 def test_sigterm_on_one_process_stops_all_at_the_same_step_and_resumes(reference, runner, tmp_path):
