@@ -141,10 +141,14 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
         (grads, loss, terms), _ = jax.lax.scan(body, (zeros_grads, jnp.zeros((), jnp.float32), zeros_terms),
                                                (micro, jnp.arange(accum_steps)))
       grad_norm = optax.global_norm(grads)
+      # Known before the update, so each parameter's optimizer update, its keep-or-discard choice and its
+      # writes fuse into one pass. Checking the update too would add nothing: with finite gradients (their
+      # global norm finite), finite parameters and moments, the update of AdamW / LAMB is finite; and it
+      # would make every update wait for a reduction over all of them, then read them again.
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       update_norm = optax.global_norm(updates)
       params = optax.apply_updates(state.params, updates)
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
       new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                              opt_state=keep(opt_state, state.opt_state))
