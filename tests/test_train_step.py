@@ -141,6 +141,50 @@ def test_fsdp_electra_with_shared_embeddings_equals_single_device():
   np.testing.assert_allclose(losses[0], losses[1], rtol=2e-5)
 
 
+@jax.custom_vjp
+def _zero_with_infinite_gradient(x):
+  return jnp.zeros((), jnp.float32)
+
+
+_zero_with_infinite_gradient.defvjp(lambda x: (jnp.zeros((), jnp.float32), x),
+                                    lambda x, g: (jnp.full_like(x, jnp.inf),))
+
+
+class _InfiniteGradient:
+  """The objective with a finite loss whose gradient for the MLM output bias is +inf."""
+
+  def __init__(self, inner):
+    self.inner, self.weights = inner, inner.weights
+
+  def prepare(self, batch):
+    return self.inner.prepare(batch)
+
+  def denominators(self, inputs):
+    return self.inner.denominators(inputs)
+
+  def forward(self, params, inputs, rng, train):
+    terms = dict(self.inner.forward(params, inputs, rng, train))
+    terms["mlm_loss"] = terms["mlm_loss"] + _zero_with_infinite_gradient(params["mlm"]["predictions"]["output_bias"])
+    return terms
+
+
+def test_finite_loss_with_infinite_gradient_leaves_the_state_unchanged():
+  """The guard is decided from the loss and the gradient norm, before the optimizer update."""
+  state, _, mesh, objective, partitioning, shardings = build()
+  config = make_config()
+  tx, schedule = optim.make_optimizer(config.optim, total_steps=100)
+  step = make_train_step(_InfiniteGradient(objective), tx, schedule, accum_steps=1, rng=jax.random.key(1),
+                         partitioning=partitioning, state_shardings=shardings)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  state, metrics = step(state, sharding_lib.global_batch(synthetic_batch(), mesh))
+  assert np.isfinite(float(metrics["loss"]))
+  assert not np.isfinite(float(metrics["grad_norm"]))
+  assert int(metrics["nonfinite"]) == 1
+  assert int(state.step) == 1
+  for got, want in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_nonfinite_loss_leaves_parameters_unchanged():
   state, step, mesh, *_ = build()
   before = jax.tree.map(np.asarray, state.params)
