@@ -1,5 +1,7 @@
 """Hand-written gradients (`models/ops.py`, the MLM cross-entropy) against autodiff of the textbook forms."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,57 @@ def test_layer_norm_matches_flax_values_and_gradients(dtype):
   for a, b in zip(jax.tree.leaves(ours_grads), jax.tree.leaves(reference_grads)):
     assert a.dtype == b.dtype
     _close(a, b, rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else _close(a, b, rtol=3e-2, atol=5e-2)
+
+
+def _layer_norm_grads(implementation, x, dy, scale, bias):
+  def loss(x, scale, bias):
+    out = ops.layer_norm(x, scale, bias, 1e-12, x.dtype, implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2))(x, scale, bias)
+
+
+@pytest.mark.parametrize("dtype,shape", [(jnp.float32, (64, 128)), (jnp.float32, (2, 32, 384)),
+                                         (jnp.bfloat16, (4, 16, 256))])
+def test_layer_norm_pallas_backward_equals_xla(dtype, shape):
+  """The one-kernel backward (Pallas' interpreter here) against the XLA form: same sums, rounding apart."""
+  keys = jax.random.split(jax.random.key(2), 4)
+  x = (1.0 + 3.0 * jax.random.normal(keys[0], shape)).astype(dtype)
+  dy = jax.random.normal(keys[1], shape).astype(dtype)
+  scale = 1.0 + 0.1 * jax.random.normal(keys[2], shape[-1:])
+  bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
+  pallas = _layer_norm_grads("pallas", x, dy, scale, bias)
+  xla = _layer_norm_grads("xla", x, dy, scale, bias)
+  tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+  for a, b in zip(pallas, xla):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    _close(a, b, **tol)
+
+
+def test_layer_norm_pallas_falls_back_to_xla_where_unsupported():
+  x = jax.random.normal(jax.random.key(3), (5, 96))  # 96 features: not a multiple of the kernel's chunk.
+  dy = jnp.ones_like(x)
+  for a, b in zip(_layer_norm_grads("pallas", x, dy, jnp.ones(96), jnp.zeros(96)),
+                  _layer_norm_grads("xla", x, dy, jnp.ones(96), jnp.zeros(96))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_layer_norm_pallas_backward_per_shard_equals_unsharded():
+  """Under a 4-way batch mesh the kernel runs per shard and the partial column sums are added across shards."""
+  from bert_jax.parallel import sharding as sharding_lib
+  mesh = sharding_lib.create_mesh({"data": 4}, devices=jax.devices()[:4])
+  keys = jax.random.split(jax.random.key(4), 2)
+  x = jax.random.normal(keys[0], (8, 16, 128))
+  dy = jax.random.normal(keys[1], x.shape)
+  scale, bias = jnp.full((128,), 1.5), jnp.zeros(128)
+  expected = _layer_norm_grads("xla", x, dy, scale, bias)
+  batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  with mesh, nn.logical_axis_rules(sharding_lib.DEFAULT_RULES):
+    got = jax.jit(functools.partial(_layer_norm_grads, "pallas"))(jax.device_put(x, batch),
+                                                                  jax.device_put(dy, batch), scale, bias)
+    hlo = jax.jit(functools.partial(_layer_norm_grads, "pallas")).lower(x, dy, scale, bias).as_text()
+  assert "manual_computation" in hlo  # the shard_map: each device runs the kernel on its own rows
+  for a, b in zip(got, expected):
+    _close(a, b, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("approximate", [False, True])

@@ -57,6 +57,9 @@ class ModelConfig:
     attention_impl: "auto" (on GPU in float16/bfloat16: cuDNN fused attention
       without attention dropout, our Pallas flash kernels with it, when shapes
       allow; XLA otherwise), "cudnn", "flash" or "xla".
+    layer_norm_impl: "xla" (default) or "pallas": the LayerNorm backward pass
+      as one Pallas kernel per row block (`layer_norm_kernel.py`; GPU, widths
+      a multiple of 128; the XLA form elsewhere). Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
   """
@@ -85,6 +88,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention_impl: str = "auto"
+  layer_norm_impl: str = "xla"
   remat: str = "none"
 
   def __post_init__(self):
@@ -103,6 +107,7 @@ class ModelConfig:
       fail("hidden_act", f"expected one of {ACTIVATIONS}")
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
                "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "flash", "xla"),
+               "layer_norm_impl": ("xla", "pallas"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16")}
     for field, allowed in choices.items():

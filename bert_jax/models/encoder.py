@@ -51,6 +51,7 @@ class LayerNorm(nn.Module):
   dtype: Any
   param_dtype: Any
   axis_name: str = "embed"
+  implementation: str = "xla"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -58,11 +59,12 @@ class LayerNorm(nn.Module):
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
                        features, self.param_dtype)
     bias = self.param("bias", bias_init((self.axis_name,)), features, self.param_dtype)
-    return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype)
+    return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
 
 
 def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> LayerNorm:
-  return LayerNorm(config.layer_norm_eps, config.compute_dtype, config.weight_dtype, axis_name, name=name)
+  return LayerNorm(config.layer_norm_eps, config.compute_dtype, config.weight_dtype, axis_name,
+                   config.layer_norm_impl, name=name)
 
 
 def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> nn.Dense:

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bert_jax.models.dropout import dropout_seeds, element_index, fmix32, keep_bits
+from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
@@ -284,22 +285,6 @@ def _flash_bwd(scale, causal, rate, num_heads, interpret, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _current_mesh():
-  """The mesh of the enclosing `with mesh:` / `jax.set_mesh` scope, or None."""
-  from jax._src import mesh as mesh_lib  # The legacy `with mesh:` scope has no public getter.
-  physical = mesh_lib.thread_resources.env.physical_mesh
-  if not physical.empty:
-    return physical
-  abstract = jax.sharding.get_abstract_mesh()
-  return None if abstract.empty else abstract
-
-
-def _axes(spec_entry) -> tuple[str, ...]:
-  if spec_entry is None:
-    return ()
-  return tuple(spec_entry) if isinstance(spec_entry, (tuple, list)) else (spec_entry,)
-
-
 def flash_attention(query_blhd: Array, key_blhd: Array, value_blhd: Array, *, pack_ids: Array | None,
                     causal: bool = False, dropout_rate: float = 0.0, dropout_rng: Array | None = None,
                     interpret: bool = False) -> Array:
@@ -324,20 +309,13 @@ def flash_attention(query_blhd: Array, key_blhd: Array, value_blhd: Array, *, pa
   scale = 1.0 / math.sqrt(head_dim)
   run = functools.partial(_flash, scale=scale, causal=causal, rate=rate, num_heads=heads, interpret=interpret)
 
-  mesh = _current_mesh()
+  mesh = sharding_lib.current_mesh()
   if mesh is None or mesh.size == 1:
     meta = jnp.concatenate([seeds, jnp.zeros((2,), jnp.int32)])
     return run(query_blhd, key_blhd, value_blhd, pack_ids, meta)
 
-  import flax.linen as nn
   from jax.sharding import PartitionSpec as P
-  batch_axes, _, head_axes, _ = nn.logical_to_mesh_axes(("batch", "length", "heads", "kv"))
-  batch_axes, head_axes = _axes(batch_axes), _axes(head_axes)
-  # An axis that does not divide its dimension (e.g. a one-row init batch) is left unsplit.
-  if batch % math.prod(mesh.shape[a] for a in batch_axes):
-    batch_axes = ()
-  if heads % math.prod(mesh.shape[a] for a in head_axes):
-    head_axes = ()
+  batch_axes, _, head_axes, _ = sharding_lib.split_axes(("batch", "length", "heads", "kv"), query_blhd.shape, mesh)
   qkv_spec = P(batch_axes or None, None, head_axes or None, None)
 
   def per_shard(q, k, v, pack, seeds):

@@ -8,7 +8,8 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
 - `layer_norm` saves only its input (compute dtype) and two float32 numbers
   per row (mean, 1/std), and its backward is one row reduction (two sums)
   plus one column reduction (two sums), written so that XLA fuses each into
-  one kernel.
+  one kernel; or, with implementation="pallas" (`ModelConfig.layer_norm_impl`),
+  one Pallas kernel for all of it (`layer_norm_kernel.py`).
 - `gelu` saves only its input; the backward recomputes Phi(x) and phi(x).
 
 Both compute in float32 and return the input's dtype (LayerNorm: `dtype`),
@@ -28,11 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax.models import layer_norm_kernel
+
 Array = jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype, implementation: str = "xla") -> Array:
   """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, statistics in float32.
 
   Args:
@@ -41,11 +44,13 @@ def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype) -> Ar
     bias: [E].
     epsilon: added to the variance.
     dtype: dtype of the result.
+    implementation: of the backward pass: "xla", or "pallas" (one kernel,
+      `layer_norm_kernel.py`, where it supports the shape; "xla" otherwise).
 
   Returns:
     [..., E] in `dtype`.
   """
-  return _layer_norm_fwd(x, scale, bias, epsilon, dtype)[0]
+  return _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation)[0]
 
 
 def _statistics(x: Array, epsilon: float) -> tuple[Array, Array]:
@@ -55,15 +60,20 @@ def _statistics(x: Array, epsilon: float) -> tuple[Array, Array]:
   return mean, jax.lax.rsqrt(var + epsilon)
 
 
-def _layer_norm_fwd(x, scale, bias, epsilon, dtype):
+def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="xla"):
+  del implementation
   mean, rstd = _statistics(x, epsilon)
   y = (x.astype(jnp.float32) - mean) * (rstd * scale.astype(jnp.float32)) + bias.astype(jnp.float32)
   return y.astype(dtype), (x, mean, rstd, scale, bias)
 
 
-def _layer_norm_bwd(epsilon, dtype, residuals, dy):
+def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
   del epsilon, dtype
   x, mean, rstd, scale, bias = residuals
+  rows = x.size // x.shape[-1]
+  if implementation == "pallas" and layer_norm_kernel.supported(rows, x.shape[-1]):
+    dx, dscale, dbias = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale)
+    return dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
   dy32 = dy.astype(jnp.float32)
   xhat = (x.astype(jnp.float32) - mean) * rstd
   g = dy32 * scale.astype(jnp.float32)

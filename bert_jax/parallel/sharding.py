@@ -13,6 +13,7 @@ while the parameter ("vocab", "embed") shards embed over "fsdp".
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
@@ -156,6 +157,29 @@ class GatherOnUse(flax.core.meta.AxisMetadata):
 def gather_on_use(params: Any, shardings: Any) -> Any:
   """Boxes every parameter as `GatherOnUse` with its sharding from `shardings` (a tree of the same structure)."""
   return jax.tree.map(lambda value, sharding: GatherOnUse(value, sharding), params, shardings)
+
+
+def current_mesh() -> Any:
+  """The mesh of the enclosing `with mesh:` / `jax.set_mesh` scope, or None."""
+  from jax._src import mesh as mesh_lib  # The legacy `with mesh:` scope has no public getter.
+  physical = mesh_lib.thread_resources.env.physical_mesh
+  if not physical.empty:
+    return physical
+  abstract = jax.sharding.get_abstract_mesh()
+  return None if abstract.empty else abstract
+
+
+def split_axes(logical: Sequence[str], shape: Sequence[int], mesh: Any) -> tuple[tuple[str, ...], ...]:
+  """Per dimension, the mesh axes the logical-axis rules in scope give an array of `logical` axes.
+
+  For kernels run per shard (`jax.shard_map`). A dimension whose mesh axes do
+  not divide it (e.g. a one-row init batch) is left whole: ().
+  """
+  result = []
+  for entry, size in zip(nn.logical_to_mesh_axes(tuple(logical)), shape):
+    axes = () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+    result.append(axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ())
+  return tuple(result)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

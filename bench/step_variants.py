@@ -1,22 +1,25 @@
-"""XLA flag variants of the pre-training step, side by side (issue 6).
+"""Variants of the pre-training step side by side: XLA flags and config overrides (issue 6).
 
-  python bench/xla_flags.py                                        # base-128 b256, default variants, 1 GPU
-  python bench/xla_flags.py --parallel 4 --size large --seq 128 --batch 128
-  python bench/xla_flags.py --variant lt=--xla_gpu_enable_cublaslt=true --variant ...   # your own
-  python bench/xla_flags.py --tiny --parallel 2 --variant fast-min-max=--xla_gpu_enable_fast_min_max=true  # CPU
+  python bench/step_variants.py                                     # base-128 b256, default variants, 1 GPU
+  python bench/step_variants.py --parallel 4 --size large --seq 128 --batch 128
+  python bench/step_variants.py --variant lt=--xla_gpu_enable_cublaslt=true --variant ...   # your own
+  python bench/step_variants.py --tiny --parallel 2 --variant ln=--config.model.layer_norm_impl=pallas  # CPU
 
 Every variant is one `bench/train_step.py --json` process (the trainer's
-step on synthetic full rows) with the variant's flags appended to XLA_FLAGS.
-The baseline (no extra flags) runs first and again last, so the table shows
+step on synthetic full rows); a variant is a list of options: `--xla_...`
+flags are appended to XLA_FLAGS, `--config.key=value` overrides go to the
+step's config (e.g. `--config.model.layer_norm_impl=pallas`).
+The baseline (no extra options) runs first and again last, so the table shows
 how far two identical runs drift; with --parallel N the variants run N at a
 time, one per GPU, each pinned to its share of the cores (as
 `pretrain_vs_reference.py --parallel`). A flag this XLA does not know fails
 its child, which is a row of the table, not an error. The loss after the
-timed steps is printed to show that a flag changed only the speed (bf16
+timed steps is printed to show that a variant changed only the speed (bf16
 noise aside). The table is printed last and written under --out-dir.
 
-Flags are version-dependent: the defaults below are the Hopper code-generation
-flags of the XLA in jax 0.11 that the GPU machine runs.
+XLA flags are version-dependent: the defaults below are code-generation flags
+of the XLA in jax 0.11 that the GPU machine runs, plus this codebase's own
+speed options that are off by default until measured.
 """
 
 from __future__ import annotations
@@ -43,22 +46,23 @@ DEFAULT_VARIANTS = {
     # value projections of one layer (x @ Wq, x @ Wk, x @ Wv) are far above the default, so this variant is
     # the fused-QKV experiment without a change of the model's parameters.
     "dot-merger-4g": "--xla_gpu_dot_merger_threshold_mb=4096",
+    "layer-norm-pallas": "--config.model.layer_norm_impl=pallas",
 }
 BASELINE = "baseline"
 
 
 def parse_variants(items: list[str] | None) -> dict[str, str]:
-  """'name=--flag[ --flag...]' items -> {name: flags}; the defaults when none are given."""
+  """'name=--option[ --option...]' items -> {name: options}; the defaults when none are given."""
   if not items:
     return dict(DEFAULT_VARIANTS)
   variants = {}
   for item in items:
-    name, sep, flags = item.partition("=")
-    if not sep or not name or not flags.startswith("--"):
-      raise SystemExit(f"--variant {item!r}: expected NAME=--xla_flag[=value][ --another...]")
+    name, sep, options = item.partition("=")
+    if not sep or not name or not options.startswith("--"):
+      raise SystemExit(f"--variant {item!r}: expected NAME=--xla_flag[=value] or --config.key=value[ --another...]")
     if name in variants or name == BASELINE:
       raise SystemExit(f"--variant {item!r}: the name {name!r} is taken")
-    variants[name] = flags
+    variants[name] = options
   return variants
 
 
@@ -66,16 +70,16 @@ def table(runs: list[tuple[str, str, dict]]) -> str:
   base = [r["step_s"] for name, _, r in runs if name == BASELINE and "error" not in r]
   reference = sum(base) / len(base) if base else None
   rows = []
-  for name, flags, result in runs:
+  for name, options, result in runs:
     if "error" in result:
       error = " ".join(result["error"])
       error = error.split("] ", 1)[-1]  # Drop a glog prefix ("F1126 10:03:46.697 ... file.cc:234] ").
-      rows.append((name, flags or "-", "failed: " + error[:100], "-", "-", "-", "-", "-"))
+      rows.append((name, options or "-", "failed: " + error[:100], "-", "-", "-", "-", "-"))
       continue
     change = f"{100 * (result['step_s'] / reference - 1):+.1f}%" if reference else "-"
-    rows.append((name, flags or "-", f"{1e3 * result['step_s']:.2f}", change, f"{result['seq_per_s']:,.0f}",
+    rows.append((name, options or "-", f"{1e3 * result['step_s']:.2f}", change, f"{result['seq_per_s']:,.0f}",
                  f"{result['compile_s']:.1f}", gib(result.get("peak_bytes")), f"{result['loss']:.4f}"))
-  header = ("variant", "XLA flags", "step ms", "vs baseline", "seq/s", "compile s", "peak GiB", "loss")
+  header = ("variant", "options", "step ms", "vs baseline", "seq/s", "compile s", "peak GiB", "loss")
   return render(header, rows)
 
 
@@ -85,7 +89,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--seq", type=int, default=128)
   parser.add_argument("--batch", type=int, default=256)
   parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--variant", action="append", metavar="NAME=FLAGS", help="replaces the default variants")
+  parser.add_argument("--variant", action="append", metavar="NAME=OPTIONS", help="replaces the default variants")
   parser.add_argument("--parallel", type=int, default=1, metavar="N", help="variants at once, one per GPU")
   parser.add_argument("--tiny", action="store_true", help="BERT-tiny seq 64 batch 8 (a CPU plumbing check)")
   parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).resolve().parent / "results"))
@@ -99,30 +103,33 @@ def main(argv: list[str]) -> None:
   plan = [(BASELINE, "")] + list(variants.items()) + [(BASELINE, "")]
   inherited = os.environ.get("XLA_FLAGS", "")
 
-  def job(flags):
+  def job(options):
+    flags = " ".join(o for o in options.split() if not o.startswith("--config."))
+    configs = [o for o in options.split() if o.startswith("--config.")]
     env = {"XLA_FLAGS": f"{inherited} {flags}".strip()} if flags else None
-    return lambda place: ours(args.size, args.seq, args.batch, *overrides, env=env, steps=args.steps, place=place)
+    return lambda place: ours(args.size, args.seq, args.batch, *overrides, *configs, env=env, steps=args.steps,
+                              place=place)
 
   info = versions()
-  results = Pool(args.parallel).map([job(flags) for _, flags in plan])
-  runs = [(name, flags, result) for (name, flags), result in zip(plan, results)]
+  results = Pool(args.parallel).map([job(options) for _, options in plan])
+  runs = [(name, options, result) for (name, options), result in zip(plan, results)]
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   text = "\n".join([
-      f"# XLA flag variants of the pre-training step ({info.get('card', '?')})",
+      f"# Variants of the pre-training step ({info.get('card', '?')})",
       "",
       f"{date}; JAX {info.get('jax')} ({str(info.get('jax_cuda', '')).replace(chr(10), ' ')}); "
       f"bert-{args.size} seq {args.seq} batch {args.batch}, MLM+NSP, {args.steps} timed steps; "
       f"XLA_FLAGS of this process: {inherited or '(none)'}.",
-      f"Command: python bench/xla_flags.py {' '.join(argv)}",
+      f"Command: python bench/step_variants.py {' '.join(argv)}",
       "",
       table(runs),
   ]) + "\n"
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  stem = f"xla_flags_{info.get('card', 'unknown').replace(' ', '_')}_{date[:10]}_{args.size}_{args.seq}"
+  stem = f"step_variants_{info.get('card', 'unknown').replace(' ', '_')}_{date[:10]}_{args.size}_{args.seq}"
   (out_dir / f"{stem}.md").write_text(text)
   (out_dir / f"{stem}.json").write_text(json.dumps({"date": date, "versions": info, "runs": [
-      {"variant": name, "flags": flags, "result": result} for name, flags, result in runs]}, indent=1))
+      {"variant": name, "options": options, "result": result} for name, options, result in runs]}, indent=1))
   print(text)
 
 

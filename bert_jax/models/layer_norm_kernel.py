@@ -1,0 +1,120 @@
+"""LayerNorm backward pass as one Pallas (Triton) kernel for GPU.
+
+`ops.layer_norm`'s backward in XLA is a row-reduction kernel (two sums per
+row), an elementwise kernel for dx and a column-reduction kernel for the
+scale and bias gradients: x and dy are read three times. On the H200 the 25
+LayerNorms of a BERT-Base seq-128 step spent ~5 ms in their backward pass,
+against ~1 ms to read x and dy once and write dx.
+
+Here one kernel does all of it for a block of rows: a first pass over the
+row block computes the two row sums, a second writes dx and this block's
+partial column sums of dy * xhat and dy; XLA adds the partial sums of the
+blocks (an array of [rows / block, features], small). The features are
+walked in chunks of `CHUNK` columns (the Triton lowering needs power-of-two
+tiles; BERT's widths 128-1024 are multiples of 128). The arithmetic is that
+of `ops._layer_norm_bwd` (float32), so the results agree to rounding.
+
+Under a mesh the kernel runs per shard of the batch (`jax.shard_map`, the
+rules' "batch" axes); the partial sums are added across shards by XLA.
+Off GPU it runs in Pallas' interpreter (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from bert_jax.parallel import sharding as sharding_lib
+
+Array = jax.Array
+
+BLOCK_ROWS = 32
+CHUNK = 128
+NUM_WARPS = 4
+
+
+def supported(rows: int, features: int) -> bool:
+  """Whether the kernel takes a [rows, features] input (else `ops.layer_norm` uses XLA)."""
+  return features % CHUNK == 0 and rows % BLOCK_ROWS == 0 and rows > 0
+
+
+def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int):
+  mean = mean_ref[...][:, None]
+  rstd = rstd_ref[...][:, None]
+
+  def chunk(c):
+    cols = pl.ds(c * CHUNK, CHUNK)
+    dy = dy_ref[:, cols].astype(jnp.float32)
+    xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
+    return cols, dy, xhat, dy * scale_ref[cols].astype(jnp.float32)[None, :]
+
+  sum_g = jnp.zeros((BLOCK_ROWS,), jnp.float32)
+  sum_gx = jnp.zeros((BLOCK_ROWS,), jnp.float32)
+  for c in range(features // CHUNK):
+    _, _, xhat, g = chunk(c)
+    sum_g += jnp.sum(g, axis=1)
+    sum_gx += jnp.sum(g * xhat, axis=1)
+  mean_g = (sum_g / features)[:, None]
+  mean_gx = (sum_gx / features)[:, None]
+  for c in range(features // CHUNK):
+    cols, dy, xhat, g = chunk(c)
+    dx_ref[:, cols] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
+    dscale_ref[cols] = jnp.sum(dy * xhat, axis=0)
+    dbias_ref[cols] = jnp.sum(dy, axis=0)
+
+
+def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool):
+  """[R, E] x and dy, [R] statistics -> dx [R, E], partial sums [R / BLOCK_ROWS, E] of dy * xhat and dy."""
+  rows, features = x.shape
+  blocks = rows // BLOCK_ROWS
+  row_block = pl.BlockSpec((BLOCK_ROWS, features), lambda i: (i, 0))
+  stats = pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,))
+  partial = pl.BlockSpec((None, features), lambda i: (i, 0))
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu
+    compiler_params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+  return pl.pallas_call(
+      functools.partial(_kernel, features=features),
+      grid=(blocks,),
+      in_specs=[row_block, row_block, stats, stats, pl.BlockSpec((features,), lambda i: (0,))],
+      out_specs=[row_block, partial, partial],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((blocks, features), jnp.float32),
+                 jax.ShapeDtypeStruct((blocks, features), jnp.float32)],
+      compiler_params=compiler_params,
+      interpret=interpret,
+  )(x, dy, mean, rstd, scale)
+
+
+def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array) -> tuple[Array, Array, Array]:
+  """(dx, dscale, dbias) of LayerNorm over the last axis; x, dy [..., E], mean and rstd [..., 1] float32.
+
+  The caller checks `supported(rows, E)` (rows = the product of the leading
+  dimensions). dscale and dbias are float32 sums over every row.
+  """
+  features = x.shape[-1]
+  lead = x.shape[:-1]
+  x2, dy2 = x.reshape(-1, features), dy.reshape(-1, features)
+  mean1, rstd1 = mean.reshape(-1), rstd.reshape(-1)
+  interpret = jax.default_backend() != "gpu"
+  run = functools.partial(_backward_2d, interpret=interpret)
+
+  mesh = sharding_lib.current_mesh()
+  row_axes = ()
+  if mesh is not None and mesh.size > 1 and lead:
+    batch_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
+    shards = 1
+    for axis in batch_axes:
+      shards *= mesh.shape[axis]
+    if supported(x2.shape[0] // shards, features):
+      row_axes = batch_axes
+  if row_axes:
+    from jax.sharding import PartitionSpec as P
+    rows, vector = P(row_axes, None), P(row_axes)
+    run = jax.shard_map(run, mesh=mesh, in_specs=(rows, rows, vector, vector, P()), out_specs=(rows, rows, rows),
+                        check_vma=False)
+  dx, dscale, dbias = run(x2, dy2, mean1, rstd1, scale)
+  return dx.reshape(*lead, features), jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
