@@ -110,8 +110,10 @@ def test_sharded_steps_equal_single_device(mesh_sizes):
     assert any(axis in spec for spec in shardings for axis in mesh_sizes), shardings
 
 
-def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch):
-  """A 128-wide model (the kernel's chunk): the Pallas LayerNorm backward, per shard on a 4-way batch mesh."""
+@pytest.mark.parametrize("mesh_sizes", [{"data": 4}, {"data": 2, "tensor": 2}])
+def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch, mesh_sizes):
+  """A 128-wide model (the kernel's chunk): the Pallas LayerNorm backward per batch shard (replicated over
+  the tensor axis, as the activations are) equals the XLA form on one device."""
   from bert_jax.models import layer_norm_kernel
   traced = []
   kernel = layer_norm_kernel._backward_2d
@@ -120,12 +122,13 @@ def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch):
   wide = dict(hidden_size=128, intermediate_size=256)
   batches = [synthetic_batch(seed=s) for s in range(2)]
   states, losses = [], []
-  for mesh_sizes, impl in ((None, "xla"), ({"data": 4}, "pallas")):
-    state, step, mesh, *_ = build(mesh_sizes=mesh_sizes, model_overrides={**wide, "layer_norm_impl": impl})
+  for sizes, impl in ((None, "xla"), (mesh_sizes, "pallas")):
+    state, step, mesh, *_ = build(mesh_sizes=sizes, model_overrides={**wide, "layer_norm_impl": impl})
     state, step_losses = run_steps(state, step, mesh, batches)
     states.append(state)
     losses.append(step_losses)
-  assert (ROWS * SEQ // 4, 128) in traced, traced  # the encoder's LayerNorms ran the kernel on their shard
+  shards = mesh_sizes.get("data", 1)
+  assert (ROWS * SEQ // shards, 128) in traced, traced  # the encoder's LayerNorms ran the kernel on their shard
   np.testing.assert_allclose(losses[0], losses[1], rtol=2e-5)
   for a, b in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -15,7 +15,8 @@ tiles; BERT's widths 128-1024 are multiples of 128). The arithmetic is that
 of `ops._layer_norm_bwd` (float32), so the results agree to rounding.
 
 Under a mesh the kernel runs per shard of the batch (`jax.shard_map`, the
-rules' "batch" axes); the partial sums are added across shards by XLA.
+rules' "batch" axes; replicated over the other mesh axes, as the activations
+are); the partial sums are added across shards by XLA.
 Off GPU it runs in Pallas' interpreter (slow; for tests).
 """
 
@@ -26,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from bert_jax.parallel import sharding as sharding_lib
 
@@ -89,32 +91,33 @@ def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, in
   )(x, dy, mean, rstd, scale)
 
 
-def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array) -> tuple[Array, Array, Array]:
+def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array,
+                        scale: Array) -> tuple[Array, Array, Array] | None:
   """(dx, dscale, dbias) of LayerNorm over the last axis; x, dy [..., E], mean and rstd [..., 1] float32.
 
-  The caller checks `supported(rows, E)` (rows = the product of the leading
-  dimensions). dscale and dbias are float32 sums over every row.
+  dscale and dbias are float32 sums over every row. None where the kernel
+  does not apply: a width that is not a multiple of CHUNK, or rows (per shard,
+  under a mesh) that are not a multiple of BLOCK_ROWS; the caller then uses
+  the XLA form.
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
-  x2, dy2 = x.reshape(-1, features), dy.reshape(-1, features)
-  mean1, rstd1 = mean.reshape(-1), rstd.reshape(-1)
+  rows = x.size // features
   interpret = jax.default_backend() != "gpu"
   run = functools.partial(_backward_2d, interpret=interpret)
 
   mesh = sharding_lib.current_mesh()
-  row_axes = ()
-  if mesh is not None and mesh.size > 1 and lead:
-    batch_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
-    shards = 1
-    for axis in batch_axes:
-      shards *= mesh.shape[axis]
-    if supported(x2.shape[0] // shards, features):
-      row_axes = batch_axes
-  if row_axes:
-    from jax.sharding import PartitionSpec as P
-    rows, vector = P(row_axes, None), P(row_axes)
-    run = jax.shard_map(run, mesh=mesh, in_specs=(rows, rows, vector, vector, P()), out_specs=(rows, rows, rows),
-                        check_vma=False)
-  dx, dscale, dbias = run(x2, dy2, mean1, rstd1, scale)
+  if mesh is not None and mesh.size > 1:
+    if not lead:
+      return None
+    row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]  # () if they do not divide the batch.
+    for axis in row_axes:
+      rows //= mesh.shape[axis]
+    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
+    run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P()),
+                        out_specs=(row_spec, row_spec, row_spec), check_vma=False)
+  if not supported(rows, features):
+    return None
+  dx, dscale, dbias = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1),
+                          scale)
   return dx.reshape(*lead, features), jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)

@@ -70,9 +70,9 @@ def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="xla"):
 def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
   del epsilon, dtype
   x, mean, rstd, scale, bias = residuals
-  rows = x.size // x.shape[-1]
-  if implementation == "pallas" and layer_norm_kernel.supported(rows, x.shape[-1]):
-    dx, dscale, dbias = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale)
+  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if implementation == "pallas" else None
+  if kernel is not None:
+    dx, dscale, dbias = kernel
     return dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
   dy32 = dy.astype(jnp.float32)
   xhat = (x.astype(jnp.float32) - mean) * rstd
