@@ -1,0 +1,44 @@
+"""The Pallas LayerNorm backward kernel compiled for the GPU (Triton) vs the XLA form, in bfloat16 and float32.
+
+Skipped without a GPU (on CPU, tests/test_ops.py runs the same kernel in
+Pallas' interpreter). Shapes are BERT-Base and BERT-Large activations of the
+benchmark rows; the kernel and XLA compute in float32 from the same inputs,
+so they differ by summation order only. `pytest -s` prints the errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import ops
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton)")
+
+
+def _grads(implementation, x, dy, scale, bias):
+  def loss(x, scale, bias):
+    out = ops.layer_norm(x, scale, bias, 1e-12, x.dtype, implementation)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(256, 128, 768), (128, 128, 1024), (64, 76, 768)])
+def test_pallas_layer_norm_backward_on_gpu_equals_xla(shape, dtype):
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = (0.5 + 2.0 * jax.random.normal(keys[0], shape)).astype(dtype)
+  dy = jax.random.normal(keys[1], shape).astype(dtype)
+  scale = 1.0 + 0.1 * jax.random.normal(keys[2], shape[-1:])
+  bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
+  hlo = jax.jit(jax.grad(lambda x: jnp.sum(ops.layer_norm(x, scale, bias, 1e-12, dtype, "pallas").astype(
+      jnp.float32) * dy.astype(jnp.float32)))).lower(x).compile().as_text()
+  assert "triton" in hlo.lower()  # the kernel, not the XLA fallback
+  for name, a, b in zip(("dx", "dscale", "dbias"), _grads("pallas", x, dy, scale, bias),
+                        _grads("xla", x, dy, scale, bias)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    relative = np.linalg.norm(a - b) / np.linalg.norm(b)
+    print(f"{shape} {jnp.dtype(dtype).name} {name}: relative {relative:.2e}, max-abs {np.max(np.abs(a - b)):.2e}")
+    assert relative < (1e-2 if dtype == jnp.bfloat16 and name == "dx" else 1e-5)
