@@ -2,9 +2,10 @@
 
 `ops.layer_norm`'s backward in XLA is a row-reduction kernel (two sums per
 row), an elementwise kernel for dx and a column-reduction kernel for the
-scale and bias gradients: x and dy are read three times. On the H200 the 25
-LayerNorms of a BERT-Base seq-128 step spent ~5 ms in their backward pass,
-against ~1 ms to read x and dy once and write dx.
+scale and bias gradients, each reading x and dy. On the H200 the 25
+LayerNorms of a BERT-Base seq-128 step spent 6.1 ms in their backward pass
+(bench/NOTES.md, session-2 profile; ~4.9 ms after `ops.layer_norm`'s own
+gradient), against ~1 ms to read x and dy once and write dx.
 
 Here one kernel does all of it for a block of rows: a first pass over the
 row block computes the two row sums, a second writes dx and this block's
