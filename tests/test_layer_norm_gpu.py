@@ -14,30 +14,20 @@ import numpy as np
 import pytest
 
 from bert_jax.models import ops
+from test_ops import layer_norm_grads, layer_norm_inputs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton)")
-
-
-def _grads(implementation, x, dy, scale, bias):
-  def loss(x, scale, bias):
-    out = ops.layer_norm(x, scale, bias, 1e-12, x.dtype, implementation)
-    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(256, 128, 768), (128, 128, 1024), (64, 76, 768)])
 def test_pallas_layer_norm_backward_on_gpu_equals_xla(shape, dtype):
-  keys = jax.random.split(jax.random.key(0), 4)
-  x = (0.5 + 2.0 * jax.random.normal(keys[0], shape)).astype(dtype)
-  dy = jax.random.normal(keys[1], shape).astype(dtype)
-  scale = 1.0 + 0.1 * jax.random.normal(keys[2], shape[-1:])
-  bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
+  x, dy, scale, bias = layer_norm_inputs(shape, dtype)
   hlo = jax.jit(jax.grad(lambda x: jnp.sum(ops.layer_norm(x, scale, bias, 1e-12, dtype, "pallas").astype(
       jnp.float32) * dy.astype(jnp.float32)))).lower(x).compile().as_text()
   assert "triton" in hlo.lower()  # the kernel, not the XLA fallback
-  for name, a, b in zip(("dx", "dscale", "dbias"), _grads("pallas", x, dy, scale, bias),
-                        _grads("xla", x, dy, scale, bias)):
+  for name, a, b in zip(("dx", "dscale", "dbias"), layer_norm_grads("pallas", x, dy, scale, bias),
+                        layer_norm_grads("xla", x, dy, scale, bias)):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     relative = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(f"{shape} {jnp.dtype(dtype).name} {name}: relative {relative:.2e}, max-abs {np.max(np.abs(a - b)):.2e}")

@@ -40,24 +40,29 @@ def test_layer_norm_matches_flax_values_and_gradients(dtype):
     _close(a, b, rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else _close(a, b, rtol=3e-2, atol=5e-2)
 
 
-def _layer_norm_grads(implementation, x, dy, scale, bias):
+def layer_norm_grads(implementation, x, dy, scale, bias):
+  """(dx, dscale, dbias) of sum(layer_norm(x) * dy) with the given backward implementation (jitted)."""
   def loss(x, scale, bias):
     out = ops.layer_norm(x, scale, bias, 1e-12, x.dtype, implementation)
     return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
-  return jax.grad(loss, argnums=(0, 1, 2))(x, scale, bias)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+
+
+def layer_norm_inputs(shape, dtype, seed=2):
+  """x (offset, spread), dy, and a perturbed scale and bias for the LayerNorm backward tests."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  x = (1.0 + 3.0 * jax.random.normal(keys[0], shape)).astype(dtype)
+  dy = jax.random.normal(keys[1], shape).astype(dtype)
+  return x, dy, 1.0 + 0.1 * jax.random.normal(keys[2], shape[-1:]), 0.1 * jax.random.normal(keys[3], shape[-1:])
 
 
 @pytest.mark.parametrize("dtype,shape", [(jnp.float32, (64, 128)), (jnp.float32, (2, 32, 384)),
                                          (jnp.bfloat16, (4, 16, 256))])
 def test_layer_norm_pallas_backward_equals_xla(dtype, shape):
   """The one-kernel backward (Pallas' interpreter here) against the XLA form: same sums, rounding apart."""
-  keys = jax.random.split(jax.random.key(2), 4)
-  x = (1.0 + 3.0 * jax.random.normal(keys[0], shape)).astype(dtype)
-  dy = jax.random.normal(keys[1], shape).astype(dtype)
-  scale = 1.0 + 0.1 * jax.random.normal(keys[2], shape[-1:])
-  bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
-  pallas = _layer_norm_grads("pallas", x, dy, scale, bias)
-  xla = _layer_norm_grads("xla", x, dy, scale, bias)
+  x, dy, scale, bias = layer_norm_inputs(shape, dtype)
+  pallas = layer_norm_grads("pallas", x, dy, scale, bias)
+  xla = layer_norm_grads("xla", x, dy, scale, bias)
   tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
   for a, b in zip(pallas, xla):
     assert a.dtype == b.dtype and a.shape == b.shape
@@ -67,8 +72,8 @@ def test_layer_norm_pallas_backward_equals_xla(dtype, shape):
 def test_layer_norm_pallas_falls_back_to_xla_where_unsupported():
   x = jax.random.normal(jax.random.key(3), (5, 96))  # 96 features: not a multiple of the kernel's chunk.
   dy = jnp.ones_like(x)
-  for a, b in zip(_layer_norm_grads("pallas", x, dy, jnp.ones(96), jnp.zeros(96)),
-                  _layer_norm_grads("xla", x, dy, jnp.ones(96), jnp.zeros(96))):
+  for a, b in zip(layer_norm_grads("pallas", x, dy, jnp.ones(96), jnp.zeros(96)),
+                  layer_norm_grads("xla", x, dy, jnp.ones(96), jnp.zeros(96))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -80,12 +85,12 @@ def test_layer_norm_pallas_backward_per_shard_equals_unsharded():
   x = jax.random.normal(keys[0], (8, 16, 128))
   dy = jax.random.normal(keys[1], x.shape)
   scale, bias = jnp.full((128,), 1.5), jnp.zeros(128)
-  expected = _layer_norm_grads("xla", x, dy, scale, bias)
+  expected = layer_norm_grads("xla", x, dy, scale, bias)
   batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   with mesh, nn.logical_axis_rules(sharding_lib.DEFAULT_RULES):
-    got = jax.jit(functools.partial(_layer_norm_grads, "pallas"))(jax.device_put(x, batch),
+    got = jax.jit(functools.partial(layer_norm_grads, "pallas"))(jax.device_put(x, batch),
                                                                   jax.device_put(dy, batch), scale, bias)
-    hlo = jax.jit(functools.partial(_layer_norm_grads, "pallas")).lower(x, dy, scale, bias).as_text()
+    hlo = jax.jit(functools.partial(layer_norm_grads, "pallas")).lower(x, dy, scale, bias).as_text()
   assert "manual_computation" in hlo  # the shard_map: each device runs the kernel on its own rows
   for a, b in zip(got, expected):
     _close(a, b, rtol=1e-5, atol=1e-4)
