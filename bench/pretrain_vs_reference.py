@@ -284,13 +284,12 @@ def render_files(paths: list[str], out_dir: pathlib.Path, stem: str | None) -> N
   dates = sorted({run["date"] for run in runs})
   commands = [f"python bench/pretrain_vs_reference.py --render {' '.join(paths)}"] + [
       run["command"] for run in runs if run.get("command")]
-  text = report(runs[0]["versions"], ", ".join(dates), "; ".join(commands), results,
-                "\n".join(run["extras"] for run in runs if run.get("extras")))
+  extras_text = "\n".join(run["extras"] for run in runs if run.get("extras"))
+  text = report(runs[0]["versions"], ", ".join(dates), "; ".join(commands), results, extras_text)
   card = runs[0]["versions"].get("card", "unknown").replace(" ", "_")
   write(out_dir, stem or f"pretrain_vs_reference_{card}_{dates[0][:10]}_joined", text,
         {"versions": runs[0]["versions"], "date": ", ".join(dates), "rows": [
-            {"row": list(r), "ours": m, "reference": ref} for r, m, ref in results],
-         "extras": "\n".join(run["extras"] for run in runs if run.get("extras"))})
+            {"row": list(r), "ours": m, "reference": ref} for r, m, ref in results], "extras": extras_text})
 
 
 def main(argv: list[str]) -> None:

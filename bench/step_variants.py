@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from pretrain_vs_reference import Pool, gib, ours, render, versions  # noqa: E402
+from pretrain_vs_reference import Pool, gib, ours, render, versions, write  # noqa: E402
 
 DEFAULT_VARIANTS = {
     "triton-gemm-off": "--xla_gpu_enable_triton_gemm=false",
@@ -124,13 +123,9 @@ def main(argv: list[str]) -> None:
       "",
       table(runs),
   ]) + "\n"
-  out_dir = pathlib.Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   stem = f"step_variants_{info.get('card', 'unknown').replace(' ', '_')}_{date[:10]}_{args.size}_{args.seq}"
-  (out_dir / f"{stem}.md").write_text(text)
-  (out_dir / f"{stem}.json").write_text(json.dumps({"date": date, "versions": info, "runs": [
-      {"variant": name, "options": options, "result": result} for name, options, result in runs]}, indent=1))
-  print(text)
+  write(pathlib.Path(args.out_dir), stem, text, {"date": date, "versions": info, "runs": [
+      {"variant": name, "options": options, "result": result} for name, options, result in runs]})
 
 
 if __name__ == "__main__":
