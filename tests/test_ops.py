@@ -77,6 +77,15 @@ def test_layer_norm_pallas_falls_back_to_xla_where_unsupported():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_layer_norm_auto_is_the_xla_form_off_gpu(monkeypatch):
+  """"auto" (the default) runs the kernel on GPU only; here, on CPU, it must not run the interpreter."""
+  from bert_jax.models import layer_norm_kernel
+  monkeypatch.setattr(layer_norm_kernel, "layer_norm_backward", lambda *a: pytest.fail("kernel used off GPU"))
+  x, dy, scale, bias = layer_norm_inputs((64, 128), jnp.float32)
+  for a, b in zip(layer_norm_grads("auto", x, dy, scale, bias), layer_norm_grads("xla", x, dy, scale, bias)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_layer_norm_pallas_backward_per_shard_equals_unsharded():
   """Under a 4-way batch mesh the kernel runs per shard and the partial column sums are added across shards."""
   from bert_jax.parallel import sharding as sharding_lib

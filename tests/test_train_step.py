@@ -226,6 +226,18 @@ def test_nonfinite_loss_leaves_parameters_unchanged():
                                 before["encoder"]["block_0"]["ffn"]["wo"]["kernel"])
 
 
+def test_gpu_compiler_options(monkeypatch):
+  """Triton GEMM fusions off on GPU only, unless XLA_FLAGS sets the option; this XLA knows the option."""
+  from bert_jax.train import step as step_lib
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert step_lib.compiler_options("cpu") is None
+  assert step_lib.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=true")
+  assert step_lib.compiler_options("gpu") is None
+  compiled = jax.jit(lambda x: x @ x, compiler_options=step_lib.GPU_COMPILER_OPTIONS).lower(jnp.ones((4, 4))).compile()
+  np.testing.assert_allclose(np.asarray(compiled(jnp.ones((4, 4)))), 4.0)
+
+
 def test_schedule_warmup_and_decay():
   config = config_lib.pretrain_defaults().optim
   config.lr, config.warmup_steps, config.schedule = 1.0, 10, "linear"

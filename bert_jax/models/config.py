@@ -57,9 +57,11 @@ class ModelConfig:
     attention_impl: "auto" (on GPU in float16/bfloat16: cuDNN fused attention
       without attention dropout, our Pallas flash kernels with it, when shapes
       allow; XLA otherwise), "cudnn", "flash" or "xla".
-    layer_norm_impl: "xla" (default) or "pallas": the LayerNorm backward pass
-      as one Pallas kernel per row block (`layer_norm_kernel.py`; GPU, widths
-      a multiple of 128; the XLA form elsewhere). Same values to rounding.
+    layer_norm_impl: "auto" (default: "pallas" on GPU, "xla" elsewhere), "xla"
+      or "pallas": the LayerNorm backward pass as one Pallas kernel per row
+      block (`layer_norm_kernel.py`; widths a multiple of 128, the XLA form
+      for other shapes; off GPU it runs in Pallas' interpreter, for tests).
+      Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
   """
@@ -88,7 +90,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention_impl: str = "auto"
-  layer_norm_impl: str = "xla"
+  layer_norm_impl: str = "auto"
   remat: str = "none"
 
   def __post_init__(self):
@@ -107,7 +109,7 @@ class ModelConfig:
       fail("hidden_act", f"expected one of {ACTIVATIONS}")
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
                "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "flash", "xla"),
-               "layer_norm_impl": ("xla", "pallas"),
+               "layer_norm_impl": ("auto", "xla", "pallas"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16")}
     for field, allowed in choices.items():

@@ -51,7 +51,7 @@ class LayerNorm(nn.Module):
   dtype: Any
   param_dtype: Any
   axis_name: str = "embed"
-  implementation: str = "xla"
+  implementation: str = "auto"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:

@@ -8,8 +8,9 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
 - `layer_norm` saves only its input (compute dtype) and two float32 numbers
   per row (mean, 1/std), and its backward is one row reduction (two sums)
   plus one column reduction (two sums), written so that XLA fuses each into
-  one kernel; or, with implementation="pallas" (`ModelConfig.layer_norm_impl`),
-  one Pallas kernel for all of it (`layer_norm_kernel.py`).
+  one kernel; or (implementation="pallas", the default on GPU through "auto",
+  `ModelConfig.layer_norm_impl`) one Pallas kernel for all of it
+  (`layer_norm_kernel.py`).
 - `gelu` saves only its input; the backward recomputes Phi(x) and phi(x).
 
 Both compute in float32 and return the input's dtype (LayerNorm: `dtype`),
@@ -35,7 +36,7 @@ Array = jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype, implementation: str = "xla") -> Array:
+def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype, implementation: str = "auto") -> Array:
   """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, statistics in float32.
 
   Args:
@@ -44,8 +45,9 @@ def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype, imple
     bias: [E].
     epsilon: added to the variance.
     dtype: dtype of the result.
-    implementation: of the backward pass: "xla", or "pallas" (one kernel,
-      `layer_norm_kernel.py`, where it supports the shape; "xla" otherwise).
+    implementation: of the backward pass: "xla", "pallas" (one kernel,
+      `layer_norm_kernel.py`, where it supports the shape; "xla" otherwise),
+      or "auto" ("pallas" on GPU, "xla" elsewhere).
 
   Returns:
     [..., E] in `dtype`.
@@ -60,7 +62,7 @@ def _statistics(x: Array, epsilon: float) -> tuple[Array, Array]:
   return mean, jax.lax.rsqrt(var + epsilon)
 
 
-def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="xla"):
+def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="auto"):
   del implementation
   mean, rstd = _statistics(x, epsilon)
   y = (x.astype(jnp.float32) - mean) * (rstd * scale.astype(jnp.float32)) + bias.astype(jnp.float32)
@@ -70,7 +72,8 @@ def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="xla"):
 def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
   del epsilon, dtype
   x, mean, rstd, scale, bias = residuals
-  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if implementation == "pallas" else None
+  use_kernel = implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu")
+  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if use_kernel else None
   if kernel is not None:
     dx, dscale, dbias = kernel
     return dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
