@@ -201,3 +201,48 @@ def test_finetune_heads(kind, shape):
   span = FinetuneModel(tiny(), "span")
   start, end = span.apply(span.init(jax.random.key(0), ids[:, :8] if ids.ndim == 2 else ids[:, 0]), ids.reshape(-1, 8))
   assert start.shape == end.shape == (ids.reshape(-1, 8).shape[0], 8)
+
+
+def _attention_seeds(monkeypatch, build_and_apply):
+  """The `dropout_seed` of every attention call of one forward pass."""
+  from bert_jax.models import encoder
+  seeds = []
+  attention = encoder.dot_product_attention
+  monkeypatch.setattr(encoder, "dot_product_attention",
+                      lambda *args, **kwargs: seeds.append(kwargs["dropout_seed"]) or attention(*args, **kwargs))
+  build_and_apply()
+  return seeds
+
+
+@pytest.mark.parametrize("overrides", [dict(num_layers=3), dict(num_layers=4, num_shared_groups=1),
+                                       dict(num_layers=3, remat="full")])
+def test_every_attention_call_site_has_its_own_cudnn_dropout_seed(monkeypatch, overrides):
+  """cuDNN's dropout draws one mask per static seed and execution: layers (ALBERT's shared ones too) differ."""
+  cfg = tiny(attention_dropout=0.1, **overrides)
+  ids = jnp.zeros((2, 8), jnp.int32)
+
+  def build_and_apply():
+    model = Encoder(cfg)
+    model.apply(model.init(jax.random.key(0), ids), ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
+
+  seeds = _attention_seeds(monkeypatch, build_and_apply)
+  layers = cfg.num_layers
+  assert len(seeds) == 2 * layers  # init and apply
+  assert len(set(seeds[layers:])) == layers and seeds[:layers] == seeds[layers:]  # distinct, and static
+
+
+def test_electra_generator_and_discriminator_attention_seeds_differ(monkeypatch):
+  disc = tiny(attention_dropout=0.1)
+  model = ElectraModel(disc, electra_generator_config(disc, 0.5))
+  ids = jnp.zeros((2, 8), jnp.int32)
+  positions = jnp.array([[1, 3], [2, 0]])
+  rngs = {"params": jax.random.key(0), "sample": jax.random.key(1), "dropout": jax.random.key(2)}
+  seeds = _attention_seeds(monkeypatch, lambda: model.init(rngs, ids, positions, ids, deterministic=False))
+  assert len(seeds) == 2 * disc.num_layers and len(set(seeds)) == len(seeds)
+
+
+def test_cudnn_attention_dropout_refuses_remat():
+  with pytest.raises(ValueError, match="ModelConfig.remat='full'.*recomputed forward"):
+    tiny(attention_impl="cudnn", attention_dropout=0.1, remat="full")
+  tiny(attention_impl="cudnn", attention_dropout=0.0, remat="full")
+  tiny(attention_impl="cudnn", attention_dropout=0.1)

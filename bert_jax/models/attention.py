@@ -1,9 +1,11 @@
 """The one attention function every layer calls.
 
 Three implementations behind one signature:
-  * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, the fused
-    flash-attention kernel. Used on GPU for float16/bfloat16 when the head size
-    allows, no attention dropout is active and probabilities are not requested.
+  * "cudnn": cuDNN's fused flash-attention kernel
+    (`jax.nn.dot_product_attention(implementation="cudnn")`). Chosen by "auto"
+    on GPU for float16/bfloat16 when the head size allows, no attention dropout
+    is active and probabilities are not requested. Asked for explicitly with
+    attention dropout active, it uses cuDNN's own dropout (see below).
   * "flash": our Pallas (Triton) flash-attention kernels with in-kernel
     attention dropout (`flash_attention.py`). Used on GPU for float16/bfloat16
     when attention dropout is active (pre-training), the head size is a power
@@ -12,7 +14,22 @@ Three implementations behind one signature:
     attention dropout and can return the probabilities for analysis.
 
 "flash" and "xla" drop the same probabilities: the mask is a hash of (seed,
-batch row, head, query, key), `flash_attention.keep_mask`.
+batch row, head, query, key), `flash_attention.keep_mask`, with the seed drawn
+from the step's dropout key (reproducible, resumable, independent of how the
+batch is split over devices).
+
+cuDNN's dropout ("cudnn" requested with attention dropout; faster than "flash"
+at length 512 and slower at 128, bench/NOTES.md session 5) draws its mask
+inside the kernel from a static seed and a counter that advances with every
+execution of the kernel (measured through JAX 0.11 / cuDNN 9.19 on an H200:
+the forward and backward kernels of one step drop the same probabilities,
+rows, heads and the iterations of a loop differ, and two calls with the same
+static seed in one program draw the same mask, so each call site gets its own
+`dropout_seed`). The masks therefore do not follow the step's key: a run
+resumed from a checkpoint draws other masks than an uninterrupted one, and
+data-parallel replicas (same seed, same counter) drop the same positions of
+their local rows. Rematerialisation is refused with it (a recomputed forward
+pass is another execution).
 
 Masking: `pack_ids` [B, L] says which packed example each token belongs to
 (0 = padding). Unpacked rows are 1 on real tokens, and their padding is passed
@@ -47,14 +64,14 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {requested!r} not in {IMPLEMENTATIONS}")
   half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-  cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128 and not dropout_active and not return_probs
+  cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128 and not return_probs
   flash_ok = (not return_probs and flash_attention.supported(head_dim=head_dim, q_len=length or 16,
                                                              k_len=length or 16))
   if requested == "cudnn":
     if not cudnn_ok:
-      raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128, no "
-                       f"attention dropout and no returned probabilities (dtype={jnp.dtype(dtype)}, "
-                       f"head_dim={head_dim}, dropout_active={dropout_active}, return_probs={return_probs})")
+      raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128 and no "
+                       f"returned probabilities (dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
+                       f"return_probs={return_probs})")
     return "cudnn"
   if requested == "flash":
     if not flash_ok:
@@ -63,7 +80,7 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
                        f"return_probs={return_probs})")
     return "flash"
   if requested == "auto" and _backend() == "gpu":
-    if cudnn_ok:
+    if cudnn_ok and not dropout_active:
       return "cudnn"
     if half and dropout_active and flash_ok:
       return "flash"
@@ -90,6 +107,7 @@ def dot_product_attention(
     implementation: str = "auto",
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    dropout_seed: int = 0,
     return_probs: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Multi-head scaled dot-product attention.
@@ -104,6 +122,8 @@ def dot_product_attention(
       kernels in Pallas' interpreter: slow, for tests).
     dropout_rate: attention-probability dropout; applied when `dropout_rng` is
       given.
+    dropout_seed: static seed of cuDNN's dropout ("cudnn" with dropout only;
+      distinct per call site of one program, see the module docstring).
     return_probs: also return the [batch, heads, length, length] float32
       probabilities (XLA path only).
 
@@ -126,6 +146,9 @@ def dot_product_attention(
         mask = attention_mask(pack_ids, causal=False)
       else:
         lengths = jnp.sum(pack_ids > 0, axis=-1).astype(jnp.int32)
+    if dropout_active:
+      return _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal, dropout_rate,
+                                 dropout_seed), None
     out = jax.nn.dot_product_attention(query_blhd, key_blhd, value_blhd, mask=mask, is_causal=causal,
                                        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
                                        implementation="cudnn")
@@ -155,3 +178,19 @@ def dot_product_attention(
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value_blhd.dtype), value_blhd)
   return out, (probs_bhqk if return_probs else None)
+
+
+def _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal: bool, rate: float,
+                        seed: int) -> jax.Array:
+  """cuDNN fused attention with its in-kernel dropout (as `jax.nn.dot_product_attention`'s cuDNN branch, which
+  does not expose dropout)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+
+  mask_type = cudnn.MaskType.NO_MASK
+  if lengths is not None:
+    mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+  elif causal:
+    mask_type = cudnn.MaskType.CAUSAL
+  return cudnn.dot_product_attention(query_blhd, key_blhd, value_blhd, None, mask, lengths, lengths,
+                                     scale=query_blhd.shape[-1] ** -0.5, mask_type=mask_type,
+                                     seed=seed, dropout_rate=rate)

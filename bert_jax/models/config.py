@@ -56,7 +56,10 @@ class ModelConfig:
     param_dtype: parameter dtype (float32).
     attention_impl: "auto" (on GPU in float16/bfloat16: cuDNN fused attention
       without attention dropout, our Pallas flash kernels with it, when shapes
-      allow; XLA otherwise), "cudnn", "flash" or "xla".
+      allow; XLA otherwise), "cudnn", "flash" or "xla". "cudnn" with attention
+      dropout uses cuDNN's own dropout: faster at length 512, but its masks do
+      not follow the step's key (not reproducible on resume, the same across
+      data-parallel replicas; `attention.py`) and it refuses remat.
     layer_norm_impl: "auto" (default: "pallas" on GPU, "xla" elsewhere), "xla"
       or "pallas": the LayerNorm backward pass as one Pallas kernel per row
       block (`layer_norm_kernel.py`; widths a multiple of 128, the XLA form
@@ -121,6 +124,10 @@ class ModelConfig:
       fail("num_heads", "rotary positions need an even head size")
     if self.type_vocab_size < 1:
       fail("type_vocab_size", "must be at least 1")
+    if self.attention_impl == "cudnn" and self.attention_dropout > 0 and self.remat != "none":
+      fail("remat", "cuDNN's attention dropout draws a new mask at every execution of the kernel, so a recomputed "
+                    "forward pass would drop other probabilities than the one it replaces; use attention_impl="
+                    "'auto' (or 'flash') with remat, or attention_dropout=0")
 
   @property
   def head_dim(self) -> int:

@@ -11,6 +11,7 @@ width, f feed-forward width, v vocabulary.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import flax.linen as nn
@@ -137,12 +138,18 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
+def call_site_seed(path: tuple[str, ...], layer: int) -> int:
+  """A static 31-bit seed per attention call site: module path and layer index (ALBERT's shared blocks run
+  one module in several layers). Only cuDNN's dropout reads it (`attention.py`)."""
+  return zlib.crc32(f"{'/'.join(path)}#{layer}".encode()) & 0x7FFFFFFF
+
+
 class SelfAttention(nn.Module):
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
-               deterministic: bool, return_probs: bool) -> tuple[Array, Array | None]:
+               deterministic: bool, return_probs: bool, layer: int = 0) -> tuple[Array, Array | None]:
     cfg = self.config
     heads, head_dim = cfg.num_heads, cfg.head_dim
 
@@ -164,7 +171,7 @@ class SelfAttention(nn.Module):
     out_blhd, probs = dot_product_attention(
         q_blhd, k_blhd, v_blhd, pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal,
         implementation=cfg.attention_impl, dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
-        return_probs=return_probs)
+        dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
     out_ble = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                               kernel_init=dense_init(cfg, ("heads", "kv", "embed")), bias_init=bias_init(("embed",)),
                               name="output")(out_blhd)
@@ -194,7 +201,7 @@ class TransformerBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
-               deterministic: bool = True, return_probs: bool = False) -> tuple[Array, Array | None]:
+               deterministic: bool = True, return_probs: bool = False, layer: int = 0) -> tuple[Array, Array | None]:
     cfg = self.config
     dropout = Dropout(cfg.hidden_dropout)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
@@ -202,11 +209,11 @@ class TransformerBlock(nn.Module):
     ffn = FeedForward(cfg, name="ffn")
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
-                                  return_probs)
+                                  return_probs, layer)
       x_ble = x_ble + dropout(attn_ble, deterministic=deterministic)
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
-      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs)
+      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs, layer)
       x_ble = attention_norm(x_ble + dropout(attn_ble, deterministic=deterministic))
       x_ble = ffn_norm(x_ble + dropout(ffn(x_ble), deterministic=deterministic))
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
@@ -216,8 +223,8 @@ def _remat(block_cls, policy: str):
   if policy == "none":
     return block_cls
   checkpoint_policy = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  # Arguments 4..6 (packed, deterministic, return_probs) are Python flags.
-  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6))
+  # Arguments 4..7 (packed, deterministic, return_probs, layer) are Python values.
+  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6, 7))
 
 
 class Encoder(nn.Module):
@@ -279,7 +286,7 @@ class Encoder(nn.Module):
     hidden_states, attentions = [x_ble], []
     for layer in range(cfg.num_layers):
       block = self.blocks[layer * len(self.blocks) // cfg.num_layers]
-      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions)
+      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions, layer)
       hidden_states.append(x_ble)
       attentions.append(probs)
     if cfg.norm == "pre":
