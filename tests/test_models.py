@@ -246,3 +246,14 @@ def test_cudnn_attention_dropout_refuses_remat():
     tiny(attention_impl="cudnn", attention_dropout=0.1, remat="full")
   tiny(attention_impl="cudnn", attention_dropout=0.0, remat="full")
   tiny(attention_impl="cudnn", attention_dropout=0.1)
+
+
+def test_cudnn_attention_dropout_needs_command_buffers_without_cudnn():
+  from bert_jax.models import attention
+  for flags in ("", "--xla_force_host_platform_device_count=8",
+                "--xla_gpu_enable_command_buffer=FUSION,CUDNN,CUBLAS"):
+    with pytest.raises(ValueError, match="xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"):
+      attention.check_cudnn_dropout_flags(flags)
+  for flags in (attention.CUDNN_DROPOUT_XLA_FLAG, "--xla_gpu_enable_command_buffer=", "--a=1 --xla_gpu_enable_"
+                "command_buffer=FUSION,CUDNN --xla_gpu_enable_command_buffer=FUSION"):
+    attention.check_cudnn_dropout_flags(flags)

@@ -29,7 +29,11 @@ static seed in one program draw the same mask, so each call site gets its own
 resumed from a checkpoint draws other masks than an uninterrupted one, and
 data-parallel replicas (same seed, same counter) drop the same positions of
 their local rows. Rematerialisation is refused with it (a recomputed forward
-pass is another execution).
+pass is another execution). XLA (jax 0.11.2) aborts the process when it
+records such a kernel into a CUDA-graph command buffer, so this path needs
+cuDNN left out of them: XLA_FLAGS=--xla_gpu_enable_command_buffer=
+FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL (`CUDNN_DROPOUT_XLA_FLAG`); without it the
+call raises a ValueError that says so.
 
 Masking: `pack_ids` [B, L] says which packed example each token belongs to
 (0 = padding). Unpacked rows are 1 on real tokens, and their padding is passed
@@ -40,6 +44,7 @@ attends only inside its own example).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +52,8 @@ import jax.numpy as jnp
 from bert_jax.models import flash_attention
 
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
+# Command buffers without cuDNN kernels: what cuDNN's attention dropout needs (see the module docstring).
+CUDNN_DROPOUT_XLA_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 
 
 @functools.cache
@@ -186,6 +193,7 @@ def _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal:
   does not expose dropout)."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
 
+  check_cudnn_dropout_flags(os.environ.get("XLA_FLAGS", ""))
   mask_type = cudnn.MaskType.NO_MASK
   if lengths is not None:
     mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
@@ -194,3 +202,12 @@ def _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal:
   return cudnn.dot_product_attention(query_blhd, key_blhd, value_blhd, None, mask, lengths, lengths,
                                      scale=query_blhd.shape[-1] ** -0.5, mask_type=mask_type,
                                      seed=seed, dropout_rate=rate)
+
+
+def check_cudnn_dropout_flags(xla_flags: str) -> None:
+  """Raises unless `xla_flags` keep cuDNN kernels out of XLA's command buffers (else XLA aborts the process)."""
+  values = [flag.partition("=")[2] for flag in xla_flags.split() if flag.startswith("--xla_gpu_enable_command_buffer=")]
+  if not values or "CUDNN" in values[-1].upper().split(","):
+    raise ValueError(f"attention_impl='cudnn' with attention dropout: XLA aborts when it records cuDNN's dropout "
+                     f"kernel into a command buffer; leave cuDNN out of them: XLA_FLAGS='{CUDNN_DROPOUT_XLA_FLAG}' "
+                     f"(XLA_FLAGS is now {xla_flags!r}), or use attention_impl='auto' (the flash kernels)")
