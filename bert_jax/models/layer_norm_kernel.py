@@ -19,6 +19,10 @@ Under a mesh the kernel runs per shard of the batch (`jax.shard_map`, the
 rules' "batch" axes; replicated over the other mesh axes, as the activations
 are); the partial sums are added across shards by XLA.
 Off GPU it runs in Pallas' interpreter (slow; for tests).
+
+Measured (H100, bench/NOTES.md session 5): BERT-Base seq-128 step 60.8 ->
+58.8 ms (-3.0%); BERT-Large seq 128 unchanged (+0.5%). The default on GPU
+(`ModelConfig.layer_norm_impl="auto"`).
 """
 
 from __future__ import annotations
