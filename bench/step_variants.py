@@ -3,12 +3,12 @@
   python bench/step_variants.py                                     # base-128 b256, default variants, 1 GPU
   python bench/step_variants.py --parallel 4 --size large --seq 128 --batch 128
   python bench/step_variants.py --variant lt=--xla_gpu_enable_cublaslt=true --variant ...   # your own
-  python bench/step_variants.py --tiny --parallel 2 --variant ln=--config.model.layer_norm_impl=pallas  # CPU
+  python bench/step_variants.py --tiny --parallel 2 --variant ln=--config.model.layer_norm_impl=xla  # CPU
 
 Every variant is one `bench/train_step.py --json` process (the trainer's
 step on synthetic full rows); a variant is a list of options: `--xla_...`
 flags are appended to XLA_FLAGS, `--config.key=value` overrides go to the
-step's config (e.g. `--config.model.layer_norm_impl=pallas`).
+step's config (e.g. `--config.model.layer_norm_impl=xla`).
 The baseline (no extra options) runs first and again last, so the table shows
 how far two identical runs drift; with --parallel N the variants run N at a
 time, one per GPU, each pinned to its share of the cores (as
@@ -19,7 +19,9 @@ noise aside). The table is printed last and written under --out-dir.
 
 XLA flags are version-dependent: the defaults below are code-generation flags
 of the XLA in jax 0.11 that the GPU machine runs, plus this codebase's own
-speed options that are off by default until measured.
+speed options: the opt-in ones, and the GPU defaults switched back (what each
+default buys). An XLA_FLAGS setting of an option the steps also set
+(`step.GPU_COMPILER_OPTIONS`) overrides theirs.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from pretrain_vs_reference import Pool, gib, ours, render, versions, write  # noqa: E402
 
 DEFAULT_VARIANTS = {
-    "triton-gemm-off": "--xla_gpu_enable_triton_gemm=false",
-    "triton-gemm-any": "--xla_gpu_triton_gemm_any=true",
+    # The steps compile with Triton GEMM fusions off on GPU (step.GPU_COMPILER_OPTIONS); this puts them back.
+    "triton-gemm-on": "--xla_gpu_enable_triton_gemm=true",
+    "triton-gemm-any": "--xla_gpu_enable_triton_gemm=true --xla_gpu_triton_gemm_any=true",
     "cublaslt": "--xla_gpu_enable_cublaslt=true",
     "command-buffer-off": "--xla_gpu_enable_command_buffer=",
     "exhaustive-tiling": "--xla_gpu_exhaustive_tiling_search=true",
@@ -45,7 +48,10 @@ DEFAULT_VARIANTS = {
     # value projections of one layer (x @ Wq, x @ Wk, x @ Wv) are far above the default, so this variant is
     # the fused-QKV experiment without a change of the model's parameters.
     "dot-merger-4g": "--xla_gpu_dot_merger_threshold_mb=4096",
-    "layer-norm-pallas": "--config.model.layer_norm_impl=pallas",
+    "layer-norm-xla": "--config.model.layer_norm_impl=xla",  # the default on GPU is the Pallas kernel
+    # cuDNN's own attention dropout (opt-in; needs cuDNN out of command buffers, models/attention.py).
+    "cudnn-dropout": "--config.model.attention_impl=cudnn --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
+                     "CUSTOM_CALL",
 }
 BASELINE = "baseline"
 

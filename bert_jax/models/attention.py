@@ -21,11 +21,12 @@ batch is split over devices).
 cuDNN's dropout ("cudnn" requested with attention dropout; faster than "flash"
 at length 512 and slower at 128, bench/NOTES.md session 5) draws its mask
 inside the kernel from a static seed and a counter that advances with every
-execution of the kernel (measured through JAX 0.11 / cuDNN 9.19 on an H200:
-the forward and backward kernels of one step drop the same probabilities,
-rows, heads and the iterations of a loop differ, and two calls with the same
-static seed in one program draw the same mask, so each call site gets its own
-`dropout_seed`). The masks therefore do not follow the step's key: a run
+execution of the kernel (probed through JAX 0.11 / cuDNN 9.19 on an H200:
+rows, heads, executions and the iterations of a loop draw different masks,
+two calls with the same static seed in one program draw the same mask, so
+each call site gets its own `dropout_seed`; the forward and backward kernels
+agree by an identity check, and tests/test_attention_gpu.py compares their
+masks exactly). The masks therefore do not follow the step's key: a run
 resumed from a checkpoint draws other masks than an uninterrupted one, and
 data-parallel replicas (same seed, same counter) drop the same positions of
 their local rows. Rematerialisation is refused with it (a recomputed forward
