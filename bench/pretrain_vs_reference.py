@@ -255,6 +255,13 @@ def write(out_dir: pathlib.Path, stem: str, text: str, payload: dict) -> None:
   print(text)
 
 
+def payload(info: dict, date: str, results: list[tuple[tuple, dict, dict]], extra_text: str,
+            command: str | None = None) -> dict:
+  """The .json beside a report: versions, date, (command,) rows and extras; what --render reads back."""
+  return {"versions": info, "date": date, **({"command": command} if command else {}), "rows": [
+      {"row": list(r), "ours": m, "reference": ref} for r, m, ref in results], "extras": extra_text}
+
+
 def read_runs(paths: list[str]) -> list[dict]:
   """The JSON documents of earlier runs' .json files (one or several per file, as written or concatenated)."""
   decoder, runs = json.JSONDecoder(), []
@@ -288,8 +295,7 @@ def render_files(paths: list[str], out_dir: pathlib.Path, stem: str | None) -> N
   text = report(runs[0]["versions"], ", ".join(dates), "; ".join(commands), results, extras_text)
   card = runs[0]["versions"].get("card", "unknown").replace(" ", "_")
   write(out_dir, stem or f"pretrain_vs_reference_{card}_{dates[0][:10]}_joined", text,
-        {"versions": runs[0]["versions"], "date": ", ".join(dates), "rows": [
-            {"row": list(r), "ours": m, "reference": ref} for r, m, ref in results], "extras": extras_text})
+        payload(runs[0]["versions"], ", ".join(dates), results, extras_text))
 
 
 def main(argv: list[str]) -> None:
@@ -338,8 +344,7 @@ def main(argv: list[str]) -> None:
   command = f"python bench/pretrain_vs_reference.py {' '.join(argv)}"
   text = report(info, date, command, results, extra_text)
   stem = f"pretrain_vs_reference_{info.get('card', 'unknown').replace(' ', '_')}_{date[:10]}"
-  write(pathlib.Path(args.out_dir), stem, text, {"versions": info, "date": date, "command": command, "rows": [
-      {"row": list(r), "ours": m, "reference": ref} for r, m, ref in results], "extras": extra_text})
+  write(pathlib.Path(args.out_dir), stem, text, payload(info, date, results, extra_text, command))
 
 
 if __name__ == "__main__":

@@ -234,6 +234,8 @@ def test_gpu_compiler_options(monkeypatch):
   assert step_lib.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=true")
   assert step_lib.compiler_options("gpu") is None
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_longer_name=true")  # another flag: not the option
+  assert step_lib.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
   compiled = jax.jit(lambda x: x @ x, compiler_options=step_lib.GPU_COMPILER_OPTIONS).lower(jnp.ones((4, 4))).compile()
   np.testing.assert_allclose(np.asarray(compiled(jnp.ones((4, 4)))), 4.0)
 

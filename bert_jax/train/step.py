@@ -178,8 +178,8 @@ def compiler_options(backend: str | None = None) -> dict[str, Any] | None:
   """
   if (backend or jax.default_backend()) != "gpu":
     return None
-  flags = os.environ.get("XLA_FLAGS", "")
-  return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if f"--{k}" not in flags} or None
+  user_set = {flag.partition("=")[0] for flag in os.environ.get("XLA_FLAGS", "").split()}
+  return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if f"--{k}" not in user_set} or None
 
 
 def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array]) -> dict[str, Array]:
