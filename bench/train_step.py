@@ -96,11 +96,14 @@ def peak_memory_bytes() -> int | None:
 
 
 def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) -> list[str]:
-  """Device time per HLO op over a `jax.profiler` trace, largest first, with each op's JAX source name.
+  """Device time per HLO op and per kernel over a `jax.profiler` trace, largest first, with JAX source names.
 
   Reads the Perfetto JSON the profiler writes; ops are named by the `hlo_op`
-  argument of device events and described by the `op_name` metadata of the
-  compiled HLO.
+  argument of device events, kernels by the event name, and both described by
+  the `op_name` metadata of the compiled HLO (inside a CUDA-graph command
+  buffer only kernels are named: a fusion's kernel carries the fusion's name,
+  and identical fusions share one kernel, hence the calls per step). Every
+  kernel is also written to `kernels.tsv` in `trace_dir`.
   """
   path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
   trace = json.load(gzip.open(path))
@@ -110,18 +113,26 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   op_names = dict(re.findall(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]+)\"", hlo_text))
   totals: collections.Counter = collections.Counter()
   kernels: collections.Counter = collections.Counter()
+  calls: collections.Counter = collections.Counter()
   for event in events:
     if event.get("ph") == "X" and event.get("pid") in device_pids:
       args = event.get("args", {})
       totals[args.get("hlo_op", event["name"])] += event.get("dur", 0.0)
-      kernels[event["name"][:60]] += event.get("dur", 0.0)
+      kernels[event["name"]] += event.get("dur", 0.0)
+      calls[event["name"]] += 1
   total_us = sum(totals.values())
   lines = [f"device time {total_us / steps / 1e3:.2f} ms/step over {steps} traced steps ({path.parent.name})"]
   for op, us in totals.most_common(top):
     lines.append(f"{us / steps / 1e3:8.3f} ms {100 * us / total_us:5.1f}%  {op:28.28s} {op_names.get(op, '')[-110:]}")
-  lines.append("by kernel:")
-  for name, us in kernels.most_common(top // 2):
-    lines.append(f"{us / steps / 1e3:8.3f} ms {100 * us / total_us:5.1f}%  {name}")
+  lines.append("by kernel (ms/step, share, calls/step, kernel, JAX source of the fusion of that name):")
+  table = []
+  for name, us in kernels.most_common():
+    row = (f"{us / steps / 1e3:.4f}", f"{100 * us / total_us:.2f}", f"{calls[name] / steps:g}", name,
+           op_names.get(name, ""))
+    table.append("\t".join(row))
+    if len(table) <= top:
+      lines.append(f"{row[0]:>9} ms {row[1]:>5}% {row[2]:>5}x  {name[:50]:50.50s} {row[4][-90:]}")
+  (pathlib.Path(trace_dir) / "kernels.tsv").write_text("\n".join(table) + "\n")
   return lines
 
 
