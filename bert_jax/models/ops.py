@@ -11,15 +11,22 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
   one kernel; or (implementation="pallas", the default on GPU through "auto",
   `ModelConfig.layer_norm_impl`) one Pallas kernel for all of it
   (`layer_norm_kernel.py`).
-- `gelu` saves only its input; the backward recomputes Phi(x) and phi(x).
+- `gelu` saves only its input; the backward recomputes Phi(x) and phi(x)
+  from it. The exact form is PyTorch's (and so Hugging Face BERT's):
+  0.5 x (1 + erf(x / sqrt 2)); `jax.nn.gelu` evaluates Phi with erfc, which
+  agrees to 1e-7 but costs XLA several times the arithmetic on a GPU.
 
 Both compute in float32 and return the input's dtype (LayerNorm: `dtype`),
 so their values match `flax.linen.LayerNorm(use_fast_variance=False)` and
-`jax.nn.gelu` evaluated in float32.
+`jax.nn.gelu` evaluated in float32 (GELU: to 1e-7 absolute).
 
 Measured on the H200 (bench/NOTES.md, session 3): LayerNorm 58.7 -> 57.4 ms
-per BERT-Base seq-128 step; the GELU made no measurable difference (XLA had
-already fused most of its work); peak memory unchanged.
+per BERT-Base seq-128 step; peak memory unchanged. The GELU first made no
+measurable difference: the whole train step is one XLA program, and XLA
+shared the backward's Phi(x) with the forward pass, writing it out as a
+float32 [tokens, 3072] array per layer (session 6's profile: 7.3 ms of a
+52 ms step in the two GELU kernels). The backward now recomputes from an
+`optimization_barrier` of the input, which XLA cannot merge with the forward.
 """
 
 from __future__ import annotations
@@ -107,7 +114,7 @@ def gelu(x: Array, approximate: bool = False) -> Array:
 def _gelu_value(x32: Array, approximate: bool) -> Array:
   if approximate:
     return 0.5 * x32 * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x32 + 0.044715 * x32 ** 3)))
-  return 0.5 * x32 * jax.lax.erfc(-x32 * _SQRT_HALF)
+  return 0.5 * x32 * (1.0 + jax.lax.erf(x32 * _SQRT_HALF))
 
 
 def _gelu_derivative(x32: Array, approximate: bool) -> Array:
@@ -115,7 +122,7 @@ def _gelu_derivative(x32: Array, approximate: bool) -> Array:
     inner = _SQRT_2_OVER_PI * (x32 + 0.044715 * x32 ** 3)
     t = jnp.tanh(inner)
     return 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x32 * x32)
-  return 0.5 * jax.lax.erfc(-x32 * _SQRT_HALF) + x32 * _INV_SQRT_2PI * jnp.exp(-0.5 * x32 * x32)
+  return 0.5 * (1.0 + jax.lax.erf(x32 * _SQRT_HALF)) + x32 * _INV_SQRT_2PI * jnp.exp(-0.5 * x32 * x32)
 
 
 def _gelu_fwd(x, approximate):
@@ -123,7 +130,8 @@ def _gelu_fwd(x, approximate):
 
 
 def _gelu_bwd(approximate, x, dy):
-  x32 = x.astype(jnp.float32)
+  # The barrier keeps XLA from computing Phi(x) once for both passes (a float32 residual per element).
+  x32 = jax.lax.optimization_barrier(x).astype(jnp.float32)
   return ((dy.astype(jnp.float32) * _gelu_derivative(x32, approximate)).astype(x.dtype),)
 
 
