@@ -144,6 +144,30 @@ def call_site_seed(path: tuple[str, ...], layer: int) -> int:
   return zlib.crc32(f"{'/'.join(path)}#{layer}".encode()) & 0x7FFFFFFF
 
 
+class HeadsProjection(nn.Module):
+  """[..., E] -> [..., heads, head_dim] with `nn.DenseGeneral`'s parameters (kernel [E, heads, head_dim], bias
+  [heads, head_dim]), computed as one [E, heads * head_dim] matmul and a 1-D bias.
+
+  The same values as DenseGeneral; the form differs because XLA fuses a 1-D bias add into the cuBLAS GEMM on a
+  GPU, and DenseGeneral's [heads, head_dim] one into nothing: a separate kernel reading and writing every
+  projection (1 ms of a 52 ms BERT-Base seq-128 step on an H200, bench/NOTES.md session 6).
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_ble: Array) -> Array:
+    cfg = self.config
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+    kernel = self.param("kernel", dense_init(cfg, ("embed", "heads", "kv")), (x_ble.shape[-1], heads, head_dim),
+                        cfg.weight_dtype)
+    bias = self.param("bias", bias_init(("heads", "kv")), (heads, head_dim), cfg.weight_dtype)
+    dtype = cfg.compute_dtype
+    y = jnp.dot(x_ble.astype(dtype), kernel.astype(dtype).reshape(-1, heads * head_dim))
+    y = y + bias.astype(dtype).reshape(heads * head_dim)
+    return y.reshape(*x_ble.shape[:-1], heads, head_dim)
+
+
 class SelfAttention(nn.Module):
   config: ModelConfig
 
@@ -153,12 +177,7 @@ class SelfAttention(nn.Module):
     cfg = self.config
     heads, head_dim = cfg.num_heads, cfg.head_dim
 
-    def projection(name):
-      return nn.DenseGeneral((heads, head_dim), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                             kernel_init=dense_init(cfg, ("embed", "heads", "kv")),
-                             bias_init=bias_init(("heads", "kv")), name=name)
-
-    q_blhd, k_blhd, v_blhd = (projection(n)(x_ble) for n in ("query", "key", "value"))
+    q_blhd, k_blhd, v_blhd = (HeadsProjection(cfg, name=n)(x_ble) for n in ("query", "key", "value"))
     if cfg.position_embedding == "rotary":
       q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
       k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
