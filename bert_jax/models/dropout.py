@@ -76,4 +76,8 @@ class Dropout(nn.Module):
     if self.rate >= 1.0:
       return jnp.zeros_like(x)
     keep = keep_mask(dropout_seeds(self.make_rng("dropout")), x.shape, self.rate)
-    return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
+    # A product with a float32 multiplier (0 or 1 / (1 - rate)), rounded once to x's dtype, as PyTorch scales:
+    # dividing in bfloat16 would scale by 1 / bf16(0.9) = 1.113. No select against a zeros array either: XLA
+    # kept one such [batch, length, hidden] array of zeros in memory and read it in every dropout's backward.
+    multiplier = keep.astype(jnp.float32) * (1.0 / (1.0 - self.rate))
+    return (x.astype(jnp.float32) * multiplier).astype(x.dtype)
