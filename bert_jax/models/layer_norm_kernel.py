@@ -43,12 +43,13 @@ CHUNK = 128
 NUM_WARPS = 4
 
 
-def supported(rows: int, features: int) -> bool:
+def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
   """Whether the kernel takes a [rows, features] input (else `ops.layer_norm` uses XLA)."""
-  return features % CHUNK == 0 and rows % BLOCK_ROWS == 0 and rows > 0
+  return features % CHUNK == 0 and rows % block_rows == 0 and rows > 0
 
 
-def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int):
+def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int,
+            block_rows: int):
   mean = mean_ref[...][:, None]
   rstd = rstd_ref[...][:, None]
 
@@ -58,8 +59,8 @@ def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, db
     xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
     return cols, dy, xhat, dy * scale_ref[cols].astype(jnp.float32)[None, :]
 
-  sum_g = jnp.zeros((BLOCK_ROWS,), jnp.float32)
-  sum_gx = jnp.zeros((BLOCK_ROWS,), jnp.float32)
+  sum_g = jnp.zeros((block_rows,), jnp.float32)
+  sum_gx = jnp.zeros((block_rows,), jnp.float32)
   for c in range(features // CHUNK):
     _, _, xhat, g = chunk(c)
     sum_g += jnp.sum(g, axis=1)
@@ -73,19 +74,20 @@ def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, db
     dbias_ref[cols] = jnp.sum(dy, axis=0)
 
 
-def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool):
-  """[R, E] x and dy, [R] statistics -> dx [R, E], partial sums [R / BLOCK_ROWS, E] of dy * xhat and dy."""
+def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool, block_rows: int,
+                 num_warps: int):
+  """[R, E] x and dy, [R] statistics -> dx [R, E], partial sums [R / block_rows, E] of dy * xhat and dy."""
   rows, features = x.shape
-  blocks = rows // BLOCK_ROWS
-  row_block = pl.BlockSpec((BLOCK_ROWS, features), lambda i: (i, 0))
-  stats = pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,))
+  blocks = rows // block_rows
+  row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
+  stats = pl.BlockSpec((block_rows,), lambda i: (i,))
   partial = pl.BlockSpec((None, features), lambda i: (i, 0))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
-    compiler_params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
   return pl.pallas_call(
-      functools.partial(_kernel, features=features),
+      functools.partial(_kernel, features=features, block_rows=block_rows),
       grid=(blocks,),
       in_specs=[row_block, row_block, stats, stats, pl.BlockSpec((features,), lambda i: (0,))],
       out_specs=[row_block, partial, partial],
@@ -96,20 +98,21 @@ def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, in
   )(x, dy, mean, rstd, scale)
 
 
-def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array,
-                        scale: Array) -> tuple[Array, Array, Array] | None:
+def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *,
+                        block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> tuple[Array, Array, Array] | None:
   """(dx, dscale, dbias) of LayerNorm over the last axis; x, dy [..., E], mean and rstd [..., 1] float32.
 
   dscale and dbias are float32 sums over every row. None where the kernel
   does not apply: a width that is not a multiple of CHUNK, or rows (per shard,
-  under a mesh) that are not a multiple of BLOCK_ROWS; the caller then uses
-  the XLA form.
+  under a mesh) that are not a multiple of `block_rows`; the caller then uses
+  the XLA form. `block_rows` and `num_warps` are the launch parameters
+  (`bench/layer_norm.py` sweeps them).
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
   rows = x.size // features
   interpret = jax.default_backend() != "gpu"
-  run = functools.partial(_backward_2d, interpret=interpret)
+  run = functools.partial(_backward_2d, interpret=interpret, block_rows=block_rows, num_warps=num_warps)
 
   mesh = sharding_lib.current_mesh()
   if mesh is not None and mesh.size > 1:
@@ -121,7 +124,7 @@ def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array,
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
     run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P()),
                         out_specs=(row_spec, row_spec, row_spec), check_vma=False)
-  if not supported(rows, features):
+  if not supported(rows, features, block_rows):
     return None
   dx, dscale, dbias = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1),
                           scale)

@@ -1,0 +1,90 @@
+"""Times LayerNorm's backward pass: the XLA form and the Pallas kernel at several launch parameters.
+
+  python bench/layer_norm.py                              # BERT-Base and -Large rows of a seq-128 step, bf16
+  python bench/layer_norm.py --shapes 256x128 --blocks 32 --warps 4   # CPU smoke run (Pallas interpreter)
+
+Each line is one [rows, features] input: the XLA backward of `ops.layer_norm`
+(one row-reduction, one elementwise and one column-reduction kernel) and
+`layer_norm_kernel.layer_norm_backward` for every (block_rows, num_warps), in
+ms per call, plus the floor of reading x and dy and writing dx once at the
+`--bandwidth` given. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bert_jax.models import layer_norm_kernel, ops  # noqa: E402
+
+
+def _time_ms(fn, *args, iters: int) -> float:
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  for _ in range(iters):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / iters * 1e3
+
+
+def inputs(rows: int, features: int, dtype=jnp.bfloat16):
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (rows, features), jnp.float32).astype(dtype)
+  dy = jax.random.normal(keys[1], (rows, features), jnp.float32).astype(dtype)
+  scale = 1.0 + 0.1 * jax.random.normal(keys[2], (features,), jnp.float32)
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  rstd = jax.lax.rsqrt(jnp.var(x32, axis=-1, keepdims=True) + 1e-12)
+  return x, dy, mean, rstd, scale
+
+
+def time_backward(rows: int, features: int, block_rows: int | None, num_warps: int, iters: int) -> float:
+  """ms per backward call; block_rows None: the XLA form."""
+  x, dy, mean, rstd, scale = inputs(rows, features)
+  if block_rows is None:
+    bias = jnp.zeros_like(scale)
+    fn = jax.jit(lambda x, dy, mean, rstd, scale: ops._layer_norm_bwd(  # noqa: SLF001
+        1e-12, x.dtype, "xla", (x, mean, rstd, scale, bias), dy))
+  else:
+    fn = jax.jit(lambda *a: layer_norm_kernel.layer_norm_backward(*a, block_rows=block_rows, num_warps=num_warps))
+  return _time_ms(fn, x, dy, mean, rstd, scale, iters=iters)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default="32768x768,16384x1024,8192x4096", help="rows x features, comma-separated")
+  parser.add_argument("--blocks", default="8,16,32,64", help="block_rows values")
+  parser.add_argument("--warps", default="2,4,8", help="num_warps values")
+  parser.add_argument("--iters", type=int, default=50)
+  parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s for the floor column (H200: ~4.0 measured)")
+  args = parser.parse_args()
+  configs = [(None, 0)] + list(itertools.product([int(b) for b in args.blocks.split(",")],
+                                                 [int(w) for w in args.warps.split(",")]))
+  header = ["rows x features", "floor"] + ["xla" if b is None else f"{b}r/{w}w" for b, w in configs]
+  lines = []
+  for shape in args.shapes.split(","):
+    rows, features = (int(n) for n in shape.split("x"))
+    floor = 3 * rows * features * 2 / (args.bandwidth * 1e12) * 1e3
+    cells = [shape, f"{floor:.3f}"]
+    for block_rows, num_warps in configs:
+      try:
+        cells.append(f"{time_backward(rows, features, block_rows, num_warps, args.iters):.3f}")
+      except Exception as error:  # noqa: BLE001 -- a launch configuration Triton refuses is a table cell.
+        cells.append(f"fail:{type(error).__name__}")
+    lines.append(cells)
+  widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+  print(f"LayerNorm backward, ms per call ({jax.devices()[0].device_kind})")
+  for cells in [header] + lines:
+    print("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+
+
+if __name__ == "__main__":
+  main()
