@@ -111,6 +111,8 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
   device_pids = {pid for pid, name in processes.items() if "/device:" in name}
   op_names = dict(re.findall(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]+)\"", hlo_text))
+  # A kernel is named after its fusion with "." and "-" written "_" (loop_add_fusion.11 -> loop_add_fusion_11).
+  kernel_sources = {re.sub(r"[.\-]", "_", name): source for name, source in op_names.items()}
   totals: collections.Counter = collections.Counter()
   kernels: collections.Counter = collections.Counter()
   calls: collections.Counter = collections.Counter()
@@ -128,7 +130,7 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   table = []
   for name, us in kernels.most_common():
     row = (f"{us / steps / 1e3:.4f}", f"{100 * us / total_us:.2f}", f"{calls[name] / steps:g}", name,
-           op_names.get(name, ""))
+           op_names.get(name) or kernel_sources.get(name, ""))
     table.append("\t".join(row))
     if len(table) <= top:
       lines.append(f"{row[0]:>9} ms {row[1]:>5}% {row[2]:>5}x  {name[:50]:50.50s} {row[4][-90:]}")
