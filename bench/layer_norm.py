@@ -69,7 +69,9 @@ def main() -> None:
   configs = [(None, 0)] + list(itertools.product([int(b) for b in args.blocks.split(",")],
                                                  [int(w) for w in args.warps.split(",")]))
   header = ["rows x features", "floor"] + ["xla" if b is None else f"{b}r/{w}w" for b, w in configs]
-  lines = []
+  width = max(len(h) for h in header) + 1
+  print(f"LayerNorm backward, ms per call ({jax.devices()[0].device_kind})")
+  print("".join(h.rjust(width) for h in header), flush=True)
   for shape in args.shapes.split(","):
     rows, features = (int(n) for n in shape.split("x"))
     floor = 3 * rows * features * 2 / (args.bandwidth * 1e12) * 1e3
@@ -79,12 +81,7 @@ def main() -> None:
         cells.append(f"{time_backward(rows, features, block_rows, num_warps, args.iters):.3f}")
       except Exception as error:  # noqa: BLE001 -- a launch configuration Triton refuses is a table cell.
         cells.append(f"fail:{type(error).__name__}")
-    lines.append(cells)
-  widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-  print(f"LayerNorm backward, ms per call ({jax.devices()[0].device_kind})")
-  for cells in [header] + lines:
-    print("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
-
+    print("".join(c.rjust(width) for c in cells), flush=True)
 
 if __name__ == "__main__":
   main()

@@ -105,6 +105,16 @@ def test_layer_norm_pallas_backward_per_shard_equals_unsharded():
     _close(a, b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("offset, spread", [(0.0, 1.0), (1e3, 1.0), (1e4, 0.1), (-50.0, 3.0)])
+def test_layer_norm_statistics_are_float64_accurate_for_offset_rows(offset, spread):
+  # One pass over the row (sums of x minus its first element): no cancellation when |mean| >> std.
+  x = (offset + spread * np.random.default_rng(0).standard_normal((64, 768))).astype(np.float32)
+  mean, rstd = ops._statistics(jnp.asarray(x), 1e-12)  # noqa: SLF001
+  x64 = x.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(rstd), 1 / np.sqrt(x64.var(-1, keepdims=True) + 1e-12), rtol=2e-6)
+  np.testing.assert_allclose(np.asarray(mean), x64.mean(-1, keepdims=True), rtol=1e-7, atol=spread * 1e-6)
+
+
 @pytest.mark.parametrize("approximate", [False, True])
 def test_gelu_matches_jax_in_float32(approximate):
   x = jnp.linspace(-8.0, 8.0, 4001, dtype=jnp.float32)

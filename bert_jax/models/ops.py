@@ -63,10 +63,18 @@ def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype, imple
 
 
 def _statistics(x: Array, epsilon: float) -> tuple[Array, Array]:
+  """Mean and 1 / sqrt(var + epsilon) of each row in float32, from one pass over x.
+
+  Both sums are over x minus the row's first element, so they need no mean first (XLA computes them in one
+  reduction kernel; the two-pass form read the [tokens, hidden] input once more per LayerNorm) and keep float32
+  precision when a row's mean is large against its spread, where E[x^2] - E[x]^2 would cancel.
+  """
   x32 = x.astype(jnp.float32)
-  mean = jnp.mean(x32, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-  return mean, jax.lax.rsqrt(var + epsilon)
+  shift = jax.lax.stop_gradient(x32[..., :1])
+  d = x32 - shift
+  mean_d = jnp.mean(d, axis=-1, keepdims=True)
+  var = jnp.maximum(jnp.mean(jnp.square(d), axis=-1, keepdims=True) - jnp.square(mean_d), 0.0)
+  return shift + mean_d, jax.lax.rsqrt(var + epsilon)
 
 
 def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="auto"):
