@@ -44,9 +44,11 @@ DEFAULT_VARIANTS = {
     "command-buffer-off": "--xla_gpu_enable_command_buffer=",
     "exhaustive-tiling": "--xla_gpu_exhaustive_tiling_search=true",
     "latency-hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
-    # XLA merges dots that share an operand only below this size (MiB of inputs + output); the query, key and
-    # value projections of one layer (x @ Wq, x @ Wk, x @ Wv) are far above the default, so this variant is
-    # the fused-QKV experiment without a change of the model's parameters.
+    # XLA merges dots that share an operand (x @ Wq, x @ Wk, x @ Wv) only below this size (MiB). The steps set
+    # 0 on GPU (step.GPU_COMPILER_OPTIONS: no merging, so each projection's bias add stays inside its GEMM);
+    # 32 is XLA's default, which merged the query and key projections of BERT-Base (session 6's profile); 4096
+    # merges all three.
+    "dot-merger-32m": "--xla_gpu_dot_merger_threshold_mb=32",
     "dot-merger-4g": "--xla_gpu_dot_merger_threshold_mb=4096",
     "layer-norm-xla": "--config.model.layer_norm_impl=xla",  # the default on GPU is the Pallas kernel
     # cuDNN's own attention dropout (opt-in; needs cuDNN out of command buffers, models/attention.py).

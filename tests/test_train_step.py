@@ -227,15 +227,18 @@ def test_nonfinite_loss_leaves_parameters_unchanged():
 
 
 def test_gpu_compiler_options(monkeypatch):
-  """Triton GEMM fusions off on GPU only, unless XLA_FLAGS sets the option; this XLA knows the option."""
+  """The GPU options on GPU only, each unless XLA_FLAGS sets it; this XLA knows the options."""
   from bert_jax.train import step as step_lib
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   assert step_lib.compiler_options("cpu") is None
-  assert step_lib.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+  assert step_lib.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=true")
+  assert step_lib.compiler_options("gpu") == {"xla_gpu_dot_merger_threshold_mb": 0}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_gpu_dot_merger_threshold_mb=32")
   assert step_lib.compiler_options("gpu") is None
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_longer_name=true")  # another flag: not the option
-  assert step_lib.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+  assert step_lib.compiler_options("gpu") == step_lib.GPU_COMPILER_OPTIONS
+  monkeypatch.undo()  # XLA reads XLA_FLAGS when the backend starts (here, if this test runs first): no fake flag.
   compiled = jax.jit(lambda x: x @ x, compiler_options=step_lib.GPU_COMPILER_OPTIONS).lower(jnp.ones((4, 4))).compile()
   np.testing.assert_allclose(np.asarray(compiled(jnp.ones((4, 4)))), 4.0)
 

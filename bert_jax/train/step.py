@@ -165,10 +165,14 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
                  out_shardings=(state_shardings, replicated), donate_argnums=0, compiler_options=compiler_options())
 
 
-# XLA options of the train, eval and predict steps on GPU. Triton GEMM fusions off: XLA then calls cuBLAS for
-# every matmul, which is faster on this model's shapes (H100, bench/NOTES.md session 5: -3.3% step time at
-# BERT-Base seq 128, -2.6% at BERT-Large seq 128) and compiles faster (fine-tuning compile -1/3, session 3).
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# XLA options of the train, eval and predict steps on GPU (bench/NOTES.md has the measurements):
+# - Triton GEMM fusions off: XLA then calls cuBLAS for every matmul, which is faster on this model's shapes
+#   (H100, session 5: -3.3% step time at BERT-Base seq 128, -2.6% at BERT-Large seq 128) and compiles faster
+#   (fine-tuning compile -1/3, session 3).
+# - The dot merger off: XLA merged the query and key projections (x @ Wq, x @ Wk) into one GEMM, whose output
+#   it then sliced and added the biases to in a separate kernel, where each projection alone gets its bias
+#   added inside the cuBLAS GEMM (H100, session 6: -1.5% at BERT-Base seq 128, -1.8% at BERT-Large seq 128).
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def compiler_options(backend: str | None = None) -> dict[str, Any] | None:
