@@ -31,7 +31,7 @@ from bert_jax.models.attention import dot_product_attention  # noqa: E402
 IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0)}
 
 
-def _time_ms(fn, *args, iters: int) -> float:
+def time_ms(fn, *args, iters: int) -> float:
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
   for _ in range(iters):
@@ -55,7 +55,7 @@ def time_attention(batch: int, length: int, impl: str, *, heads: int = 12, head_
 
   forward = jax.jit(loss)
   backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  return _time_ms(forward, q, k, v, iters=iters), _time_ms(backward, q, k, v, iters=iters)
+  return time_ms(forward, q, k, v, iters=iters), time_ms(backward, q, k, v, iters=iters)
 
 
 def main() -> None:

@@ -16,23 +16,15 @@ import argparse
 import itertools
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from attention import time_ms  # noqa: E402
 from bert_jax.models import layer_norm_kernel, ops  # noqa: E402
-
-
-def _time_ms(fn, *args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / iters * 1e3
 
 
 def inputs(rows: int, features: int, dtype=jnp.bfloat16):
@@ -55,7 +47,7 @@ def time_backward(rows: int, features: int, block_rows: int | None, num_warps: i
         1e-12, x.dtype, "xla", (x, mean, rstd, scale, bias), dy))
   else:
     fn = jax.jit(lambda *a: layer_norm_kernel.layer_norm_backward(*a, block_rows=block_rows, num_warps=num_warps))
-  return _time_ms(fn, x, dy, mean, rstd, scale, iters=iters)
+  return time_ms(fn, x, dy, mean, rstd, scale, iters=iters)
 
 
 def main() -> None:

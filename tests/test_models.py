@@ -257,3 +257,23 @@ def test_cudnn_attention_dropout_needs_command_buffers_without_cudnn():
   for flags in (attention.CUDNN_DROPOUT_XLA_FLAG, "--xla_gpu_enable_command_buffer=", "--a=1 --xla_gpu_enable_"
                 "command_buffer=FUSION,CUDNN --xla_gpu_enable_command_buffer=FUSION"):
     attention.check_cudnn_dropout_flags(flags)
+
+
+@pytest.mark.parametrize("features, axes, contract, reference", [
+    ((24,), (None, "embed"), 1, lambda: nn.Dense(24)),
+    ((4, 6), ("embed", "heads", "kv"), 1, lambda: nn.DenseGeneral((4, 6))),
+    ((16,), ("heads", "kv", "embed"), 2, lambda: nn.DenseGeneral(16, axis=(-2, -1))),
+])
+def test_projection_equals_flax_dense_with_the_same_parameters(features, axes, contract, reference):
+  from bert_jax.models.encoder import Projection
+  config = model_config("bert", "tiny", dtype="float32")
+  shape = (2, 5, 16) if contract == 1 else (2, 5, 4, 4)
+  x = jax.random.normal(jax.random.key(0), shape)
+  ours = Projection(config, features, axes, contract=contract)
+  params = nn.unbox(ours.init(jax.random.key(1), x))
+  params = jax.tree.map(lambda p: p + 0.1, params)  # a nonzero bias
+  np.testing.assert_allclose(ours.apply(params, x), reference().apply(params, x), rtol=1e-6, atol=1e-6)
+  grads = jax.grad(lambda p: jnp.sum(jnp.sin(ours.apply(p, x))))(params)
+  expected = jax.grad(lambda p: jnp.sum(jnp.sin(reference().apply(p, x))))(params)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

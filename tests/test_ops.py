@@ -156,3 +156,19 @@ def test_cross_entropy_gradient_matches_autodiff(dtype):
   tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=4e-3)
   _close(ours[0], expected[0], **tol)
   _close(ours[1], expected[1], rtol=1e-5, atol=1e-4)
+
+
+def test_bias_add_sums_its_gradient_in_float32():
+  rows = 4096
+  dy = (1.0 + 0.01 * jax.random.normal(jax.random.key(3), (rows, 8))).astype(jnp.bfloat16)
+  y = jnp.zeros((rows, 8), jnp.bfloat16)
+  bias = jnp.zeros((8,), jnp.float32)
+  out, vjp = jax.vjp(ops.bias_add, y, bias)
+  assert out.dtype == jnp.bfloat16
+  dy_back, dbias = vjp(dy)
+  np.testing.assert_array_equal(np.asarray(dy_back), np.asarray(dy))
+  exact = np.asarray(dy, np.float64).sum(axis=0)
+  np.testing.assert_allclose(np.asarray(dbias), exact, rtol=1e-6)
+  # The autodiff form sums in bfloat16: around 4096 its spacing is 16 (summation order decides how close it gets).
+  naive = jax.grad(lambda b: jnp.sum((y + b.astype(jnp.bfloat16)) * dy).astype(jnp.float32))(bias)
+  assert np.max(np.abs(np.asarray(naive) - exact)) > np.max(np.abs(np.asarray(dbias) - exact))

@@ -11,6 +11,7 @@ width, f feed-forward width, v vocabulary.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -68,9 +69,43 @@ def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> Laye
                    config.layer_norm_impl, name=name)
 
 
-def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> nn.Dense:
-  return nn.Dense(features, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
-                  kernel_init=dense_init(config, axes), bias_init=bias_init((axes[1],)), name=name)
+class Projection(nn.Module):
+  """x [..., *in] -> [..., *features]: one [prod(in), prod(features)] matmul and a 1-D bias, in the compute dtype.
+
+  The parameters are `nn.Dense`'s / `nn.DenseGeneral`'s (kernel [*in, *features], bias [*features]), so
+  checkpoints and the Hugging Face mapping do not see the difference; the values are the same. The form is
+  chosen for XLA on a GPU: it fuses a 1-D bias add on a 2-D product into the cuBLAS GEMM, where
+  DenseGeneral's [heads, head_dim] bias add was a separate kernel reading and writing every query, key and
+  value projection (1 ms of a 52 ms BERT-Base seq-128 step on an H200, bench/NOTES.md session 6). The bias
+  gradient is summed in float32 (`ops.bias_add`).
+
+  Attributes:
+    config: compute and parameter dtypes, initialiser range.
+    features: the output dims.
+    axes: logical axis names of the kernel (the contracted input dims, then `features`).
+    contract: how many trailing dims of x are contracted (2: [..., heads, head_dim] -> [..., E]).
+  """
+
+  config: ModelConfig
+  features: tuple[int, ...]
+  axes: tuple[str | None, ...]
+  contract: int = 1
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    lead, inputs = x.shape[:x.ndim - self.contract], x.shape[x.ndim - self.contract:]
+    kernel = self.param("kernel", dense_init(cfg, self.axes), inputs + tuple(self.features), cfg.weight_dtype)
+    bias = self.param("bias", bias_init(self.axes[self.contract:]), tuple(self.features), cfg.weight_dtype)
+    dtype = cfg.compute_dtype
+    width_in, width_out = math.prod(inputs), math.prod(self.features)
+    y = jnp.dot(x.astype(dtype).reshape(*lead, width_in), kernel.astype(dtype).reshape(width_in, width_out))
+    return ops.bias_add(y, bias.reshape(width_out)).reshape(*lead, *self.features)
+
+
+def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> Projection:
+  """A dense layer [..., in] -> [..., features] (parameters of `nn.Dense`)."""
+  return Projection(config, (features,), axes, name=name)
 
 
 def rotary_embedding(x_blhd: Array, position_ids_bl: Array, base: float) -> Array:
@@ -144,30 +179,6 @@ def call_site_seed(path: tuple[str, ...], layer: int) -> int:
   return zlib.crc32(f"{'/'.join(path)}#{layer}".encode()) & 0x7FFFFFFF
 
 
-class HeadsProjection(nn.Module):
-  """[..., E] -> [..., heads, head_dim] with `nn.DenseGeneral`'s parameters (kernel [E, heads, head_dim], bias
-  [heads, head_dim]), computed as one [E, heads * head_dim] matmul and a 1-D bias.
-
-  The same values as DenseGeneral; the form differs because XLA fuses a 1-D bias add into the cuBLAS GEMM on a
-  GPU, and DenseGeneral's [heads, head_dim] one into nothing: a separate kernel reading and writing every
-  projection (1 ms of a 52 ms BERT-Base seq-128 step on an H200, bench/NOTES.md session 6).
-  """
-
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x_ble: Array) -> Array:
-    cfg = self.config
-    heads, head_dim = cfg.num_heads, cfg.head_dim
-    kernel = self.param("kernel", dense_init(cfg, ("embed", "heads", "kv")), (x_ble.shape[-1], heads, head_dim),
-                        cfg.weight_dtype)
-    bias = self.param("bias", bias_init(("heads", "kv")), (heads, head_dim), cfg.weight_dtype)
-    dtype = cfg.compute_dtype
-    y = jnp.dot(x_ble.astype(dtype), kernel.astype(dtype).reshape(-1, heads * head_dim))
-    y = y + bias.astype(dtype).reshape(heads * head_dim)
-    return y.reshape(*x_ble.shape[:-1], heads, head_dim)
-
-
 class SelfAttention(nn.Module):
   config: ModelConfig
 
@@ -177,7 +188,8 @@ class SelfAttention(nn.Module):
     cfg = self.config
     heads, head_dim = cfg.num_heads, cfg.head_dim
 
-    q_blhd, k_blhd, v_blhd = (HeadsProjection(cfg, name=n)(x_ble) for n in ("query", "key", "value"))
+    q_blhd, k_blhd, v_blhd = (Projection(cfg, (heads, head_dim), ("embed", "heads", "kv"), name=n)(x_ble)
+                              for n in ("query", "key", "value"))
     if cfg.position_embedding == "rotary":
       q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
       k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
@@ -191,9 +203,7 @@ class SelfAttention(nn.Module):
         q_blhd, k_blhd, v_blhd, pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal,
         implementation=cfg.attention_impl, dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
         dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
-    out_ble = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                              kernel_init=dense_init(cfg, ("heads", "kv", "embed")), bias_init=bias_init(("embed",)),
-                              name="output")(out_blhd)
+    out_ble = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")(out_blhd)
     return out_ble, probs
 
 

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bert_jax.models import ops
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.dropout import Dropout
 from bert_jax.models.encoder import activation, bias_init, dense, layer_norm
@@ -35,7 +36,7 @@ class VocabTransform(nn.Module):
     x_bme = activation(cfg.hidden_act)(dense(cfg, cfg.embed_dim, (None, "embed"), "transform")(x_bmh))
     x_bme = layer_norm(cfg, "transform_norm")(x_bme)
     bias_v = self.param("output_bias", bias_init(("vocab",)), (cfg.vocab_size,), cfg.weight_dtype)
-    return attend(x_bme) + bias_v.astype(x_bme.dtype)
+    return ops.bias_add(attend(x_bme), bias_v)
 
 
 class MLMHead(nn.Module):
