@@ -18,7 +18,7 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
   0.5 x (1 + erf(x / sqrt 2)); `jax.nn.gelu` evaluates Phi with erfc, which
   agrees to 1e-7 but costs XLA several times the arithmetic on a GPU.
 
-Both compute in float32 and return the input's dtype (LayerNorm: `dtype`),
+LayerNorm and GELU compute in float32 and return the input's dtype (LayerNorm: `dtype`),
 so their values match `flax.linen.LayerNorm(use_fast_variance=False)` and
 `jax.nn.gelu` evaluated in float32 (GELU: to 1e-7 absolute).
 
