@@ -36,6 +36,10 @@ def test_attention_mask_statistics():
   for axis in range(4):
     a, b = np.moveaxis(keep, axis, 0)[:-1], np.moveaxis(keep, axis, 0)[1:]
     assert abs(_z(a.size, (a * b).mean(), 0.81)) < 5, axis
+  # Keys 2j and 2j + 1 share one hash (its two 16-bit halves): still independent.
+  even, odd = keep[..., 0::2], keep[..., 1::2]
+  assert abs(_z(even.size, (even * odd).mean(), 0.81)) < 5
+  assert abs(_z(even.size, ((1 - even) * (1 - odd)).mean(), 0.01)) < 5
 
 
 def test_dropout_module_scales_and_varies_per_call():

@@ -48,8 +48,8 @@ def test_kernels_match_reference(rate, causal):
   q, k, v, cotangent, pack = inputs()
   rng = jax.random.key(5)
   seeds = fa.dropout_seeds(rng)
-  flash = lambda q, k, v: fa.flash_attention(q, k, v, pack_ids=pack, causal=causal, dropout_rate=rate,  # noqa: E731
-                                             dropout_rng=rng, interpret=True)
+  flash = lambda q, k, v: fa.flash_attention(fa.fuse_qkv(q, k, v), pack_ids=pack, causal=causal,  # noqa: E731
+                                             dropout_rate=rate, dropout_rng=rng, interpret=True)
   plain = lambda q, k, v: reference(q, k, v, pack, seeds, rate, causal)  # noqa: E731
   np.testing.assert_allclose(flash(q, k, v), plain(q, k, v), atol=2e-6)
   grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2))(q, k, v) for f in (flash, plain)]
@@ -72,7 +72,7 @@ def test_sharded_call_equals_unsharded():
   rng = jax.random.key(2)
 
   def loss(q, k, v):
-    out = fa.flash_attention(q, k, v, pack_ids=pack, dropout_rate=0.1, dropout_rng=rng,
+    out = fa.flash_attention(fa.fuse_qkv(q, k, v), pack_ids=pack, dropout_rate=0.1, dropout_rng=rng,
                              interpret=True)
     return jnp.sum(out * cotangent), out
 

@@ -277,3 +277,29 @@ def test_projection_equals_flax_dense_with_the_same_parameters(features, axes, c
   expected = jax.grad(lambda p: jnp.sum(jnp.sin(reference().apply(p, x))))(params)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_qkv_flash_path_equals_the_xla_path():
+  """attention_impl="flash" computes Q/K/V as one fused GEMM read in place by the kernels (Pallas' interpreter on
+  CPU); "xla" projects them separately. Same parameters, same dropout masks: same outputs and gradients."""
+  ids = jnp.asarray(np.random.default_rng(3).integers(5, 97, (2, 16)), jnp.int32)
+  pack = jnp.asarray([[1] * 16, [1] * 9 + [2] * 4 + [0] * 3], jnp.int32)
+  results = []
+  for impl in ("flash", "xla"):
+    cfg = tiny(hidden_size=64, num_heads=4, intermediate_size=128, attention_dropout=0.2, attention_impl=impl,
+               dtype="float32")
+    model = Encoder(cfg)
+    params = model.init(jax.random.key(0), ids)
+
+    def loss(params, model=model):
+      hidden = model.apply(params, ids, pack_ids=pack, packed=True, deterministic=False,
+                           rngs={"dropout": jax.random.key(1)})["hidden"]
+      return jnp.sum(jnp.sin(hidden)), hidden
+
+    results.append(jax.value_and_grad(loss, has_aux=True)(params))
+  ((_, flash_hidden), flash_grads), ((_, xla_hidden), xla_grads) = results
+  np.testing.assert_allclose(flash_hidden, xla_hidden, atol=2e-5)
+  assert jax.tree.structure(flash_grads) == jax.tree.structure(xla_grads)
+  for path, a in jax.tree_util.tree_leaves_with_path(flash_grads):
+    b = dict(jax.tree_util.tree_leaves_with_path(xla_grads))[path]
+    np.testing.assert_allclose(a, b, atol=5e-5, err_msg=jax.tree_util.keystr(path))

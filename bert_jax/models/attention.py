@@ -13,6 +13,11 @@ Three implementations behind one signature:
   * "xla": an explicit einsum/softmax path (float32 softmax) that also applies
     attention dropout and can return the probabilities for analysis.
 
+Two entries: `dot_product_attention` (separate query, key and value) and
+`self_attention` (one fused [B, L, H, 3, D] projection, which the encoder
+computes as one GEMM and the flash kernels read in place; the other
+implementations split it).
+
 "flash" and "xla" drop the same probabilities: the mask is a hash of (seed,
 batch row, head, query, key), `flash_attention.keep_mask`, with the seed drawn
 from the step's dropout key (reproducible, resumable, independent of how the
@@ -143,10 +148,12 @@ def dot_product_attention(
   impl = resolve_implementation(implementation, dtype=query_blhd.dtype, head_dim=head_dim,
                                 dropout_active=dropout_active, return_probs=return_probs, length=query_blhd.shape[1])
   if impl == "flash":
-    out = flash_attention.flash_attention(query_blhd, key_blhd, value_blhd, pack_ids=pack_ids, causal=causal,
-                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                                          interpret=_backend() != "gpu")
-    return out, None
+    if query_blhd.shape != key_blhd.shape:
+      raise ValueError(f"flash attention is self-attention: query {query_blhd.shape} and key {key_blhd.shape} "
+                       f"must have one shape")
+    return self_attention(flash_attention.fuse_qkv(query_blhd, key_blhd, value_blhd), pack_ids=pack_ids,
+                          packed=packed, causal=causal, implementation="flash", dropout_rate=dropout_rate,
+                          dropout_rng=dropout_rng)
   if impl == "cudnn":
     mask, lengths = None, None
     if pack_ids is not None:
@@ -186,6 +193,25 @@ def dot_product_attention(
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value_blhd.dtype), value_blhd)
   return out, (probs_bhqk if return_probs else None)
+
+
+def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: bool = False, causal: bool = False,
+                   implementation: str = "auto", dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+                   dropout_seed: int = 0, return_probs: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """`dot_product_attention` of one fused [batch, length, heads, 3, head_dim] projection
+  (`flash_attention.fuse_qkv`'s layout): the flash kernels read it in place, the other implementations split it.
+  """
+  head_dim = qkv_blh3d.shape[-1]
+  impl = resolve_implementation(implementation, dtype=qkv_blh3d.dtype, head_dim=head_dim,
+                                dropout_active=dropout_rng is not None and dropout_rate > 0.0,
+                                return_probs=return_probs, length=qkv_blh3d.shape[1])
+  if impl == "flash":
+    out = flash_attention.flash_attention(qkv_blh3d, pack_ids=pack_ids, causal=causal, dropout_rate=dropout_rate,
+                                          dropout_rng=dropout_rng, interpret=_backend() != "gpu")
+    return out, None
+  return dot_product_attention(*flash_attention.split_qkv(qkv_blh3d), pack_ids=pack_ids, packed=packed,
+                               causal=causal, implementation=impl, dropout_rate=dropout_rate,
+                               dropout_rng=dropout_rng, dropout_seed=dropout_seed, return_probs=return_probs)
 
 
 def _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal: bool, rate: float,

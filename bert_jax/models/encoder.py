@@ -19,8 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import ops
-from bert_jax.models.attention import dot_product_attention
+from bert_jax.models import flash_attention, ops
+from bert_jax.models.attention import dot_product_attention, resolve_implementation, self_attention
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.dropout import Dropout
 
@@ -92,12 +92,16 @@ class Projection(nn.Module):
   contract: int = 1
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, weights_only: bool = False) -> Array | tuple[Array, Array]:
+    """The projection of x, or with `weights_only` its (kernel [*in, *features], bias [*features]) in the
+    compute dtype, for a caller that fuses several projections of x into one GEMM (`SelfAttention`)."""
     cfg = self.config
     lead, inputs = x.shape[:x.ndim - self.contract], x.shape[x.ndim - self.contract:]
     kernel = self.param("kernel", dense_init(cfg, self.axes), inputs + tuple(self.features), cfg.weight_dtype)
     bias = self.param("bias", bias_init(self.axes[self.contract:]), tuple(self.features), cfg.weight_dtype)
     dtype = cfg.compute_dtype
+    if weights_only:
+      return kernel.astype(dtype), bias
     width_in, width_out = math.prod(inputs), math.prod(self.features)
     y = jnp.dot(x.astype(dtype).reshape(*lead, width_in), kernel.astype(dtype).reshape(width_in, width_out))
     return ops.bias_add(y, bias.reshape(width_out)).reshape(*lead, *self.features)
@@ -188,21 +192,37 @@ class SelfAttention(nn.Module):
     cfg = self.config
     heads, head_dim = cfg.num_heads, cfg.head_dim
 
-    q_blhd, k_blhd, v_blhd = (Projection(cfg, (heads, head_dim), ("embed", "heads", "kv"), name=n)(x_ble)
-                              for n in ("query", "key", "value"))
-    if cfg.position_embedding == "rotary":
-      q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
-      k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
-    q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
-    k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
-    v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
+    projections = {n: Projection(cfg, (heads, head_dim), ("embed", "heads", "kv"), name=n)
+                   for n in ("query", "key", "value")}
     dropout_rng = None
     if not deterministic and cfg.attention_dropout > 0:
       dropout_rng = self.make_rng("dropout")
-    out_blhd, probs = dot_product_attention(
-        q_blhd, k_blhd, v_blhd, pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal,
-        implementation=cfg.attention_impl, dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
-        dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
+    options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=cfg.attention_impl,
+                   dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
+                   dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
+    impl = resolve_implementation(cfg.attention_impl, dtype=cfg.compute_dtype, head_dim=head_dim,
+                                  dropout_active=dropout_rng is not None, return_probs=return_probs,
+                                  length=x_ble.shape[1])
+    if impl == "flash" and cfg.position_embedding != "rotary":
+      # One [E, H * 3 * D] GEMM in the flash kernels' layout, which they read in place (`self_attention`);
+      # its backward is one GEMM too. Three [E, E] GEMMs ran at ~35% of an H100's peak (bench/NOTES.md).
+      weights = {n: projection(x_ble, weights_only=True) for n, projection in projections.items()}
+      kernel = flash_attention.fuse_qkv(*(weights[n][0] for n in ("query", "key", "value")))
+      bias = flash_attention.fuse_qkv(*(weights[n][1] for n in ("query", "key", "value")))
+      width = x_ble.shape[-1]
+      qkv = jnp.dot(x_ble.astype(cfg.compute_dtype).reshape(-1, width), kernel.reshape(width, -1))
+      qkv_blh3d = ops.bias_add(qkv, bias.reshape(-1)).reshape(*x_ble.shape[:2], heads, 3, head_dim)
+      qkv_blh3d = nn.with_logical_constraint(qkv_blh3d, ("batch", "length", "heads", None, "kv"))
+      out_blhd, probs = self_attention(qkv_blh3d, **options)
+    else:
+      q_blhd, k_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "key", "value"))
+      if cfg.position_embedding == "rotary":
+        q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
+        k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
+      q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
+      k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
+      v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
+      out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, **options)
     out_ble = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")(out_blhd)
     return out_ble, probs
 

@@ -8,10 +8,17 @@ read back). These kernels follow FlashAttention-2: the forward pass keeps a
 running max and sum per query row and never writes the probabilities; the
 backward pass recomputes them from the saved log-sum-exp.
 
+The kernels read the query, key and value projections in place from one fused
+[B, L, H, 3, D] array (`fuse_qkv`; order key, value, query): the encoder
+computes it as one GEMM, and the dK/dV kernel writes keys and values as one
+2-wide block of the gradient, into which the dQ kernel then writes queries.
+
 The dropout mask is a pure function of (seed, global batch row, head, query,
-key), `keep_mask` below: a 32-bit integer hash (MurmurHash3 finalisers, as
-`dropout.py`) compared with (1 - rate) * 2^31. The backward kernels recompute it instead of
-storing it, the XLA path of `attention.py` uses the same function (so both
+key), `keep_mask` below: a 32-bit integer hash (MurmurHash3's finaliser, as
+`dropout.py`) of (row, key pair) whose low and high 16 bits decide keys 2j and
+2j + 1, each kept iff its half is under (1 - rate) * 2^16. The hash is most of
+the kernels' non-matmul arithmetic; one per two probabilities halves it. The
+backward kernels recompute the mask instead of storing it, the XLA path of `attention.py` uses the same function (so both
 implementations drop the same probabilities), and under a sharded mesh every
 device hashes only its own rows and heads, with global indices, so the mask
 does not depend on how the batch is split.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,37 +40,64 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bert_jax.models.dropout import dropout_seeds, element_index, fmix32, keep_bits
+from bert_jax.models.dropout import dropout_seeds, element_index, fmix32
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
 _GOLDEN = int(np.array(0x9E3779B9, np.uint32).view(np.int32))
 _NEG = -1e30  # Logit of a masked pair: finite, so fully masked rows never make inf - inf.
-BLOCK_Q = 64
-BLOCK_K = 64
-# Triton launch parameters (num_warps, num_stages) per kernel; bench/attention.py --sweep measures others.
-KERNEL_PARAMS = {"forward": (4, 2), "dkdv": (4, 2), "dq": (4, 2)}
+# Position of each projection on the fused array's axis 3: key and value first, so that the dK/dV kernel
+# writes them as one block of two.
+KEY, VALUE, QUERY = 0, 1, 2
+
+
+class KernelParams(NamedTuple):
+  """Tiles and Triton launch parameters of one kernel (bench/attention.py --sweep measures others).
+
+  block_q, block_k: query rows and key rows per tile (shrunk to divide the length).
+  """
+
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+KERNEL_PARAMS = {"forward": KernelParams(64, 64, 4, 2), "dkdv": KernelParams(64, 64, 4, 2),
+                 "dq": KernelParams(64, 64, 4, 2)}
 
 
 def _row_keys(rows: Array, seed0: Array) -> Array:
   return fmix32(rows ^ seed0)
 
 
-def _keep(row_keys: Array, cols: Array, seed1: Array, rate: float) -> Array:
-  """[rows] x [cols] -> bool keep mask."""
-  return keep_bits(fmix32((row_keys[:, None] + cols[None, :] * _GOLDEN) ^ seed1), rate)
+def keep_threshold16(rate: float) -> int:
+  """Keep iff a 16-bit half of the hash is below this: probability 1 - rate to within 2^-17."""
+  return int(round((1.0 - rate) * 2 ** 16))
+
+
+def _keep(row_keys: Array, first_col: Array | int, num_cols: int, seed1: Array, rate: float) -> Array:
+  """[rows] x columns [first_col, first_col + num_cols) -> bool keep mask; first_col and num_cols even.
+
+  One hash per (row, column pair): its low 16 bits decide the even column, its high 16 bits the odd one.
+  """
+  pairs = first_col // 2 + jnp.arange(num_cols // 2, dtype=jnp.int32)
+  bits = fmix32((row_keys[:, None] + pairs[None, :] * _GOLDEN) ^ seed1)
+  halves = jnp.stack([bits & 0xFFFF, lax.shift_right_logical(bits, 16)], axis=-1)
+  return halves.reshape(row_keys.shape[0], num_cols) < keep_threshold16(rate)
 
 
 def keep_mask(seeds: Array, batch: int, heads: int, q_len: int, k_len: int, rate: float) -> Array:
   """The [batch, heads, q_len, k_len] boolean keep mask of attention dropout.
 
-  Element (b, h, q, k) is kept iff hash(seeds, ((b * heads + h) * q_len + q), k)
-  falls under (1 - rate) of the 31-bit range: i.i.d. Bernoulli(1 - rate) for
-  practical purposes (tests check the keep rate and pairwise independence).
+  Element (b, h, q, k) is kept iff half k % 2 of hash(seeds, ((b * heads + h) * q_len + q), k // 2) falls
+  under (1 - rate) of the 16-bit range: i.i.d. Bernoulli(1 - rate) for practical purposes (tests check the
+  keep rate and the independence of neighbours along every axis, the two halves of a pair included).
   """
   keys = _row_keys(element_index((batch, heads, q_len)).reshape(-1), seeds[0])
-  keep = _keep(keys, jnp.arange(k_len, dtype=jnp.int32), seeds[1], rate)
+  padded = k_len + k_len % 2
+  keep = _keep(keys, 0, padded, seeds[1], rate)[:, :k_len]
   return keep.reshape(batch, heads, q_len, k_len)
 
 
@@ -117,7 +152,7 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
     p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
     l = l * correction + jnp.sum(p, axis=1)
     if rate > 0:
-      p = jnp.where(_keep(row_keys, k_pos, seed1, rate), p, 0.0)
+      p = jnp.where(_keep(row_keys, ik * block_k, block_k, seed1, rate), p, 0.0)
     acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
@@ -131,8 +166,8 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -_NEG)
 
 
-def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
-                 causal, rate, block_q, num_heads, q_len):
+def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dkv_ref, *, scale, causal,
+                 rate, block_q, num_heads, q_len):
   ik, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_k = k_ref.shape[0]
   k, v = k_ref[...], v_ref[...]
@@ -151,7 +186,7 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     p = jnp.exp(s - lse_ref[rows][:, None])
     dp = _dot(do, v.T)
     if rate > 0:
-      keep = _keep(_row_keys(row_base + q_pos, seed0), k_pos, seed1, rate)
+      keep = _keep(_row_keys(row_base + q_pos, seed0), ik * block_k, block_k, seed1, rate)
       p_dropped = jnp.where(keep, p, 0.0) * (1.0 / (1.0 - rate))
       dp = jnp.where(keep, dp, 0.0) * (1.0 / (1.0 - rate))
     else:
@@ -163,12 +198,13 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, zeros))
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dkv_ref[:, KEY, :] = dk.astype(dkv_ref.dtype)
+  dkv_ref[:, VALUE, :] = dv.astype(dkv_ref.dtype)
 
 
-def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, rate,
-               block_k, num_heads, q_len):
+def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dkv_ref, dq_ref, *, scale,
+               causal, rate, block_k, num_heads, q_len):
+  del dkv_ref  # The dK/dV kernel's output, aliased to this kernel's: only its query slots are written here.
   iq, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_q = q_ref.shape[0]
   q, do = q_ref[...], do_ref[...]
@@ -187,7 +223,7 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
     p = jnp.exp(s - lse[:, None])
     dp = _dot(do, v.T)
     if rate > 0:
-      dp = jnp.where(_keep(row_keys, k_pos, seed1, rate), dp, 0.0) * (1.0 / (1.0 - rate))
+      dp = jnp.where(_keep(row_keys, ik * block_k, block_k, seed1, rate), dp, 0.0) * (1.0 / (1.0 - rate))
     ds = p * (dp - delta[:, None]) * scale
     return dq + _dot(ds.astype(k.dtype), k)
 
@@ -197,13 +233,25 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
 
 def _compiler_params(kernel: str):
   from jax.experimental.pallas import triton as plgpu
-  num_warps, num_stages = KERNEL_PARAMS[kernel]
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  params = KERNEL_PARAMS[kernel]
+  return plgpu.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages)
 
 
-def _specs(batch_len: int, head_dim: int, block: int | None, index):
+def _blocks(kernel: str, length: int) -> tuple[int, int]:
+  params = KERNEL_PARAMS[kernel]
+  return _block(length, params.block_q), _block(length, params.block_k)
+
+
+def _fused_spec(length: int, head_dim: int, block: int | None, index, slot: int):
+  """BlockSpec of one projection (`slot`) of the fused [B, L, H, 3, D] array: one (batch, head), `block` rows
+  (None: all) at index(i)."""
+  rows = length if block is None else block
+  return pl.BlockSpec((None, rows, None, None, head_dim), lambda i, b, h: (b, index(i), h, slot, 0))
+
+
+def _specs(length: int, head_dim: int, block: int | None, index):
   """BlockSpec of a [B, L, H, D] operand: one (batch, head), `block` rows (None: all) at index(i)."""
-  rows = batch_len if block is None else block
+  rows = length if block is None else block
   return pl.BlockSpec((None, rows, None, head_dim), lambda i, b, h: (b, index(i), h, 0))
 
 
@@ -211,118 +259,140 @@ def _common_specs(length: int):
   return [pl.BlockSpec((4,), lambda i, b, h: (0,)), pl.BlockSpec((None, length), lambda i, b, h: (b, 0))]
 
 
-def _forward(q, k, v, pack_ids, meta, scale, causal, rate, num_heads, interpret):
-  batch, q_len, heads, head_dim = q.shape
-  k_len = k.shape[1]
-  block_q, block_k = _block(q_len, BLOCK_Q), _block(k_len, BLOCK_K)
+def _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
+  batch, length, heads, _, head_dim = qkv.shape
+  block_q, block_k = _blocks("forward", length)
   kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, rate=rate, block_k=block_k,
-                             num_heads=num_heads, q_len=q_len)
+                             num_heads=num_heads, q_len=length)
+  everything = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
   out, lse = pl.pallas_call(
       kernel,
-      grid=(q_len // block_q, batch, heads),
-      in_specs=[*_common_specs(k_len), _specs(q_len, head_dim, block_q, lambda i: i),
-                _specs(k_len, head_dim, None, lambda i: 0), _specs(k_len, head_dim, None, lambda i: 0)],
-      out_specs=[_specs(q_len, head_dim, block_q, lambda i: i),
+      grid=(length // block_q, batch, heads),
+      in_specs=[*_common_specs(length), _fused_spec(length, head_dim, block_q, lambda i: i, QUERY),
+                everything(KEY), everything(VALUE)],
+      out_specs=[_specs(length, head_dim, block_q, lambda i: i),
                  pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((batch, length, heads, head_dim), qkv.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
       compiler_params=None if interpret else _compiler_params("forward"),
       interpret=interpret,
       name="flash_attention_forward",
-  )(meta, pack_ids, q, k, v)
+  )(meta, pack_ids, qkv, qkv, qkv)
   return out, lse
 
 
-def _backward(q, k, v, pack_ids, meta, out, lse, d_out, scale, causal, rate, num_heads, interpret):
-  batch, q_len, heads, head_dim = q.shape
-  k_len = k.shape[1]
+def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, causal, rate, num_heads, interpret):
+  """d(qkv) [B, L, H, 3, D]: the dK/dV kernel writes slots KEY and VALUE, the dQ kernel slot QUERY in place."""
+  batch, length, heads, _, head_dim = qkv.shape
   delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  block_q, block_k = _block(q_len, BLOCK_Q), _block(k_len, BLOCK_K)
-  common = dict(scale=scale, causal=causal, rate=rate, num_heads=num_heads, q_len=q_len)
-  full_q, full_k = _specs(q_len, head_dim, None, lambda i: 0), _specs(k_len, head_dim, None, lambda i: 0)
-  row_stats = pl.BlockSpec((None, None, q_len), lambda i, b, h: (b, h, 0))
-  dk, dv = pl.pallas_call(
+  common = dict(scale=scale, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
+  row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
+  all_rows = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
+
+  block_q, block_k = _blocks("dkdv", length)
+  k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
+  d_qkv = pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=block_q, **common),
-      grid=(k_len // block_k, batch, heads),
-      in_specs=[*_common_specs(k_len), full_q, _specs(k_len, head_dim, block_k, lambda i: i),
-                _specs(k_len, head_dim, block_k, lambda i: i), full_q, row_stats, row_stats],
-      out_specs=[_specs(k_len, head_dim, block_k, lambda i: i)] * 2,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      grid=(length // block_k, batch, heads),
+      in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
+                _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats],
+      out_specs=pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
       compiler_params=None if interpret else _compiler_params("dkdv"),
       interpret=interpret,
       name="flash_attention_dkdv",
-  )(meta, pack_ids, q, k, v, d_out, lse, delta)
+  )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta)
+
+  block_q, block_k = _blocks("dq", length)
+  q_rows = _fused_spec(length, head_dim, block_q, lambda i: i, QUERY)
   row_block = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  dq = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dq_kernel, block_k=block_k, **common),
-      grid=(q_len // block_q, batch, heads),
-      in_specs=[*_common_specs(k_len), _specs(q_len, head_dim, block_q, lambda i: i), full_k, full_k,
-                _specs(q_len, head_dim, block_q, lambda i: i), row_block, row_block],
-      out_specs=_specs(q_len, head_dim, block_q, lambda i: i),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(length // block_q, batch, heads),
+      in_specs=[*_common_specs(length), q_rows, all_rows(KEY), all_rows(VALUE),
+                _specs(length, head_dim, block_q, lambda i: i), row_block, row_block, q_rows],
+      out_specs=q_rows,
+      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+      input_output_aliases={8: 0},
       compiler_params=None if interpret else _compiler_params("dq"),
       interpret=interpret,
       name="flash_attention_dq",
-  )(meta, pack_ids, q, k, v, d_out, lse, delta)
-  return dq, dk, dv
+  )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta, d_qkv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _flash(q, k, v, pack_ids, meta, scale, causal, rate, num_heads, interpret):
-  return _forward(q, k, v, pack_ids, meta, scale, causal, rate, num_heads, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _flash(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
+  return _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret)[0]
 
 
-def _flash_fwd(q, k, v, pack_ids, meta, scale, causal, rate, num_heads, interpret):
-  out, lse = _forward(q, k, v, pack_ids, meta, scale, causal, rate, num_heads, interpret)
-  return out, (q, k, v, pack_ids, meta, out, lse)
+def _flash_fwd(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
+  out, lse = _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret)
+  return out, (qkv, pack_ids, meta, out, lse)
 
 
 def _flash_bwd(scale, causal, rate, num_heads, interpret, residuals, d_out):
-  q, k, v, pack_ids, meta, out, lse = residuals
-  dq, dk, dv = _backward(q, k, v, pack_ids, meta, out, lse, d_out, scale, causal, rate, num_heads, interpret)
-  return dq, dk, dv, None, None
+  qkv, pack_ids, meta, out, lse = residuals
+  return (_backward(qkv, pack_ids, meta, out, lse, d_out, scale, causal, rate, num_heads, interpret), None,
+          None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(query_blhd: Array, key_blhd: Array, value_blhd: Array, *, pack_ids: Array | None,
-                    causal: bool = False, dropout_rate: float = 0.0, dropout_rng: Array | None = None,
-                    interpret: bool = False) -> Array:
-  """Fused attention with dropout; [B, L, H, D] in and out (see the module docstring).
+def fuse_qkv(query: Array, key: Array, value: Array) -> Array:
+  """The kernels' fused layout of separate projections [..., H, D] -> [..., H, 3, D] (a copy: the encoder fuses
+  its weights [E, H, D] and biases [H, D] with this and computes the fused projection as one GEMM)."""
+  parts = [None] * 3
+  parts[QUERY], parts[KEY], parts[VALUE] = query, key, value
+  return jnp.stack(parts, axis=-2)
 
-  Inside a mesh scope the kernels run per shard (`shard_map`) with batch and
-  heads split as the logical axis rules say ("batch", "heads"); the dropout
-  mask stays that of the unsharded call.
+
+def split_qkv(qkv: Array) -> tuple[Array, Array, Array]:
+  """(query, key, value) [..., H, D] of a fused [..., H, 3, D] array."""
+  return qkv[..., QUERY, :], qkv[..., KEY, :], qkv[..., VALUE, :]
+
+
+def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, causal: bool = False, dropout_rate: float = 0.0,
+                    dropout_rng: Array | None = None, interpret: bool = False) -> Array:
+  """Fused self-attention with dropout: [B, L, H, 3, D] projections in (`fuse_qkv`), [B, L, H, D] out.
+
+  See the module docstring. Inside a mesh scope the kernels run per shard
+  (`shard_map`) with batch and heads split as the logical axis rules say
+  ("batch", "heads"); the dropout mask stays that of the unsharded call.
   """
-  batch, q_len, heads, head_dim = query_blhd.shape
-  if not supported(head_dim=head_dim, q_len=q_len, k_len=key_blhd.shape[1]):
-    raise ValueError(f"flash attention needs a power-of-two head size in [16, 128] and lengths that are multiples "
-                     f"of 16 (head_dim={head_dim}, q_len={q_len}, k_len={key_blhd.shape[1]})")
+  batch, length, heads, three, head_dim = qkv_blh3d.shape
+  if three != 3 or not supported(head_dim=head_dim, q_len=length, k_len=length):
+    raise ValueError(f"flash attention needs fused [batch, length, heads, 3, head_dim] projections with a "
+                     f"power-of-two head size in [16, 128] and a length that is a multiple of 16, got "
+                     f"{qkv_blh3d.shape}")
   rate = float(dropout_rate) if dropout_rng is not None else 0.0
   seeds = dropout_seeds(dropout_rng) if rate > 0 else jnp.zeros((2,), jnp.int32)
   if pack_ids is None:
-    pack_ids = jnp.ones((batch, key_blhd.shape[1]), jnp.int32)
-  if pack_ids.shape != (batch, key_blhd.shape[1]) or q_len != key_blhd.shape[1]:
-    raise ValueError(f"flash attention: self-attention with pack_ids [batch, length] expected, got query "
-                     f"{query_blhd.shape}, key {key_blhd.shape}, pack_ids {pack_ids.shape}")
+    pack_ids = jnp.ones((batch, length), jnp.int32)
+  if pack_ids.shape != (batch, length):
+    raise ValueError(f"flash attention: pack_ids [batch, length] = {(batch, length)} expected, got "
+                     f"{pack_ids.shape}")
   pack_ids = pack_ids.astype(jnp.int32)
   scale = 1.0 / math.sqrt(head_dim)
+  # The mask hashes global (batch row, head) indices: the unsharded head count, the shard's offsets in meta.
   run = functools.partial(_flash, scale=scale, causal=causal, rate=rate, num_heads=heads, interpret=interpret)
 
   mesh = sharding_lib.current_mesh()
   if mesh is None or mesh.size == 1:
     meta = jnp.concatenate([seeds, jnp.zeros((2,), jnp.int32)])
-    return run(query_blhd, key_blhd, value_blhd, pack_ids, meta)
+    return run(qkv_blh3d, pack_ids, meta)
 
   from jax.sharding import PartitionSpec as P
-  batch_axes, _, head_axes, _ = sharding_lib.split_axes(("batch", "length", "heads", "kv"), query_blhd.shape, mesh)
-  qkv_spec = P(batch_axes or None, None, head_axes or None, None)
+  batch_axes, _, head_axes, _ = sharding_lib.split_axes(("batch", "length", "heads", "kv"),
+                                                        (batch, length, heads, head_dim), mesh)
+  out_spec = P(batch_axes or None, None, head_axes or None, None)
+  qkv_spec = P(batch_axes or None, None, head_axes or None, None, None)
 
-  def per_shard(q, k, v, pack, seeds):
-    b_offset = lax.axis_index(batch_axes) * q.shape[0] if batch_axes else 0
-    h_offset = lax.axis_index(head_axes) * q.shape[2] if head_axes else 0
+  def per_shard(qkv, pack, seeds):
+    b_offset = lax.axis_index(batch_axes) * qkv.shape[0] if batch_axes else 0
+    h_offset = lax.axis_index(head_axes) * qkv.shape[2] if head_axes else 0
     meta = jnp.stack([seeds[0], seeds[1], jnp.int32(b_offset), jnp.int32(h_offset)]).astype(jnp.int32)
-    return run(q, k, v, pack, meta)
+    return run(qkv, pack, meta)
 
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, P(batch_axes or None, None), P()),
-                       out_specs=qkv_spec, check_vma=False)(query_blhd, key_blhd, value_blhd, pack_ids, seeds)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv_spec, P(batch_axes or None, None), P()),
+                       out_specs=out_spec, check_vma=False)(qkv_blh3d, pack_ids, seeds)
