@@ -1,15 +1,16 @@
 """Times one attention call (forward, forward + backward) for each implementation, and tunes the flash kernels.
 
   python bench/attention.py                       # B=256 L=128 and B=64 L=512, 12 heads x 64, bf16
-  python bench/attention.py --sweep               # also flash (num_warps, num_stages) per kernel
+  python bench/attention.py --sweep               # also flash tiles and (num_warps, num_stages) per kernel
   python bench/attention.py --shapes 2x64 --impls xla,flash   # CPU smoke run (flash in Pallas' interpreter)
 
 Implementations: "xla" (the reference path, with dropout), "flash" (Pallas
 kernels, with dropout), "cudnn" (GPU only, without dropout: cuDNN's fused
 attention has no per-call dropout seed, see bench/NOTES.md), "flash-nodrop".
-The sweep varies the Triton launch parameters of `flash_attention.KERNEL_PARAMS`:
-the forward kernel timed alone, the two backward kernels together in the
-forward + backward time. Prints one table per part.
+The sweep varies the tiles and Triton launch parameters of
+`flash_attention.KERNEL_PARAMS`: the forward kernel timed alone, the two
+backward kernels together in the forward + backward time. Prints one table per
+part.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bert_jax.models import flash_attention  # noqa: E402
-from bert_jax.models.attention import dot_product_attention  # noqa: E402
+from bert_jax.models.attention import dot_product_attention, self_attention  # noqa: E402
 
 IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0)}
 
@@ -42,27 +43,37 @@ def time_ms(fn, *args, iters: int) -> float:
 
 def time_attention(batch: int, length: int, impl: str, *, heads: int = 12, head_dim: int = 64,
                    iters: int = 20) -> tuple[float, float]:
-  """(forward ms, forward + backward ms) of one bf16 attention call with every token real."""
+  """(forward ms, forward + backward ms) of one bf16 attention call with every token real.
+
+  The flash kernels get the fused [B, L, H, 3, D] projections the encoder gives them (`self_attention`); the
+  other implementations get separate query, key and value.
+  """
   implementation, rate = IMPLS[impl]
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, cotangent = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.bfloat16) for key in keys)
   pack = jnp.ones((batch, length), jnp.int32)
+  options = dict(pack_ids=pack, implementation=implementation, dropout_rate=rate,
+                 dropout_rng=jax.random.key(1) if rate else None)
+  if implementation == "flash":
+    inputs = (flash_attention.fuse_qkv(q, k, v),)
+    attend = lambda qkv: self_attention(qkv, **options)[0]  # noqa: E731
+  else:
+    inputs = (q, k, v)
+    attend = lambda q, k, v: dot_product_attention(q, k, v, **options)[0]  # noqa: E731
 
-  def loss(q, k, v):
-    out, _ = dot_product_attention(q, k, v, pack_ids=pack, implementation=implementation, dropout_rate=rate,
-                                   dropout_rng=jax.random.key(1) if rate else None)
-    return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+  def loss(*inputs):
+    return jnp.sum(attend(*inputs).astype(jnp.float32) * cotangent.astype(jnp.float32))
 
   forward = jax.jit(loss)
-  backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  return time_ms(forward, q, k, v, iters=iters), time_ms(backward, q, k, v, iters=iters)
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(len(inputs)))))
+  return time_ms(forward, *inputs, iters=iters), time_ms(backward, *inputs, iters=iters)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="256x128,64x512", help="BATCHxLENGTH,...")
   parser.add_argument("--impls", default="xla,cudnn,flash,flash-nodrop")
-  parser.add_argument("--sweep", action="store_true", help="tune flash num_warps / num_stages")
+  parser.add_argument("--sweep", action="store_true", help="tune flash tiles, num_warps and num_stages")
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
   shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
@@ -82,19 +93,21 @@ def main() -> None:
 
   if args.sweep:
     default = dict(flash_attention.KERNEL_PARAMS)
-    rows += ["", "| shape | kernels | num_warps | num_stages | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|---|"]
-    for (batch, length), warps, stages in itertools.product(shapes, (4, 8), (1, 2, 3)):
+    rows += ["", "| shape | kernels | block_q | block_k | num_warps | num_stages | fwd ms | fwd+bwd ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    grid = itertools.product(shapes, ((64, 64), (128, 64), (64, 128), (128, 128)), (4, 8), (2, 3))
+    for (batch, length), (block_q, block_k), warps, stages in grid:
       for part in ("forward", "backward"):
         flash_attention.KERNEL_PARAMS.update(default)
         kernels = ("forward",) if part == "forward" else ("dkdv", "dq")
         for kernel in kernels:
-          flash_attention.KERNEL_PARAMS[kernel] = (warps, stages)
+          flash_attention.KERNEL_PARAMS[kernel] = flash_attention.KernelParams(block_q, block_k, warps, stages)
+        config = f"| B={batch} L={length} | {'+'.join(kernels)} | {block_q} | {block_k} | {warps} | {stages} |"
         try:
           fwd, both = time_attention(batch, length, "flash", iters=args.iters)
-          rows.append(f"| B={batch} L={length} | {'+'.join(kernels)} | {warps} | {stages} | {fwd:.3f} | {both:.3f} |")
+          rows.append(f"{config} {fwd:.3f} | {both:.3f} |")
         except Exception as error:  # noqa: BLE001
-          rows.append(f"| B={batch} L={length} | {'+'.join(kernels)} | {warps} | {stages} | failed: "
-                      f"{repr(error)[:120]} | |")
+          rows.append(f"{config} failed: {repr(error)[:120]} | |")
         print(rows[-1], flush=True)
     flash_attention.KERNEL_PARAMS.update(default)
   print("\n".join(rows))
