@@ -64,8 +64,10 @@ class KernelParams(NamedTuple):
   num_stages: int
 
 
-KERNEL_PARAMS = {"forward": KernelParams(64, 64, 4, 2), "dkdv": KernelParams(64, 64, 4, 2),
-                 "dq": KernelParams(64, 64, 4, 2)}
+# Measured on an H100 (bench/NOTES.md session 7): 64 x 64 tiles with 4 warps were the best of 16 tile and launch
+# settings at lengths 128 and 512; 3 pipeline stages made the two backward kernels 3-6% faster than 2.
+KERNEL_PARAMS = {"forward": KernelParams(64, 64, 4, 2), "dkdv": KernelParams(64, 64, 4, 3),
+                 "dq": KernelParams(64, 64, 4, 3)}
 
 
 def _row_keys(rows: Array, seed0: Array) -> Array:
