@@ -1,6 +1,6 @@
-"""The Pallas LayerNorm backward kernel compiled for the GPU (Triton) vs the XLA form, in bfloat16 and float32.
+"""The Pallas LayerNorm kernels compiled for the GPU (Triton) vs the XLA forms, in bfloat16 and float32.
 
-Skipped without a GPU (on CPU, tests/test_ops.py runs the same kernel in
+Skipped without a GPU (on CPU, tests/test_ops.py runs the same kernels in
 Pallas' interpreter). Shapes are BERT-Base and BERT-Large activations of the
 benchmark rows; the kernel and XLA compute in float32 from the same inputs,
 so they differ by summation order only. `pytest -s` prints the errors.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bert_jax.models import ops
-from test_ops import layer_norm_grads, layer_norm_inputs
+from test_ops import add_layer_norm_outputs, layer_norm_grads, layer_norm_inputs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton)")
 
@@ -32,3 +32,23 @@ def test_pallas_layer_norm_backward_on_gpu_equals_xla(shape, dtype):
     relative = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(f"{shape} {jnp.dtype(dtype).name} {name}: relative {relative:.2e}, max-abs {np.max(np.abs(a - b)):.2e}")
     assert relative < (1e-2 if dtype == jnp.bfloat16 and name == "dx" else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(256, 128, 768), (32, 512, 1024), (64, 76, 768)])
+def test_pallas_add_layer_norm_forward_on_gpu_equals_xla(shape, dtype):
+  """The residual + dropout + LayerNorm forward kernel: same mask (exactly), values to rounding."""
+  x, dy, scale, bias = layer_norm_inputs(shape, dtype)
+  branch = jax.random.normal(jax.random.key(11), shape).astype(dtype)
+  seeds = jnp.asarray([17, -3], jnp.int32)
+  hlo = jax.jit(lambda x: ops.add_layer_norm(x, branch, scale, bias, seeds, 0.1, 1e-12, dtype, "pallas")).lower(
+      x).compile().as_text()
+  assert "triton" in hlo.lower()
+  pallas = add_layer_norm_outputs("pallas", x, branch, dy, scale, bias, seeds, 0.1)
+  xla = add_layer_norm_outputs("xla", x, branch, dy, scale, bias, seeds, 0.1)
+  np.testing.assert_array_equal(np.asarray(pallas[2]) == 0, np.asarray(xla[2]) == 0)  # dbranch: the same mask
+  for name, a, b in zip(("y", "dx", "dbranch", "dscale", "dbias"), pallas, xla):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    relative = np.linalg.norm(a - b) / np.linalg.norm(b)
+    print(f"{shape} {jnp.dtype(dtype).name} {name}: relative {relative:.2e}, max-abs {np.max(np.abs(a - b)):.2e}")
+    assert relative < (1e-2 if dtype == jnp.bfloat16 else 1e-5)

@@ -172,3 +172,88 @@ def test_bias_add_sums_its_gradient_in_float32():
   # The autodiff form sums in bfloat16: around 4096 its spacing is 16 (summation order decides how close it gets).
   naive = jax.grad(lambda b: jnp.sum((y + b.astype(jnp.bfloat16)) * dy).astype(jnp.float32))(bias)
   assert np.max(np.abs(np.asarray(naive) - exact)) > np.max(np.abs(np.asarray(dbias) - exact))
+
+
+def add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, rate):
+  """(y, dx, dbranch, dscale, dbias) of ops.add_layer_norm with the given implementation (jitted)."""
+  def loss(x, branch, scale, bias):
+    y = ops.add_layer_norm(x, branch, scale, bias, seeds, rate, 1e-12, x.dtype, implementation)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, branch, scale, bias)
+  return (y, *grads)
+
+
+def add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate):
+  """The same from the two ops apart, by autodiff: layer_norm(x + Dropout(branch)) (the mask of `seeds`)."""
+  from bert_jax.models import dropout
+  def loss(x, branch, scale, bias):
+    dropped = dropout.apply_mask(branch, seeds, rate) if rate else branch
+    y = ops.layer_norm(x + dropped, scale, bias, 1e-12, x.dtype, "xla")
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, branch, scale, bias)
+  return (y, *grads)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("dtype,shape,rate", [(jnp.float32, (4, 16, 256), 0.1), (jnp.float32, (64, 128), 0.0),
+                                              (jnp.bfloat16, (2, 32, 384), 0.3)])
+def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, shape, rate):
+  """The post-LN residual op (Pallas forward kernel in the interpreter, or XLA) against the two ops apart."""
+  x, dy, scale, bias = layer_norm_inputs(shape, dtype)
+  branch = jax.random.normal(jax.random.key(7), shape).astype(dtype)
+  seeds = jnp.asarray([123456789, -987654321], jnp.int32)
+  ours = add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, rate)
+  expected = add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate)
+  # bfloat16: XLA may keep the reference's rounded intermediates in float32 (excess precision), so the
+  # column sums over rows (dscale, dbias) differ by bfloat16 rounding of their terms.
+  tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=3e-2, atol=5e-2)
+  for name, a, b in zip(("y", "dx", "dbranch", "dscale", "dbias"), ours, expected):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    _close(a, b, **tol)
+  if rate:  # the dropped elements get no gradient, the kept ones 1 / (1 - rate) times the sum's
+    dropped = np.asarray(ours[2]) == 0
+    assert abs(dropped.mean() - rate) < 0.05
+
+
+def test_add_layer_norm_forward_kernel_per_shard_equals_unsharded():
+  """Under a 4-way batch mesh each device hashes its own rows with their global indices: the same mask."""
+  from bert_jax.parallel import sharding as sharding_lib
+  mesh = sharding_lib.create_mesh({"data": 4}, devices=jax.devices()[:4])
+  x, dy, scale, bias = layer_norm_inputs((8, 16, 128), jnp.float32)
+  branch = jax.random.normal(jax.random.key(8), x.shape)
+  seeds = jnp.asarray([5, 6], jnp.int32)
+  expected = add_layer_norm_reference(x, branch, dy, scale, bias, seeds, 0.2)
+  batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  run = functools.partial(add_layer_norm_outputs, "pallas")
+  with mesh, nn.logical_axis_rules(sharding_lib.DEFAULT_RULES):
+    got = run(*(jax.device_put(a, batch) for a in (x, branch, dy)), scale, bias, seeds, 0.2)
+    hlo = jax.jit(lambda *a: run(*a, seeds, 0.2)).lower(x, branch, dy, scale, bias).as_text()
+  assert "manual_computation" in hlo
+  for a, b in zip(got, expected):
+    _close(a, b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_layer_norm_module_residual_form_draws_the_dropout_mask_of_the_dropout_module(implementation):
+  """LayerNorm(x, branch, dropout) == LayerNorm(x + dropout(branch)): the same key, so the same mask."""
+  from bert_jax.models.dropout import Dropout
+
+  class Residual(nn.Module):
+    fused: bool
+
+    @nn.compact
+    def __call__(self, x, branch):
+      norm, dropout = LayerNorm(1e-12, jnp.float32, jnp.float32, implementation=implementation), Dropout(0.3)
+      if self.fused:
+        return norm(x, branch, dropout, deterministic=False)
+      return norm(x + dropout(branch, deterministic=False))
+
+  x, _, _, _ = layer_norm_inputs((2, 16, 128), jnp.float32)
+  branch = jax.random.normal(jax.random.key(9), x.shape)
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  params = Residual(True).init(rngs, x, branch)
+  outs = [Residual(fused).apply(params, x, branch, rngs={"dropout": jax.random.key(1)}) for fused in (True, False)]
+  _close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+  norm, norm_params = LayerNorm(1e-12, jnp.float32, jnp.float32), {"params": params["params"]["LayerNorm_0"]}
+  deterministic = norm.apply(norm_params, x, branch, Dropout(0.3), True)  # no dropout: LayerNorm(x + branch)
+  _close(deterministic, norm.apply(norm_params, x + branch), rtol=1e-6, atol=1e-6)

@@ -75,9 +75,20 @@ class Dropout(nn.Module):
       return x
     if self.rate >= 1.0:
       return jnp.zeros_like(x)
-    keep = keep_mask(dropout_seeds(self.make_rng("dropout")), x.shape, self.rate)
-    # A product with a float32 multiplier (0 or 1 / (1 - rate)), rounded once to x's dtype, as PyTorch scales:
-    # dividing in bfloat16 would scale by 1 / bf16(0.9) = 1.113. No select against a zeros array either: XLA
-    # kept one such [batch, length, hidden] array of zeros in memory and read it in every dropout's backward.
-    multiplier = keep.astype(jnp.float32) * (1.0 / (1.0 - self.rate))
-    return (x.astype(jnp.float32) * multiplier).astype(x.dtype)
+    return apply_mask(x, self.seeds(), self.rate)
+
+  def seeds(self) -> Array:
+    """The int32[2] seeds of this call's mask (what `__call__` draws), for callers that fuse the dropout into
+    another op (`ops.add_layer_norm`)."""
+    return dropout_seeds(self.make_rng("dropout"))
+
+
+def apply_mask(x: Array, seeds: Array, rate: float) -> Array:
+  """Inverted dropout of x with `keep_mask(seeds, x.shape, rate)`, 0 < rate < 1.
+
+  A product with a float32 multiplier (0 or 1 / (1 - rate)), rounded once to x's dtype, as PyTorch scales:
+  dividing in bfloat16 would scale by 1 / bf16(0.9) = 1.113. No select against a zeros array either: XLA kept
+  one such [batch, length, hidden] array of zeros in memory and read it in every dropout's backward.
+  """
+  multiplier = keep_mask(seeds, x.shape, rate).astype(jnp.float32) * (1.0 / (1.0 - rate))
+  return (x.astype(jnp.float32) * multiplier).astype(x.dtype)

@@ -56,12 +56,22 @@ class LayerNorm(nn.Module):
   implementation: str = "auto"
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, branch: Array | None = None, dropout: Dropout | None = None,
+               deterministic: bool = True) -> Array:
+    """LayerNorm(x), or of the post-LN residual x + dropout(branch) (`ops.add_layer_norm`: one kernel on GPU,
+    the mask that `dropout` would draw)."""
     features = (x.shape[-1],)
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
                        features, self.param_dtype)
     bias = self.param("bias", bias_init((self.axis_name,)), features, self.param_dtype)
-    return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
+    if branch is None:
+      return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
+    rate = 0.0 if deterministic or dropout is None else dropout.rate
+    if rate >= 1.0:
+      return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
+    seeds = dropout.seeds() if rate > 0 else jnp.zeros((2,), jnp.int32)
+    return ops.add_layer_norm(x, branch.astype(x.dtype), scale, bias, seeds, rate, self.epsilon, self.dtype,
+                              self.implementation)
 
 
 def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> LayerNorm:
@@ -263,8 +273,8 @@ class TransformerBlock(nn.Module):
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
       attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs, layer)
-      x_ble = attention_norm(x_ble + dropout(attn_ble, deterministic=deterministic))
-      x_ble = ffn_norm(x_ble + dropout(ffn(x_ble), deterministic=deterministic))
+      x_ble = attention_norm(x_ble, attn_ble, dropout, deterministic)  # LayerNorm(x + dropout(attn))
+      x_ble = ffn_norm(x_ble, ffn(x_ble), dropout, deterministic)
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
 
 

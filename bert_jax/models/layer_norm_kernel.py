@@ -23,6 +23,14 @@ Off GPU it runs in Pallas' interpreter (slow; for tests).
 Measured (H100, bench/NOTES.md session 5): BERT-Base seq-128 step 60.8 ->
 58.8 ms (-3.0%); BERT-Large seq 128 unchanged (+0.5%). The default on GPU
 (`ModelConfig.layer_norm_impl="auto"`).
+
+`add_layer_norm_forward` is the forward pass of a post-LN residual,
+LayerNorm(x + dropout(branch)), as one kernel: it reads x and the branch once
+and writes the sum (the backward pass's input) and the normalised output; the
+hashed dropout mask (`dropout.keep_mask`'s, element for element) is computed
+in the kernel. XLA took three kernels for it (dropout and add, writing the
+sum and the mask; the row statistics; the normalisation), reading the sum
+twice more.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
+from bert_jax.models.dropout import fmix32, keep_bits
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
@@ -41,6 +50,7 @@ Array = jax.Array
 BLOCK_ROWS = 32
 CHUNK = 128
 NUM_WARPS = 4
+FORWARD_BLOCK_ROWS = 16  # The forward kernel keeps a block's rows in registers (16 x 768 float32 over 128 threads).
 
 
 def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
@@ -129,3 +139,96 @@ def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Ar
   dx, dscale, dbias = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1),
                           scale)
   return dx.reshape(*lead, features), jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
+
+
+def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, y_ref, s_ref, mean_ref, rstd_ref, *,
+                    features: int, block_rows: int, rate: float, epsilon: float):
+  rows = meta_ref[2] + pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+  sums, total = [], jnp.zeros((block_rows,), jnp.float32)
+  for c in range(features // CHUNK):
+    cols = pl.ds(c * CHUNK, CHUNK)
+    d = branch_ref[:, cols]
+    if rate > 0:
+      # dropout.keep_mask's bits: two finaliser rounds of the row-major element index of the global array.
+      index = rows[:, None] * features + (c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32))[None, :]
+      keep = keep_bits(fmix32(fmix32(index ^ meta_ref[0]) ^ meta_ref[1]), rate)
+      d = (d.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(d.dtype)
+    total_chunk = (x_ref[:, cols].astype(jnp.float32) + d.astype(jnp.float32)).astype(s_ref.dtype)
+    s_ref[:, cols] = total_chunk
+    sums.append(total_chunk.astype(jnp.float32))
+    total += jnp.sum(sums[-1], axis=1)
+  mean = total / features
+  var = sum(jnp.sum(jnp.square(chunk - mean[:, None]), axis=1) for chunk in sums) / features
+  rstd = jax.lax.rsqrt(var + epsilon)
+  for c, chunk in enumerate(sums):
+    cols = pl.ds(c * CHUNK, CHUNK)
+    scale = scale_ref[cols].astype(jnp.float32)[None, :]
+    y_ref[:, cols] = ((chunk - mean[:, None]) * (rstd[:, None] * scale)
+                      + bias_ref[cols].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
+  mean_ref[...] = mean
+  rstd_ref[...] = rstd
+
+
+def _forward_2d(meta, x, branch, scale, bias, *, rate, epsilon, dtype, interpret, block_rows, num_warps):
+  rows, features = x.shape
+  row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
+  stats = pl.BlockSpec((block_rows,), lambda i: (i,))
+  vector = pl.BlockSpec((features,), lambda i: (0,))
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, features=features, block_rows=block_rows, rate=rate, epsilon=epsilon),
+      grid=(rows // block_rows,),
+      in_specs=[pl.BlockSpec((3,), lambda i: (0,)), row_block, row_block, vector, vector],
+      out_specs=[row_block, row_block, stats, stats],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="add_layer_norm_forward",
+  )(meta, x, branch, scale, bias)
+
+
+def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float,
+                           epsilon: float, dtype, *, block_rows: int = FORWARD_BLOCK_ROWS,
+                           num_warps: int = NUM_WARPS) -> tuple[Array, Array, Array, Array] | None:
+  """(y, s, mean, rstd) of y = LayerNorm(s), s = x + dropout(branch) (in x's dtype), over the last axis.
+
+  x and branch [..., E] of one dtype; `seeds` int32[2] of `dropout.keep_mask` (its mask, element for element,
+  of the global [..., E] array; ignored when rate is 0); mean and rstd [..., 1] float32; y in `dtype`. None
+  where the kernel does not apply (as `layer_norm_backward`): the caller then uses XLA.
+  """
+  features = x.shape[-1]
+  lead = x.shape[:-1]
+  rows = x.size // features
+  interpret = jax.default_backend() != "gpu"
+
+  def run(x, branch, scale, bias, seeds, row_offset):
+    meta = jnp.stack([seeds[0], seeds[1], row_offset]).astype(jnp.int32)
+    return _forward_2d(meta, x, branch, scale, bias, rate=rate, epsilon=epsilon, dtype=dtype, interpret=interpret,
+                       block_rows=block_rows, num_warps=num_warps)
+
+  call = lambda x, branch, scale, bias, seeds: run(x, branch, scale, bias, seeds, jnp.asarray(0, jnp.int32))  # noqa: E731
+  mesh = sharding_lib.current_mesh()
+  if mesh is not None and mesh.size > 1:
+    if not lead:
+      return None
+    row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
+    for axis in row_axes:
+      rows //= mesh.shape[axis]
+    local_rows = rows
+
+    def per_shard(x, branch, scale, bias, seeds):
+      offset = jax.lax.axis_index(row_axes) * local_rows if row_axes else 0
+      return run(x, branch, scale, bias, seeds, jnp.asarray(offset, jnp.int32))
+
+    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
+    call = jax.shard_map(per_shard, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P()),
+                         out_specs=(row_spec, row_spec, vector, vector), check_vma=False)
+  if features % CHUNK or rows % block_rows or rows == 0:
+    return None
+  y, s, mean, rstd = call(x.reshape(-1, features), branch.reshape(-1, features), scale, bias, seeds)
+  return (y.reshape(*lead, features), s.reshape(*lead, features), mean.reshape(*lead, 1),
+          rstd.reshape(*lead, 1))

@@ -11,6 +11,9 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
   one kernel; or (implementation="pallas", the default on GPU through "auto",
   `ModelConfig.layer_norm_impl`) one Pallas kernel for all of it
   (`layer_norm_kernel.py`).
+- `add_layer_norm` is a post-LN residual, layer_norm(x + dropout(branch)): its
+  forward pass is one Pallas kernel on GPU (the sum, the hashed mask, the
+  statistics and the output), and its backward pass recomputes the mask.
 - `bias_add` sums its bias gradient in float32 (autodiff of a bfloat16 add
   sums it in bfloat16, PyTorch in float32).
 - `gelu` saves only its input; the backward recomputes Phi(x) and phi(x)
@@ -39,9 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.models import layer_norm_kernel
+from bert_jax.models import dropout, layer_norm_kernel
 
 Array = jax.Array
+
+
+def _use_kernel(implementation: str) -> bool:
+  return implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -89,8 +96,7 @@ def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="auto"):
 def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
   del epsilon, dtype
   x, mean, rstd, scale, bias = residuals
-  use_kernel = implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu")
-  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if use_kernel else None
+  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if _use_kernel(implementation) else None
   if kernel is not None:
     dx, dscale, dbias = kernel
     return dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
@@ -109,6 +115,55 @@ def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
 
 
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def add_layer_norm(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float, epsilon: float,
+                   dtype, implementation: str = "auto") -> Array:
+  """layer_norm(x + dropout(branch)): a post-LN residual, with `dropout.apply_mask(branch, seeds, rate)`.
+
+  The same values as the two ops apart (the sum rounded to x's dtype, as `x + dropout(branch)` is). With the
+  Pallas implementation (see `layer_norm`) the forward pass is one kernel
+  (`layer_norm_kernel.add_layer_norm_forward`) that also hashes the mask; either way the backward pass
+  recomputes the mask from `seeds` instead of saving it, and runs `layer_norm`'s backward.
+
+  Args:
+    x: [..., E] residual stream.
+    branch: [..., E] output of the sublayer, x's dtype.
+    scale, bias: [E] LayerNorm parameters.
+    seeds: int32[2] dropout seeds (`Dropout.seeds`); unused when rate is 0.
+    rate: dropout rate in [0, 1).
+    epsilon, dtype, implementation: as `layer_norm`.
+  """
+  return _add_layer_norm_fwd(x, branch, scale, bias, seeds, rate, epsilon, dtype, implementation)[0]
+
+
+def _add_layer_norm_fwd(x, branch, scale, bias, seeds, rate, epsilon, dtype, implementation="auto"):
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"add_layer_norm: dropout rate {rate} not in [0, 1)")
+  fused = None
+  if _use_kernel(implementation):
+    fused = layer_norm_kernel.add_layer_norm_forward(x, branch, scale, bias, seeds, rate, epsilon, dtype)
+  if fused is not None:
+    y, total, mean, rstd = fused
+  else:
+    total = x + (dropout.apply_mask(branch, seeds, rate) if rate > 0 else branch)
+    y, (total, mean, rstd, _, _) = _layer_norm_fwd(total, scale, bias, epsilon, dtype)
+  return y, (total, mean, rstd, scale, bias, seeds)
+
+
+def _add_layer_norm_bwd(rate, epsilon, dtype, implementation, residuals, dy):
+  total, mean, rstd, scale, bias, seeds = residuals
+  dtotal, dscale, dbias = _layer_norm_bwd(epsilon, dtype, implementation, (total, mean, rstd, scale, bias), dy)
+  dbranch = dtotal
+  if rate > 0:
+    # The barrier keeps XLA from sharing the mask with the forward pass (which would save it, a
+    # [tokens, hidden] array written and read per residual).
+    dbranch = dropout.apply_mask(dtotal, jax.lax.optimization_barrier(seeds), rate)
+  return dtotal, dbranch, dscale, dbias, None
+
+
+add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
 
 _SQRT_HALF = float(np.sqrt(0.5))
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
