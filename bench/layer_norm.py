@@ -1,13 +1,17 @@
-"""Times LayerNorm's backward pass: the XLA form and the Pallas kernel at several launch parameters.
+"""Times the LayerNorm kernels against the XLA forms, at several launch parameters.
 
   python bench/layer_norm.py                              # BERT-Base and -Large rows of a seq-128 step, bf16
   python bench/layer_norm.py --shapes 256x128 --blocks 32 --warps 4   # CPU smoke run (Pallas interpreter)
 
-Each line is one [rows, features] input: the XLA backward of `ops.layer_norm`
-(one row-reduction, one elementwise and one column-reduction kernel) and
-`layer_norm_kernel.layer_norm_backward` for every (block_rows, num_warps), in
-ms per call, plus the floor of reading x and dy and writing dx once at the
-`--bandwidth` given. Prints one table.
+Two tables, one line per [rows, features] input, ms per call:
+  * backward: the XLA backward of `ops.layer_norm` (one row-reduction, one
+    elementwise and one column-reduction kernel) and
+    `layer_norm_kernel.layer_norm_backward`, with the floor of reading x and dy
+    and writing dx once at the `--bandwidth` given;
+  * forward of the post-LN residual LayerNorm(x + dropout(branch)), rate 0.1:
+    XLA's form of `ops.add_layer_norm` and `layer_norm_kernel.add_layer_norm_forward`,
+    with the floor of reading x and the branch and writing the sum and y once.
+Each kernel is timed for every (block_rows, num_warps).
 """
 
 from __future__ import annotations
@@ -50,30 +54,47 @@ def time_backward(rows: int, features: int, block_rows: int | None, num_warps: i
   return time_ms(fn, x, dy, mean, rstd, scale, iters=iters)
 
 
+def time_forward(rows: int, features: int, block_rows: int | None, num_warps: int, iters: int) -> float:
+  """ms per residual LayerNorm forward call (y, the sum and the statistics); block_rows None: the XLA form."""
+  x, branch, _, _, scale = inputs(rows, features)
+  bias, seeds = jnp.zeros_like(scale), jnp.asarray([1, 2], jnp.int32)
+  if block_rows is None:
+    fn = jax.jit(lambda x, branch, scale, bias: ops._add_layer_norm_fwd(  # noqa: SLF001
+        x, branch, scale, bias, seeds, 0.1, 1e-12, x.dtype, "xla"))
+  else:
+    fn = jax.jit(lambda x, branch, scale, bias: layer_norm_kernel.add_layer_norm_forward(
+        x, branch, scale, bias, seeds, 0.1, 1e-12, x.dtype, block_rows=block_rows, num_warps=num_warps))
+  return time_ms(fn, x, branch, scale, bias, iters=iters)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="32768x768,16384x1024,8192x4096", help="rows x features, comma-separated")
-  parser.add_argument("--blocks", default="8,16,32,64", help="block_rows values")
-  parser.add_argument("--warps", default="2,4,8", help="num_warps values")
+  parser.add_argument("--blocks", default="8,16,32", help="block_rows values")
+  parser.add_argument("--warps", default="4,8", help="num_warps values")
+  parser.add_argument("--passes", default="backward,forward")
   parser.add_argument("--iters", type=int, default=50)
-  parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s for the floor column (H200: ~4.0 measured)")
+  parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the floor column (H100: ~3.0)")
   args = parser.parse_args()
   configs = [(None, 0)] + list(itertools.product([int(b) for b in args.blocks.split(",")],
                                                  [int(w) for w in args.warps.split(",")]))
   header = ["rows x features", "floor"] + ["xla" if b is None else f"{b}r/{w}w" for b, w in configs]
   width = max(len(h) for h in header) + 1
-  print(f"LayerNorm backward, ms per call ({jax.devices()[0].device_kind})")
-  print("".join(h.rjust(width) for h in header), flush=True)
-  for shape in args.shapes.split(","):
-    rows, features = (int(n) for n in shape.split("x"))
-    floor = 3 * rows * features * 2 / (args.bandwidth * 1e12) * 1e3
-    cells = [shape, f"{floor:.3f}"]
-    for block_rows, num_warps in configs:
-      try:
-        cells.append(f"{time_backward(rows, features, block_rows, num_warps, args.iters):.3f}")
-      except Exception as error:  # noqa: BLE001 -- a launch configuration Triton refuses is a table cell.
-        cells.append(f"fail:{type(error).__name__}")
-    print("".join(c.rjust(width) for c in cells), flush=True)
+  for part in args.passes.split(","):
+    timer, arrays = {"backward": (time_backward, 3), "forward": (time_forward, 4)}[part]
+    print(f"\nLayerNorm {part}, ms per call ({jax.devices()[0].device_kind})")
+    print("".join(h.rjust(width) for h in header), flush=True)
+    for shape in args.shapes.split(","):
+      rows, features = (int(n) for n in shape.split("x"))
+      floor = arrays * rows * features * 2 / (args.bandwidth * 1e12) * 1e3
+      cells = [shape, f"{floor:.3f}"]
+      for block_rows, num_warps in configs:
+        try:
+          cells.append(f"{timer(rows, features, block_rows, num_warps, args.iters):.3f}")
+        except Exception as error:  # noqa: BLE001 -- a launch configuration Triton refuses is a table cell.
+          cells.append(f"fail:{type(error).__name__}")
+      print("".join(c.rjust(width) for c in cells), flush=True)
+
 
 if __name__ == "__main__":
   main()

@@ -7,10 +7,11 @@ LayerNorms of a BERT-Base seq-128 step spent 6.1 ms in their backward pass
 (bench/NOTES.md, session-2 profile; ~4.9 ms after `ops.layer_norm`'s own
 gradient), against ~1 ms to read x and dy once and write dx.
 
-Here one kernel does all of it for a block of rows: a first pass over the
-row block computes the two row sums, a second writes dx and this block's
-partial column sums of dy * xhat and dy; XLA adds the partial sums of the
-blocks (an array of [rows / block, features], small). The features are
+Here one kernel does all of it for a block of rows: it reads the block once,
+writing this block's partial column sums of dy * xhat and dy and keeping
+xhat and dy * scale in registers for the two row sums, then writes dx; XLA
+adds the partial sums of the blocks (an array of [rows / block, features],
+small). The features are
 walked in chunks of `CHUNK` columns (the Triton lowering needs power-of-two
 tiles; BERT's widths 128-1024 are multiples of 128). The arithmetic is that
 of `ops._layer_norm_bwd` (float32), so the results agree to rounding.
@@ -47,10 +48,12 @@ from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
-BLOCK_ROWS = 32
+# Both kernels keep a block of rows in registers: 16 rows x 768 features x (two float32 tiles) over 256 threads.
+BLOCK_ROWS = 16
 CHUNK = 128
-NUM_WARPS = 4
-FORWARD_BLOCK_ROWS = 16  # The forward kernel keeps a block's rows in registers (16 x 768 float32 over 128 threads).
+NUM_WARPS = 8
+FORWARD_BLOCK_ROWS = 16
+FORWARD_NUM_WARPS = 4
 
 
 def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
@@ -62,26 +65,25 @@ def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, db
             block_rows: int):
   mean = mean_ref[...][:, None]
   rstd = rstd_ref[...][:, None]
-
-  def chunk(c):
-    cols = pl.ds(c * CHUNK, CHUNK)
-    dy = dy_ref[:, cols].astype(jnp.float32)
-    xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
-    return cols, dy, xhat, dy * scale_ref[cols].astype(jnp.float32)[None, :]
-
+  # One read of the block: each chunk's xhat and g stay in registers (Python lists of tiles) until dx is written.
+  xhats, gs = [], []
   sum_g = jnp.zeros((block_rows,), jnp.float32)
   sum_gx = jnp.zeros((block_rows,), jnp.float32)
   for c in range(features // CHUNK):
-    _, _, xhat, g = chunk(c)
-    sum_g += jnp.sum(g, axis=1)
-    sum_gx += jnp.sum(g * xhat, axis=1)
-  mean_g = (sum_g / features)[:, None]
-  mean_gx = (sum_gx / features)[:, None]
-  for c in range(features // CHUNK):
-    cols, dy, xhat, g = chunk(c)
-    dx_ref[:, cols] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
+    cols = pl.ds(c * CHUNK, CHUNK)
+    dy = dy_ref[:, cols].astype(jnp.float32)
+    xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
+    g = dy * scale_ref[cols].astype(jnp.float32)[None, :]
     dscale_ref[cols] = jnp.sum(dy * xhat, axis=0)
     dbias_ref[cols] = jnp.sum(dy, axis=0)
+    sum_g += jnp.sum(g, axis=1)
+    sum_gx += jnp.sum(g * xhat, axis=1)
+    xhats.append(xhat)
+    gs.append(g)
+  mean_g = (sum_g / features)[:, None]
+  mean_gx = (sum_gx / features)[:, None]
+  for c, (xhat, g) in enumerate(zip(xhats, gs)):
+    dx_ref[:, pl.ds(c * CHUNK, CHUNK)] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
 
 
 def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool, block_rows: int,
@@ -193,7 +195,7 @@ def _forward_2d(meta, x, branch, scale, bias, *, rate, epsilon, dtype, interpret
 
 def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float,
                            epsilon: float, dtype, *, block_rows: int = FORWARD_BLOCK_ROWS,
-                           num_warps: int = NUM_WARPS) -> tuple[Array, Array, Array, Array] | None:
+                           num_warps: int = FORWARD_NUM_WARPS) -> tuple[Array, Array, Array, Array] | None:
   """(y, s, mean, rstd) of y = LayerNorm(s), s = x + dropout(branch) (in x's dtype), over the last axis.
 
   x and branch [..., E] of one dtype; `seeds` int32[2] of `dropout.keep_mask` (its mask, element for element,
