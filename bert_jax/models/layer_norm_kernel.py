@@ -7,11 +7,12 @@ LayerNorms of a BERT-Base seq-128 step spent 6.1 ms in their backward pass
 (bench/NOTES.md, session-2 profile; ~4.9 ms after `ops.layer_norm`'s own
 gradient), against ~1 ms to read x and dy once and write dx.
 
-Here one kernel does all of it for a block of rows: it reads the block once,
-writing this block's partial column sums of dy * xhat and dy and keeping
-xhat and dy * scale in registers for the two row sums, then writes dx; XLA
-adds the partial sums of the blocks (an array of [rows / block, features],
-small). The features are
+Here one kernel does all of it for a block of rows: a first pass over the
+row block computes the two row sums, a second writes dx and this block's
+partial column sums of dy * xhat and dy; XLA adds the partial sums of the
+blocks (an array of [rows / block, features], small). (Keeping the block's
+tiles in registers instead of reading them twice was slower on an H100:
+0.126 against 0.104 ms at 32768 x 768, bench/NOTES.md session 7.) The features are
 walked in chunks of `CHUNK` columns (the Triton lowering needs power-of-two
 tiles; BERT's widths 128-1024 are multiples of 128). The arithmetic is that
 of `ops._layer_norm_bwd` (float32), so the results agree to rounding.
@@ -48,12 +49,13 @@ from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
-# Both kernels keep a block of rows in registers: 16 rows x 768 features x (two float32 tiles) over 256 threads.
-BLOCK_ROWS = 16
+BLOCK_ROWS = 32
 CHUNK = 128
-NUM_WARPS = 8
-FORWARD_BLOCK_ROWS = 16
-FORWARD_NUM_WARPS = 4
+NUM_WARPS = 4
+# The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches on an H100
+# (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138).
+FORWARD_BLOCK_ROWS = 8
+FORWARD_NUM_WARPS = 8
 
 
 def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
@@ -65,25 +67,26 @@ def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, db
             block_rows: int):
   mean = mean_ref[...][:, None]
   rstd = rstd_ref[...][:, None]
-  # One read of the block: each chunk's xhat and g stay in registers (Python lists of tiles) until dx is written.
-  xhats, gs = [], []
-  sum_g = jnp.zeros((block_rows,), jnp.float32)
-  sum_gx = jnp.zeros((block_rows,), jnp.float32)
-  for c in range(features // CHUNK):
+
+  def chunk(c):
     cols = pl.ds(c * CHUNK, CHUNK)
     dy = dy_ref[:, cols].astype(jnp.float32)
     xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
-    g = dy * scale_ref[cols].astype(jnp.float32)[None, :]
-    dscale_ref[cols] = jnp.sum(dy * xhat, axis=0)
-    dbias_ref[cols] = jnp.sum(dy, axis=0)
+    return cols, dy, xhat, dy * scale_ref[cols].astype(jnp.float32)[None, :]
+
+  sum_g = jnp.zeros((block_rows,), jnp.float32)
+  sum_gx = jnp.zeros((block_rows,), jnp.float32)
+  for c in range(features // CHUNK):
+    _, _, xhat, g = chunk(c)
     sum_g += jnp.sum(g, axis=1)
     sum_gx += jnp.sum(g * xhat, axis=1)
-    xhats.append(xhat)
-    gs.append(g)
   mean_g = (sum_g / features)[:, None]
   mean_gx = (sum_gx / features)[:, None]
-  for c, (xhat, g) in enumerate(zip(xhats, gs)):
-    dx_ref[:, pl.ds(c * CHUNK, CHUNK)] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
+  for c in range(features // CHUNK):
+    cols, dy, xhat, g = chunk(c)
+    dx_ref[:, cols] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
+    dscale_ref[cols] = jnp.sum(dy * xhat, axis=0)
+    dbias_ref[cols] = jnp.sum(dy, axis=0)
 
 
 def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool, block_rows: int,
