@@ -47,6 +47,9 @@ Array = jax.Array
 
 _GOLDEN = int(np.array(0x9E3779B9, np.uint32).view(np.int32))
 _NEG = -1e30  # Logit of a masked pair: finite, so fully masked rows never make inf - inf.
+# The kernels keep logits, running maxima and the log-sum-exp in base 2 (logits times log2(e)): exp2 is one
+# hardware instruction where exp is a short libdevice routine, once per probability in each of the three kernels.
+_LOG2E = math.log2(math.e)
 # Position of each projection on the fused array's axis 3: key and value first, so that the dK/dV kernel
 # writes them as one block of two.
 KEY, VALUE, QUERY = 0, 1, 2
@@ -147,11 +150,11 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
     k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
     k = k_ref[pl.ds(ik * block_k, block_k), :]
     v = v_ref[pl.ds(ik * block_k, block_k), :]
-    s, allowed = _scores(q, k, pack_q, pack_ref[pl.ds(ik * block_k, block_k)], q_pos, k_pos, scale=scale,
-                         causal=causal)
+    s, allowed = _scores(q, k, pack_q, pack_ref[pl.ds(ik * block_k, block_k)], q_pos, k_pos,
+                         scale=scale * _LOG2E, causal=causal)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    correction = jnp.exp(m - m_new)
-    p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
+    correction = jnp.exp2(m - m_new)
+    p = jnp.where(allowed, jnp.exp2(s - m_new[:, None]), 0.0)
     l = l * correction + jnp.sum(p, axis=1)
     if rate > 0:
       p = jnp.where(_keep(row_keys, ik * block_k, block_k, seed1, rate), p, 0.0)
@@ -165,7 +168,7 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   nonempty = l > 0
   inv = jnp.where(nonempty, 1.0 / ((1.0 - rate) * jnp.where(nonempty, l, 1.0)), 0.0)
   o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -_NEG)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -_NEG)
 
 
 def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dkv_ref, *, scale, causal,
@@ -184,8 +187,8 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
     rows = pl.ds(iq * block_q, block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    s, _ = _scores(q, k, pack_ref[rows], pack_k, q_pos, k_pos, scale=scale, causal=causal)
-    p = jnp.exp(s - lse_ref[rows][:, None])
+    s, _ = _scores(q, k, pack_ref[rows], pack_k, q_pos, k_pos, scale=scale * _LOG2E, causal=causal)
+    p = jnp.exp2(s - lse_ref[rows][:, None])
     dp = _dot(do, v.T)
     if rate > 0:
       keep = _keep(_row_keys(row_base + q_pos, seed0), ik * block_k, block_k, seed1, rate)
@@ -221,8 +224,8 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
     k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
     cols = pl.ds(ik * block_k, block_k)
     k, v = k_ref[cols, :], v_ref[cols, :]
-    s, _ = _scores(q, k, pack_q, pack_ref[cols], q_pos, k_pos, scale=scale, causal=causal)
-    p = jnp.exp(s - lse[:, None])
+    s, _ = _scores(q, k, pack_q, pack_ref[cols], q_pos, k_pos, scale=scale * _LOG2E, causal=causal)
+    p = jnp.exp2(s - lse[:, None])
     dp = _dot(do, v.T)
     if rate > 0:
       dp = jnp.where(_keep(row_keys, ik * block_k, block_k, seed1, rate), dp, 0.0) * (1.0 / (1.0 - rate))
