@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bert_jax.models import flash_attention as fa
-from bert_jax.models.attention import dot_product_attention
+from bert_jax.models.attention import dot_product_attention, self_attention
 from bert_jax.parallel.sharding import DEFAULT_RULES
 
 
@@ -83,3 +83,14 @@ def test_sharded_call_equals_unsharded():
   np.testing.assert_allclose(out, expected, atol=2e-6)
   for ours, want in zip(grads, expected_grads):
     np.testing.assert_allclose(ours, want, atol=5e-6)
+
+
+def test_self_attention_splits_the_fused_projections_for_the_other_implementations():
+  q, k, v, _, pack = inputs()
+  rng = jax.random.key(4)
+  qkv = fa.fuse_qkv(q, k, v)
+  np.testing.assert_array_equal(np.stack(fa.split_qkv(qkv)), np.stack([q, k, v]))
+  fused, _ = self_attention(qkv, pack_ids=pack, packed=True, implementation="xla", dropout_rate=0.1, dropout_rng=rng)
+  apart, _ = dot_product_attention(q, k, v, pack_ids=pack, packed=True, implementation="xla", dropout_rate=0.1,
+                                   dropout_rng=rng)
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(apart))
