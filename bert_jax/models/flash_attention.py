@@ -17,11 +17,13 @@ The dropout mask is a pure function of (seed, global batch row, head, query,
 key), `keep_mask` below: a 32-bit integer hash (MurmurHash3's finaliser, as
 `dropout.py`) of (row, key pair) whose low and high 16 bits decide keys 2j and
 2j + 1, each kept iff its half is under (1 - rate) * 2^16. The hash is most of
-the kernels' non-matmul arithmetic; one per two probabilities halves it. The
-backward kernels recompute the mask instead of storing it, the XLA path of `attention.py` uses the same function (so both
-implementations drop the same probabilities), and under a sharded mesh every
-device hashes only its own rows and heads, with global indices, so the mask
-does not depend on how the batch is split.
+the kernels' non-matmul arithmetic; one per two probabilities halves it (-19%
+fwd+bwd at length 128 on an H100, bench/NOTES.md session 7). The backward
+kernels recompute the mask instead of storing it, the XLA path of
+`attention.py` uses the same function (so both implementations drop the same
+probabilities), and under a sharded mesh every device hashes only its own rows
+and heads, with global indices, so the mask does not depend on how the batch
+is split.
 
 Masking: `pack_ids` [B, L] (0 = padding, else the packed example id); a query
 attends to keys of its own example only. Fully masked (padding) query rows
@@ -113,7 +115,8 @@ def supported(*, head_dim: int, q_len: int, k_len: int) -> bool:
 
 
 def _block(length: int, preferred: int) -> int:
-  block = min(preferred, length)
+  """The largest power of two <= `preferred` that divides `length` (Triton tiles are powers of two)."""
+  block = min(preferred, 1 << (length.bit_length() - 1))
   while length % block:
     block //= 2
   return block

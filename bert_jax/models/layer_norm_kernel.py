@@ -207,33 +207,30 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
-  rows = x.size // features
+  rows = x.size // features  # per shard, under a mesh
   interpret = jax.default_backend() != "gpu"
-
-  def run(x, branch, scale, bias, seeds, row_offset):
-    meta = jnp.stack([seeds[0], seeds[1], row_offset]).astype(jnp.int32)
-    return _forward_2d(meta, x, branch, scale, bias, rate=rate, epsilon=epsilon, dtype=dtype, interpret=interpret,
-                       block_rows=block_rows, num_warps=num_warps)
-
-  call = lambda x, branch, scale, bias, seeds: run(x, branch, scale, bias, seeds, jnp.asarray(0, jnp.int32))  # noqa: E731
   mesh = sharding_lib.current_mesh()
-  if mesh is not None and mesh.size > 1:
+  sharded = mesh is not None and mesh.size > 1
+  row_axes = ()
+  if sharded:
     if not lead:
       return None
     row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
     for axis in row_axes:
       rows //= mesh.shape[axis]
-    local_rows = rows
-
-    def per_shard(x, branch, scale, bias, seeds):
-      offset = jax.lax.axis_index(row_axes) * local_rows if row_axes else 0
-      return run(x, branch, scale, bias, seeds, jnp.asarray(offset, jnp.int32))
-
-    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
-    call = jax.shard_map(per_shard, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P()),
-                         out_specs=(row_spec, row_spec, vector, vector), check_vma=False)
   if features % CHUNK or rows % block_rows or rows == 0:
     return None
+
+  def call(x, branch, scale, bias, seeds):
+    offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0  # the mask hashes global row indices
+    meta = jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
+    return _forward_2d(meta, x, branch, scale, bias, rate=rate, epsilon=epsilon, dtype=dtype, interpret=interpret,
+                       block_rows=block_rows, num_warps=num_warps)
+
+  if sharded:
+    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
+    call = jax.shard_map(call, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P()),
+                         out_specs=(row_spec, row_spec, vector, vector), check_vma=False)
   y, s, mean, rstd = call(x.reshape(-1, features), branch.reshape(-1, features), scale, bias, seeds)
   return (y.reshape(*lead, features), s.reshape(*lead, features), mean.reshape(*lead, 1),
           rstd.reshape(*lead, 1))
