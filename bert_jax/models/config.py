@@ -61,10 +61,11 @@ class ModelConfig:
       not follow the step's key (not reproducible on resume, the same across
       data-parallel replicas; `attention.py`) and it refuses remat.
     layer_norm_impl: "auto" (default: "pallas" on GPU, "xla" elsewhere), "xla"
-      or "pallas": the LayerNorm backward pass as one Pallas kernel per row
-      block (`layer_norm_kernel.py`; widths a multiple of 128, the XLA form
-      for other shapes; off GPU it runs in Pallas' interpreter, for tests).
-      Same values to rounding.
+      or "pallas": the LayerNorm backward pass, and the forward pass of the
+      post-LN residual LayerNorm(x + dropout(branch)), as one Pallas kernel
+      per row block each (`layer_norm_kernel.py`; widths a multiple of 128,
+      the XLA form for other shapes; off GPU it runs in Pallas' interpreter,
+      for tests). Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
   """
