@@ -66,3 +66,13 @@ def test_mask_is_the_same_under_sharding():
   expected = np.asarray(jax.jit(f)(x, jax.random.key(7)))
   sharded = jax.jit(f, out_shardings=sharding)(jax.device_put(x, sharding), jax.random.key(7))
   np.testing.assert_array_equal(np.asarray(sharded), expected)
+
+
+def test_apply_mask_gradient_is_the_same_product_with_the_mask_hashed_again():
+  x = jax.random.normal(jax.random.key(0), (8, 16, 32), jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
+  seeds = dropout.dropout_seeds(jax.random.key(2))
+  _, vjp = jax.vjp(lambda x: dropout.apply_mask(x, seeds, 0.1), x)
+  multiplier = dropout.keep_mask(seeds, x.shape, 0.1).astype(jnp.float32) * (1.0 / 0.9)
+  np.testing.assert_array_equal(np.asarray(vjp(dy)[0], np.float32),
+                                np.asarray((dy.astype(jnp.float32) * multiplier).astype(jnp.bfloat16), np.float32))

@@ -157,9 +157,7 @@ def _add_layer_norm_bwd(rate, epsilon, dtype, implementation, residuals, dy):
   dtotal, dscale, dbias = _layer_norm_bwd(epsilon, dtype, implementation, (total, mean, rstd, scale, bias), dy)
   dbranch = dtotal
   if rate > 0:
-    # The barrier keeps XLA from sharing the mask with the forward pass (which would save it, a
-    # [tokens, hidden] array written and read per residual).
-    dbranch = dropout.apply_mask(dtotal, jax.lax.optimization_barrier(seeds), rate)
+    dbranch = dropout.apply_mask_backward(dtotal, seeds, rate)  # the mask hashed again, not saved
   return dtotal, dbranch, dscale, dbias, None
 
 
