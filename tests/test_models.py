@@ -279,9 +279,13 @@ def test_projection_equals_flax_dense_with_the_same_parameters(features, axes, c
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_qkv_flash_path_equals_the_xla_path():
+def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
   """attention_impl="flash" computes Q/K/V as one fused GEMM read in place by the kernels (Pallas' interpreter on
   CPU); "xla" projects them separately. Same parameters, same dropout masks: same outputs and gradients."""
+  from bert_jax.models import flash_attention
+  fused_shapes = []
+  fuse = flash_attention.fuse_qkv
+  monkeypatch.setattr(flash_attention, "fuse_qkv", lambda *a: fused_shapes.append(a[0].shape) or fuse(*a))
   ids = jnp.asarray(np.random.default_rng(3).integers(5, 97, (2, 16)), jnp.int32)
   pack = jnp.asarray([[1] * 16, [1] * 9 + [2] * 4 + [0] * 3], jnp.int32)
   results = []
@@ -297,6 +301,8 @@ def test_fused_qkv_flash_path_equals_the_xla_path():
       return jnp.sum(jnp.sin(hidden)), hidden
 
     results.append(jax.value_and_grad(loss, has_aux=True)(params))
+  # The flash run fused the weights [E, H, D] and biases [H, D] of every layer, never activations.
+  assert fused_shapes and set(fused_shapes) == {(64, 4, 16), (4, 16)}
   ((_, flash_hidden), flash_grads), ((_, xla_hidden), xla_grads) = results
   np.testing.assert_allclose(flash_hidden, xla_hidden, atol=2e-5)
   assert jax.tree.structure(flash_grads) == jax.tree.structure(xla_grads)
