@@ -61,9 +61,14 @@ def element_index(shape: tuple[int, ...]) -> Array:
   return index
 
 
+def keep_index(index: Array, seed0: Array, seed1: Array, rate: float) -> Array:
+  """Whether the elements of linear index `index` are kept: hash(seeds, index) under 1 - rate."""
+  return keep_bits(fmix32(fmix32(index ^ seed0) ^ seed1), rate)
+
+
 def keep_mask(seeds: Array, shape: tuple[int, ...], rate: float) -> Array:
-  """Boolean keep mask of `shape`: element i kept iff hash(seeds, i) is under 1 - rate."""
-  return keep_bits(fmix32(fmix32(element_index(shape) ^ seeds[0]) ^ seeds[1]), rate)
+  """Boolean keep mask of `shape`: element i (row-major) kept iff hash(seeds, i) is under 1 - rate."""
+  return keep_index(element_index(shape), seeds[0], seeds[1], rate)
 
 
 class Dropout(nn.Module):

@@ -12,8 +12,8 @@ row block computes the two row sums, a second writes dx and this block's
 partial column sums of dy * xhat and dy; XLA adds the partial sums of the
 blocks (an array of [rows / block, features], small). (Keeping the block's
 tiles in registers instead of reading them twice was slower on an H100:
-0.126 against 0.104 ms at 32768 x 768, bench/NOTES.md session 7.) The features are
-walked in chunks of `CHUNK` columns (the Triton lowering needs power-of-two
+0.126 against 0.104 ms at 32768 x 768, bench/NOTES.md session 7.) The
+features are walked in chunks of `CHUNK` columns (the Triton lowering needs power-of-two
 tiles; BERT's widths 128-1024 are multiples of 128). The arithmetic is that
 of `ops._layer_norm_bwd` (float32), so the results agree to rounding.
 
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from bert_jax.models.dropout import fmix32, keep_bits
+from bert_jax.models.dropout import keep_index
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
@@ -61,6 +61,23 @@ FORWARD_NUM_WARPS = 8
 def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
   """Whether the kernel takes a [rows, features] input (else `ops.layer_norm` uses XLA)."""
   return features % CHUNK == 0 and rows % block_rows == 0 and rows > 0
+
+
+def _row_shards(x: Array):
+  """(mesh, row axes, rows per device) for running a kernel on x's rows [..., E]: mesh None outside a mesh scope
+  (or on one device); under one, the rules' "batch" axes split the leading dim (() if they do not divide it: each
+  device then takes every row). None where a mesh needs a leading dim that x does not have."""
+  rows = x.size // x.shape[-1]
+  mesh = sharding_lib.current_mesh()
+  if mesh is None or mesh.size == 1:
+    return None, (), rows
+  lead = x.shape[:-1]
+  if not lead:
+    return None
+  row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
+  for axis in row_axes:
+    rows //= mesh.shape[axis]
+  return mesh, row_axes, rows
 
 
 def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int,
@@ -125,22 +142,16 @@ def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Ar
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
-  rows = x.size // features
-  interpret = jax.default_backend() != "gpu"
-  run = functools.partial(_backward_2d, interpret=interpret, block_rows=block_rows, num_warps=num_warps)
-
-  mesh = sharding_lib.current_mesh()
-  if mesh is not None and mesh.size > 1:
-    if not lead:
-      return None
-    row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]  # () if they do not divide the batch.
-    for axis in row_axes:
-      rows //= mesh.shape[axis]
+  shards = _row_shards(x)
+  if shards is None or not supported(shards[2], features, block_rows):
+    return None
+  mesh, row_axes, _ = shards
+  run = functools.partial(_backward_2d, interpret=jax.default_backend() != "gpu", block_rows=block_rows,
+                          num_warps=num_warps)
+  if mesh is not None:
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
     run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P()),
                         out_specs=(row_spec, row_spec, row_spec), check_vma=False)
-  if not supported(rows, features, block_rows):
-    return None
   dx, dscale, dbias = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1),
                           scale)
   return dx.reshape(*lead, features), jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
@@ -154,9 +165,9 @@ def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, y_ref, s_r
     cols = pl.ds(c * CHUNK, CHUNK)
     d = branch_ref[:, cols]
     if rate > 0:
-      # dropout.keep_mask's bits: two finaliser rounds of the row-major element index of the global array.
+      # dropout.keep_mask's bits, from the row-major element index of the global array.
       index = rows[:, None] * features + (c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32))[None, :]
-      keep = keep_bits(fmix32(fmix32(index ^ meta_ref[0]) ^ meta_ref[1]), rate)
+      keep = keep_index(index, meta_ref[0], meta_ref[1], rate)
       d = (d.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(d.dtype)
     total_chunk = (x_ref[:, cols].astype(jnp.float32) + d.astype(jnp.float32)).astype(s_ref.dtype)
     s_ref[:, cols] = total_chunk
@@ -207,19 +218,11 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
-  rows = x.size // features  # per shard, under a mesh
-  interpret = jax.default_backend() != "gpu"
-  mesh = sharding_lib.current_mesh()
-  sharded = mesh is not None and mesh.size > 1
-  row_axes = ()
-  if sharded:
-    if not lead:
-      return None
-    row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
-    for axis in row_axes:
-      rows //= mesh.shape[axis]
-  if features % CHUNK or rows % block_rows or rows == 0:
+  shards = _row_shards(x)
+  if shards is None or not supported(shards[2], features, block_rows):
     return None
+  mesh, row_axes, rows = shards
+  interpret = jax.default_backend() != "gpu"
 
   def call(x, branch, scale, bias, seeds):
     offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0  # the mask hashes global row indices
@@ -227,7 +230,7 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
     return _forward_2d(meta, x, branch, scale, bias, rate=rate, epsilon=epsilon, dtype=dtype, interpret=interpret,
                        block_rows=block_rows, num_warps=num_warps)
 
-  if sharded:
+  if mesh is not None:
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
     call = jax.shard_map(call, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P()),
                          out_specs=(row_spec, row_spec, vector, vector), check_vma=False)
