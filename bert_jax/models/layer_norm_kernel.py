@@ -63,21 +63,22 @@ def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
   return features % CHUNK == 0 and rows % block_rows == 0 and rows > 0
 
 
-def _row_shards(x: Array):
-  """(mesh, row axes, rows per device) for running a kernel on x's rows [..., E]: mesh None outside a mesh scope
-  (or on one device); under one, the rules' "batch" axes split the leading dim (() if they do not divide it: each
-  device then takes every row). None where a mesh needs a leading dim that x does not have."""
+def _row_shards(x: Array, block_rows: int):
+  """(mesh, row axes, rows per device) for running a kernel on blocks of x's rows [..., E], or None where the
+  kernel does not apply (`supported`, per device). Mesh None outside a mesh scope (or on one device); under
+  one, the rules' "batch" axes split the leading dim (() if they do not divide it: each device takes every row).
+  """
   rows = x.size // x.shape[-1]
-  mesh = sharding_lib.current_mesh()
+  mesh, row_axes = sharding_lib.current_mesh(), ()
   if mesh is None or mesh.size == 1:
-    return None, (), rows
-  lead = x.shape[:-1]
-  if not lead:
+    mesh = None
+  elif x.ndim < 2:
     return None
-  row_axes = sharding_lib.split_axes(("batch",), lead[:1], mesh)[0]
-  for axis in row_axes:
-    rows //= mesh.shape[axis]
-  return mesh, row_axes, rows
+  else:
+    row_axes = sharding_lib.split_axes(("batch",), x.shape[:1], mesh)[0]
+    for axis in row_axes:
+      rows //= mesh.shape[axis]
+  return (mesh, row_axes, rows) if supported(rows, x.shape[-1], block_rows) else None
 
 
 def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int,
@@ -142,8 +143,8 @@ def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Ar
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
-  shards = _row_shards(x)
-  if shards is None or not supported(shards[2], features, block_rows):
+  shards = _row_shards(x, block_rows)
+  if shards is None:
     return None
   mesh, row_axes, _ = shards
   run = functools.partial(_backward_2d, interpret=jax.default_backend() != "gpu", block_rows=block_rows,
@@ -218,8 +219,8 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
-  shards = _row_shards(x)
-  if shards is None or not supported(shards[2], features, block_rows):
+  shards = _row_shards(x, block_rows)
+  if shards is None:
     return None
   mesh, row_axes, rows = shards
   interpret = jax.default_backend() != "gpu"
