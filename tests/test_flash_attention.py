@@ -32,24 +32,26 @@ def reference(q, k, v, pack, seeds, rate, causal):
   return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
 
 
-def inputs(batch=2, length=64, heads=2, head_dim=16):
+def inputs(batch=2, length=64, heads=2, head_dim=16, packed=True):
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, cotangent = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.float32) for key in keys)
-  # Row 0: one example then padding; row 1: two packed examples then padding.
+  # Row 0: one example then padding; row 1: two packed examples (one if not packed) then padding.
   pack = np.zeros((batch, length), np.int32)
   pack[0, :40] = 1
-  pack[1, :20], pack[1, 20:50] = 1, 2
+  pack[1, :20], pack[1, 20:50] = 1, 2 if packed else 1
   pack[2:] = pack[:2][np.arange(batch - 2) % 2]
   return q, k, v, cotangent, jnp.asarray(pack)
 
 
-@pytest.mark.parametrize("rate,causal", [(0.0, False), (0.1, False), (0.3, True)])
-def test_kernels_match_reference(rate, causal):
-  q, k, v, cotangent, pack = inputs()
+@pytest.mark.parametrize("rate,causal,packed", [(0.0, False, True), (0.1, False, True), (0.3, True, True),
+                                                (0.0, False, False), (0.1, False, False), (0.3, True, False)])
+def test_kernels_match_reference(rate, causal, packed):
+  # packed=False: pack ids 0 / 1, masked by the per-key bias alone (no per-pair compare in the kernels).
+  q, k, v, cotangent, pack = inputs(packed=packed)
   rng = jax.random.key(5)
   seeds = fa.dropout_seeds(rng)
-  flash = lambda q, k, v: fa.flash_attention(fa.fuse_qkv(q, k, v), pack_ids=pack, causal=causal,  # noqa: E731
-                                             dropout_rate=rate, dropout_rng=rng, interpret=True)
+  flash = lambda q, k, v: fa.flash_attention(fa.fuse_qkv(q, k, v), pack_ids=pack, packed=packed,  # noqa: E731
+                                             causal=causal, dropout_rate=rate, dropout_rng=rng, interpret=True)
   plain = lambda q, k, v: reference(q, k, v, pack, seeds, rate, causal)  # noqa: E731
   np.testing.assert_allclose(flash(q, k, v), plain(q, k, v), atol=2e-6)
   grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2))(q, k, v) for f in (flash, plain)]
@@ -72,7 +74,7 @@ def test_sharded_call_equals_unsharded():
   rng = jax.random.key(2)
 
   def loss(q, k, v):
-    out = fa.flash_attention(fa.fuse_qkv(q, k, v), pack_ids=pack, dropout_rate=0.1, dropout_rng=rng,
+    out = fa.flash_attention(fa.fuse_qkv(q, k, v), pack_ids=pack, packed=True, dropout_rate=0.1, dropout_rng=rng,
                              interpret=True)
     return jnp.sum(out * cotangent), out
 

@@ -308,4 +308,4 @@ def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
   assert jax.tree.structure(flash_grads) == jax.tree.structure(xla_grads)
   for path, a in jax.tree_util.tree_leaves_with_path(flash_grads):
     b = dict(jax.tree_util.tree_leaves_with_path(xla_grads))[path]
-    np.testing.assert_allclose(a, b, atol=5e-5, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))  # float32 rounding

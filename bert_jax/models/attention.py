@@ -206,8 +206,9 @@ def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: 
                                 dropout_active=dropout_rng is not None and dropout_rate > 0.0,
                                 return_probs=return_probs, length=qkv_blh3d.shape[1])
   if impl == "flash":
-    out = flash_attention.flash_attention(qkv_blh3d, pack_ids=pack_ids, causal=causal, dropout_rate=dropout_rate,
-                                          dropout_rng=dropout_rng, interpret=_backend() != "gpu")
+    out = flash_attention.flash_attention(qkv_blh3d, pack_ids=pack_ids, packed=packed, causal=causal,
+                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                          interpret=_backend() != "gpu")
     return out, None
   return dot_product_attention(*flash_attention.split_qkv(qkv_blh3d), pack_ids=pack_ids, packed=packed,
                                causal=causal, implementation=impl, dropout_rate=dropout_rate,

@@ -75,8 +75,9 @@ KERNEL_PARAMS = {"forward": KernelParams(64, 64, 4, 2), "dkdv": KernelParams(64,
                  "dq": KernelParams(64, 64, 4, 3)}
 
 
-def _row_keys(rows: Array, seed0: Array) -> Array:
-  return fmix32(rows ^ seed0)
+def _row_keys(rows: Array, seed0: Array, seed1: Array) -> Array:
+  """Per query row: the hash of (seed0, global row index), xor seed1 (so the per-pair hash needs no seed)."""
+  return fmix32(rows ^ seed0) ^ seed1
 
 
 def keep_threshold16(rate: float) -> int:
@@ -84,13 +85,13 @@ def keep_threshold16(rate: float) -> int:
   return int(round((1.0 - rate) * 2 ** 16))
 
 
-def _keep(row_keys: Array, first_col: Array | int, num_cols: int, seed1: Array, rate: float) -> Array:
+def _keep(row_keys: Array, first_col: Array | int, num_cols: int, rate: float) -> Array:
   """[rows] x columns [first_col, first_col + num_cols) -> bool keep mask; first_col and num_cols even.
 
   One hash per (row, column pair): its low 16 bits decide the even column, its high 16 bits the odd one.
   """
   pairs = first_col // 2 + jnp.arange(num_cols // 2, dtype=jnp.int32)
-  bits = fmix32((row_keys[:, None] + pairs[None, :] * _GOLDEN) ^ seed1)
+  bits = fmix32(row_keys[:, None] + pairs[None, :] * _GOLDEN)
   halves = jnp.stack([bits & 0xFFFF, lax.shift_right_logical(bits, 16)], axis=-1)
   return halves.reshape(row_keys.shape[0], num_cols) < keep_threshold16(rate)
 
@@ -98,13 +99,13 @@ def _keep(row_keys: Array, first_col: Array | int, num_cols: int, seed1: Array, 
 def keep_mask(seeds: Array, batch: int, heads: int, q_len: int, k_len: int, rate: float) -> Array:
   """The [batch, heads, q_len, k_len] boolean keep mask of attention dropout.
 
-  Element (b, h, q, k) is kept iff half k % 2 of hash(seeds, ((b * heads + h) * q_len + q), k // 2) falls
+  Element (b, h, q, k) is kept iff half k % 2 of hash(seeds, (b * heads + h) * q_len + q, k // 2) falls
   under (1 - rate) of the 16-bit range: i.i.d. Bernoulli(1 - rate) for practical purposes (tests check the
   keep rate and the independence of neighbours along every axis, the two halves of a pair included).
   """
-  keys = _row_keys(element_index((batch, heads, q_len)).reshape(-1), seeds[0])
+  keys = _row_keys(element_index((batch, heads, q_len)).reshape(-1), seeds[0], seeds[1])
   padded = k_len + k_len % 2
-  keep = _keep(keys, 0, padded, seeds[1], rate)[:, :k_len]
+  keep = _keep(keys, 0, padded, rate)[:, :k_len]
   return keep.reshape(batch, heads, q_len, k_len)
 
 
@@ -126,41 +127,53 @@ def _dot(a: Array, b: Array) -> Array:
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _scores(q, k, pack_q, pack_k, q_pos, k_pos, *, scale: float, causal: bool):
-  """Masked float32 logits [bq, bk] and the allowed-pair mask."""
-  s = _dot(q, k.T) * scale
-  allowed = (pack_q[:, None] == pack_k[None, :]) & (pack_k[None, :] > 0)
+def _key_bias(pack_k: Array) -> Array:
+  """[bk] float32 added to the logits: 0 for a real key, _NEG for padding (masks padding keys in the same
+  multiply-add that scales the logits, instead of a compare and a select per pair)."""
+  return jnp.where(pack_k > 0, 0.0, _NEG)
+
+
+def _scores(q, k, key_bias, pack_q, pack_k, q_pos, k_pos, *, scale: float, packed: bool, causal: bool):
+  """Float32 logits [bq, bk] times `scale`, masked pairs at _NEG (see `_forward_kernel` for padding rows)."""
+  s = _dot(q, k.T) * scale + key_bias[None, :]
+  if packed:
+    s = jnp.where(pack_q[:, None] == pack_k[None, :], s, _NEG)
   if causal:
-    allowed &= q_pos[:, None] >= k_pos[None, :]
-  return jnp.where(allowed, s, _NEG), allowed
+    s = jnp.where(q_pos[:, None] >= k_pos[None, :], s, _NEG)
+  return s
 
 
-def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, rate, block_k,
-                    num_heads, q_len):
+def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, packed, causal, rate,
+                    block_k, num_heads, q_len):
+  """Output and base-2 log-sum-exp of one query tile.
+
+  Every query row but padding has at least one allowed key (itself), so its running maximum is a real logit
+  after the last tile and masked pairs (at _NEG) contribute exp2(_NEG - max) = 0 to its sums. A padding row
+  (pack id 0) has none: its sums are garbage, so its output is set to 0 and its log-sum-exp to -_NEG, which
+  makes every probability the backward kernels recompute for it 0. Hence no select per pair here.
+  """
   iq, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_q = q_ref.shape[0]
   q = q_ref[...]
   q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
   pack_q = pack_ref[pl.ds(iq * block_q, block_q)]
   if rate > 0:
-    batch_row = meta_ref[2] + b
-    head = meta_ref[3] + h
-    row_keys = _row_keys((batch_row * num_heads + head) * q_len + q_pos, meta_ref[0])
-    seed1 = meta_ref[1]
+    row_keys = _row_keys(((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len + q_pos, meta_ref[0],
+                         meta_ref[1])
 
   def body(ik, carry):
     acc, m, l = carry
     k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    k = k_ref[pl.ds(ik * block_k, block_k), :]
-    v = v_ref[pl.ds(ik * block_k, block_k), :]
-    s, allowed = _scores(q, k, pack_q, pack_ref[pl.ds(ik * block_k, block_k)], q_pos, k_pos,
-                         scale=scale * _LOG2E, causal=causal)
+    cols = pl.ds(ik * block_k, block_k)
+    k, v, pack_k = k_ref[cols, :], v_ref[cols, :], pack_ref[cols]
+    s = _scores(q, k, _key_bias(pack_k), pack_q, pack_k, q_pos, k_pos, scale=scale * _LOG2E, packed=packed,
+                causal=causal)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     correction = jnp.exp2(m - m_new)
-    p = jnp.where(allowed, jnp.exp2(s - m_new[:, None]), 0.0)
+    p = jnp.exp2(s - m_new[:, None])
     l = l * correction + jnp.sum(p, axis=1)
     if rate > 0:
-      p = jnp.where(_keep(row_keys, ik * block_k, block_k, seed1, rate), p, 0.0)
+      p = jnp.where(_keep(row_keys, ik * block_k, block_k, rate), p, 0.0)
     acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
@@ -168,75 +181,86 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   m = jnp.full((block_q,), _NEG, jnp.float32)
   l = jnp.zeros((block_q,), jnp.float32)
   acc, m, l = lax.fori_loop(0, k_ref.shape[0] // block_k, body, (acc, m, l))
-  nonempty = l > 0
-  inv = jnp.where(nonempty, 1.0 / ((1.0 - rate) * jnp.where(nonempty, l, 1.0)), 0.0)
+  live = pack_q > 0
+  inv = jnp.where(live, 1.0 / ((1.0 - rate) * l), 0.0)
   o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -_NEG)
+  lse_ref[...] = jnp.where(live, m + jnp.log2(l), -_NEG)
 
 
-def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dkv_ref, *, scale, causal,
-                 rate, block_q, num_heads, q_len):
+# The backward kernels leave the constant factors of the gradients out of the per-pair arithmetic. With c =
+# 1 / (1 - rate) and keep the dropout mask, the logits' gradient is ds = p * (c * keep * dp - delta) * scale
+# = (c * scale) * p * (keep * dp - (1 - rate) * delta): the kernels compute p * (keep * dp - (1 - rate) * delta)
+# (the factor on delta once per row) and apply c * scale to dK and dQ once per tile, and c to dV.
+
+def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_ref, *, scale,
+                 packed, causal, rate, block_q, num_heads, q_len):
+  del dq_ref  # The dQ kernel's output, aliased to this kernel's: only its key and value slots are written here.
   ik, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_k = k_ref.shape[0]
   k, v = k_ref[...], v_ref[...]
   k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
   pack_k = pack_ref[pl.ds(ik * block_k, block_k)]
+  key_bias = _key_bias(pack_k)
   if rate > 0:
     row_base = ((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len
-    seed0, seed1 = meta_ref[0], meta_ref[1]
 
   def body(iq, carry):
     dk, dv = carry
     q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
     rows = pl.ds(iq * block_q, block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    s, _ = _scores(q, k, pack_ref[rows], pack_k, q_pos, k_pos, scale=scale * _LOG2E, causal=causal)
+    s = _scores(q, k, key_bias, pack_ref[rows], pack_k, q_pos, k_pos, scale=scale * _LOG2E, packed=packed,
+                causal=causal)
     p = jnp.exp2(s - lse_ref[rows][:, None])
     dp = _dot(do, v.T)
     if rate > 0:
-      keep = _keep(_row_keys(row_base + q_pos, seed0), ik * block_k, block_k, seed1, rate)
-      p_dropped = jnp.where(keep, p, 0.0) * (1.0 / (1.0 - rate))
-      dp = jnp.where(keep, dp, 0.0) * (1.0 / (1.0 - rate))
+      keep = _keep(_row_keys(row_base + q_pos, meta_ref[0], meta_ref[1]), ik * block_k, block_k, rate)
+      p_kept = jnp.where(keep, p, 0.0)
+      dp = jnp.where(keep, dp, 0.0)
     else:
-      p_dropped = p
-    dv = dv + _dot(p_dropped.astype(do.dtype).T, do)
-    ds = p * (dp - delta_ref[rows][:, None]) * scale
+      p_kept = p
+    dv = dv + _dot(p_kept.astype(do.dtype).T, do)
+    ds = p * (dp - ((1.0 - rate) * delta_ref[rows])[:, None])
     dk = dk + _dot(ds.astype(q.dtype).T, q)
     return dk, dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, zeros))
-  dkv_ref[:, KEY, :] = dk.astype(dkv_ref.dtype)
-  dkv_ref[:, VALUE, :] = dv.astype(dkv_ref.dtype)
+  dkv_ref[:, KEY, :] = (dk * (scale / (1.0 - rate))).astype(dkv_ref.dtype)
+  dkv_ref[:, VALUE, :] = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
 
 
-def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dkv_ref, dq_ref, *, scale,
-               causal, rate, block_k, num_heads, q_len):
-  del dkv_ref  # The dK/dV kernel's output, aliased to this kernel's: only its query slots are written here.
+def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *, scale,
+               packed, causal, rate, block_k, num_heads, q_len):
+  """dQ of one query tile, and delta = rowsum(out * d_out) of its rows for the dK/dV kernel (which runs
+  after this one: no separate pass over the output and its gradient)."""
   iq, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_q = q_ref.shape[0]
-  q, do = q_ref[...], do_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]
+  q, do, lse = q_ref[...], do_ref[...], lse_ref[...]
+  delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+  delta_ref[...] = delta
+  delta_kept = (1.0 - rate) * delta
   q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
   pack_q = pack_ref[pl.ds(iq * block_q, block_q)]
   if rate > 0:
-    row_keys = _row_keys(((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len + q_pos, meta_ref[0])
-    seed1 = meta_ref[1]
+    row_keys = _row_keys(((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len + q_pos, meta_ref[0],
+                         meta_ref[1])
 
   def body(ik, dq):
     k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
     cols = pl.ds(ik * block_k, block_k)
-    k, v = k_ref[cols, :], v_ref[cols, :]
-    s, _ = _scores(q, k, pack_q, pack_ref[cols], q_pos, k_pos, scale=scale * _LOG2E, causal=causal)
+    k, v, pack_k = k_ref[cols, :], v_ref[cols, :], pack_ref[cols]
+    s = _scores(q, k, _key_bias(pack_k), pack_q, pack_k, q_pos, k_pos, scale=scale * _LOG2E, packed=packed,
+                causal=causal)
     p = jnp.exp2(s - lse[:, None])
     dp = _dot(do, v.T)
     if rate > 0:
-      dp = jnp.where(_keep(row_keys, ik * block_k, block_k, seed1, rate), dp, 0.0) * (1.0 / (1.0 - rate))
-    ds = p * (dp - delta[:, None]) * scale
+      dp = jnp.where(_keep(row_keys, ik * block_k, block_k, rate), dp, 0.0)
+    ds = p * (dp - delta_kept[:, None])
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
-  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dq_ref[...] = (dq * (scale / (1.0 - rate))).astype(dq_ref.dtype)
 
 
 def _compiler_params(kernel: str):
@@ -267,11 +291,11 @@ def _common_specs(length: int):
   return [pl.BlockSpec((4,), lambda i, b, h: (0,)), pl.BlockSpec((None, length), lambda i, b, h: (b, 0))]
 
 
-def _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
+def _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
   batch, length, heads, _, head_dim = qkv.shape
   block_q, block_k = _blocks("forward", length)
-  kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, rate=rate, block_k=block_k,
-                             num_heads=num_heads, q_len=length)
+  kernel = functools.partial(_forward_kernel, scale=scale, packed=packed, causal=causal, rate=rate,
+                             block_k=block_k, num_heads=num_heads, q_len=length)
   everything = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
   out, lse = pl.pallas_call(
       kernel,
@@ -289,59 +313,61 @@ def _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
   return out, lse
 
 
-def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, causal, rate, num_heads, interpret):
-  """d(qkv) [B, L, H, 3, D]: the dK/dV kernel writes slots KEY and VALUE, the dQ kernel slot QUERY in place."""
+def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret):
+  """d(qkv) [B, L, H, 3, D]: the dQ kernel writes slot QUERY (and delta), then the dK/dV kernel slots KEY and
+  VALUE in place."""
   batch, length, heads, _, head_dim = qkv.shape
-  delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  common = dict(scale=scale, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
-  row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
+  common = dict(scale=scale, packed=packed, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
   all_rows = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
-
-  block_q, block_k = _blocks("dkdv", length)
-  k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
-  d_qkv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, block_q=block_q, **common),
-      grid=(length // block_k, batch, heads),
-      in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
-                _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats],
-      out_specs=pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-      compiler_params=None if interpret else _compiler_params("dkdv"),
-      interpret=interpret,
-      name="flash_attention_dkdv",
-  )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta)
 
   block_q, block_k = _blocks("dq", length)
   q_rows = _fused_spec(length, head_dim, block_q, lambda i: i, QUERY)
+  out_rows = _specs(length, head_dim, block_q, lambda i: i)
   row_block = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  return pl.pallas_call(
+  d_qkv, delta = pl.pallas_call(
       functools.partial(_dq_kernel, block_k=block_k, **common),
       grid=(length // block_q, batch, heads),
-      in_specs=[*_common_specs(length), q_rows, all_rows(KEY), all_rows(VALUE),
-                _specs(length, head_dim, block_q, lambda i: i), row_block, row_block, q_rows],
-      out_specs=q_rows,
-      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-      input_output_aliases={8: 0},
+      in_specs=[*_common_specs(length), q_rows, all_rows(KEY), all_rows(VALUE), out_rows, out_rows, row_block],
+      out_specs=[q_rows, row_block],
+      out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
       compiler_params=None if interpret else _compiler_params("dq"),
       interpret=interpret,
       name="flash_attention_dq",
+  )(meta, pack_ids, qkv, qkv, qkv, out, d_out, lse)
+
+  block_q, block_k = _blocks("dkdv", length)
+  k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
+  kv_block = pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0))
+  row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
+  return pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=block_q, **common),
+      grid=(length // block_k, batch, heads),
+      in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
+                _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats, kv_block],
+      out_specs=kv_block,
+      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+      input_output_aliases={8: 0},
+      compiler_params=None if interpret else _compiler_params("dkdv"),
+      interpret=interpret,
+      name="flash_attention_dkdv",
   )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta, d_qkv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _flash(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
-  return _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _flash(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
+  return _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)[0]
 
 
-def _flash_fwd(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret):
-  out, lse = _forward(qkv, pack_ids, meta, scale, causal, rate, num_heads, interpret)
+def _flash_fwd(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
+  out, lse = _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)
   return out, (qkv, pack_ids, meta, out, lse)
 
 
-def _flash_bwd(scale, causal, rate, num_heads, interpret, residuals, d_out):
+def _flash_bwd(scale, packed, causal, rate, num_heads, interpret, residuals, d_out):
   qkv, pack_ids, meta, out, lse = residuals
-  return (_backward(qkv, pack_ids, meta, out, lse, d_out, scale, causal, rate, num_heads, interpret), None,
-          None)
+  return (_backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret),
+          None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -360,9 +386,12 @@ def split_qkv(qkv: Array) -> tuple[Array, Array, Array]:
   return qkv[..., QUERY, :], qkv[..., KEY, :], qkv[..., VALUE, :]
 
 
-def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, causal: bool = False, dropout_rate: float = 0.0,
-                    dropout_rng: Array | None = None, interpret: bool = False) -> Array:
+def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = False, causal: bool = False,
+                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, interpret: bool = False) -> Array:
   """Fused self-attention with dropout: [B, L, H, 3, D] projections in (`fuse_qkv`), [B, L, H, D] out.
+
+  pack_ids: [B, L] int, 0 for padding, else the packed example id (None: no padding). packed: whether rows may
+  hold several examples; if False, pack_ids must be 0 or 1 and only padding is masked (no per-pair compare).
 
   See the module docstring. Inside a mesh scope the kernels run per shard
   (`shard_map`) with batch and heads split as the logical axis rules say
@@ -383,7 +412,8 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, causal: bool = 
   pack_ids = pack_ids.astype(jnp.int32)
   scale = 1.0 / math.sqrt(head_dim)
   # The mask hashes global (batch row, head) indices: the unsharded head count, the shard's offsets in meta.
-  run = functools.partial(_flash, scale=scale, causal=causal, rate=rate, num_heads=heads, interpret=interpret)
+  run = functools.partial(_flash, scale=scale, packed=packed, causal=causal, rate=rate, num_heads=heads,
+                          interpret=interpret)
 
   mesh = sharding_lib.current_mesh()
   if mesh is None or mesh.size == 1:
