@@ -54,7 +54,8 @@ def tiny_model(**overrides):
   return model_config("bert", "tiny", **fields)
 
 
-def build(objective_name="mlm+nsp", mesh_sizes=None, accum_steps=1, dropout=0.0, model_overrides=None):
+def build(objective_name="mlm+nsp", mesh_sizes=None, accum_steps=1, dropout=0.0, model_overrides=None,
+          param_norms=False):
   config = make_config(objective_name, accum_steps=accum_steps)
   model_cfg = tiny_model(hidden_dropout=dropout, attention_dropout=dropout, **(model_overrides or {}))
   objective = objectives.make_objective(config, model_cfg, mask_id=4)
@@ -65,7 +66,7 @@ def build(objective_name="mlm+nsp", mesh_sizes=None, accum_steps=1, dropout=0.0,
   state, shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, jax.random.key(0),
                                   partitioning)
   step = make_train_step(objective, tx, schedule, accum_steps=accum_steps, rng=jax.random.key(1),
-                         partitioning=partitioning, state_shardings=shardings)
+                         partitioning=partitioning, state_shardings=shardings, param_norms=param_norms)
   return state, step, mesh, objective, partitioning, shardings
 
 
@@ -90,6 +91,19 @@ def test_gradient_accumulation_equals_direct_step():
   np.testing.assert_allclose(direct_losses, accum_losses, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(direct_state.params), jax.tree.leaves(accum_state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
+
+
+def test_param_norms_are_those_of_the_parameters_before_and_the_update():
+  state, step, mesh, *_ = build(param_norms=True)
+  before = jax.tree.map(np.asarray, state.params)
+  after, metrics = step(state, sharding_lib.global_batch(synthetic_batch(), mesh))
+  norm = lambda tree: np.sqrt(sum(np.sum(np.square(x.astype(np.float64))) for x in jax.tree.leaves(tree)))  # noqa: E731
+  np.testing.assert_allclose(float(metrics["param_norm"]), norm(before), rtol=1e-5)
+  update = jax.tree.map(lambda new, old: np.asarray(new, np.float64) - old, after.params, before)
+  np.testing.assert_allclose(float(metrics["update_norm"]), norm(update), rtol=1e-3)
+  # Off by default: not computed.
+  plain_state, plain_step, *_ = build()
+  assert "param_norm" not in plain_step(plain_state, sharding_lib.global_batch(synthetic_batch(), mesh))[1]
 
 
 @functools.cache

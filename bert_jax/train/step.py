@@ -111,8 +111,16 @@ def _gather_fsdp(partitioning: Partitioning, param_shardings: Any) -> Callable[[
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
-                    rng: Array, partitioning: Partitioning, state_shardings: Any) -> Callable:
-  """Returns the jitted `train_step(state, batch) -> (state, metrics)`."""
+                    rng: Array, partitioning: Partitioning, state_shardings: Any,
+                    param_norms: bool = False) -> Callable:
+  """Returns the jitted `train_step(state, batch) -> (state, metrics)`.
+
+  The metrics always hold the loss, its terms, the gradients' global norm and the learning rate. With
+  `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm` (the update
+  the optimizer computed). Off by default, as Megatron-LM's --log-params-norm: the two reductions ride in every
+  parameter's update kernel, which keeps XLA from merging the small ones; on an H100 they cost 0.7-1.1 ms of a
+  47 ms BERT-Base step (bench/NOTES.md, session 8).
+  """
   whole = _gather_fsdp(partitioning, state_shardings.params)
   grad_fn = jax.value_and_grad(lambda task, params, *args: _loss_and_terms(task, whole(params), *args), argnums=1,
                                has_aux=True)
@@ -148,15 +156,15 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       # would make every update wait for a reduction over all of them, then read them again.
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
-      update_norm = optax.global_norm(updates)
       params = optax.apply_updates(state.params, updates)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
       new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                              opt_state=keep(opt_state, state.opt_state))
       metrics = summarize(task, terms, denominators)
       metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
-                     param_norm=optax.global_norm(state.params), update_norm=update_norm,
                      nonfinite=1 - finite.astype(jnp.int32))
+      if param_norms:
+        metrics.update(param_norm=optax.global_norm(state.params), update_norm=optax.global_norm(updates))
       return new_state, metrics
 
   replicated = sharding_lib.replicated(partitioning.mesh)
