@@ -117,9 +117,9 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
 
   The metrics always hold the loss, its terms, the gradients' global norm and the learning rate. With
   `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm` (the update
-  the optimizer computed). Off by default, as Megatron-LM's --log-params-norm: the two reductions ride in every
-  parameter's update kernel, which keeps XLA from merging the small ones; on an H100 they cost 0.7-1.1 ms of a
-  47 ms BERT-Base step (bench/NOTES.md, session 8).
+  the optimizer computed). Off by default, as Megatron-LM's --log-params-norm: XLA fuses the two reductions into
+  every parameter's update kernel, making each a reduction kernel, and then copies the updated state into the
+  output buffers; on an H100 they cost 0.7-1.1 ms of a 47 ms BERT-Base step (bench/NOTES.md, session 8).
   """
   whole = _gather_fsdp(partitioning, state_shardings.params)
   grad_fn = jax.value_and_grad(lambda task, params, *args: _loss_and_terms(task, whole(params), *args), argnums=1,
