@@ -86,6 +86,13 @@ def _row_keys(rows: Array, seed0: Array, seed1: Array) -> Array:
   return fmix32(rows ^ seed0) ^ seed1
 
 
+def _kernel_row_keys(meta_ref, b, h, q_pos: Array, *, num_heads: int, q_len: int) -> Array:
+  """`_row_keys` of query rows q_pos of the kernel's (batch b, head h): global indices, the shard's batch and head
+  offsets and the seeds read from meta = [seed0, seed1, batch offset, head offset]."""
+  rows = ((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len + q_pos
+  return _row_keys(rows, meta_ref[0], meta_ref[1])
+
+
 def keep_threshold16(rate: float) -> int:
   """Keep iff a 16-bit half of the hash is below this: probability 1 - rate to within 2^-17."""
   return int(round((1.0 - rate) * 2 ** 16))
@@ -164,8 +171,7 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
   pack_q = pack_ref[pl.ds(iq * block_q, block_q)]
   if rate > 0:
-    row_keys = _row_keys(((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len + q_pos, meta_ref[0],
-                         meta_ref[1])
+    row_keys = _kernel_row_keys(meta_ref, b, h, q_pos, num_heads=num_heads, q_len=q_len)
 
   def body(ik, carry):
     acc, m, l = carry
@@ -207,8 +213,6 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
   k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
   pack_k = pack_ref[pl.ds(ik * block_k, block_k)]
   key_bias = _key_bias(pack_k)
-  if rate > 0:
-    row_base = ((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len
 
   def body(iq, carry):
     dk, dv = carry
@@ -220,7 +224,8 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     p = jnp.exp2(s - lse_ref[rows][:, None])
     dp = _dot(do, v.T)
     if rate > 0:
-      keep = _keep(_row_keys(row_base + q_pos, meta_ref[0], meta_ref[1]), ik * block_k, block_k, rate)
+      keep = _keep(_kernel_row_keys(meta_ref, b, h, q_pos, num_heads=num_heads, q_len=q_len), ik * block_k,
+                   block_k, rate)
       p_kept = jnp.where(keep, p, 0.0)
       dp = jnp.where(keep, dp, 0.0)
     else:
@@ -249,8 +254,7 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, 
   q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
   pack_q = pack_ref[pl.ds(iq * block_q, block_q)]
   if rate > 0:
-    row_keys = _row_keys(((meta_ref[2] + b) * num_heads + meta_ref[3] + h) * q_len + q_pos, meta_ref[0],
-                         meta_ref[1])
+    row_keys = _kernel_row_keys(meta_ref, b, h, q_pos, num_heads=num_heads, q_len=q_len)
 
   def body(ik, dq):
     k_pos = ik * block_k + jnp.arange(block_k, dtype=jnp.int32)
