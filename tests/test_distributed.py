@@ -70,6 +70,26 @@ def test_processes_join_and_sum_a_global_array(num_processes):
     assert "explicit" in result.stderr  # initialize() logged its decision
 
 
+def test_barrier_names_that_differ_between_processes_raise():
+  # Each process catches the error and reports it, so neither is stopped
+  # early by the other's failure.
+  child = textwrap.dedent("""
+      import json, os
+      from bert_jax.parallel import distributed
+      distributed.initialize()
+      distributed.sync_global_devices("same")
+      try:
+        distributed.sync_global_devices("b" if os.environ["BERT_JAX_PROCESS_ID"] == "1" else "a")
+        error = None
+      except RuntimeError as e:
+        error = str(e)
+      print("RESULT " + json.dumps(error))
+  """)
+  results = multiprocess_util.run_processes([sys.executable, "-c", child], 2, timeout_s=90)
+  assert results[0].json().startswith("sync_global_devices('a'): processes [1] reached")
+  assert results[1].json().startswith("sync_global_devices('b'): processes [0] reached")
+
+
 def test_a_failing_process_stops_the_group_with_every_output():
   child = ("import os, sys\n"
            "if os.environ['BERT_JAX_PROCESS_ID'] == '1': sys.exit('boom')\n"

@@ -41,10 +41,13 @@ import os
 import sys
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 _T = TypeVar("_T")
 
@@ -286,10 +289,40 @@ def primary_only(fn: Callable[..., _T]) -> Callable[..., _T | None]:
 def sync_global_devices(name: str) -> None:
   """Barrier across all processes (no-op with one process).
 
+  Every device contributes a hash of `name` to one all-gather over all
+  devices, and the call returns once every local device's copy of the result
+  is ready. `jax.experimental.multihost_utils.sync_global_devices` is not
+  used: it gathers over processes once per local-device index and waits only
+  for the first local device's gather. The others could still be running when
+  the caller went on and, at the end of a program, exited; a peer then
+  waited forever at exit for gloo to connect to a process that was gone (seen
+  on CPU: process 0 hanging in the CPU client's destructor).
+
   Args:
     name: identifies the barrier; all processes must use the same name at the
       same point, which catches processes that went down different paths.
+
+  Raises:
+    RuntimeError: when some process arrived with a different name.
   """
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices(name)
+  if jax.process_count() == 1:
+    return
+  tag = np.array([zlib.crc32(name.encode())], np.uint32)
+  mesh = Mesh(np.array(jax.devices()), ("devices",))
+  tags = jax.make_array_from_single_device_arrays(
+      (jax.device_count(),), NamedSharding(mesh, PartitionSpec("devices")),
+      [jax.device_put(tag, d) for d in jax.local_devices()])
+  gathered = _replicate(tags, NamedSharding(mesh, PartitionSpec()))
+  gathered.block_until_ready()  # every local copy, not only the first
+  seen = np.asarray(gathered.addressable_data(0))
+  if (seen != tag).any():
+    others = sorted({d.process_index for d, t in zip(mesh.devices, seen) if t != tag[0]})
+    raise RuntimeError(
+        f"sync_global_devices({name!r}): processes {others} reached a barrier with "
+        f"a different name at the same point; the processes have gone down "
+        f"different paths")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _replicate(x: jax.Array, sharding: Any) -> jax.Array:
+  return jax.lax.with_sharding_constraint(x, sharding)
