@@ -401,8 +401,8 @@ def main(argv: list[str]) -> int:
     parser.error("give exactly one of --tokenizer and --train-tokenizer")
 
   if args.train_tokenizer:
-    # Reuse the tokenizer a previous run trained: trainers break ties in hash
-    # order, so training again would give another vocabulary.
+    # Reuse the tokenizer a previous run trained (training again would give
+    # the same vocabulary, at the cost of the training).
     out_tokenizer = pathlib.Path(args.out) / TOKENIZER_DIR
     if _read_manifest(pathlib.Path(args.out)) is not None:
       tokenizer = tokenizers.load_tokenizer(out_tokenizer)

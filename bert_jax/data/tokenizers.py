@@ -197,8 +197,15 @@ class SentencePieceTokenizer(Tokenizer):
     return [self.processor.id_to_piece(int(i)) for i in ids]
 
   def fingerprint(self):
-    # The serialised model holds the pieces, scores and normaliser rules.
-    return hashlib.sha256(self.model_proto).hexdigest()[:16]
+    # The serialised model holds the pieces, scores, normaliser rules and training options, less the two
+    # fields that name the training run's files (its input and a temporary output prefix), so a model
+    # trained again on the same text has the same fingerprint.
+    from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(self.model_proto)
+    model.trainer_spec.ClearField("input")
+    model.trainer_spec.ClearField("model_prefix")
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
 
   def save(self, directory):
     directory = pathlib.Path(directory)
@@ -215,14 +222,18 @@ def _sentencepiece_trainer_spec(model_proto: bytes) -> dict[str, str]:
   return {"model_type": sentencepiece_model_pb2.TrainerSpec.ModelType.Name(model.trainer_spec.model_type)}
 
 
-def _wordpiece_from_vocab(vocab_file: pathlib.Path, lowercase: bool) -> hf.Tokenizer:
-  """BERT's tokenizer: basic tokenisation (clean, CJK and punctuation split, optional lowercase+accents) + WordPiece."""
-  tokenizer = hf.Tokenizer(hf.models.WordPiece.from_file(str(vocab_file), unk_token=BERT_SPECIALS["unk"]))
+def _bert_tokenizer(model: hf.models.WordPiece, lowercase: bool) -> hf.Tokenizer:
+  """BERT's tokenizer: basic tokenisation (clean, CJK and punctuation split, optional lowercase+accents) + `model`."""
+  tokenizer = hf.Tokenizer(model)
   tokenizer.normalizer = hf.normalizers.BertNormalizer(
       clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase)
   tokenizer.pre_tokenizer = hf.pre_tokenizers.BertPreTokenizer()
   tokenizer.decoder = hf.decoders.WordPiece(prefix="##")
   return tokenizer
+
+
+def _wordpiece_from_vocab(vocab_file: pathlib.Path, lowercase: bool) -> hf.Tokenizer:
+  return _bert_tokenizer(hf.models.WordPiece.from_file(str(vocab_file), unk_token=BERT_SPECIALS["unk"]), lowercase)
 
 
 def _byte_bpe_from_files(vocab_file: pathlib.Path, merges_file: pathlib.Path) -> hf.Tokenizer:
@@ -304,13 +315,7 @@ def train_tokenizer(kind: str, files_or_iterator: Sequence[str | pathlib.Path] |
   if kind.startswith("sentencepiece"):
     return _train_sentencepiece(kind.split("-")[1], files_or_iterator, is_files, vocab_size, out_dir, lowercase)
   if kind == "wordpiece":
-    model = hf.Tokenizer(hf.models.WordPiece(unk_token=BERT_SPECIALS["unk"]))
-    model.normalizer = hf.normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase)
-    model.pre_tokenizer = hf.pre_tokenizers.BertPreTokenizer()
-    model.decoder = hf.decoders.WordPiece(prefix="##")
-    trainer = hf.trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=list(BERT_SPECIALS.values()), show_progress=False)
+    model = _train_wordpiece(files_or_iterator, is_files, vocab_size, lowercase)
   else:
     model = hf.Tokenizer(hf.models.BPE())
     if lowercase:
@@ -320,12 +325,56 @@ def train_tokenizer(kind: str, files_or_iterator: Sequence[str | pathlib.Path] |
     trainer = hf.trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(ROBERTA_SPECIALS.values()), show_progress=False,
         initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
-  if is_files:
-    model.train([str(f) for f in files_or_iterator], trainer)
-  else:
-    model.train_from_iterator(files_or_iterator, trainer)
+    if is_files:
+      model.train([str(f) for f in files_or_iterator], trainer)
+    else:
+      model.train_from_iterator(files_or_iterator, trainer)
   tokenizer = HFTokenizer(model, kind)
   tokenizer.save(out_dir)
+  return tokenizer
+
+
+def _train_wordpiece(files_or_iterator, is_files: bool, vocab_size: int, lowercase: bool) -> hf.Tokenizer:
+  """BERT's WordPiece from `tokenizers`' WordPieceTrainer, made reproducible: the same text gives the same vocabulary.
+
+  The trainer numbers the continuing-subword tokens of single characters ("##a") in the iteration order of a
+  hash map, which changes from process to process (huggingface/tokenizers issue #1794), and breaks ties between
+  equally frequent merges by those numbers: two trainings of the demo's 4k vocabulary on the same corpus gave
+  different vocabularies every time. So the trainer runs twice. The first run stops before any merge (it only
+  counts words) and finds those tokens; the second lists them, sorted, after the special tokens, which gives
+  them fixed numbers before the trainer reaches them. They then go back to being ordinary vocabulary entries
+  (the trainer would have made them added tokens). An iterator's texts are written to a temporary file during
+  the first run, one per line, and the second run reads that.
+  """
+  specials = list(BERT_SPECIALS.values())
+
+  def fit(data, size, fixed_tokens, from_files):
+    tokenizer = _bert_tokenizer(hf.models.WordPiece(unk_token=BERT_SPECIALS["unk"]), lowercase)
+    trainer = hf.trainers.WordPieceTrainer(vocab_size=size, special_tokens=specials + fixed_tokens,
+                                           show_progress=False)
+    if from_files:
+      tokenizer.train([str(f) for f in data], trainer)
+    else:
+      tokenizer.train_from_iterator(data, trainer)
+    return tokenizer
+
+  with tempfile.TemporaryDirectory() as tmp:
+    files = files_or_iterator
+    if is_files:
+      first = fit(files, len(specials), [], True)
+    else:
+      files = [pathlib.Path(tmp) / "texts.txt"]
+      with open(files[0], "w", encoding="utf-8") as copy:
+        def copied(texts):
+          for text in texts:
+            copy.write(text.replace("\n", " ") + "\n")
+            yield text
+        first = fit(copied(files_or_iterator), len(specials), [], False)
+    continuing = sorted(t for t in first.get_vocab() if t.startswith("##") and len(t) == 3)
+    trained = fit(files, vocab_size, continuing, True)
+  tokenizer = _bert_tokenizer(hf.models.WordPiece(vocab=trained.get_vocab(), unk_token=BERT_SPECIALS["unk"]),
+                              lowercase)
+  tokenizer.add_special_tokens(specials)
   return tokenizer
 
 
