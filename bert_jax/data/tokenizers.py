@@ -9,7 +9,8 @@ assumed.
 The work is done by the Hugging Face `tokenizers` library (WordPiece with BERT's
 basic tokenisation, `tokenizer.json` files, byte-level BPE) and by
 `sentencepiece` (ALBERT-style unigram/BPE models). `load_tokenizer` detects the
-kind from the files it is given; `train_tokenizer` trains any of the four kinds.
+kind from the files it is given; `train_tokenizer` trains any of the four kinds,
+reproducibly: the same text and settings give the same vocabulary.
 
 Word starts: for Hugging Face tokenizers a token starts a word when its word id
 (the index of the pre-tokenized word it came from) differs from the previous
@@ -338,7 +339,7 @@ def _train_wordpiece(files_or_iterator, is_files: bool, vocab_size: int, lowerca
   """BERT's WordPiece from `tokenizers`' WordPieceTrainer, made reproducible: the same text gives the same vocabulary.
 
   The trainer numbers the continuing-subword tokens of single characters ("##a") in the iteration order of a
-  hash map, which changes from process to process (huggingface/tokenizers issue #1794), and breaks ties between
+  hash map, which changes from one training to the next (huggingface/tokenizers issue #1794), and breaks ties between
   equally frequent merges by those numbers: two trainings of the demo's 4k vocabulary on the same corpus gave
   different vocabularies every time. So the trainer runs twice. The first run stops before any merge (it only
   counts words) and finds those tokens; the second lists them, sorted, after the special tokens, which gives
