@@ -201,9 +201,7 @@ class SentencePieceTokenizer(Tokenizer):
     # The serialised model holds the pieces, scores, normaliser rules and training options, less the two
     # fields that name the training run's files (its input and a temporary output prefix), so a model
     # trained again on the same text has the same fingerprint.
-    from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(self.model_proto)
+    model = _sentencepiece_model(self.model_proto)
     model.trainer_spec.ClearField("input")
     model.trainer_spec.ClearField("model_prefix")
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
@@ -215,12 +213,18 @@ class SentencePieceTokenizer(Tokenizer):
     return directory
 
 
-def _sentencepiece_trainer_spec(model_proto: bytes) -> dict[str, str]:
-  """Reads `trainer_spec.model_type` from a serialised model."""
+def _sentencepiece_model(model_proto: bytes):
+  """The parsed `ModelProto` of a serialised SentencePiece model."""
   from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
   model = sentencepiece_model_pb2.ModelProto()
   model.ParseFromString(model_proto)
-  return {"model_type": sentencepiece_model_pb2.TrainerSpec.ModelType.Name(model.trainer_spec.model_type)}
+  return model
+
+
+def _sentencepiece_trainer_spec(model_proto: bytes) -> dict[str, str]:
+  """Reads `trainer_spec.model_type` from a serialised model."""
+  model = _sentencepiece_model(model_proto)
+  return {"model_type": type(model.trainer_spec).ModelType.Name(model.trainer_spec.model_type)}
 
 
 def _bert_tokenizer(model: hf.models.WordPiece, lowercase: bool) -> hf.Tokenizer:
@@ -326,13 +330,17 @@ def train_tokenizer(kind: str, files_or_iterator: Sequence[str | pathlib.Path] |
     trainer = hf.trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(ROBERTA_SPECIALS.values()), show_progress=False,
         initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
-    if is_files:
-      model.train([str(f) for f in files_or_iterator], trainer)
-    else:
-      model.train_from_iterator(files_or_iterator, trainer)
+    _run_trainer(model, trainer, files_or_iterator, is_files)
   tokenizer = HFTokenizer(model, kind)
   tokenizer.save(out_dir)
   return tokenizer
+
+
+def _run_trainer(tokenizer: hf.Tokenizer, trainer, files_or_iterator, is_files: bool) -> None:
+  if is_files:
+    tokenizer.train([str(f) for f in files_or_iterator], trainer)
+  else:
+    tokenizer.train_from_iterator(files_or_iterator, trainer)
 
 
 def _train_wordpiece(files_or_iterator, is_files: bool, vocab_size: int, lowercase: bool) -> hf.Tokenizer:
@@ -353,10 +361,7 @@ def _train_wordpiece(files_or_iterator, is_files: bool, vocab_size: int, lowerca
     tokenizer = _bert_tokenizer(hf.models.WordPiece(unk_token=BERT_SPECIALS["unk"]), lowercase)
     trainer = hf.trainers.WordPieceTrainer(vocab_size=size, special_tokens=specials + fixed_tokens,
                                            show_progress=False)
-    if from_files:
-      tokenizer.train([str(f) for f in data], trainer)
-    else:
-      tokenizer.train_from_iterator(data, trainer)
+    _run_trainer(tokenizer, trainer, data, from_files)
     return tokenizer
 
   with tempfile.TemporaryDirectory() as tmp:
