@@ -95,6 +95,30 @@ def peak_memory_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+def idle_summary(kernels: list[dict[str, Any]], steps: int) -> str:
+  """How long the device sat idle between kernels: the traced span less the union of the kernels' intervals.
+
+  Inside a CUDA-graph command buffer each kernel's launch waits for the one before it, so this is mostly
+  the launch latency between dependent kernels (and any gap between steps), which only fewer kernels reduce.
+  """
+  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)
+  if not spans:
+    return "no device kernels traced"
+  busy, gaps, (start, end) = 0.0, [], spans[0]
+  for lo, hi in spans[1:]:
+    if lo > end:
+      busy += end - start
+      gaps.append(lo - end)
+      start, end = lo, hi
+    else:
+      end = max(end, hi)
+  busy += end - start
+  span = end - spans[0][0]
+  median = float(np.median(gaps)) if gaps else 0.0
+  return (f"device span {span / steps / 1e3:.2f} ms/step: busy {busy / steps / 1e3:.2f}, idle "
+          f"{(span - busy) / steps / 1e3:.2f} in {len(gaps) / steps:g} gaps/step (median {median:.1f} us)")
+
+
 def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) -> list[str]:
   """Device time per HLO op and per kernel over a `jax.profiler` trace, largest first, with JAX source names.
 
@@ -124,6 +148,7 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
       calls[event["name"]] += 1
   total_us = sum(totals.values())
   lines = [f"device time {total_us / steps / 1e3:.2f} ms/step over {steps} traced steps ({path.parent.name})"]
+  lines.append(idle_summary([e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids], steps))
   for op, us in totals.most_common(top):
     lines.append(f"{us / steps / 1e3:8.3f} ms {100 * us / total_us:5.1f}%  {op:28.28s} {op_names.get(op, '')[-110:]}")
   lines.append("by kernel (ms/step, share, calls/step, kernel, JAX source of the fusion of that name):")
@@ -239,7 +264,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
       "attention_path": resolve_implementation(model_cfg.attention_impl, dtype=model_cfg.compute_dtype,
                                                head_dim=model_cfg.head_dim,
                                                dropout_active=model_cfg.attention_dropout > 0, return_probs=False,
-                                               length=seq_len),
+                                               length=seq_len, training=True),
       "data": "synthetic" if data_dir is None else data_dir,
       "packing": bool(data.packing), "step_s": seconds, "seq_per_s": rows / seconds,
       "tokens_per_s": tokens_per_s, "real_token_fraction": tokens / (steps * rows * seq_len),

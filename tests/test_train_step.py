@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from bert_jax.models import model_config
@@ -279,3 +280,21 @@ def test_layerwise_lr_factors():
   assert factors["encoder"]["block_1"]["w"] == 0.5
   assert factors["encoder"]["block_0"]["w"] == 0.25
   assert factors["encoder"]["embeddings"]["w"] == 0.125
+
+
+def test_global_norm_and_clipping_equal_optax():
+  rng = np.random.default_rng(0)
+  tree = {"kernel": jnp.asarray(rng.normal(size=(300, 400)), jnp.float32),
+          "bias": jnp.asarray(rng.normal(size=400), jnp.float32),
+          "norm": {"scale": jnp.asarray(rng.normal(size=(7,)), jnp.float32)},
+          "scalar": jnp.asarray(3.0, jnp.float32)}
+  np.testing.assert_allclose(optim.global_norm(tree), optax.global_norm(tree), rtol=1e-6)
+  assert optim.global_norm({}) == 0.0
+  half = jnp.asarray(rng.normal(size=400), jnp.bfloat16)  # squared and summed in float32
+  np.testing.assert_allclose(optim.global_norm([half]), np.linalg.norm(np.asarray(half, np.float64)), rtol=1e-6)
+  for max_norm in (1.0, 1e4):  # clipped, and left alone
+    ours, state = optim.clip_by_global_norm(max_norm).update(tree, optim.clip_by_global_norm(max_norm).init(tree))
+    reference, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+    assert state == optax.EmptyState()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         rtol=1e-6), ours, reference)

@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import optim
 
 Array = jax.Array
 
@@ -149,7 +150,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
         zeros_terms = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_terms)
         (grads, loss, terms), _ = jax.lax.scan(body, (zeros_grads, jnp.zeros((), jnp.float32), zeros_terms),
                                                (micro, jnp.arange(accum_steps)))
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optim.global_norm(grads)
       # Known before the update, so each parameter's optimizer update, its keep-or-discard choice and its
       # writes fuse into one pass. Checking the update too would add nothing: with finite gradients (their
       # global norm finite), finite parameters and moments, the update of AdamW / LAMB is finite; and it
@@ -164,7 +165,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
                      nonfinite=1 - finite.astype(jnp.int32))
       if param_norms:
-        metrics.update(param_norm=optax.global_norm(state.params), update_norm=optax.global_norm(updates))
+        metrics.update(param_norm=optim.global_norm(state.params), update_norm=optim.global_norm(updates))
       return new_state, metrics
 
   replicated = sharding_lib.replicated(partitioning.mesh)
