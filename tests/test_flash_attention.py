@@ -7,12 +7,15 @@ bfloat16. Also checked: the sharded call (shard_map over batch and heads with
 global mask indices) equals the unsharded one.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bert_jax.models import attention
 from bert_jax.models import flash_attention as fa
 from bert_jax.models.attention import dot_product_attention, self_attention
 from bert_jax.parallel.sharding import DEFAULT_RULES
@@ -96,3 +99,17 @@ def test_self_attention_splits_the_fused_projections_for_the_other_implementatio
   apart, _ = dot_product_attention(q, k, v, pack_ids=pack, packed=True, implementation="xla", dropout_rate=0.1,
                                    dropout_rng=rng)
   np.testing.assert_array_equal(np.asarray(fused), np.asarray(apart))
+
+
+def test_auto_picks_flash_for_training_and_cudnn_for_forward_only_passes(monkeypatch):
+  monkeypatch.setattr(attention, "_backend", lambda: "gpu")
+  pick = functools.partial(attention.resolve_implementation, "auto", head_dim=64, return_probs=False, length=128)
+  assert pick(dtype=jnp.bfloat16, dropout_active=True, training=True) == "flash"
+  assert pick(dtype=jnp.bfloat16, dropout_active=False, training=True) == "flash"  # ALBERT: no attention dropout
+  assert pick(dtype=jnp.bfloat16, dropout_active=False, training=False) == "cudnn"  # evaluation, inference
+  assert pick(dtype=jnp.float32, dropout_active=False, training=True) == "xla"
+  assert attention.resolve_implementation("auto", dtype=jnp.bfloat16, head_dim=48, dropout_active=False,
+                                          return_probs=False, length=128, training=True) == "cudnn"
+  assert pick(dtype=jnp.bfloat16, dropout_active=False, training=True, return_probs=True) == "xla"
+  monkeypatch.setattr(attention, "_backend", lambda: "cpu")
+  assert pick(dtype=jnp.bfloat16, dropout_active=True, training=True) == "xla"

@@ -3,13 +3,14 @@
 Three implementations behind one signature:
   * "cudnn": cuDNN's fused flash-attention kernel
     (`jax.nn.dot_product_attention(implementation="cudnn")`). Chosen by "auto"
-    on GPU for float16/bfloat16 when the head size allows, no attention dropout
-    is active and probabilities are not requested. Asked for explicitly with
-    attention dropout active, it uses cuDNN's own dropout (see below).
+    on GPU for float16/bfloat16 in a forward-only pass (evaluation, inference)
+    when the head size allows and probabilities are not requested, and in
+    training where "flash" does not apply. Asked for explicitly with attention
+    dropout active, it uses cuDNN's own dropout (see below).
   * "flash": our Pallas (Triton) flash-attention kernels with in-kernel
-    attention dropout (`flash_attention.py`). Used on GPU for float16/bfloat16
-    when attention dropout is active (pre-training), the head size is a power
-    of two up to 128 and lengths are multiples of 16.
+    attention dropout (`flash_attention.py`). Chosen by "auto" on GPU for
+    float16/bfloat16 in training (with or without attention dropout) when the
+    head size is a power of two up to 128 and lengths are multiples of 16.
   * "xla": an explicit einsum/softmax path (float32 softmax) that also applies
     attention dropout and can return the probabilities for analysis.
 
@@ -68,11 +69,15 @@ def _backend() -> str:
 
 
 def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_active: bool,
-                           return_probs: bool, length: int | None = None) -> str:
+                           return_probs: bool, length: int | None = None, training: bool = False) -> str:
   """Chooses "cudnn", "flash" or "xla" for `requested` in IMPLEMENTATIONS.
 
   `length` (the sequence length) gates "flash" under "auto"; None skips that
-  check (for reporting which path a config takes).
+  check (for reporting which path a config takes). `training` (a backward pass
+  follows) makes "auto" pick "flash" also without attention dropout: its
+  forward and backward together beat cuDNN's (H100: BERT-Base seq-128 train
+  step -3.9%, seq 512 even), while cuDNN's forward alone is faster at length 512
+  (bench/NOTES.md, sessions 8 and 10).
   """
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {requested!r} not in {IMPLEMENTATIONS}")
@@ -93,10 +98,10 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
                        f"return_probs={return_probs})")
     return "flash"
   if requested == "auto" and _backend() == "gpu":
+    if half and (dropout_active or training) and flash_ok:
+      return "flash"
     if cudnn_ok and not dropout_active:
       return "cudnn"
-    if half and dropout_active and flash_ok:
-      return "flash"
   return "xla"
 
 

@@ -54,9 +54,9 @@ class ModelConfig:
     dtype: compute dtype ("float32" or "bfloat16"); softmax, LayerNorm
       statistics and losses stay float32.
     param_dtype: parameter dtype (float32).
-    attention_impl: "auto" (on GPU in float16/bfloat16: cuDNN fused attention
-      without attention dropout, our Pallas flash kernels with it, when shapes
-      allow; XLA otherwise), "cudnn", "flash" or "xla". "cudnn" with attention
+    attention_impl: "auto" (on GPU in float16/bfloat16: our Pallas flash
+      kernels in training, cuDNN fused attention in forward-only passes, when
+      shapes allow; XLA otherwise), "cudnn", "flash" or "xla". "cudnn" with attention
       dropout uses cuDNN's own dropout: faster at length 512, but its masks do
       not follow the step's key (not reproducible on resume, the same across
       data-parallel replicas; `attention.py`) and it refuses remat.

@@ -207,12 +207,12 @@ class SelfAttention(nn.Module):
     dropout_rng = None
     if not deterministic and cfg.attention_dropout > 0:
       dropout_rng = self.make_rng("dropout")
-    options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=cfg.attention_impl,
-                   dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
-                   dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
     impl = resolve_implementation(cfg.attention_impl, dtype=cfg.compute_dtype, head_dim=head_dim,
                                   dropout_active=dropout_rng is not None, return_probs=return_probs,
-                                  length=x_ble.shape[1])
+                                  length=x_ble.shape[1], training=not deterministic)
+    options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=impl,
+                   dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
+                   dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
     if impl == "flash" and cfg.position_embedding != "rotary":
       # One [E, H * 3 * D] GEMM in the flash kernels' layout, which they read in place (`self_attention`);
       # its backward is one GEMM too. Three [E, E] GEMMs ran at ~35% of an H100's peak (bench/NOTES.md).
