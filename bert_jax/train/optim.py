@@ -84,12 +84,11 @@ def global_norm(tree: Any) -> jax.Array:
   are reduced together over their concatenation, so that the step runs one reduction kernel for them instead of
   one each.
   """
-  leaves = jax.tree.leaves(tree)
-  squares = lambda x: jnp.square(x.astype(jnp.float32))  # noqa: E731
+  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
   small = [x.ravel() for x in leaves if x.size <= SMALL_LEAF]
-  total = sum((jnp.sum(squares(x)) for x in leaves if x.size > SMALL_LEAF), jnp.zeros((), jnp.float32))
+  total = sum((jnp.sum(jnp.square(x)) for x in leaves if x.size > SMALL_LEAF), jnp.zeros((), jnp.float32))
   if small:
-    total += jnp.sum(squares(jnp.concatenate([x.astype(jnp.float32) for x in small])))
+    total += jnp.sum(jnp.square(jnp.concatenate(small)))
   return jnp.sqrt(total)
 
 
