@@ -66,6 +66,10 @@ class ModelConfig:
       per row block each (`layer_norm_kernel.py`; widths a multiple of 128,
       the XLA form for other shapes; off GPU it runs in Pallas' interpreter,
       for tests). Same values to rounding.
+    ffn_impl: "auto" (default: on a Hopper GPU in bfloat16, the FFN's first
+      projection, bias and exact GELU as one Mosaic GPU GEMM with the GELU in
+      its epilogue, `ffn_kernel.py`, where shapes allow; XLA elsewhere) or
+      "xla". Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
   """
@@ -95,6 +99,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   attention_impl: str = "auto"
   layer_norm_impl: str = "auto"
+  ffn_impl: str = "auto"
   remat: str = "none"
 
   def __post_init__(self):
@@ -113,7 +118,7 @@ class ModelConfig:
       fail("hidden_act", f"expected one of {ACTIVATIONS}")
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
                "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "flash", "xla"),
-               "layer_norm_impl": ("auto", "xla", "pallas"),
+               "layer_norm_impl": ("auto", "xla", "pallas"), "ffn_impl": ("auto", "xla"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16")}
     for field, allowed in choices.items():

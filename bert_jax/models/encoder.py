@@ -247,6 +247,9 @@ class FeedForward(nn.Module):
     if cfg.ffn == "geglu":
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi_gate")(x_ble))
       h_blf = h_blf * dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble)
+    elif cfg.hidden_act == "gelu":  # one kernel for the projection, bias and GELU where it applies
+      kernel, bias = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble, weights_only=True)
+      h_blf = ops.dense_gelu(x_ble.astype(cfg.compute_dtype), kernel, bias, cfg.ffn_impl)
     else:
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble))
     h_blf = nn.with_logical_constraint(h_blf, ("batch", "length", "mlp"))

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.models import dropout, layer_norm_kernel
+from bert_jax.models import dropout, ffn_kernel, layer_norm_kernel
 
 Array = jax.Array
 
@@ -199,6 +199,49 @@ def _gelu_bwd(approximate, x, dy):
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def dense_gelu(x: Array, kernel: Array, bias: Array, implementation: str = "auto") -> Array:
+  """GELU(x @ kernel + bias) with the exact (erf) GELU: a feed-forward block's first projection and activation.
+
+  x [..., E] and kernel [E, F] in the compute dtype, bias [F] (its gradient summed in float32, as `bias_add`).
+  With implementation "auto" on a Hopper GPU (`ffn_kernel.applies`) the forward pass is one Mosaic GPU kernel
+  that writes h = x @ kernel + bias and GELU(h) from the GEMM's accumulator (`ffn_kernel.bias_gelu`); the
+  backward pass is XLA's (`_dense_gelu_bwd`: autodiff's GEMMs, the GELU backward fused with the bias
+  gradient). Elsewhere, or with "xla", it is `gelu(bias_add(x @ kernel, bias))` under autodiff.
+  """
+  if implementation == "auto" and ffn_kernel.applies(x, kernel):
+    return _dense_gelu(x, kernel, bias, True)
+  return gelu(bias_add(jnp.dot(x, kernel), bias))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense_gelu(x, kernel, bias, use_kernel: bool):
+  return _dense_gelu_fwd(x, kernel, bias, use_kernel)[0]
+
+
+def _dense_gelu_fwd(x, kernel, bias, use_kernel):
+  if use_kernel:
+    h, g = ffn_kernel.bias_gelu(x, kernel, bias)
+  else:  # the XLA form, for tests of the backward rule off GPU
+    h = bias_add(jnp.dot(x, kernel), bias)
+    g = gelu(h)
+  return g, (x, kernel, h, bias)
+
+
+def _dense_gelu_bwd(use_kernel, residuals, dg):
+  """What autodiff of the XLA form computes: dh by `gelu`'s rule, then the three matmul/bias gradients."""
+  del use_kernel
+  x, kernel, h, bias = residuals
+  (dh,) = _gelu_bwd(False, h, dg)
+  rows = tuple(range(dh.ndim - 1))
+  dbias = jnp.sum(dh.astype(jnp.float32), axis=rows).astype(bias.dtype)
+  dkernel = jax.lax.dot_general(x, dh, ((rows, rows), ((), ())))
+  dx = jax.lax.dot_general(dh, kernel, (((dh.ndim - 1,), (1,)), ((), ())))
+  return dx, dkernel, dbias
+
+
+_dense_gelu.defvjp(_dense_gelu_fwd, _dense_gelu_bwd)
 
 
 @jax.custom_vjp

@@ -1,0 +1,77 @@
+"""Times the FFN's GEMM-with-GELU kernel (`models/ffn_kernel.py`) against XLA's form, on a Hopper GPU.
+
+  python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
+  python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
+
+Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and GELU(h), both written: XLA (a
+cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
+`bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
+XLA form relative to its largest value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from attention import time_ms  # noqa: E402
+from bert_jax.models import ffn_kernel, ops  # noqa: E402
+from bert_jax.train import step as step_lib  # noqa: E402
+
+
+def xla_forward(x, w, bias):
+  h = ops.bias_add(jnp.dot(x, w), bias)
+  return h, ops.gelu(h)
+
+
+def rel_err(a, b) -> float:
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default="32768x768x3072,16384x1024x4096")
+  parser.add_argument("--tiles", default="128x128x64x4", help="comma-separated m x n x k x stages launches")
+  parser.add_argument("--widths", default="8", help="grid_tile_width values")
+  parser.add_argument("--iters", type=int, default=50)
+  args = parser.parse_args()
+  options = step_lib.compiler_options()
+  print(f"FFN GEMM + GELU, ms per call ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+  for shape in args.shapes.split(","):
+    m, hidden, inter = (int(v) for v in shape.split("x"))
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (m, hidden), jnp.float32).astype(jnp.bfloat16)
+    wi = (0.05 * jax.random.normal(keys[1], (hidden, inter), jnp.float32)).astype(jnp.bfloat16)
+    bias = 0.1 * jax.random.normal(keys[2], (inter,), jnp.float32)
+    fwd = jax.jit(xla_forward, compiler_options=options)
+    gemm = jax.jit(jnp.dot, compiler_options=options)
+    h_ref, g_ref = fwd(x, wi, bias)
+    print(f"{shape}: XLA {time_ms(fwd, x, wi, bias, iters=args.iters):.4f}, its GEMM alone "
+          f"{time_ms(gemm, x, wi, iters=args.iters):.4f}", flush=True)
+    for spec in args.tiles.split(","):
+      tm, tn, tk, stages = (int(v) for v in spec.split("x"))
+      for width in (int(v) for v in args.widths.split(",")):
+        for minor_m in (True, False):
+          tiles = ffn_kernel.Tiles(m=tm, n=tn, k=tk, stages=stages, grid_tile_width=width, grid_minor_m=minor_m)
+          label = f"  {spec} w{width} minor {'M' if minor_m else 'N'}"
+          try:
+            kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul(x, w, b, t))
+            kg = jax.jit(lambda x, w, t=tiles: ffn_kernel.matmul(x, w, t))
+            h, g = kf(x, wi, bias)
+            print(f"{label}: kernel {time_ms(kf, x, wi, bias, iters=args.iters):.4f} (h {rel_err(h, h_ref):.2g}, "
+                  f"GELU(h) {rel_err(g, g_ref):.2g}), its GEMM alone {time_ms(kg, x, wi, iters=args.iters):.4f}",
+                  flush=True)
+          except Exception as error:  # noqa: BLE001 -- a launch the compiler refuses is a table line.
+            print(f"{label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,67 @@
+"""The FFN's GEMM + bias + GELU kernel (`ffn_kernel.bias_gelu_matmul`, Mosaic GPU) on a Hopper GPU, against XLA.
+
+Skipped without a Hopper GPU. The kernel rounds h = x @ w + bias to bfloat16 once (XLA: the GEMM's output,
+then the bias add), and its erf is a polynomial: differences are bfloat16 rounding. `pytest -s` prints them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import ffn_kernel, ops
+from bert_jax.models.config import ModelConfig
+from bert_jax.models.encoder import Encoder
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not ffn_kernel.supported(256, 64, 256, jnp.bfloat16),
+    reason="needs a Hopper GPU (Mosaic GPU wgmma)")
+
+
+def relative(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("shape", [(32768, 768, 3072), (16384, 1024, 4096), (2048, 256, 512)])
+def test_bias_gelu_matmul_equals_xla(shape):
+  m, k, n = shape
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (0.05 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
+  bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
+  h, g = jax.jit(ffn_kernel.bias_gelu_matmul)(x, w, bias)
+  h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
+  g_ref = ops.gelu(h_ref)
+  errors = relative(h, h_ref), relative(g, g_ref)
+  print(f"{shape}: h {errors[0]:.2e}, GELU(h) {errors[1]:.2e}")
+  assert max(errors) < 4e-3  # bfloat16 rounding of the outputs (2^-9 relative at most, ~2e-3 in norm)
+
+
+def test_model_gradients_with_the_kernel_equal_xla():
+  """A BERT step's loss and gradients with ffn_impl "auto" (the kernel on this GPU) and "xla"."""
+  kwargs = dict(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
+                max_position_embeddings=128, dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
+  ids = jax.random.randint(jax.random.key(1), (16, 128), 5, 1024)
+  results = []
+  params = None
+  for impl in ("auto", "xla"):
+    model = Encoder(ModelConfig(**kwargs, ffn_impl=impl))
+    params = params or model.init(jax.random.key(0), ids)
+
+    def loss(params):
+      hidden = model.apply(params, ids)["hidden"].astype(jnp.float32)
+      return jnp.mean(jnp.square(hidden - 0.5))
+
+    if impl == "auto":
+      hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+      assert "mosaic" in hlo.lower()  # the kernel, not the XLA form
+    results.append(jax.jit(jax.value_and_grad(loss))(params))
+  (loss_k, grads_k), (loss_x, grads_x) = results
+  assert abs(float(loss_k) - float(loss_x)) < 1e-2 * abs(float(loss_x))
+  errors = jax.tree.map(relative, grads_k, grads_x)
+  worst = max(jax.tree.leaves(errors))
+  print(f"worst gradient leaf: relative {worst:.2e}")
+  assert worst < 5e-2
