@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -208,16 +207,17 @@ def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
 
 
 def _shards(x: Array, w: Array):
-  """(mesh, row axes) to run the kernel per shard of x's rows (mesh None: unsharded), or None where the mesh
-  splits x's other dims or the weight's output dim ("mlp": tensor parallelism, which the kernel does not do)."""
-  mesh = sharding_lib.current_mesh()
-  if mesh is None or mesh.size == 1:
-    return None, ()
-  logical = ("batch",) + ("length",) * (x.ndim - 2) + ("embed",)
-  per_dim = sharding_lib.split_axes(logical, x.shape, mesh)
-  if any(per_dim[1:]) or sharding_lib.split_axes(("embed", "mlp"), w.shape, mesh)[1]:
+  """`sharding_lib.row_shards` of x, or None where the mesh splits x's other dims or the weight's output dim
+  ("mlp": tensor parallelism, which the kernel does not do)."""
+  shards = sharding_lib.row_shards(x)
+  if shards is None or shards[0] is None:
+    return shards
+  mesh = shards[0]
+  if any(sharding_lib.split_axes(("length",) * (x.ndim - 2) + ("embed",), x.shape[1:], mesh)):
     return None
-  return mesh, per_dim[0]
+  if sharding_lib.split_axes(("embed", "mlp"), w.shape, mesh)[1]:
+    return None
+  return shards
 
 
 def applies(x: Array, w: Array, tiles: Tiles = Tiles()) -> bool:
@@ -225,19 +225,13 @@ def applies(x: Array, w: Array, tiles: Tiles = Tiles()) -> bool:
   if x.ndim < 2 or x.dtype != w.dtype:
     return False
   shards = _shards(x, w)
-  if shards is None:
-    return False
-  mesh, row_axes = shards
-  rows = x.size // x.shape[-1]
-  if mesh is not None:
-    rows //= math.prod(mesh.shape[axis] for axis in row_axes)
-  return supported(rows, *w.shape, x.dtype, tiles)
+  return shards is not None and supported(shards[2], *w.shape, x.dtype, tiles)
 
 
 def bias_gelu(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
   """(h, GELU(h)) of x [..., K] @ w [K, N] + bias (`bias_gelu_matmul`), per shard of x's rows under a mesh (the
   weights replicated to each). Only where `applies`."""
-  mesh, row_axes = _shards(x, w)
+  mesh, row_axes, _ = _shards(x, w)
   k, n = w.shape
 
   def run(x, w, bias):

@@ -64,21 +64,9 @@ def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
 
 
 def _row_shards(x: Array, block_rows: int):
-  """(mesh, row axes, rows per device) for running a kernel on blocks of x's rows [..., E], or None where the
-  kernel does not apply (`supported`, per device). Mesh None outside a mesh scope (or on one device); under
-  one, the rules' "batch" axes split the leading dim (() if they do not divide it: each device takes every row).
-  """
-  rows = x.size // x.shape[-1]
-  mesh, row_axes = sharding_lib.current_mesh(), ()
-  if mesh is None or mesh.size == 1:
-    mesh = None
-  elif x.ndim < 2:
-    return None
-  else:
-    row_axes = sharding_lib.split_axes(("batch",), x.shape[:1], mesh)[0]
-    for axis in row_axes:
-      rows //= mesh.shape[axis]
-  return (mesh, row_axes, rows) if supported(rows, x.shape[-1], block_rows) else None
+  """`sharding_lib.row_shards`, or None where the kernel does not apply (`supported`, per device)."""
+  shards = sharding_lib.row_shards(x)
+  return shards if shards is not None and supported(shards[2], x.shape[-1], block_rows) else None
 
 
 def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int,

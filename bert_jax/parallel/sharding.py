@@ -182,6 +182,23 @@ def split_axes(logical: Sequence[str], shape: Sequence[int], mesh: Any) -> tuple
   return tuple(result)
 
 
+def row_shards(x: Any) -> tuple[Any, tuple[str, ...], int] | None:
+  """(mesh, row axes, rows per device) for running a kernel per shard of x's rows [..., E] (`jax.shard_map`).
+
+  Rows are every dim but the last. Mesh None outside a mesh scope (or on one device); under one, the rules'
+  "batch" axes split the leading dim (() if they do not divide it: each device takes every row). None for a
+  1-D x under a mesh.
+  """
+  rows = x.size // x.shape[-1]
+  mesh = current_mesh()
+  if mesh is None or mesh.size == 1:
+    return None, (), rows
+  if x.ndim < 2:
+    return None
+  row_axes = split_axes(("batch",), x.shape[:1], mesh)[0]
+  return mesh, row_axes, rows // math.prod(mesh.shape[axis] for axis in row_axes)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over data x fsdp; other axes replicated."""
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
