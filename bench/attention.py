@@ -6,7 +6,15 @@
 
 Implementations: "xla" (the reference path, with dropout), "flash" (Pallas
 kernels, with dropout), "cudnn" (GPU only, without dropout: cuDNN's fused
-attention has no per-call dropout seed, see bench/NOTES.md), "flash-nodrop".
+attention has no per-call dropout seed, see bench/NOTES.md), "flash-nodrop", and
+"mgpu-nomask": jax's own FlashAttention-3-style kernel for Hopper
+(`jax.experimental.pallas.ops.gpu.attention_mgpu`: warp-specialised, wgmma),
+which has no padding mask and no dropout, so it is not a path of the model; it
+measures what that kernel design gives at BERT's shapes (`--mgpu-blocks`; float16
+inputs). Session 12 (H100): no faster than "flash-nodrop" in forward + backward.
+
+  python bench/attention.py --impls flash-nodrop,mgpu-nomask --heads 16 --shapes 128x128,32x512
+
 The sweep varies the tiles and Triton launch parameters of
 `flash_attention.KERNEL_PARAMS`: the forward kernel timed alone, the two
 backward kernels together in the forward + backward time. Prints one table per
@@ -29,7 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 from bert_jax.models import flash_attention  # noqa: E402
 from bert_jax.models.attention import dot_product_attention, self_attention  # noqa: E402
 
-IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0)}
+IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0),
+         "mgpu-nomask": ("mgpu", 0.0)}
 
 
 def time_ms(fn, *args, iters: int) -> float:
@@ -41,8 +50,19 @@ def time_ms(fn, *args, iters: int) -> float:
   return (time.perf_counter() - start) / iters * 1e3
 
 
+def mgpu_attention(blocks: str):
+  """jax's Hopper attention kernel with `blocks` = "block_q x block_kv x stages x bwd_block_q x bwd_block_kv x
+  bwd_warpgroups" (the same backward blocks for its dQ and dK/dV kernels)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  bq, bkv, stages, bwd_q, bwd_kv, wgs = (int(v) for v in blocks.split("x"))
+  config = attention_mgpu.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=stages,
+                                       block_q_dkv=bwd_q, block_kv_dkv=bwd_kv, block_q_dq=bwd_q,
+                                       block_kv_dq=bwd_kv, compute_wgs_bwd=wgs)
+  return lambda q, k, v: attention_mgpu.attention(q, k, v, config)
+
+
 def time_attention(batch: int, length: int, impl: str, *, heads: int = 12, head_dim: int = 64,
-                   iters: int = 20) -> tuple[float, float]:
+                   iters: int = 20, mgpu_blocks: str = "64x64x2x64x64x1") -> tuple[float, float]:
   """(forward ms, forward + backward ms) of one bf16 attention call with every token real.
 
   The flash kernels get the fused [B, L, H, 3, D] projections the encoder gives them (`self_attention`); the
@@ -57,6 +77,9 @@ def time_attention(batch: int, length: int, impl: str, *, heads: int = 12, head_
   if implementation == "flash":
     inputs = (flash_attention.fuse_qkv(q, k, v),)
     attend = lambda qkv: self_attention(qkv, **options)[0]  # noqa: E731
+  elif implementation == "mgpu":  # float16: jax 0.11.2's kernel rejects bf16 inputs (a float16 buffer inside)
+    inputs = (q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
+    attend = mgpu_attention(mgpu_blocks)
   else:
     inputs = (q, k, v)
     attend = lambda q, k, v: dot_product_attention(q, k, v, **options)[0]  # noqa: E731
@@ -73,6 +96,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="256x128,64x512", help="BATCHxLENGTH,...")
   parser.add_argument("--impls", default="xla,cudnn,flash,flash-nodrop")
+  parser.add_argument("--heads", type=int, default=12, help="heads of 64 (BERT-Large: 16)")
+  parser.add_argument("--mgpu-blocks", default="64x64x2x64x64x1",
+                      help="comma-separated launches of mgpu-nomask (see `mgpu_attention`)")
   parser.add_argument("--sweep", action="store_true", help="tune flash tiles, num_warps and num_stages")
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
@@ -81,14 +107,19 @@ def main() -> None:
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
 
   rows = ["| shape | impl | fwd ms | fwd+bwd ms |", "|---|---|---|---|"]
-  for (batch, length), impl in itertools.product(shapes, args.impls.split(",")):
-    if impl == "cudnn" and not gpu:
+  runs = [(impl, None) for impl in args.impls.split(",") if impl != "mgpu-nomask"]
+  if "mgpu-nomask" in args.impls.split(","):
+    runs += [("mgpu-nomask", blocks) for blocks in args.mgpu_blocks.split(",")]
+  for (batch, length), (impl, blocks) in itertools.product(shapes, runs):
+    if impl in ("cudnn", "mgpu-nomask") and not gpu:
       continue
+    name = f"{impl} {blocks}" if blocks else impl
     try:
-      fwd, both = time_attention(batch, length, impl, iters=args.iters)
-      rows.append(f"| B={batch} L={length} | {impl} | {fwd:.3f} | {both:.3f} |")
+      fwd, both = time_attention(batch, length, impl, heads=args.heads, iters=args.iters,
+                                 **({"mgpu_blocks": blocks} if blocks else {}))
+      rows.append(f"| B={batch} L={length} H={args.heads} | {name} | {fwd:.3f} | {both:.3f} |")
     except Exception as error:  # noqa: BLE001 -- a failed config is a row, not the end of the sweep.
-      rows.append(f"| B={batch} L={length} | {impl} | failed: {repr(error)[:200]} | |")
+      rows.append(f"| B={batch} L={length} H={args.heads} | {name} | failed: {repr(error)[:300]} | |")
     print(rows[-1], flush=True)
 
   if args.sweep:

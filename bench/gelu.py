@@ -1,0 +1,93 @@
+"""Times the exact GELU's XLA kernels with two erf evaluations: `lax.erf` and the Abramowitz-Stegun form.
+
+  python bench/gelu.py                                   # BERT-Base / -Large FFN activations, bf16
+  python bench/gelu.py --shapes 256x512 --iters 2        # CPU smoke run
+
+Per [tokens, intermediate] shape, ms per call of the forward GELU (read h, write GELU(h)) and of the backward
+pass as the train step fuses it (read h and dy, write dh = dy GELU'(h), and the bias gradient, the float32
+column sums of dh), each with erf from `lax.erf` ("lax": `ops.gelu`'s rules) and from `ffn_kernel.erf`'s
+Abramowitz-Stegun 7.1.26 polynomial, whose exp(-h^2 / 2) the backward shares with the normal density ("as").
+The "floor" rows do the same memory traffic with a multiply in place of the GELU: the memory-bound time.
+
+Measured on an H100 (bench/NOTES.md, session 12): "lax" is at the floor (backward 0.257 against 0.256 ms at
+32768 x 3072) and "as" is slower (0.479), so `ops.gelu` keeps `lax.erf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from attention import time_ms  # noqa: E402
+from bert_jax.models import ffn_kernel, ops  # noqa: E402
+
+
+def normal_cdf_as(x32):
+  """(Phi(x), exp(-x^2 / 2)) with erfc(|x| / sqrt 2) = t p(t) exp(-x^2 / 2), t = 1 / (1 + c |x| / sqrt 2)."""
+  e = jnp.exp(-0.5 * x32 * x32)
+  t = 1.0 / (1.0 + (ffn_kernel._ERF_P * ops._SQRT_HALF) * jnp.abs(x32))
+  poly = ffn_kernel._ERF_A[4]
+  for a in reversed(ffn_kernel._ERF_A[:4]):
+    poly = poly * t + a
+  half_erfc = 0.5 * poly * t * e
+  return jnp.where(x32 < 0.0, half_erfc, 1.0 - half_erfc), e
+from bert_jax.train import step as step_lib  # noqa: E402
+
+
+def forward(h, erf):
+  if erf == "floor":
+    return h * h
+  h32 = h.astype(jnp.float32)
+  return (h32 * normal_cdf_as(h32)[0] if erf == "as" else ops._gelu_value(h32, False)).astype(h.dtype)
+
+
+def backward(h, dy, erf):
+  h32 = h.astype(jnp.float32)
+  if erf == "floor":
+    slope = h32
+  elif erf == "as":
+    cdf, e = normal_cdf_as(h32)
+    slope = cdf + h32 * ops._INV_SQRT_2PI * e
+  else:
+    slope = ops._gelu_derivative(h32, False)
+  dh = (dy.astype(jnp.float32) * slope).astype(h.dtype)
+  return dh, jnp.sum(dh.astype(jnp.float32), axis=0)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default="32768x3072,16384x4096")
+  parser.add_argument("--iters", type=int, default=50)
+  args = parser.parse_args()
+  options = step_lib.compiler_options()
+  print(f"exact GELU, ms per call ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+  rows = ["| shape | erf | forward ms | backward + bias gradient ms | max abs diff from lax (fwd, bwd) |",
+          "|---|---|---|---|---|"]
+  for shape in args.shapes.split(","):
+    tokens, width = (int(v) for v in shape.split("x"))
+    keys = jax.random.split(jax.random.key(0), 2)
+    h = (1.5 * jax.random.normal(keys[0], (tokens, width), jnp.float32)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[1], (tokens, width), jnp.float32).astype(jnp.bfloat16)
+    ref = None
+    for erf in ("lax", "as", "floor"):
+      fwd = jax.jit(lambda h, e=erf: forward(h, e), compiler_options=options)
+      bwd = jax.jit(lambda h, dy, e=erf: backward(h, dy, e), compiler_options=options)
+      outs = (fwd(h), bwd(h, dy)[0])
+      ref = outs if ref is None else ref
+      diffs = ", ".join(f"{float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))):.2g}"
+                        for a, b in zip(outs, ref))
+      rows.append(f"| {shape} | {erf} | {time_ms(fwd, h, iters=args.iters):.4f} | "
+                  f"{time_ms(bwd, h, dy, iters=args.iters):.4f} | {diffs} |")
+      print(rows[-1], flush=True)
+  print("\n".join(rows))
+
+
+if __name__ == "__main__":
+  main()
