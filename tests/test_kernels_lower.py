@@ -1,0 +1,60 @@
+"""The GPU kernels lowered for CUDA on this CPU (jax's cross-platform lowering, `lowering_platforms=("cuda",)`).
+
+CI has no GPU: the GPU test files skip, and the CPU tests run the Triton kernels in Pallas' interpreter, which
+checks their arithmetic but not that Pallas can lower them for a GPU. Lowering builds the kernels' Triton IR
+(flash attention, the LayerNorm kernels) and the Mosaic GPU module (the FFN kernel: its layouts and its shared
+memory against the H100's 227 KB), so a jax upgrade or an edit that breaks a GPU-only path fails here. Compiling
+and running them needs the GPU (tests/test_*_gpu.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bert_jax.models import ffn_kernel, flash_attention, layer_norm_kernel
+
+shape = jax.ShapeDtypeStruct
+
+
+def lower_for_cuda(fn, *args) -> str:
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_attention_forward_and_backward_lower(packed):
+  qkv = shape((8, 128, 12, 3, 64), jnp.bfloat16)
+  pack_ids = jnp.ones((8, 128), jnp.int32)
+
+  def loss(qkv):
+    out = flash_attention.flash_attention(qkv, pack_ids=pack_ids, packed=packed, dropout_rate=0.1,
+                                          dropout_rng=jax.random.key(1))
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = lower_for_cuda(jax.grad(loss), qkv)
+  assert text.count("triton") >= 3  # the forward, dQ and dK/dV kernels
+
+
+def test_layer_norm_kernels_lower():
+  rows, features = 4096, 768
+  x, stats, vector = shape((rows, features), jnp.bfloat16), shape((rows,), jnp.float32), shape((features,), jnp.float32)
+  backward = lambda *a: layer_norm_kernel._backward_2d(  # noqa: E731, SLF001
+      *a, interpret=False, block_rows=layer_norm_kernel.BLOCK_ROWS, num_warps=layer_norm_kernel.NUM_WARPS)
+  assert "triton" in lower_for_cuda(backward, x, x, stats, stats, vector)
+  forward = lambda meta, x, branch, scale, bias: layer_norm_kernel._forward_2d(  # noqa: E731, SLF001
+      meta, x, branch, scale, bias, rate=0.1, epsilon=1e-12, dtype=jnp.bfloat16, interpret=False,
+      block_rows=layer_norm_kernel.FORWARD_BLOCK_ROWS, num_warps=layer_norm_kernel.FORWARD_NUM_WARPS)
+  assert "triton" in lower_for_cuda(forward, shape((3,), jnp.int32), x, x, vector, vector)
+
+
+class _H100:
+  core_count = 132  # the persistent grid's size
+
+
+@pytest.mark.parametrize("tokens, hidden, intermediate", [(32768, 768, 3072), (16384, 1024, 4096)])
+def test_ffn_kernel_lowers(monkeypatch, tokens, hidden, intermediate):
+  monkeypatch.setattr(jax, "devices", lambda *_: [_H100()])
+  args = (shape((tokens, hidden), jnp.bfloat16), shape((hidden, intermediate), jnp.bfloat16),
+          shape((intermediate,), jnp.float32))
+  assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.bias_gelu_matmul, *args)
