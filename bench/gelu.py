@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from attention import time_ms  # noqa: E402
 from bert_jax.models import ffn_kernel, ops  # noqa: E402
+from bert_jax.train import step as step_lib  # noqa: E402
 
 
 def normal_cdf_as(x32):
@@ -38,7 +39,6 @@ def normal_cdf_as(x32):
     poly = poly * t + a
   half_erfc = 0.5 * poly * t * e
   return jnp.where(x32 < 0.0, half_erfc, 1.0 - half_erfc), e
-from bert_jax.train import step as step_lib  # noqa: E402
 
 
 def forward(h, erf):
