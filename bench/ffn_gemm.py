@@ -2,11 +2,15 @@
 
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
+  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,3,2  # the ping-pong kernels only
 
 Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and GELU(h), both written: XLA (a
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
 `bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
-XLA form relative to its largest value.
+XLA form relative to its largest value. Then the ping-pong kernels per ring depth bound: the forward
+(`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
+sum (`dgelu_matmul`, the sums per tile in its epilogue), against XLA's backward (its GEMM, then the GELU backward fused with the
+sum).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ def xla_forward(x, w, bias):
   return h, ops.gelu(h)
 
 
+def xla_backward(dy, wo, h):
+  dh = ops._gelu_bwd(False, h, jnp.dot(dy, wo.T))[0]  # noqa: SLF001 -- the model's rule
+  return dh, jnp.sum(dh.astype(jnp.float32), axis=0)
+
+
+def kernel_backward(dy, wo, h, tiles):
+  return ffn_kernel.dgelu_matmul(dy, wo, h, tiles)  # dh and its column sums
+
+
 def rel_err(a, b) -> float:
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
@@ -41,6 +54,7 @@ def main() -> None:
   parser.add_argument("--shapes", default="32768x768x3072,16384x1024x4096")
   parser.add_argument("--tiles", default="128x128x64x4", help="comma-separated m x n x k x stages launches")
   parser.add_argument("--widths", default="8", help="grid_tile_width values")
+  parser.add_argument("--pingpong-stages", default="4", help="ring depth bounds of the ping-pong kernels ('' none)")
   parser.add_argument("--iters", type=int, default=50)
   args = parser.parse_args()
   options = step_lib.compiler_options()
@@ -56,7 +70,7 @@ def main() -> None:
     h_ref, g_ref = fwd(x, wi, bias)
     print(f"{shape}: XLA {time_ms(fwd, x, wi, bias, iters=args.iters):.4f}, its GEMM alone "
           f"{time_ms(gemm, x, wi, iters=args.iters):.4f}", flush=True)
-    for spec in args.tiles.split(","):
+    for spec in (args.tiles.split(",") if args.tiles != "none" else []):
       tm, tn, tk, stages = (int(v) for v in spec.split("x"))
       for width in (int(v) for v in args.widths.split(",")):
         for minor_m in (True, False):
@@ -71,6 +85,28 @@ def main() -> None:
                   flush=True)
           except Exception as error:  # noqa: BLE001 -- a launch the compiler refuses is a table line.
             print(f"{label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
+    if not args.pingpong_stages:
+      continue
+    dy = jax.random.normal(keys[3], (m, hidden), jnp.float32).astype(jnp.bfloat16)
+    wo = (0.05 * jax.random.normal(keys[1], (inter, hidden), jnp.float32)).astype(jnp.bfloat16)
+    bwd = jax.jit(xla_backward, compiler_options=options)
+    dh_ref, sums_ref = bwd(dy, wo, h_ref)
+    print(f"  backward, XLA (GEMM, GELU backward + bias gradient) {time_ms(bwd, dy, wo, h_ref, iters=args.iters):.4f}",
+          flush=True)
+    for stages in (int(v) for v in args.pingpong_stages.split(",")):
+      tiles = ffn_kernel.PingPongTiles(max_stages=stages)
+      label = f"  ping-pong, ring {ffn_kernel.pingpong_stages(hidden, tiles)} (max {stages})"
+      try:
+        kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))
+        kb = jax.jit(lambda dy, wo, h, t=tiles: kernel_backward(dy, wo, h, t), compiler_options=options)
+        h, g = kf(x, wi, bias)
+        dh, sums = kb(dy, wo, h_ref)
+        print(f"{label}: forward {time_ms(kf, x, wi, bias, iters=args.iters):.4f} (h {rel_err(h, h_ref):.2g}, "
+              f"GELU(h) {rel_err(g, g_ref):.2g}), backward + bias gradient "
+              f"{time_ms(kb, dy, wo, h_ref, iters=args.iters):.4f} (dh {rel_err(dh, dh_ref):.2g}, "
+              f"sums {rel_err(sums, sums_ref):.2g})", flush=True)
+      except Exception as error:  # noqa: BLE001
+        print(f"{label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The FFN's GEMM + bias + GELU kernel (`ffn_kernel.bias_gelu_matmul`, Mosaic GPU) on a Hopper GPU, against XLA.
+"""The FFN's Hopper kernels (`ffn_kernel`, Mosaic GPU) on a Hopper GPU, against XLA: the GEMM + bias + GELU
+(cooperative and ping-pong) and the backward's dh = (dy @ wo^T) * GELU'(h).
 
 Skipped without a Hopper GPU. The kernel rounds h = x @ w + bias to bfloat16 once (XLA: the GEMM's output,
 then the bias add), and its erf is a polynomial: differences are bfloat16 rounding. `pytest -s` prints them.
@@ -40,7 +41,40 @@ def test_bias_gelu_matmul_equals_xla(shape):
   assert max(errors) < 4e-3  # bfloat16 rounding of the outputs (2^-9 relative at most, ~2e-3 in norm)
 
 
-def test_model_gradients_with_the_kernel_equal_xla():
+# Shapes with a few tiles per CTA, with fewer tiles than CTAs (warpgroups with one tile or none) and odd counts.
+PINGPONG_SHAPES = [(32768, 768, 3072), (16384, 1024, 4096), (2048, 256, 512), (256, 256, 512), (384, 512, 384)]
+
+
+@pytest.mark.parametrize("shape", PINGPONG_SHAPES)
+def test_pingpong_bias_gelu_matmul_equals_xla(shape):
+  m, k, n = shape
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (0.05 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
+  bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
+  h, g = jax.jit(ffn_kernel.bias_gelu_matmul_pingpong)(x, w, bias)
+  h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
+  errors = relative(h, h_ref), relative(g, ops.gelu(h_ref))
+  print(f"{shape}: h {errors[0]:.2e}, GELU(h) {errors[1]:.2e}")
+  assert max(errors) < 4e-3
+
+
+@pytest.mark.parametrize("shape", PINGPONG_SHAPES)
+def test_dgelu_matmul_equals_xla(shape):
+  m, k, n = shape
+  keys = jax.random.split(jax.random.key(1), 3)
+  dy = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  wo = (0.05 * jax.random.normal(keys[1], (n, k), jnp.float32)).astype(jnp.bfloat16)
+  h = (2.0 * jax.random.normal(keys[2], (m, n), jnp.float32)).astype(jnp.bfloat16)
+  dh, sums = jax.jit(ffn_kernel.dgelu_matmul)(dy, wo, h)
+  dg = jnp.dot(dy, wo.T, preferred_element_type=jnp.float32)
+  reference = dg * jax.vmap(jax.grad(lambda v: ops.gelu(v)))(h.astype(jnp.float32).ravel()).reshape(m, n)
+  errors = relative(dh, reference), relative(sums, jnp.sum(dh.astype(jnp.float32), axis=0))
+  print(f"{shape}: dh {errors[0]:.2e}, column sums {errors[1]:.2e}")
+  assert errors[0] < 4e-3 and errors[1] < 1e-5  # the sums: of dh as stored, float32 in another order
+
+
+def test_model_gradients_with_the_kernel_equal_xla(monkeypatch):
   """A BERT step's loss and gradients with ffn_impl "auto" (the kernel on this GPU) and "xla"."""
   kwargs = dict(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
                 max_position_embeddings=128, dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
@@ -56,8 +90,13 @@ def test_model_gradients_with_the_kernel_equal_xla():
       return jnp.mean(jnp.square(hidden - 0.5))
 
     if impl == "auto":
-      hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-      assert "mosaic" in hlo.lower()  # the kernel, not the XLA form
+      hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
+      assert "mosaic" in hlo  # the kernels, not the XLA form
+      if ffn_kernel.BACKWARD_KERNEL:  # the backward's dh kernel is there too
+        monkeypatch.setattr(ffn_kernel, "BACKWARD_KERNEL", False)
+        forward_only = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
+        monkeypatch.setattr(ffn_kernel, "BACKWARD_KERNEL", True)
+        assert hlo.count("mosaic") > forward_only.count("mosaic")
     results.append(jax.jit(jax.value_and_grad(loss))(params))
   (loss_k, grads_k), (loss_x, grads_x) = results
   assert abs(float(loss_k) - float(loss_x)) < 1e-2 * abs(float(loss_x))

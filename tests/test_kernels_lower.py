@@ -58,3 +58,14 @@ def test_ffn_kernel_lowers(monkeypatch, tokens, hidden, intermediate):
   args = (shape((tokens, hidden), jnp.bfloat16), shape((hidden, intermediate), jnp.bfloat16),
           shape((intermediate,), jnp.float32))
   assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.bias_gelu_matmul, *args)
+
+
+@pytest.mark.parametrize("tokens, hidden, intermediate", [(32768, 768, 3072), (16384, 1024, 4096)])
+def test_pingpong_kernels_lower(monkeypatch, tokens, hidden, intermediate):
+  """The ping-pong forward and the backward (dh) kernels: their hand-built ring, barriers and epilogues."""
+  monkeypatch.setattr(jax, "devices", lambda *_: [_H100()])
+  x, h = shape((tokens, hidden), jnp.bfloat16), shape((tokens, intermediate), jnp.bfloat16)
+  wi, wo = shape((hidden, intermediate), jnp.bfloat16), shape((intermediate, hidden), jnp.bfloat16)
+  assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.bias_gelu_matmul_pingpong, x, wi,
+                                        shape((intermediate,), jnp.float32))
+  assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.dgelu_matmul, x, wo, h)

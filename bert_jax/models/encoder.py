@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import flash_attention, ops
+from bert_jax.models import ffn_kernel, flash_attention, ops
 from bert_jax.models.attention import dot_product_attention, resolve_implementation, self_attention
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.dropout import Dropout
@@ -247,9 +247,14 @@ class FeedForward(nn.Module):
     if cfg.ffn == "geglu":
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi_gate")(x_ble))
       h_blf = h_blf * dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble)
-    elif cfg.hidden_act == "gelu":  # one kernel for the projection, bias and GELU where it applies
-      kernel, bias = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble, weights_only=True)
-      h_blf = ops.dense_gelu(x_ble.astype(cfg.compute_dtype), kernel, bias, cfg.ffn_impl)
+    elif cfg.hidden_act == "gelu":
+      wi, bi = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble, weights_only=True)
+      x_ble = x_ble.astype(cfg.compute_dtype)
+      if cfg.ffn_impl == "auto" and ffn_kernel.applies(x_ble, wi):  # both projections, GELU in Hopper kernels
+        h_shape = jax.ShapeDtypeStruct((*x_ble.shape[:-1], cfg.intermediate_size), wi.dtype)
+        wo, bo = dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_shape, weights_only=True)
+        return ops.gelu_feed_forward(x_ble, wi, bi, wo, bo)
+      h_blf = ops.gelu(ops.bias_add(jnp.dot(x_ble, wi), bi))
     else:
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble))
     h_blf = nn.with_logical_constraint(h_blf, ("batch", "length", "mlp"))

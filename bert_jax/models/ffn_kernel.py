@@ -44,6 +44,7 @@ from bert_jax.parallel import sharding as sharding_lib
 Array = jax.Array
 
 _SQRT_HALF = float(np.sqrt(0.5))
+_INV_SQRT_2PI = float(1.0 / np.sqrt(2.0 * np.pi))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +63,12 @@ class Tiles:
 
 def supported(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
   """Whether the kernels take an [m, k] @ [k, n] product: a Hopper GPU, bf16, shapes that the tiles divide."""
+  return not (m % tiles.m or n % (2 * tiles.n) or k % tiles.k) and _hopper(dtype)
+
+
+def _hopper(dtype) -> bool:
+  """bf16 on a Hopper GPU with Pallas' Mosaic GPU backend."""
   if jnp.dtype(dtype) != jnp.bfloat16 or jax.default_backend() != "gpu":
-    return False
-  if m % tiles.m or n % (2 * tiles.n) or k % tiles.k:
     return False
   try:
     importlib.import_module("jax.experimental.pallas.mosaic_gpu")
@@ -186,6 +190,238 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class PingPongTiles:
+  """Launch parameters of the ping-pong kernels: each compute warpgroup owns whole [m, n] output tiles.
+
+  `max_stages` bounds the shared ring of operand slots; the ring's depth is the largest number of stages up to it
+  that leaves each slot filled an even number of times per tile (`pingpong_stages`).
+  """
+
+  m: int = 128
+  n: int = 128
+  k: int = 64
+  max_stages: int = 4
+  epi: int = 64
+  grid_tile_width: int = 8
+  grid_minor_m: bool = True
+  approx_math: bool = True
+
+
+def pingpong_stages(k: int, tiles: PingPongTiles = PingPongTiles()) -> int | None:
+  """The ring depth for a K-long contraction: the most stages (2 to `max_stages`) that divide the tile's
+  k-steps into an even number of rounds, or None.
+
+  Mosaic GPU keeps a barrier's expected phase per thread and flips it on the thread's own waits. A compute
+  warpgroup skips the other's tiles, so each slot's barrier must complete an even number of phases per tile
+  for the skipping warpgroup's phase bits to stay right."""
+  if k % tiles.k:
+    return None
+  k_iters = k // tiles.k
+  fits = [s for s in range(2, tiles.max_stages + 1) if k_iters % (2 * s) == 0]
+  return max(fits) if fits else None
+
+
+def gelu_derivative(h32: Array) -> Array:
+  """GELU'(h) = Phi(h) + h phi(h), float32, from `erf`'s polynomial (the density shares its exp)."""
+  x = h32 * _SQRT_HALF
+  t = 1.0 / (1.0 + _ERF_P * jnp.abs(x))
+  poly = _ERF_A[4]
+  for a in reversed(_ERF_A[:4]):
+    poly = poly * t + a
+  e = jnp.exp(-x * x)  # exp(-h^2 / 2)
+  tail = 0.5 * poly * t * e  # Phi(-|h|)
+  return jnp.where(x < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
+
+
+def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: PingPongTiles, mode: str, stages: int,
+                     num_ctas: int):
+  """A persistent GEMM whose two compute warpgroups own alternate output tiles ("ping-pong").
+
+  One memory warpgroup streams each tile's [m, k] and [k, n] operand blocks through one ring of `stages`
+  slots, tile after tile. The compute warpgroups take turns on the tensor cores: warpgroup w waits for the
+  other's main loop to finish (`order` barriers), runs its own, signals, then runs its epilogue while the other
+  warpgroup's matmuls proceed.
+
+  mode "bias_gelu": a [M, K] @ b [K, N] + side (the bias, float32 [N]) -> out_gmems (h, GELU(h)).
+  mode "dgelu": (a [M, K] @ b [N, K]^T) * GELU'(side) with side = h [M, N] -> out_gmems (dh, its column sums
+  per row of tiles [M / m, N] float32): the FFN's backward from d GELU(h) = dy @ wo^T to dh and (summed over
+  the rows of tiles) the bias gradient. h's tile is read through TMA during the main loop and dh written back
+  through the same shared memory. The column sums reduce across warps through Mosaic GPU's one reduction
+  scratch buffer, so the warpgroups take turns (`sum_order` barriers) as they do on the tensor cores.
+  """
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  dtype = a_gmem.dtype
+  m, k = a_gmem.shape
+  transposed_b = mode == "dgelu"
+  n = b_gmem.shape[0] if transposed_b else b_gmem.shape[1]
+  tile_m, tile_n, tile_k, epi = tiles.m, tiles.n, tiles.k, tiles.epi
+  m_iters, n_iters, k_iters = m // tile_m, n // tile_n, k // tile_k
+  num_tiles = m_iters * n_iters
+  itemsize = jnp.dtype(dtype).itemsize
+
+  def transforms(minor: int):
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+  b_block = (tile_n, tile_k) if transposed_b else (tile_k, tile_n)
+  smem = dict(
+      a_smem=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=transforms(tile_k)),
+      b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=transforms(b_block[1])),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both operand blocks of a slot landed
+      consumed=plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # a compute warpgroup is done with a slot
+      order=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # warpgroup w finished a main loop
+      side_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # the bias or h tile, per warpgroup
+  )
+  if transposed_b:
+    smem["side_smem"] = plgpu.SMEM((2, tile_m, tile_n), dtype, transforms=transforms(tile_n))
+    smem["sums_smem"] = plgpu.SMEM((2, tile_n), jnp.float32)
+    smem["sum_order"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)  # warpgroup w's column sums are done
+  else:
+    smem["side_smem"] = plgpu.SMEM((2, tile_n), jnp.float32)
+    smem["out_smem"] = plgpu.SMEM((2, 2, epi, epi), dtype, transforms=transforms(epi))  # (warpgroup, slot)
+
+  def tile_slices(linear):
+    mi, ni = plgpu.planar_snake(linear, (m_iters, n_iters), 0 if tiles.grid_minor_m else 1, tiles.grid_tile_width)
+    return mi, pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)
+
+  @functools.partial(pl.run_scoped, **smem, collective_axes="wg")
+  def scope(a_smem, b_smem, full, consumed, order, side_barrier, side_smem, out_smem=None, sums_smem=None,
+            sum_order=None):
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("sm")
+    num_local = (num_tiles - cta + num_ctas - 1) // num_ctas  # this CTA's tiles: cta, cta + num_ctas, ...
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @pl.loop(0, num_local)
+      def _tile(j):
+        _, m_slice, n_slice = tile_slices(cta + j * num_ctas)
+
+        @pl.loop(0, k_iters)
+        def _step(kk):
+          step = j * k_iters + kk
+          slot = lax.rem(step, stages)
+
+          @pl.when(step >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          k_slice = pl.ds(kk * tile_k, tile_k)
+          plgpu.copy_gmem_to_smem(a_gmem.at[m_slice, k_slice], a_smem.at[slot], full.at[slot])
+          b_src = b_gmem.at[n_slice, k_slice] if transposed_b else b_gmem.at[k_slice, n_slice]
+          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[slot])
+
+      # The last slots' consumptions, so that no arrival is left pending on a barrier when the kernel ends.
+      total = num_local * k_iters
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      mine = (num_local - wg + 1) // 2  # warpgroup w takes the CTA's tiles w, w + 2, ...
+
+      @pl.loop(0, mine)
+      def _tile(i):
+        j = 2 * i + wg
+        mi, m_slice, n_slice = tile_slices(cta + j * num_ctas)
+        if transposed_b:  # h's tile, into the buffer that the previous tile's dh store has finished reading
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.copy_gmem_to_smem(side_gmem.at[m_slice, n_slice], side_smem.at[wg], side_barrier.at[wg])
+        else:
+          plgpu.copy_gmem_to_smem(side_gmem.at[n_slice], side_smem.at[wg], side_barrier.at[wg])
+
+        @pl.when(j > 0)
+        def _():
+          plgpu.barrier_wait(order.at[1 - wg])  # the other warpgroup's main loop is done
+
+        def main_loop(acc_ref):
+          def step(kk, _):
+            slot = lax.rem(j * k_iters + kk, stages)
+            plgpu.barrier_wait(full.at[slot])
+            b = plgpu.transpose_ref(b_smem.at[slot], (1, 0)) if transposed_b else b_smem.at[slot]
+            plgpu.wgmma(acc_ref, a_smem.at[slot], b)
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+
+            @pl.when(kk > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(j * k_iters + kk - 1, stages)])
+
+          lax.fori_loop(0, k_iters, step, None)
+          plgpu.barrier_arrive(order.at[wg])  # the tensor cores are the other warpgroup's
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[lax.rem(j * k_iters + k_iters - 1, stages)])
+          return acc_ref[...]
+
+        acc = pl.run_scoped(main_loop, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        plgpu.barrier_wait(side_barrier.at[wg])
+        if transposed_b:
+          sums = _dgelu_epilogue(acc, side_smem.at[wg], out_gmems[0].at[m_slice, n_slice], epi)
+
+          @pl.when(j > 0)
+          def _():
+            plgpu.barrier_wait(sum_order.at[1 - wg])  # the other warpgroup's reduction is done
+
+          for en, part in enumerate(sums):
+            sums_smem[wg, pl.ds(en * epi, epi)] = jnp.sum(part, axis=0)
+          plgpu.barrier_arrive(sum_order.at[wg])
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(sums_smem.at[wg], out_gmems[1].at[mi, n_slice])
+        else:
+          _bias_gelu_epilogue(acc, side_smem.at[wg], out_smem.at[wg], [ref.at[m_slice, n_slice] for ref in out_gmems],
+                              epi, dtype)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype):
+  """h = acc + bias and GELU(h), rounded to `dtype`, stored by [epi, epi] sub-tiles through two smem slots."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  tile_m, tile_n = acc.shape
+  slot = 0
+  for em in range(tile_m // epi):
+    for en in range(tile_n // epi):
+      part = acc[em * epi:(em + 1) * epi, en * epi:(en + 1) * epi]
+      bias = plgpu.load(bias_smem.at[pl.ds(en * epi, epi)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      h = (part + lax.broadcast_in_dim(bias, (epi, epi), [1])).astype(dtype)
+      for value, tile in zip((h, gelu(h.astype(jnp.float32)).astype(dtype)), out_tiles):
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
+        out_smem[slot] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[slot], tile.at[pl.ds(em * epi, epi), pl.ds(en * epi, epi)])
+        slot ^= 1
+
+
+def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int) -> list[Array]:
+  """dh = acc * GELU'(h) over h's tile in shared memory, by [epi, epi] parts, written in place and stored.
+  Returns per column block the rows' sum of dh's parts (float32 [epi, epi], of dh rounded as stored)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  tile_m, tile_n = acc.shape
+  sums = [None] * (tile_n // epi)
+  for em in range(tile_m // epi):
+    for en in range(tile_n // epi):
+      part = h_smem.at[pl.ds(em * epi, epi), pl.ds(en * epi, epi)]
+      h = plgpu.load(part, (), layout=plgpu.Layout.WGMMA)
+      dg = acc[em * epi:(em + 1) * epi, en * epi:(en + 1) * epi]
+      dh = (dg * gelu_derivative(h.astype(jnp.float32))).astype(h.dtype)
+      part[...] = dh
+      sums[en] = dh.astype(jnp.float32) if sums[en] is None else sums[en] + dh.astype(jnp.float32)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(h_smem, dh_tile)
+  return sums
+
+
 # A jit of its own: the layers' call sites of one shape share one lowering (jax caches an inner jit's lowering per
 # module), so the step compiles the kernel once instead of once per layer. BERT-Base seq-128 step on an H200
 # (bench/NOTES.md, session 12): +7.4 s of compile time over ffn_impl="xla" with it, +22.8 s without; on an
@@ -211,6 +447,30 @@ def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   return fn(a, b, side)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTiles):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  stages = pingpong_stages(a.shape[1], tiles)
+  if stages is None:
+    raise ValueError(f"K={a.shape[1]}: no ring depth up to {tiles.max_stages} fills each slot an even number of "
+                     f"times per tile (`pingpong_stages`)")
+  n = b.shape[0] if mode == "dgelu" else b.shape[1]
+  out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
+  sums = jax.ShapeDtypeStruct((a.shape[0] // tiles.m, n), jnp.float32)
+  num_ctas = jax.devices()[0].core_count
+  fn = plgpu.kernel(
+      functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, stages=stages, num_ctas=num_ctas),
+      out_type=(out, out) if mode == "bias_gelu" else (out, sums),
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                           approx_math=tiles.approx_math),
+  )
+  return fn(a, b, side)
+
+
 def _shards(x: Array, w: Array):
   """`sharding_lib.row_shards` of x, or None where the mesh splits x's other dims or the weight's output dim
   ("mlp": tensor parallelism, which the kernel does not do)."""
@@ -225,6 +485,16 @@ def _shards(x: Array, w: Array):
   return shards
 
 
+# Which kernels the model uses (`bias_gelu`, `dgelu`); bench/NOTES.md has what each measured.
+FORWARD_SCHEDULE = "cooperative"  # or "pingpong": the forward GEMM by `bias_gelu_matmul_pingpong`
+BACKWARD_KERNEL = False  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then its GELU backward)
+
+
+def supported_pingpong(m: int, k: int, n: int, dtype, tiles: PingPongTiles = PingPongTiles()) -> bool:
+  """Whether the ping-pong kernels take an [m, k] @ [k, n] product: `supported`, and a ring depth for k."""
+  return not (m % tiles.m or n % tiles.n) and pingpong_stages(k, tiles) is not None and _hopper(dtype)
+
+
 def applies(x: Array, w: Array, tiles: Tiles = Tiles()) -> bool:
   """Whether `bias_gelu` takes x [..., K] @ w [K, N] here: `supported` on each shard of x's rows."""
   if x.ndim < 2 or x.dtype != w.dtype:
@@ -233,20 +503,57 @@ def applies(x: Array, w: Array, tiles: Tiles = Tiles()) -> bool:
   return shards is not None and supported(shards[2], *w.shape, x.dtype, tiles)
 
 
-def bias_gelu(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
-  """(h, GELU(h)) of x [..., K] @ w [K, N] + bias (`bias_gelu_matmul`), per shard of x's rows under a mesh (the
-  weights replicated to each). Only where `applies`."""
+def applies_dgelu(x: Array, wi: Array, tiles: PingPongTiles = PingPongTiles()) -> bool:
+  """Whether `dgelu` takes the backward pass of an FFN with input x [..., K] and first kernel wi [K, N]: the
+  switch `BACKWARD_KERNEL`, and `supported_pingpong` for dy [rows, K] @ wo^T [K, N] on each shard of the rows."""
+  if not BACKWARD_KERNEL or x.ndim < 2 or x.dtype != wi.dtype:
+    return False
+  shards = _shards(x, wi)
+  return shards is not None and supported_pingpong(shards[2], *wi.shape, x.dtype, tiles)
+
+
+def _over_row_shards(run, rows: tuple[Array, ...], weights: tuple[Array, ...], x: Array, w: Array,
+                     out_ndims: tuple[int, ...]):
+  """run(*rows, *weights) per shard of the row operands' leading dim under a mesh (weights replicated); its
+  outputs (of these ranks) are split the same way."""
   mesh, row_axes, _ = _shards(x, w)
+  if mesh is None:
+    return run(*rows, *weights)
+  split = lambda ndim: P(row_axes or None, *([None] * (ndim - 1)))  # noqa: E731
+  return jax.shard_map(run, mesh=mesh, in_specs=(*map(split, (r.ndim for r in rows)), *([P()] * len(weights))),
+                       out_specs=tuple(map(split, out_ndims)), check_vma=False)(*rows, *weights)
+
+
+def bias_gelu(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
+  """(h, GELU(h)) of x [..., K] @ w [K, N] + bias (`bias_gelu_matmul`, or its ping-pong form with
+  FORWARD_SCHEDULE "pingpong"), per shard of x's rows under a mesh (the weights replicated to each). Only
+  where `applies`."""
   k, n = w.shape
 
   def run(x, w, bias):
-    h, g = bias_gelu_matmul(x.reshape(-1, k), w, bias, tiles)
+    x2 = x.reshape(-1, k)
+    if FORWARD_SCHEDULE == "pingpong" and supported_pingpong(x2.shape[0], k, n, x.dtype):
+      h, g = bias_gelu_matmul_pingpong(x2, w, bias)
+    else:
+      h, g = bias_gelu_matmul(x2, w, bias, tiles)
     return h.reshape(*x.shape[:-1], n), g.reshape(*x.shape[:-1], n)
 
-  if mesh is None:
-    return run(x, w, bias)
-  spec = P(row_axes or None, *([None] * (x.ndim - 1)))
-  return jax.shard_map(run, mesh=mesh, in_specs=(spec, P(), P()), out_specs=(spec, spec), check_vma=False)(x, w, bias)
+  return _over_row_shards(run, (x,), (w, bias), x, w, (x.ndim, x.ndim))
+
+
+def dgelu(dy: Array, wo: Array, h: Array, x: Array, wi: Array,
+          tiles: PingPongTiles = PingPongTiles()) -> tuple[Array, Array]:
+  """(dh, its float32 sum over the rows) with dh = (dy @ wo^T) * GELU'(h), for an FFN of input x and first kernel
+  wi (`dgelu_matmul`): dy [..., K], wo [N, K], h [..., N], per shard of the rows under a mesh. Only where
+  `applies_dgelu(x, wi)`."""
+  n, k = wo.shape
+
+  def run(dy, h, wo):
+    dh, sums = dgelu_matmul(dy.reshape(-1, k), wo, h.reshape(-1, n), tiles)
+    return dh.reshape(h.shape), sums[None]
+
+  dh, sums = _over_row_shards(run, (dy, h), (wo,), x, wi, (h.ndim, 2))
+  return dh, jnp.sum(sums, axis=0)
 
 
 def bias_gelu_matmul(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
@@ -257,3 +564,18 @@ def bias_gelu_matmul(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) ->
 def matmul(a: Array, b: Array, tiles: Tiles = Tiles()) -> Array:
   """a @ b (bf16) by the same GEMM without the epilogue's work: the bench's measure of what the epilogue costs."""
   return _call("plain", a, b, jnp.zeros((b.shape[1],), jnp.float32), tiles)[0]
+
+
+def bias_gelu_matmul_pingpong(x: Array, w: Array, bias: Array,
+                              tiles: PingPongTiles = PingPongTiles()) -> tuple[Array, Array]:
+  """`bias_gelu_matmul` by the ping-pong kernel (one warpgroup's epilogue under the other's matmuls)."""
+  return _pingpong_call("bias_gelu", x, w, bias.astype(jnp.float32), tiles)
+
+
+def dgelu_matmul(dy: Array, wo: Array, h: Array, tiles: PingPongTiles = PingPongTiles()) -> tuple[Array, Array]:
+  """(dh, dh's column sums): dh = (dy @ wo^T) * GELU'(h) with dy [M, K], wo [N, K] (the FFN's output kernel,
+  K = hidden), h [M, N], all bf16 -> [M, N] bf16, and its sums over the rows, float32 [N] (the first
+  projection's bias gradient). The FFN's backward pass from its output gradient to the pre-GELU gradient,
+  without writing d GELU(h) or reading dh back for the sum."""
+  dh, sums = _pingpong_call("dgelu", dy, wo, h, tiles)
+  return dh, jnp.sum(sums, axis=0)

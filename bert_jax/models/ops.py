@@ -201,47 +201,56 @@ def _gelu_bwd(approximate, x, dy):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def dense_gelu(x: Array, kernel: Array, bias: Array, implementation: str = "auto") -> Array:
-  """GELU(x @ kernel + bias) with the exact (erf) GELU: a feed-forward block's first projection and activation.
+def gelu_feed_forward(x: Array, wi: Array, bi: Array, wo: Array, bo: Array) -> Array:
+  """GELU(x @ wi + bi) @ wo + bo with the exact (erf) GELU: a feed-forward block, both projections.
 
-  x [..., E] and kernel [E, F] in the compute dtype, bias [F] (its gradient summed in float32, as `bias_add`).
-  With implementation "auto" on a Hopper GPU (`ffn_kernel.applies`) the forward pass is one Mosaic GPU kernel
-  that writes h = x @ kernel + bias and GELU(h) from the GEMM's accumulator (`ffn_kernel.bias_gelu`); the
-  backward pass is XLA's (`_dense_gelu_bwd`: autodiff's GEMMs, the GELU backward fused with the bias
-  gradient). Elsewhere, or with "xla", it is `gelu(bias_add(x @ kernel, bias))` under autodiff.
+  x [..., E], wi [E, F] and wo [F, E] in the compute dtype, biases [F] and [E] (their gradients summed in float32,
+  as `bias_add`). On a Hopper GPU the forward pass writes h = x @ wi + bi and GELU(h) from one Mosaic GPU kernel
+  (`ffn_kernel.bias_gelu`, where `ffn_kernel.applies`: the FFN's caller checks it), and the backward pass takes
+  dh = (dy @ wo^T) * GELU'(h) and its bias gradient from another (`ffn_kernel.dgelu`, where
+  `ffn_kernel.applies_dgelu`), so GELU(h)'s gradient is never written and no GELU kernel passes over memory. Elsewhere the same rule runs XLA's forms,
+  the values of `bias_add(gelu(bias_add(x @ wi, bi)) @ wo, bo)` under autodiff.
   """
-  if implementation == "auto" and ffn_kernel.applies(x, kernel):
-    return _dense_gelu(x, kernel, bias, True)
-  return gelu(bias_add(jnp.dot(x, kernel), bias))
+  return _gelu_feed_forward(x, wi, bi, wo, bo, ffn_kernel.applies(x, wi), ffn_kernel.applies_dgelu(x, wi))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense_gelu(x, kernel, bias, use_kernel: bool):
-  return _dense_gelu_fwd(x, kernel, bias, use_kernel)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gelu_feed_forward(x, wi, bi, wo, bo, forward_kernel: bool, backward_kernel: bool):
+  return _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel)[0]
 
 
-def _dense_gelu_fwd(x, kernel, bias, use_kernel):
-  if use_kernel:
-    h, g = ffn_kernel.bias_gelu(x, kernel, bias)
+def _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel):
+  del backward_kernel
+  if forward_kernel:
+    h, g = ffn_kernel.bias_gelu(x, wi, bi)
   else:  # the XLA form, for tests of the backward rule off GPU
-    h = bias_add(jnp.dot(x, kernel), bias)
+    h = bias_add(jnp.dot(x, wi), bi)
     g = gelu(h)
-  return g, (x, kernel, h, bias)
+  y = bias_add(jnp.dot(g, wo), bo)
+  return y, (x, wi, bi, h, g, wo, bo)
 
 
-def _dense_gelu_bwd(use_kernel, residuals, dg):
-  """What autodiff of the XLA form computes: dh by `gelu`'s rule, then the three matmul/bias gradients."""
-  del use_kernel
-  x, kernel, h, bias = residuals
-  (dh,) = _gelu_bwd(False, h, dg)
-  rows = tuple(range(dh.ndim - 1))
-  dbias = jnp.sum(dh.astype(jnp.float32), axis=rows).astype(bias.dtype)
-  dkernel = jax.lax.dot_general(x, dh, ((rows, rows), ((), ())))
-  dx = jax.lax.dot_general(dh, kernel, (((dh.ndim - 1,), (1,)), ((), ())))
-  return dx, dkernel, dbias
+def _gelu_feed_forward_bwd(forward_kernel, backward_kernel, residuals, dy):
+  """What autodiff of the XLA form computes, with dh from `ffn_kernel.dgelu` where `backward_kernel`."""
+  del forward_kernel
+  x, wi, bi, h, g, wo, bo = residuals
+  rows = tuple(range(dy.ndim - 1))
+  last = dy.ndim - 1
+  dbo = jnp.sum(dy.astype(jnp.float32), axis=rows).astype(bo.dtype)
+  dwo = jax.lax.dot_general(g, dy, ((rows, rows), ((), ())))
+  if backward_kernel:
+    dh, dbi = ffn_kernel.dgelu(dy, wo, h, x, wi)
+  else:
+    dg = jax.lax.dot_general(dy, wo, (((last,), (1,)), ((), ())))
+    (dh,) = _gelu_bwd(False, h, dg)
+    dbi = jnp.sum(dh.astype(jnp.float32), axis=rows)
+  dbi = dbi.astype(bi.dtype)
+  dwi = jax.lax.dot_general(x, dh, ((rows, rows), ((), ())))
+  dx = jax.lax.dot_general(dh, wi, (((last,), (1,)), ((), ())))
+  return dx, dwi, dbi, dwo, dbo
 
 
-_dense_gelu.defvjp(_dense_gelu_fwd, _dense_gelu_bwd)
+_gelu_feed_forward.defvjp(_gelu_feed_forward_fwd, _gelu_feed_forward_bwd)
 
 
 @jax.custom_vjp
