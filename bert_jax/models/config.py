@@ -68,8 +68,9 @@ class ModelConfig:
       for tests). Same values to rounding.
     ffn_impl: "auto" (default: on a Hopper GPU in bfloat16, the FFN's first
       projection, bias and exact GELU as one Mosaic GPU GEMM with the GELU in
-      its epilogue, `ffn_kernel.py`, where shapes allow; XLA elsewhere) or
-      "xla". Same values to rounding.
+      its epilogue, and in the backward pass dh = (dy @ wo^T) GELU'(h) with
+      the bias gradient as another, `ffn_kernel.py`, where shapes allow; XLA
+      elsewhere) or "xla". Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
   """

@@ -1,4 +1,4 @@
-"""A Hopper GEMM with the feed-forward block's bias and GELU in its epilogue (Pallas, Mosaic GPU backend, wgmma).
+"""Hopper GEMMs with the feed-forward block's bias and GELU in their epilogues (Pallas, Mosaic GPU backend, wgmma).
 
 The `wi` projection of a BERT FFN is h = x @ wi + bias, then the exact-erf
 GELU(h). cuBLAS (which XLA calls) adds the bias in its epilogue but has no
@@ -7,24 +7,37 @@ reads h back and writes GELU(h). `bias_gelu_matmul(x, w, bias)` computes both
 from the accumulator while it is still in registers and writes h (the backward
 pass's residual) and GELU(h) (the `wo` matmul's input) once each.
 
-The GEMM is a persistent kernel: one CTA per SM loops over output tiles; in each,
-a memory warpgroup streams [tile_m, tile_k] and [tile_k, 2 tile_n] blocks of the
-operands into shared memory (TMA, `stages` deep) and two compute warpgroups each
-accumulate a [tile_m, tile_n] half with wgmma; the epilogue writes [epi, epi]
-sub-tiles through two shared-memory slots per warpgroup.
+The backward pass of the FFN needs dh = (dy @ wo^T) * GELU'(h) and the bias
+gradient, dh's column sums. XLA writes d GELU(h) from the GEMM, then reads it and
+h back to write dh and sum it. `dgelu_matmul(dy, wo, h)` reads h's tile during
+the GEMM's main loop and writes only dh and the sums of each tile's columns.
 
-Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md session 11): at
-[32768, 768] @ [768, 3072] the kernel takes 0.324 ms against XLA's 0.390 (cuBLAS
-GEMM with the bias, then the GELU kernel). Its plain GEMM is ~0.02 ms slower
-than cuBLAS; the epilogue's GELU is not overlapped with the next tile's
-matmuls. A backward counterpart (dh = (dy @ wo^T) * GELU'(h) in the epilogue)
-was no faster than XLA's GEMM plus its fused GELU backward and bias-gradient
-reduction, so the backward pass stays in XLA (`ops.dense_gelu`).
+Two schedules of one persistent kernel (one CTA per SM looping over output tiles,
+a memory warpgroup streaming operand blocks through shared memory by TMA, two
+compute warpgroups with wgmma):
+- cooperative (`bias_gelu_matmul`, `_kernel`): both compute warpgroups work on
+  one [tile_m, 2 tile_n] tile, each on a half, through Pallas'
+  `emit_pipeline_warp_specialized`; the epilogue is not overlapped with matmuls.
+- ping-pong (`bias_gelu_matmul_pingpong`, `dgelu_matmul`, `_pingpong_kernel`):
+  each compute warpgroup owns whole [tile_m, tile_n] tiles, alternate ones, and
+  the warpgroups take turns on the tensor cores, so one's epilogue runs under the
+  other's matmuls. A hand-built ring of operand slots and barriers.
 
-The kernel runs on Hopper GPUs only (`supported`; Pallas has no interpreter for
-Mosaic GPU kernels in jax 0.10); elsewhere `ops.dense_gelu` uses the XLA form,
-the same values up to rounding (the kernel rounds h to bf16 once, after the bias;
-its erf is a polynomial within 5e-7 of `lax.erf`).
+Measured (bench/ffn_gemm.py, bench/NOTES.md sessions 11 and 13), ms per call at
+[32768, 768] x [768, 3072] (BERT-Base, 32768 tokens), H100 / H200:
+- forward: XLA 0.393 / 0.361, cooperative 0.331 / 0.324, ping-pong 0.359 / 0.335;
+- backward dh + bias gradient: XLA 0.457 / 0.430, ping-pong with the sums in its
+  epilogue 0.348 (H200; 0.435 on the H100 with the sums still in XLA).
+At BERT-Large's [16384, 1024] x [1024, 4096] on the H200: forward XLA 0.285,
+cooperative 0.263, ping-pong 0.248; backward XLA 0.330, ping-pong 0.269. The model
+uses the cooperative forward (`FORWARD_SCHEDULE`) and the ping-pong backward
+(`BACKWARD_KERNEL`).
+
+The kernels run on Hopper GPUs only (`supported`, `supported_pingpong`; Pallas
+has no interpreter for Mosaic GPU kernels in jax 0.10); elsewhere
+`ops.gelu_feed_forward` uses the XLA forms, the same values up to rounding (the
+kernels round h to bf16 once, after the bias; their erf is a polynomial within
+5e-7 of `lax.erf`).
 """
 
 from __future__ import annotations
@@ -487,7 +500,7 @@ def _shards(x: Array, w: Array):
 
 # Which kernels the model uses (`bias_gelu`, `dgelu`); bench/NOTES.md has what each measured.
 FORWARD_SCHEDULE = "cooperative"  # or "pingpong": the forward GEMM by `bias_gelu_matmul_pingpong`
-BACKWARD_KERNEL = False  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then its GELU backward)
+BACKWARD_KERNEL = True  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then its GELU backward)
 
 
 def supported_pingpong(m: int, k: int, n: int, dtype, tiles: PingPongTiles = PingPongTiles()) -> bool:
