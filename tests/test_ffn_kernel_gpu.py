@@ -75,10 +75,17 @@ def test_dgelu_matmul_equals_xla(shape):
 
 
 def test_model_gradients_with_the_kernel_equal_xla(monkeypatch):
-  """A BERT step's loss and gradients with ffn_impl "auto" (the kernel on this GPU) and "xla"."""
+  """An encoder's loss and gradients with ffn_impl "auto" (the kernels on this GPU) and "xla".
+
+  The loss is a random projection of the output, so that every gradient is of the order of the activations: a
+  loss that the final LayerNorm makes nearly flat leaves gradients of pure rounding noise, which no two
+  implementations share. The key projection's bias has a zero gradient (softmax ignores a per-query shift of
+  the scores) and is left out.
+  """
   kwargs = dict(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
                 max_position_embeddings=128, dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
   ids = jax.random.randint(jax.random.key(1), (16, 128), 5, 1024)
+  target = jax.random.normal(jax.random.key(2), (16, 128, 256), jnp.float32)
   results = []
   params = None
   for impl in ("auto", "xla"):
@@ -86,8 +93,7 @@ def test_model_gradients_with_the_kernel_equal_xla(monkeypatch):
     params = params or model.init(jax.random.key(0), ids)
 
     def loss(params):
-      hidden = model.apply(params, ids)["hidden"].astype(jnp.float32)
-      return jnp.mean(jnp.square(hidden - 0.5))
+      return jnp.mean(model.apply(params, ids)["hidden"].astype(jnp.float32) * target)
 
     if impl == "auto":
       hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
@@ -100,7 +106,9 @@ def test_model_gradients_with_the_kernel_equal_xla(monkeypatch):
     results.append(jax.jit(jax.value_and_grad(loss))(params))
   (loss_k, grads_k), (loss_x, grads_x) = results
   assert abs(float(loss_k) - float(loss_x)) < 1e-2 * abs(float(loss_x))
-  errors = jax.tree.map(relative, grads_k, grads_x)
-  worst = max(jax.tree.leaves(errors))
-  print(f"worst gradient leaf: relative {worst:.2e}")
-  assert worst < 5e-2
+  errors = {jax.tree_util.keystr(path): error for path, error in
+            jax.tree_util.tree_leaves_with_path(jax.tree.map(relative, grads_k, grads_x))
+            if "['key']['bias']" not in jax.tree_util.keystr(path)}
+  worst = max(errors, key=errors.get)
+  print(f"worst gradient leaf: {worst} relative {errors[worst]:.2e}")
+  assert errors[worst] < 2e-2  # bfloat16 rounding (~4e-3 where the kernels' rounding is emulated on CPU)
