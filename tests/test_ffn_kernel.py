@@ -84,3 +84,65 @@ def test_supported_shapes_and_dtype():
 def test_config_rejects_unknown_ffn_impl():
   with pytest.raises(ValueError, match="ffn_impl"):
     ModelConfig(ffn_impl="pallas")
+
+
+def emulated_kernels(monkeypatch):
+  """The Hopper kernels replaced by XLA programs with their rounding (h rounded once after the bias, dh from a
+  float32 product), and `_hopper` true: the model's kernel path, its custom VJP and its per-shard wrappers run on
+  CPU."""
+  def bias_gelu_matmul(x, w, bias, tiles=None):
+    h = (jnp.dot(x, w, preferred_element_type=jnp.float32) + bias).astype(x.dtype)
+    return h, ffn_kernel.gelu(h.astype(jnp.float32)).astype(x.dtype)
+
+  def dgelu_matmul(dy, wo, h, tiles=None):
+    dg = jnp.dot(dy, wo.T, preferred_element_type=jnp.float32)
+    dh = (dg * ffn_kernel.gelu_derivative(h.astype(jnp.float32))).astype(h.dtype)
+    return dh, jnp.sum(dh.astype(jnp.float32), axis=0)
+
+  monkeypatch.setattr(ffn_kernel, "_hopper", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(ffn_kernel, "bias_gelu_matmul", bias_gelu_matmul)
+  monkeypatch.setattr(ffn_kernel, "dgelu_matmul", dgelu_matmul)
+
+
+def encoder_value_and_grad(impl, ids, target, mesh=None):
+  from bert_jax.models.encoder import Encoder
+  model = Encoder(ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
+                              max_position_embeddings=64, dtype="bfloat16", hidden_dropout=0.0,
+                              attention_dropout=0.0, ffn_impl=impl))
+  params = model.init(jax.random.key(0), ids)
+
+  def loss(params):  # a random projection: gradients of the activations' order, no LayerNorm-flattened loss
+    return jnp.mean(model.apply(params, ids)["hidden"].astype(jnp.float32) * target)
+
+  step = jax.jit(jax.value_and_grad(loss))
+  if mesh is None:
+    return step(params), step.lower(params).as_text()
+  import flax.linen as nn
+
+  from bert_jax.parallel import sharding as sharding_lib
+  with mesh, nn.logical_axis_rules(sharding_lib.DEFAULT_RULES):
+    return step(params), step.lower(params).as_text()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded):
+  """The FFN's kernel path (`ops.gelu_feed_forward` with both kernels, emulated) in an encoder against "xla":
+  the custom VJP's wiring (dh and the bias gradient from `dgelu`), and under a 4-way batch mesh the per-shard
+  wrappers, whose column sums are added across shards."""
+  from bert_jax.parallel import sharding as sharding_lib
+  ids = jax.random.randint(jax.random.key(1), (16, 32), 5, 512)  # 128 rows per shard under the mesh: one tile
+  target = jax.random.normal(jax.random.key(2), (16, 32, 256), jnp.float32)
+  mesh = sharding_lib.create_mesh({"data": 4}, devices=jax.devices()[:4]) if sharded else None
+  (loss_x, grads_x), _ = encoder_value_and_grad("xla", ids, target, mesh)
+  emulated_kernels(monkeypatch)
+  assert ffn_kernel.applies_dgelu(jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 512), jnp.bfloat16))
+  (loss_k, grads_k), hlo = encoder_value_and_grad("auto", ids, target, mesh)
+  if sharded:
+    assert "manual_computation" in hlo or "shard_map" in hlo  # each device runs the kernels on its own rows
+  assert abs(float(loss_k) - float(loss_x)) < 1e-2 * abs(float(loss_x))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_k), jax.tree.leaves(grads_x), strict=True):
+    name = jax.tree_util.keystr(path)
+    if "['key']['bias']" in name:  # a zero gradient: softmax ignores a per-query shift of the scores
+      continue
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-2, name  # bf16: where each form rounds

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -486,14 +487,19 @@ def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTi
 
 def _shards(x: Array, w: Array):
   """`sharding_lib.row_shards` of x, or None where the mesh splits x's other dims or the weight's output dim
-  ("mlp": tensor parallelism, which the kernel does not do)."""
+  ("mlp": tensor parallelism, which the kernels do not do).
+
+  x's dims are resolved together, as the model constrains its activations (under FSDP "batch" takes the "fsdp"
+  axis, so "embed" is not split), and mesh axes of size 1 split nothing."""
   shards = sharding_lib.row_shards(x)
   if shards is None or shards[0] is None:
     return shards
   mesh = shards[0]
-  if any(sharding_lib.split_axes(("length",) * (x.ndim - 2) + ("embed",), x.shape[1:], mesh)):
+  splits = lambda axes: math.prod(mesh.shape[a] for a in axes) > 1  # noqa: E731
+  logical = ("batch",) + ("length",) * (x.ndim - 2) + ("embed",)
+  if any(map(splits, sharding_lib.split_axes(logical, x.shape, mesh)[1:])):
     return None
-  if sharding_lib.split_axes(("embed", "mlp"), w.shape, mesh)[1]:
+  if splits(sharding_lib.split_axes(("embed", "mlp"), w.shape, mesh)[1]):
     return None
   return shards
 
