@@ -26,37 +26,26 @@ def relative(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("shape", [(32768, 768, 3072), (16384, 1024, 4096), (2048, 256, 512)])
-def test_bias_gelu_matmul_equals_xla(shape):
+# Ping-pong shapes with a few tiles per CTA, fewer tiles than CTAs (warpgroups with one tile or none), odd counts.
+PINGPONG_SHAPES = [(32768, 768, 3072), (16384, 1024, 4096), (2048, 256, 512), (256, 256, 512), (384, 512, 384)]
+FORWARD_CASES = ([("cooperative", s) for s in [(32768, 768, 3072), (16384, 1024, 4096), (2048, 256, 512)]]
+                 + [("pingpong", s) for s in PINGPONG_SHAPES])
+
+
+@pytest.mark.parametrize("schedule, shape", FORWARD_CASES)
+def test_bias_gelu_matmul_equals_xla(schedule, shape):
   m, k, n = shape
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
   w = (0.05 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
   bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
-  h, g = jax.jit(ffn_kernel.bias_gelu_matmul)(x, w, bias)
+  kernel = {"cooperative": ffn_kernel.bias_gelu_matmul, "pingpong": ffn_kernel.bias_gelu_matmul_pingpong}[schedule]
+  h, g = jax.jit(kernel)(x, w, bias)
   h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
   g_ref = ops.gelu(h_ref)
   errors = relative(h, h_ref), relative(g, g_ref)
-  print(f"{shape}: h {errors[0]:.2e}, GELU(h) {errors[1]:.2e}")
+  print(f"{schedule} {shape}: h {errors[0]:.2e}, GELU(h) {errors[1]:.2e}")
   assert max(errors) < 4e-3  # bfloat16 rounding of the outputs (2^-9 relative at most, ~2e-3 in norm)
-
-
-# Shapes with a few tiles per CTA, with fewer tiles than CTAs (warpgroups with one tile or none) and odd counts.
-PINGPONG_SHAPES = [(32768, 768, 3072), (16384, 1024, 4096), (2048, 256, 512), (256, 256, 512), (384, 512, 384)]
-
-
-@pytest.mark.parametrize("shape", PINGPONG_SHAPES)
-def test_pingpong_bias_gelu_matmul_equals_xla(shape):
-  m, k, n = shape
-  keys = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-  w = (0.05 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
-  bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
-  h, g = jax.jit(ffn_kernel.bias_gelu_matmul_pingpong)(x, w, bias)
-  h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
-  errors = relative(h, h_ref), relative(g, ops.gelu(h_ref))
-  print(f"{shape}: h {errors[0]:.2e}, GELU(h) {errors[1]:.2e}")
-  assert max(errors) < 4e-3
 
 
 @pytest.mark.parametrize("shape", PINGPONG_SHAPES)

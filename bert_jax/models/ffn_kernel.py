@@ -442,28 +442,14 @@ def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int) -> list[Array]:
 # H100 with it, 41.5 s against 41.9.
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   m, n = a.shape[0], b.shape[1]
   out = jax.ShapeDtypeStruct((m, n), a.dtype)
-  out_type = (out, out) if mode == "bias_gelu" else (out,)
-  fn = plgpu.kernel(
-      functools.partial(_kernel, tiles=tiles, mode=mode),
-      out_type=out_type,
-      grid=(jax.devices()[0].core_count,),
-      grid_names=("cluster_grid",),
-      cluster=(1,),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                           approx_math=tiles.approx_math),
-  )
-  return fn(a, b, side)
+  return _launch(functools.partial(_kernel, tiles=tiles, mode=mode), (out, out) if mode == "bias_gelu" else (out,),
+                 tiles, grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",))(a, b, side)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTiles):
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   stages = pingpong_stages(a.shape[1], tiles)
   if stages is None:
     raise ValueError(f"K={a.shape[1]}: no ring depth up to {tiles.max_stages} fills each slot an even number of "
@@ -471,18 +457,24 @@ def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTi
   n = b.shape[0] if mode == "dgelu" else b.shape[1]
   out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
   sums = jax.ShapeDtypeStruct((a.shape[0] // tiles.m, n), jnp.float32)
-  num_ctas = jax.devices()[0].core_count
-  fn = plgpu.kernel(
-      functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, stages=stages, num_ctas=num_ctas),
-      out_type=(out, out) if mode == "bias_gelu" else (out, sums),
-      grid=(num_ctas,),
-      grid_names=("sm",),
+  body = functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, stages=stages,
+                           num_ctas=jax.devices()[0].core_count)
+  return _launch(body, (out, out) if mode == "bias_gelu" else (out, sums), tiles, grid_names=("sm",))(a, b, side)
+
+
+def _launch(body, out_type, tiles: Tiles | PingPongTiles, **mesh):
+  """A persistent kernel: one CTA per SM, three warpgroups (two compute, one memory), warpgroup semantics."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(jax.devices()[0].core_count,),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=tiles.approx_math),
+      **mesh,
   )
-  return fn(a, b, side)
 
 
 def _shards(x: Array, w: Array):
