@@ -9,8 +9,8 @@ cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEM
 `bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
 XLA form relative to its largest value. Then the ping-pong kernels per ring depth bound: the forward
 (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
-sum (`dgelu_matmul`, the sums per tile in its epilogue), against XLA's backward (its GEMM, then the GELU backward fused with the
-sum).
+sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
+fused with the sums).
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ def xla_forward(x, w, bias):
 def xla_backward(dy, wo, h):
   dh = ops._gelu_bwd(False, h, jnp.dot(dy, wo.T))[0]  # noqa: SLF001 -- the model's rule
   return dh, jnp.sum(dh.astype(jnp.float32), axis=0)
-
-
-def kernel_backward(dy, wo, h, tiles):
-  return ffn_kernel.dgelu_matmul(dy, wo, h, tiles)  # dh and its column sums
 
 
 def rel_err(a, b) -> float:
@@ -98,7 +94,7 @@ def main() -> None:
       label = f"  ping-pong, ring {ffn_kernel.pingpong_stages(hidden, tiles)} (max {stages})"
       try:
         kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))
-        kb = jax.jit(lambda dy, wo, h, t=tiles: kernel_backward(dy, wo, h, t), compiler_options=options)
+        kb = jax.jit(lambda dy, wo, h, t=tiles: ffn_kernel.dgelu_matmul(dy, wo, h, t), compiler_options=options)
         h, g = kf(x, wi, bias)
         dh, sums = kb(dy, wo, h_ref)
         print(f"{label}: forward {time_ms(kf, x, wi, bias, iters=args.iters):.4f} (h {rel_err(h, h_ref):.2g}, "

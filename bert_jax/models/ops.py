@@ -208,8 +208,9 @@ def gelu_feed_forward(x: Array, wi: Array, bi: Array, wo: Array, bo: Array) -> A
   as `bias_add`). On a Hopper GPU the forward pass writes h = x @ wi + bi and GELU(h) from one Mosaic GPU kernel
   (`ffn_kernel.bias_gelu`, where `ffn_kernel.applies`: the FFN's caller checks it), and the backward pass takes
   dh = (dy @ wo^T) * GELU'(h) and its bias gradient from another (`ffn_kernel.dgelu`, where
-  `ffn_kernel.applies_dgelu`), so GELU(h)'s gradient is never written and no GELU kernel passes over memory. Elsewhere the same rule runs XLA's forms,
-  the values of `bias_add(gelu(bias_add(x @ wi, bi)) @ wo, bo)` under autodiff.
+  `ffn_kernel.applies_dgelu`), so GELU(h)'s gradient is never written and no GELU kernel passes over memory.
+  Elsewhere the same rule runs XLA's forms, the values of `bias_add(gelu(bias_add(x @ wi, bi)) @ wo, bo)` under
+  autodiff.
   """
   return _gelu_feed_forward(x, wi, bi, wo, bo, ffn_kernel.applies(x, wi), ffn_kernel.applies_dgelu(x, wi))
 
