@@ -2,12 +2,12 @@
 
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
-  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,3,2  # the ping-pong kernels only
+  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,3  # the ping-pong kernels only
 
 Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and GELU(h), both written: XLA (a
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
 `bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
-XLA form relative to its largest value. Then the ping-pong kernels per ring depth bound: the forward
+XLA form relative to its largest value. Then the ping-pong kernels per ring depth: the forward
 (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
 sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
 fused with the sums).
@@ -50,7 +50,7 @@ def main() -> None:
   parser.add_argument("--shapes", default="32768x768x3072,16384x1024x4096")
   parser.add_argument("--tiles", default="128x128x64x4", help="comma-separated m x n x k x stages launches")
   parser.add_argument("--widths", default="8", help="grid_tile_width values")
-  parser.add_argument("--pingpong-stages", default="4", help="ring depth bounds of the ping-pong kernels ('' none)")
+  parser.add_argument("--pingpong-stages", default="4", help="ring depths of the ping-pong kernels ('' none)")
   parser.add_argument("--iters", type=int, default=50)
   args = parser.parse_args()
   options = step_lib.compiler_options()
@@ -90,8 +90,8 @@ def main() -> None:
     print(f"  backward, XLA (GEMM, GELU backward + bias gradient) {time_ms(bwd, dy, wo, h_ref, iters=args.iters):.4f}",
           flush=True)
     for stages in (int(v) for v in args.pingpong_stages.split(",")):
-      tiles = ffn_kernel.PingPongTiles(max_stages=stages)
-      label = f"  ping-pong, ring {ffn_kernel.pingpong_stages(hidden, tiles)} (max {stages})"
+      tiles = ffn_kernel.PingPongTiles(stages=stages)
+      label = f"  ping-pong, ring {stages}"
       try:
         kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))
         kb = jax.jit(lambda dy, wo, h, t=tiles: ffn_kernel.dgelu_matmul(dy, wo, h, t), compiler_options=options)

@@ -23,15 +23,14 @@ compute warpgroups with wgmma):
   the warpgroups take turns on the tensor cores, so one's epilogue runs under the
   other's matmuls. A hand-built ring of operand slots and barriers.
 
-Measured (bench/ffn_gemm.py, bench/NOTES.md sessions 11 and 13), ms per call at
-[32768, 768] x [768, 3072] (BERT-Base, 32768 tokens), H100 / H200:
-- forward: XLA 0.393 / 0.361, cooperative 0.331 / 0.324, ping-pong 0.359 / 0.335;
-- backward dh + bias gradient: XLA 0.457 / 0.430, ping-pong with the sums in its
-  epilogue 0.348 (H200; 0.435 on the H100 with the sums still in XLA).
-At BERT-Large's [16384, 1024] x [1024, 4096] on the H200: forward XLA 0.285,
-cooperative 0.263, ping-pong 0.248; backward XLA 0.330, ping-pong 0.269. The model
-uses the cooperative forward (`FORWARD_SCHEDULE`) and the ping-pong backward
-(`BACKWARD_KERNEL`).
+Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md session 13, one call), ms
+per call at [32768, 768] x [768, 3072] (BERT-Base, 32768 tokens): forward XLA
+0.396, cooperative 0.327, ping-pong 0.320; backward dh + bias gradient XLA 0.456,
+ping-pong with the sums in its epilogue 0.349. At BERT-Large's [16384, 1024] x
+[1024, 4096]: backward XLA 0.348, ping-pong 0.272-0.308 (two calls); forward
+cooperative 0.266, ping-pong 0.259-0.294. The model uses the cooperative forward
+(`FORWARD_SCHEDULE`: the ping-pong one is not reliably faster) and the ping-pong
+backward (`BACKWARD_KERNEL`: -1.0 ms per BERT-Base seq-128 step on an H200).
 
 The kernels run on Hopper GPUs only (`supported`, `supported_pingpong`; Pallas
 has no interpreter for Mosaic GPU kernels in jax 0.10); elsewhere
@@ -206,34 +205,17 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
 
 @dataclasses.dataclass(frozen=True)
 class PingPongTiles:
-  """Launch parameters of the ping-pong kernels: each compute warpgroup owns whole [m, n] output tiles.
-
-  `max_stages` bounds the shared ring of operand slots; the ring's depth is the largest number of stages up to it
-  that leaves each slot filled an even number of times per tile (`pingpong_stages`).
-  """
+  """Launch parameters of the ping-pong kernels: each compute warpgroup owns whole [m, n] output tiles, and
+  `stages` slots of [m, k] and [k, n] operand blocks form one ring that both warpgroups' tiles stream through."""
 
   m: int = 128
   n: int = 128
   k: int = 64
-  max_stages: int = 4
+  stages: int = 4
   epi: int = 64
   grid_tile_width: int = 8
   grid_minor_m: bool = True
   approx_math: bool = True
-
-
-def pingpong_stages(k: int, tiles: PingPongTiles = PingPongTiles()) -> int | None:
-  """The ring depth for a K-long contraction: the most stages (2 to `max_stages`) that divide the tile's
-  k-steps into an even number of rounds, or None.
-
-  Mosaic GPU keeps a barrier's expected phase per thread and flips it on the thread's own waits. A compute
-  warpgroup skips the other's tiles, so each slot's barrier must complete an even number of phases per tile
-  for the skipping warpgroup's phase bits to stay right."""
-  if k % tiles.k:
-    return None
-  k_iters = k // tiles.k
-  fits = [s for s in range(2, tiles.max_stages + 1) if k_iters % (2 * s) == 0]
-  return max(fits) if fits else None
 
 
 def gelu_derivative(h32: Array) -> Array:
@@ -255,7 +237,9 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: PingPongTiles
   One memory warpgroup streams each tile's [m, k] and [k, n] operand blocks through one ring of `stages`
   slots, tile after tile. The compute warpgroups take turns on the tensor cores: warpgroup w waits for the
   other's main loop to finish (`order` barriers), runs its own, signals, then runs its epilogue while the other
-  warpgroup's matmuls proceed.
+  warpgroup's matmuls proceed. Each warpgroup has its own "full" barrier per slot (the memory warpgroup arrives
+  on the tile owner's): Mosaic GPU keeps a barrier's expected phase per thread, flipped by the thread's own
+  waits, so a barrier must only complete phases that its waiter waits for.
 
   mode "bias_gelu": a [M, K] @ b [K, N] + side (the bias, float32 [N]) -> out_gmems (h, GELU(h)).
   mode "dgelu": (a [M, K] @ b [N, K]^T) * GELU'(side) with side = h [M, N] -> out_gmems (dh, its column sums
@@ -284,7 +268,7 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: PingPongTiles
   smem = dict(
       a_smem=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=transforms(tile_k)),
       b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=transforms(b_block[1])),
-      full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both operand blocks of a slot landed
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # (owner, slot): both operand blocks landed
       consumed=plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # a compute warpgroup is done with a slot
       order=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # warpgroup w finished a main loop
       side_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # the bias or h tile, per warpgroup
@@ -315,20 +299,22 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: PingPongTiles
       @pl.loop(0, num_local)
       def _tile(j):
         _, m_slice, n_slice = tile_slices(cta + j * num_ctas)
+        owner = lax.rem(j, 2)  # the compute warpgroup of tile j
 
         @pl.loop(0, k_iters)
         def _step(kk):
           step = j * k_iters + kk
           slot = lax.rem(step, stages)
+          landed = full.at[owner * stages + slot]
 
           @pl.when(step >= stages)
           def _():
             plgpu.barrier_wait(consumed.at[slot])
 
           k_slice = pl.ds(kk * tile_k, tile_k)
-          plgpu.copy_gmem_to_smem(a_gmem.at[m_slice, k_slice], a_smem.at[slot], full.at[slot])
+          plgpu.copy_gmem_to_smem(a_gmem.at[m_slice, k_slice], a_smem.at[slot], landed)
           b_src = b_gmem.at[n_slice, k_slice] if transposed_b else b_gmem.at[k_slice, n_slice]
-          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], full.at[slot])
+          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], landed)
 
       # The last slots' consumptions, so that no arrival is left pending on a barrier when the kernel ends.
       total = num_local * k_iters
@@ -359,7 +345,7 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: PingPongTiles
         def main_loop(acc_ref):
           def step(kk, _):
             slot = lax.rem(j * k_iters + kk, stages)
-            plgpu.barrier_wait(full.at[slot])
+            plgpu.barrier_wait(full.at[wg * stages + slot])
             b = plgpu.transpose_ref(b_smem.at[slot], (1, 0)) if transposed_b else b_smem.at[slot]
             plgpu.wgmma(acc_ref, a_smem.at[slot], b)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
@@ -450,14 +436,10 @@ def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTiles):
-  stages = pingpong_stages(a.shape[1], tiles)
-  if stages is None:
-    raise ValueError(f"K={a.shape[1]}: no ring depth up to {tiles.max_stages} fills each slot an even number of "
-                     f"times per tile (`pingpong_stages`)")
   n = b.shape[0] if mode == "dgelu" else b.shape[1]
   out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
   sums = jax.ShapeDtypeStruct((a.shape[0] // tiles.m, n), jnp.float32)
-  body = functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, stages=stages,
+  body = functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, stages=tiles.stages,
                            num_ctas=jax.devices()[0].core_count)
   return _launch(body, (out, out) if mode == "bias_gelu" else (out, sums), tiles, grid_names=("sm",))(a, b, side)
 
@@ -502,8 +484,8 @@ BACKWARD_KERNEL = True  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then 
 
 
 def supported_pingpong(m: int, k: int, n: int, dtype, tiles: PingPongTiles = PingPongTiles()) -> bool:
-  """Whether the ping-pong kernels take an [m, k] @ [k, n] product: `supported`, and a ring depth for k."""
-  return not (m % tiles.m or n % tiles.n) and pingpong_stages(k, tiles) is not None and _hopper(dtype)
+  """Whether the ping-pong kernels take an [m, k] @ [k, n] product: a Hopper GPU, bf16, shapes the tiles divide."""
+  return not (m % tiles.m or n % tiles.n or k % tiles.k) and _hopper(dtype)
 
 
 def applies(x: Array, w: Array, tiles: Tiles = Tiles()) -> bool:
