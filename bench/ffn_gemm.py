@@ -90,7 +90,7 @@ def main() -> None:
     print(f"  backward, XLA (GEMM, GELU backward + bias gradient) {time_ms(bwd, dy, wo, h_ref, iters=args.iters):.4f}",
           flush=True)
     for stages in (int(v) for v in args.pingpong_stages.split(",")):
-      tiles = ffn_kernel.PingPongTiles(stages=stages)
+      tiles = ffn_kernel.Tiles(stages=stages)
       label = f"  ping-pong, ring {stages}"
       try:
         kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))

@@ -62,7 +62,9 @@ _INV_SQRT_2PI = float(1.0 / np.sqrt(2.0 * np.pi))
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """Launch parameters. Each CTA computes a [m, 2 n] output tile (one [m, n] half per compute warpgroup)."""
+  """Launch parameters. Each compute warpgroup computes [m, n] output tiles, through a ring of `stages` slots of
+  [m, k] and [k, n] operand blocks: in the cooperative kernel both halves of a CTA's [m, 2 n] tile, in the
+  ping-pong kernels alternate tiles."""
 
   m: int = 128
   n: int = 128
@@ -203,21 +205,6 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class PingPongTiles:
-  """Launch parameters of the ping-pong kernels: each compute warpgroup owns whole [m, n] output tiles, and
-  `stages` slots of [m, k] and [k, n] operand blocks form one ring that both warpgroups' tiles stream through."""
-
-  m: int = 128
-  n: int = 128
-  k: int = 64
-  stages: int = 4
-  epi: int = 64
-  grid_tile_width: int = 8
-  grid_minor_m: bool = True
-  approx_math: bool = True
-
-
 def gelu_derivative(h32: Array) -> Array:
   """GELU'(h) = Phi(h) + h phi(h), float32, from `erf`'s polynomial (the density shares its exp)."""
   x = h32 * _SQRT_HALF
@@ -230,7 +217,7 @@ def gelu_derivative(h32: Array) -> Array:
   return jnp.where(x < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
 
 
-def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: PingPongTiles, mode: str, stages: int,
+def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: str, stages: int,
                      num_ctas: int):
   """A persistent GEMM whose two compute warpgroups own alternate output tiles ("ping-pong").
 
@@ -435,7 +422,7 @@ def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTiles):
+def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   n = b.shape[0] if mode == "dgelu" else b.shape[1]
   out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
   sums = jax.ShapeDtypeStruct((a.shape[0] // tiles.m, n), jnp.float32)
@@ -444,7 +431,7 @@ def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: PingPongTi
   return _launch(body, (out, out) if mode == "bias_gelu" else (out, sums), tiles, grid_names=("sm",))(a, b, side)
 
 
-def _launch(body, out_type, tiles: Tiles | PingPongTiles, **mesh):
+def _launch(body, out_type, tiles: Tiles, **mesh):
   """A persistent kernel: one CTA per SM, three warpgroups (two compute, one memory), warpgroup semantics."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   return plgpu.kernel(
@@ -483,7 +470,7 @@ FORWARD_SCHEDULE = "cooperative"  # or "pingpong": the forward GEMM by `bias_gel
 BACKWARD_KERNEL = True  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then its GELU backward)
 
 
-def supported_pingpong(m: int, k: int, n: int, dtype, tiles: PingPongTiles = PingPongTiles()) -> bool:
+def supported_pingpong(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
   """Whether the ping-pong kernels take an [m, k] @ [k, n] product: a Hopper GPU, bf16, shapes the tiles divide."""
   return not (m % tiles.m or n % tiles.n or k % tiles.k) and _hopper(dtype)
 
@@ -496,7 +483,7 @@ def applies(x: Array, w: Array, tiles: Tiles = Tiles()) -> bool:
   return shards is not None and supported(shards[2], *w.shape, x.dtype, tiles)
 
 
-def applies_dgelu(x: Array, wi: Array, tiles: PingPongTiles = PingPongTiles()) -> bool:
+def applies_dgelu(x: Array, wi: Array, tiles: Tiles = Tiles()) -> bool:
   """Whether `dgelu` takes the backward pass of an FFN with input x [..., K] and first kernel wi [K, N]: the
   switch `BACKWARD_KERNEL`, and `supported_pingpong` for dy [rows, K] @ wo^T [K, N] on each shard of the rows."""
   if not BACKWARD_KERNEL or x.ndim < 2 or x.dtype != wi.dtype:
@@ -535,7 +522,7 @@ def bias_gelu(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[
 
 
 def dgelu(dy: Array, wo: Array, h: Array, x: Array, wi: Array,
-          tiles: PingPongTiles = PingPongTiles()) -> tuple[Array, Array]:
+          tiles: Tiles = Tiles()) -> tuple[Array, Array]:
   """(dh, its float32 sum over the rows) with dh = (dy @ wo^T) * GELU'(h), for an FFN of input x and first kernel
   wi (`dgelu_matmul`): dy [..., K], wo [N, K], h [..., N], per shard of the rows under a mesh. Only where
   `applies_dgelu(x, wi)`."""
@@ -560,12 +547,12 @@ def matmul(a: Array, b: Array, tiles: Tiles = Tiles()) -> Array:
 
 
 def bias_gelu_matmul_pingpong(x: Array, w: Array, bias: Array,
-                              tiles: PingPongTiles = PingPongTiles()) -> tuple[Array, Array]:
+                              tiles: Tiles = Tiles()) -> tuple[Array, Array]:
   """`bias_gelu_matmul` by the ping-pong kernel (one warpgroup's epilogue under the other's matmuls)."""
   return _pingpong_call("bias_gelu", x, w, bias.astype(jnp.float32), tiles)
 
 
-def dgelu_matmul(dy: Array, wo: Array, h: Array, tiles: PingPongTiles = PingPongTiles()) -> tuple[Array, Array]:
+def dgelu_matmul(dy: Array, wo: Array, h: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
   """(dh, dh's column sums): dh = (dy @ wo^T) * GELU'(h) with dy [M, K], wo [N, K] (the FFN's output kernel,
   K = hidden), h [M, N], all bf16 -> [M, N] bf16, and its sums over the rows, float32 [N] (the first
   projection's bias gradient). The FFN's backward pass from its output gradient to the pre-GELU gradient,
