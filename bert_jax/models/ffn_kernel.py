@@ -217,11 +217,10 @@ def gelu_derivative(h32: Array) -> Array:
   return jnp.where(x < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
 
 
-def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: str, stages: int,
-                     num_ctas: int):
+def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: str, num_ctas: int):
   """A persistent GEMM whose two compute warpgroups own alternate output tiles ("ping-pong").
 
-  One memory warpgroup streams each tile's [m, k] and [k, n] operand blocks through one ring of `stages`
+  One memory warpgroup streams each tile's [m, k] and [k, n] operand blocks through one ring of `tiles.stages`
   slots, tile after tile. The compute warpgroups take turns on the tensor cores: warpgroup w waits for the
   other's main loop to finish (`order` barriers), runs its own, signals, then runs its epilogue while the other
   warpgroup's matmuls proceed. Each warpgroup has its own "full" barrier per slot (the memory warpgroup arrives
@@ -242,7 +241,7 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
   m, k = a_gmem.shape
   transposed_b = mode == "dgelu"
   n = b_gmem.shape[0] if transposed_b else b_gmem.shape[1]
-  tile_m, tile_n, tile_k, epi = tiles.m, tiles.n, tiles.k, tiles.epi
+  tile_m, tile_n, tile_k, epi, stages = tiles.m, tiles.n, tiles.k, tiles.epi, tiles.stages
   m_iters, n_iters, k_iters = m // tile_m, n // tile_n, k // tile_k
   num_tiles = m_iters * n_iters
   itemsize = jnp.dtype(dtype).itemsize
@@ -426,8 +425,7 @@ def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   n = b.shape[0] if mode == "dgelu" else b.shape[1]
   out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
   sums = jax.ShapeDtypeStruct((a.shape[0] // tiles.m, n), jnp.float32)
-  body = functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, stages=tiles.stages,
-                           num_ctas=jax.devices()[0].core_count)
+  body = functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, num_ctas=jax.devices()[0].core_count)
   return _launch(body, (out, out) if mode == "bias_gelu" else (out, sums), tiles, grid_names=("sm",))(a, b, side)
 
 
