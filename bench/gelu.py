@@ -6,11 +6,13 @@
 Per [tokens, intermediate] shape, ms per call of the forward GELU (read h, write GELU(h)) and of the backward
 pass as the train step fuses it (read h and dy, write dh = dy GELU'(h), and the bias gradient, the float32
 column sums of dh), each with erf from `lax.erf` ("lax": `ops.gelu`'s rules) and from `ffn_kernel.erf`'s
-Abramowitz-Stegun 7.1.26 polynomial, whose exp(-h^2 / 2) the backward shares with the normal density ("as").
+Abramowitz-Stegun 7.1.26 polynomial ("as": the Hopper kernels' `ffn_kernel.gelu` and `gelu_derivative`, whose
+exp(-h^2 / 2) the backward shares with the normal density).
 The "floor" rows do the same memory traffic with a multiply in place of the GELU: the memory-bound time.
 
 Measured on an H100 (bench/NOTES.md, session 12): "lax" is at the floor (backward 0.257 against 0.256 ms at
-32768 x 3072) and "as" is slower (0.479), so `ops.gelu` keeps `lax.erf`.
+32768 x 3072) and "as" is slower (0.479), so `ops.gelu` keeps `lax.erf`. (That run wrote the same arithmetic
+inline, its forward as h Phi(h) rather than `ffn_kernel.gelu`'s 0.5 h (1 + erf); not re-timed since.)
 """
 
 from __future__ import annotations
@@ -30,22 +32,11 @@ from bert_jax.models import ffn_kernel, ops  # noqa: E402
 from bert_jax.train import step as step_lib  # noqa: E402
 
 
-def normal_cdf_as(x32):
-  """(Phi(x), exp(-x^2 / 2)) with erfc(|x| / sqrt 2) = t p(t) exp(-x^2 / 2), t = 1 / (1 + c |x| / sqrt 2)."""
-  e = jnp.exp(-0.5 * x32 * x32)
-  t = 1.0 / (1.0 + (ffn_kernel._ERF_P * ops._SQRT_HALF) * jnp.abs(x32))
-  poly = ffn_kernel._ERF_A[4]
-  for a in reversed(ffn_kernel._ERF_A[:4]):
-    poly = poly * t + a
-  half_erfc = 0.5 * poly * t * e
-  return jnp.where(x32 < 0.0, half_erfc, 1.0 - half_erfc), e
-
-
 def forward(h, erf):
   if erf == "floor":
     return h * h
   h32 = h.astype(jnp.float32)
-  return (h32 * normal_cdf_as(h32)[0] if erf == "as" else ops._gelu_value(h32, False)).astype(h.dtype)
+  return (ffn_kernel.gelu(h32) if erf == "as" else ops._gelu_value(h32, False)).astype(h.dtype)
 
 
 def backward(h, dy, erf):
@@ -53,8 +44,7 @@ def backward(h, dy, erf):
   if erf == "floor":
     slope = h32
   elif erf == "as":
-    cdf, e = normal_cdf_as(h32)
-    slope = cdf + h32 * ops._INV_SQRT_2PI * e
+    slope = ffn_kernel.gelu_derivative(h32)
   else:
     slope = ops._gelu_derivative(h32, False)
   dh = (dy.astype(jnp.float32) * slope).astype(h.dtype)
