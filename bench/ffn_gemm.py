@@ -3,6 +3,7 @@
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
   python bench/ffn_gemm.py --tiles none --pingpong-stages 4,3  # the ping-pong kernels only
+  python bench/ffn_gemm.py --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
 
 Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and GELU(h), both written: XLA (a
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
@@ -11,11 +12,17 @@ XLA form relative to its largest value. Then the ping-pong kernels per ring dept
 (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
 sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
 fused with the sums).
+
+`--ablate` times the ping-pong kernels with parts of their epilogues taken out (patched in this process only; the
+results are wrong by design, so no errors are printed): the forward without its epilogue, writing h only, with
+the GELU replaced by a copy, and with more output slots (`Tiles.out_slots`); the backward without GELU'(h)'s
+arithmetic, without the column sums, and without its epilogue (no h tile read, no dh written; the sums kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import sys
 
@@ -45,6 +52,64 @@ def rel_err(a, b) -> float:
   return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+@contextlib.contextmanager
+def patched(**attributes):
+  """ffn_kernel's module attributes replaced while the kernels are traced anew (jax's caches cleared)."""
+  saved = {name: getattr(ffn_kernel, name) for name in attributes}
+  for name, value in attributes.items():
+    setattr(ffn_kernel, name, value)
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      setattr(ffn_kernel, name, value)
+    jax.clear_caches()
+
+
+def _dgelu_sums_only(acc, h_smem, dh_tile, epi):
+  del h_smem, dh_tile
+  return [acc[:epi, en * epi:(en + 1) * epi] for en in range(acc.shape[1] // epi)]
+
+
+ABLATIONS = {
+    "forward": {
+        "as shipped": {},
+        "no epilogue (GEMM only)": dict(_bias_gelu_epilogue=lambda *args, **kwargs: None),
+        "h only (no GELU output)": dict(_bias_gelu_epilogue=lambda acc, bias, smem, tiles, epi, dtype, shipped=(
+            ffn_kernel._bias_gelu_epilogue): shipped(acc, bias, smem, tiles[:1], epi, dtype)),  # noqa: SLF001
+        "GELU replaced by a copy": dict(gelu=lambda h32: h32),
+    },
+    "backward": {
+        "as shipped": {},
+        "GELU'(h) replaced by h": dict(gelu_derivative=lambda h32: h32),
+        "no column sums": dict(_dgelu_epilogue=lambda *args, shipped=ffn_kernel._dgelu_epilogue: (  # noqa: SLF001
+            shipped(*args), [])[1]),
+        "no epilogue (GEMM + column sums)": dict(_dgelu_epilogue=_dgelu_sums_only),
+    },
+}
+
+
+def ablate(x, wi, bias, dy, wo, h, iters: int) -> None:
+  for kind, variants in ABLATIONS.items():
+    for label, attributes in variants.items():
+      slot_options = (2, 4) if kind == "forward" and label == "as shipped" else (2,)
+      for slots in slot_options:
+        tiles = ffn_kernel.Tiles(out_slots=slots)
+        with patched(**attributes):
+          if kind == "forward":
+            f = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))
+            args = (x, wi, bias)
+          else:
+            f = jax.jit(lambda dy, wo, h, t=tiles: ffn_kernel.dgelu_matmul(dy, wo, h, t))
+            args = (dy, wo, h)
+          try:
+            print(f"  ablation, ping-pong {kind}, {label}, out_slots {slots}: {time_ms(f, *args, iters=iters):.4f}",
+                  flush=True)
+          except Exception as error:  # noqa: BLE001
+            print(f"  ablation, ping-pong {kind}, {label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="32768x768x3072,16384x1024x4096")
@@ -52,6 +117,7 @@ def main() -> None:
   parser.add_argument("--widths", default="8", help="grid_tile_width values")
   parser.add_argument("--pingpong-stages", default="4", help="ring depths of the ping-pong kernels ('' none)")
   parser.add_argument("--iters", type=int, default=50)
+  parser.add_argument("--ablate", action="store_true", help="time the ping-pong kernels with parts taken out")
   args = parser.parse_args()
   options = step_lib.compiler_options()
   print(f"FFN GEMM + GELU, ms per call ({jax.devices()[0].device_kind}, jax {jax.__version__})")
@@ -81,10 +147,12 @@ def main() -> None:
                   flush=True)
           except Exception as error:  # noqa: BLE001 -- a launch the compiler refuses is a table line.
             print(f"{label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
-    if not args.pingpong_stages:
-      continue
     dy = jax.random.normal(keys[3], (m, hidden), jnp.float32).astype(jnp.bfloat16)
     wo = (0.05 * jax.random.normal(keys[1], (inter, hidden), jnp.float32)).astype(jnp.bfloat16)
+    if args.ablate:
+      ablate(x, wi, bias, dy, wo, h_ref, args.iters)
+    if not args.pingpong_stages:
+      continue
     bwd = jax.jit(xla_backward, compiler_options=options)
     dh_ref, sums_ref = bwd(dy, wo, h_ref)
     print(f"  backward, XLA (GEMM, GELU backward + bias gradient) {time_ms(bwd, dy, wo, h_ref, iters=args.iters):.4f}",

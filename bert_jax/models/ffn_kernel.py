@@ -71,6 +71,7 @@ class Tiles:
   k: int = 64
   stages: int = 4
   epi: int = 64
+  out_slots: int = 2  # the ping-pong forward's shared-memory slots per warpgroup for [epi, epi] output stores
   grid_tile_width: int = 8
   grid_minor_m: bool = True  # consecutive tiles walk along M (the weight tile stays in L2)
   approx_math: bool = True  # ex2.approx and rcp.approx in the epilogue's GELU (-0.01 ms per BERT-Base call)
@@ -265,7 +266,7 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
     smem["sum_order"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)  # warpgroup w's column sums are done
   else:
     smem["side_smem"] = plgpu.SMEM((2, tile_n), jnp.float32)
-    smem["out_smem"] = plgpu.SMEM((2, 2, epi, epi), dtype, transforms=transforms(epi))  # (warpgroup, slot)
+    smem["out_smem"] = plgpu.SMEM((2, tiles.out_slots, epi, epi), dtype, transforms=transforms(epi))  # (wg, slot)
 
   def tile_slices(linear):
     mi, ni = plgpu.planar_snake(linear, (m_iters, n_iters), 0 if tiles.grid_minor_m else 1, tiles.grid_tile_width)
@@ -368,11 +369,12 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
 
 
 def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype):
-  """h = acc + bias and GELU(h), rounded to `dtype`, stored by [epi, epi] sub-tiles through two smem slots."""
+  """h = acc + bias and GELU(h), rounded to `dtype`, stored by [epi, epi] sub-tiles through out_smem's slots in turn."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   tile_m, tile_n = acc.shape
+  slots = out_smem.shape[0]
   slot = 0
   for em in range(tile_m // epi):
     for en in range(tile_n // epi):
@@ -380,11 +382,11 @@ def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype):
       bias = plgpu.load(bias_smem.at[pl.ds(en * epi, epi)], (), layout=plgpu.Layout.WGMMA.reduce(0))
       h = (part + lax.broadcast_in_dim(bias, (epi, epi), [1])).astype(dtype)
       for value, tile in zip((h, gelu(h.astype(jnp.float32)).astype(dtype)), out_tiles):
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous store has read it
         out_smem[slot] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[slot], tile.at[pl.ds(em * epi, epi), pl.ds(en * epi, epi)])
-        slot ^= 1
+        slot = (slot + 1) % slots
 
 
 def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int) -> list[Array]:
