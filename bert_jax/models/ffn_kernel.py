@@ -97,21 +97,44 @@ def _hopper(dtype) -> bool:
 # error under 1.5e-7 (a thousandth of a bfloat16 ulp at 1). Mosaic GPU has exp but no erf in its kernels.
 _ERF_P = 0.3275911
 _ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+# The same in terms of h = x sqrt 2, which the kernels hold: Phi(-|h|) = erfc(|x|) / 2.
+_TAIL_P = _ERF_P * _SQRT_HALF
+_TAIL_A = tuple(a / 2 for a in _ERF_A)
+_NEG_HALF_LOG2E = float(-0.5 / np.log(2.0))
+
+
+def normal_tail(h32: Array) -> tuple[Array, Array]:
+  """Phi(-|h|), the standard normal's mass beyond |h|, and exp(-h^2 / 2), float32 (A&S 7.1.26).
+
+  Written for the kernels' epilogues, where these per-element instructions run under the other warpgroup's matmuls
+  only if they are few (bench/NOTES.md, session 14): 1 / d as rsqrt(d)^2 (d >= 1; Mosaic GPU's approximate
+  division guards against denormals in seven instructions, rsqrt in two), exp(-h^2 / 2) as exp2 of a prescaled
+  argument (one multiply fewer than exp), the polynomial's 1/2 folded into its coefficients.
+  """
+  r = lax.rsqrt(1.0 + _TAIL_P * jnp.abs(h32))
+  t = r * r
+  poly = _TAIL_A[4]
+  for a in reversed(_TAIL_A[:4]):
+    poly = poly * t + a
+  e = jnp.exp2(h32 * (h32 * _NEG_HALF_LOG2E))
+  return poly * t * e, e
 
 
 def erf(x: Array) -> Array:
-  """erf of float32 x from exp, a division and a select (the kernels' erf)."""
-  t = 1.0 / (1.0 + _ERF_P * jnp.abs(x))
-  poly = _ERF_A[4]
-  for a in reversed(_ERF_A[:4]):
-    poly = poly * t + a
-  y = 1.0 - poly * t * jnp.exp(-x * x)
+  """erf of float32 x by `normal_tail` (the kernels' erf, for tests)."""
+  y = 1.0 - 2.0 * normal_tail(x * float(np.sqrt(2.0)))[0]
   return jnp.where(x < 0.0, -y, y)
 
 
 def gelu(h32: Array) -> Array:
-  """The exact GELU h Phi(h), float32 (with `erf`)."""
-  return 0.5 * h32 * (1.0 + erf(h32 * _SQRT_HALF))
+  """The exact GELU h Phi(h), float32: max(h, 0) - |h| Phi(-|h|) (`normal_tail`), no select."""
+  return jnp.maximum(h32, 0.0) - jnp.abs(h32) * normal_tail(h32)[0]
+
+
+def gelu_derivative(h32: Array) -> Array:
+  """GELU'(h) = Phi(h) + h phi(h), float32, by `normal_tail` (the density shares its exp)."""
+  tail, e = normal_tail(h32)
+  return jnp.where(h32 < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
 
 
 def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
@@ -204,18 +227,6 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
       pipeline(mma, compute_context)(a_gmem.at[m_slice, :], b_gmem.at[:, n_slice], allocations=pipeline_allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def gelu_derivative(h32: Array) -> Array:
-  """GELU'(h) = Phi(h) + h phi(h), float32, from `erf`'s polynomial (the density shares its exp)."""
-  x = h32 * _SQRT_HALF
-  t = 1.0 / (1.0 + _ERF_P * jnp.abs(x))
-  poly = _ERF_A[4]
-  for a in reversed(_ERF_A[:4]):
-    poly = poly * t + a
-  e = jnp.exp(-x * x)  # exp(-h^2 / 2)
-  tail = 0.5 * poly * t * e  # Phi(-|h|)
-  return jnp.where(x < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
 
 
 def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: str, num_ctas: int):
