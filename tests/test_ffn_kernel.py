@@ -94,7 +94,8 @@ def emulated_kernels(monkeypatch):
     return dh, jnp.sum(dh.astype(jnp.float32), axis=0)
 
   monkeypatch.setattr(ffn_kernel, "_hopper", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
-  monkeypatch.setattr(ffn_kernel, "bias_gelu_matmul", bias_gelu_matmul)
+  monkeypatch.setattr(ffn_kernel, "bias_gelu_matmul", bias_gelu_matmul)  # either forward schedule
+  monkeypatch.setattr(ffn_kernel, "bias_gelu_matmul_pingpong", bias_gelu_matmul)
   monkeypatch.setattr(ffn_kernel, "dgelu_matmul", dgelu_matmul)
 
 
