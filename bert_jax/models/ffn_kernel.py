@@ -23,20 +23,23 @@ compute warpgroups with wgmma):
   the warpgroups take turns on the tensor cores, so one's epilogue runs under the
   other's matmuls. A hand-built ring of operand slots and barriers.
 
-Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md session 13, one call), ms
+Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md session 14, one call), ms
 per call at [32768, 768] x [768, 3072] (BERT-Base, 32768 tokens): forward XLA
-0.396, cooperative 0.327, ping-pong 0.320; backward dh + bias gradient XLA 0.456,
-ping-pong with the sums in its epilogue 0.349. At BERT-Large's [16384, 1024] x
-[1024, 4096]: backward XLA 0.348, ping-pong 0.272-0.308 (two calls); forward
-cooperative 0.266, ping-pong 0.259-0.294. The model uses the cooperative forward
-(`FORWARD_SCHEDULE`: the ping-pong one is not reliably faster) and the ping-pong
-backward (`BACKWARD_KERNEL`: -1.0 ms per BERT-Base seq-128 step on an H200).
+0.392, cooperative 0.319-0.327, ping-pong 0.300; backward dh + bias gradient XLA
+0.453, ping-pong with the sums in its epilogue 0.341. At BERT-Large's [16384,
+1024] x [1024, 4096]: forward XLA 0.307, cooperative 0.254-0.258, ping-pong
+(5-deep ring) 0.236; backward XLA 0.347, ping-pong 0.267. The model uses the
+ping-pong kernels both ways (`FORWARD_SCHEDULE`, `PINGPONG_FORWARD_TILES`,
+`BACKWARD_KERNEL`). Their main loop is as fast as cuBLAS' GEMM alone; what they
+take beyond it is the epilogue's per-element arithmetic, longer than the other
+warpgroup's matmuls (Nsight Compute, session 14), hence `normal_tail`'s few
+instructions.
 
 The kernels run on Hopper GPUs only (`supported`, `supported_pingpong`; Pallas
 has no interpreter for Mosaic GPU kernels in jax 0.10); elsewhere
 `ops.gelu_feed_forward` uses the XLA forms, the same values up to rounding (the
-kernels round h to bf16 once, after the bias; their erf is a polynomial within
-5e-7 of `lax.erf`).
+kernels round h to bf16 once, after the bias; their GELU and GELU' are A&S 7.1.26
+in float32, within 1e-6 of `ops.gelu` and of its autodiff gradient).
 """
 
 from __future__ import annotations
