@@ -4,6 +4,8 @@
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
   python bench/ffn_gemm.py --tiles none --pingpong-stages 4,3,3x128x2  # the ping-pong kernels only
   python bench/ffn_gemm.py --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
+  ncu --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 --set full -o fwd \
+    python bench/ffn_gemm.py --shapes 32768x768x3072 --once forward  # one kernel for a profiler (see below)
 
 Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and GELU(h), both written: XLA (a
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
@@ -18,6 +20,11 @@ fused with the sums).
 results are wrong by design, so no errors are printed): the forward without its epilogue, writing h only, with
 the GELU replaced by a copy, and with more output slots (`Tiles.out_slots`); the backward without GELU'(h)'s
 arithmetic, without the column sums, and without its epilogue (no h tile read, no dh written; the sums kept).
+
+`--once forward|backward` runs the model's ping-pong kernel (`PINGPONG_FORWARD_TILES` / default tiles) three
+times at the first shape and nothing else: for Nsight Compute as above, or with MOSAIC_GPU_DUMP_PTX=1
+MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR for its PTX and register count. `bench/ncu_regions.py` summarises
+the profile's per-instruction stall samples by code region.
 """
 
 from __future__ import annotations
@@ -111,6 +118,24 @@ def ablate(x, wi, bias, dy, wo, h, iters: int) -> None:
             print(f"  ablation, ping-pong {kind}, {label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
 
 
+def run_once(kind: str, m: int, hidden: int, inter: int) -> None:
+  if not ffn_kernel.supported_pingpong(m, hidden, inter, jnp.bfloat16, ffn_kernel.PINGPONG_FORWARD_TILES):
+    raise SystemExit(f"--once: the ping-pong kernels do not run here ({jax.devices()[0].device_kind}) or do not take "
+                     f"{m} x {hidden} x {inter} (a Hopper GPU and multiples of the tiles)")
+  keys = jax.random.split(jax.random.key(0), 3)
+  if kind == "forward":
+    kernel = jax.jit(lambda x, w, b: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, ffn_kernel.PINGPONG_FORWARD_TILES))
+    args = (jax.random.normal(keys[0], (m, hidden), jnp.bfloat16), jax.random.normal(keys[1], (hidden, inter),
+            jnp.bfloat16), jnp.zeros((inter,), jnp.float32))
+  else:
+    kernel = jax.jit(ffn_kernel.dgelu_matmul)
+    args = (jax.random.normal(keys[0], (m, hidden), jnp.bfloat16), jax.random.normal(keys[1], (inter, hidden),
+            jnp.bfloat16), jax.random.normal(keys[2], (m, inter), jnp.bfloat16))
+  for _ in range(3):
+    jax.block_until_ready(kernel(*args))
+  print(f"ran the ping-pong {kind} kernel 3 times at {m} x {hidden} x {inter}")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="32768x768x3072,16384x1024x4096")
@@ -120,7 +145,11 @@ def main() -> None:
                       help="ping-pong launches, comma-separated ring depth[x epilogue tile[x output slots]] ('' none)")
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--ablate", action="store_true", help="time the ping-pong kernels with parts taken out")
+  parser.add_argument("--once", choices=("forward", "backward"), help="run one ping-pong kernel 3 times, no timing")
   args = parser.parse_args()
+  if args.once:
+    run_once(args.once, *(int(v) for v in args.shapes.split(",")[0].split("x")))
+    return
   options = step_lib.compiler_options()
   print(f"FFN GEMM + GELU, ms per call ({jax.devices()[0].device_kind}, jax {jax.__version__})")
   for shape in args.shapes.split(","):
