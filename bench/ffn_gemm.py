@@ -2,7 +2,7 @@
 
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
-  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,3,3x128x2  # the ping-pong kernels only
+  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,5,5x64x4+joint,4+unroll  # the ping-pong kernels only
   python bench/ffn_gemm.py --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
   ncu --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 --set full -o fwd \
     python bench/ffn_gemm.py --shapes 32768x768x3072 --once forward  # one kernel for a profiler (see below)
@@ -11,7 +11,7 @@ Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and G
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
 `bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
 XLA form relative to its largest value. Then the ping-pong kernels per launch (ring depth, the epilogue's
-[epi, epi] store tiles, the forward's output slots per warpgroup): the forward
+[epi, epi] store tiles, the forward's output slots per warpgroup, `Tiles.unroll_k`, `Tiles.joint_stores`): the forward
 (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
 sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
 fused with the sums).
@@ -84,8 +84,8 @@ ABLATIONS = {
     "forward": {
         "as shipped": {},
         "no epilogue (GEMM only)": dict(_bias_gelu_epilogue=lambda *args, **kwargs: None),
-        "h only (no GELU output)": dict(_bias_gelu_epilogue=lambda acc, bias, smem, tiles, epi, dtype, shipped=(
-            ffn_kernel._bias_gelu_epilogue): shipped(acc, bias, smem, tiles[:1], epi, dtype)),  # noqa: SLF001
+        "h only (no GELU output)": dict(_bias_gelu_epilogue=lambda acc, bias, smem, tiles, *rest, shipped=(
+            ffn_kernel._bias_gelu_epilogue): shipped(acc, bias, smem, tiles[:1], *rest)),  # noqa: SLF001
         "GELU replaced by a copy": dict(gelu=lambda h32: h32),
     },
     "backward": {
@@ -118,6 +118,21 @@ def ablate(x, wi, bias, dy, wo, h, iters: int) -> None:
             print(f"  ablation, ping-pong {kind}, {label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
 
 
+def pingpong_launches(text: str) -> list[tuple[str, ffn_kernel.Tiles]]:
+  """--pingpong-stages: "4,5x64x4+joint,4+unroll" -> (label, Tiles) per launch."""
+  launches = []
+  for spec in filter(None, text.split(",")):
+    sizes, *flags = spec.split("+")
+    if set(flags) - {"unroll", "joint"}:
+      raise SystemExit(f"--pingpong-stages {spec}: the flags are +unroll and +joint")
+    stages, epi, slots = ([int(v) for v in sizes.split("x")] + [64, 2])[:3]
+    tiles = ffn_kernel.Tiles(stages=stages, epi=epi, out_slots=slots, unroll_k="unroll" in flags,
+                             joint_stores="joint" in flags)
+    label = f"  ping-pong, ring {stages}, epilogue tiles {epi}, {slots} output slots" + "".join(f" +{f}" for f in flags)
+    launches.append((label, tiles))
+  return launches
+
+
 def run_once(kind: str, m: int, hidden: int, inter: int) -> None:
   if not ffn_kernel.supported_pingpong(m, hidden, inter, jnp.bfloat16, ffn_kernel.PINGPONG_FORWARD_TILES):
     raise SystemExit(f"--once: the ping-pong kernels do not run here ({jax.devices()[0].device_kind}) or do not take "
@@ -142,7 +157,8 @@ def main() -> None:
   parser.add_argument("--tiles", default="128x128x64x4", help="comma-separated m x n x k x stages launches")
   parser.add_argument("--widths", default="8", help="grid_tile_width values")
   parser.add_argument("--pingpong-stages", default="4",
-                      help="ping-pong launches, comma-separated ring depth[x epilogue tile[x output slots]] ('' none)")
+                      help="ping-pong launches, comma-separated ring depth[x epilogue tile[x output slots]] with "
+                           "optional +unroll (Tiles.unroll_k) and +joint (Tiles.joint_stores) ('' none)")
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--ablate", action="store_true", help="time the ping-pong kernels with parts taken out")
   parser.add_argument("--once", choices=("forward", "backward"), help="run one ping-pong kernel 3 times, no timing")
@@ -150,6 +166,7 @@ def main() -> None:
   if args.once:
     run_once(args.once, *(int(v) for v in args.shapes.split(",")[0].split("x")))
     return
+  launches = pingpong_launches(args.pingpong_stages)
   options = step_lib.compiler_options()
   print(f"FFN GEMM + GELU, ms per call ({jax.devices()[0].device_kind}, jax {jax.__version__})")
   for shape in args.shapes.split(","):
@@ -182,17 +199,14 @@ def main() -> None:
     wo = (0.05 * jax.random.normal(keys[1], (inter, hidden), jnp.float32)).astype(jnp.bfloat16)
     if args.ablate:
       ablate(x, wi, bias, dy, wo, h_ref, args.iters)
-    if not args.pingpong_stages:
+    if not launches:
       continue
     bwd = jax.jit(xla_backward, compiler_options=options)
     dh_ref, sums_ref = bwd(dy, wo, h_ref)
     print(f"  backward, XLA (GEMM, GELU backward + bias gradient) {time_ms(bwd, dy, wo, h_ref, iters=args.iters):.4f}",
           flush=True)
     timed_backward = set()
-    for spec in args.pingpong_stages.split(","):
-      stages, epi, slots = ([int(v) for v in spec.split("x")] + [64, 2])[:3]
-      tiles = ffn_kernel.Tiles(stages=stages, epi=epi, out_slots=slots)
-      label = f"  ping-pong, ring {stages}, epilogue tiles {epi}, {slots} output slots"
+    for label, tiles in launches:
       try:
         kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))
         h, g = kf(x, wi, bias)
@@ -200,9 +214,9 @@ def main() -> None:
               f"GELU(h) {rel_err(g, g_ref):.2g})", flush=True)
       except Exception as error:  # noqa: BLE001
         print(f"{label}: forward fail {type(error).__name__}: {str(error)[:300]}", flush=True)
-      if (stages, epi) in timed_backward:  # the backward has no output slots
+      if (tiles.stages, tiles.epi, tiles.unroll_k) in timed_backward:  # no output slots or joint stores there
         continue
-      timed_backward.add((stages, epi))
+      timed_backward.add((tiles.stages, tiles.epi, tiles.unroll_k))
       try:
         kb = jax.jit(lambda dy, wo, h, t=tiles: ffn_kernel.dgelu_matmul(dy, wo, h, t), compiler_options=options)
         dh, sums = kb(dy, wo, h_ref)

@@ -82,8 +82,10 @@ def main() -> None:
       continue
     ops = " ".join(f"{name} {n}" for name, n in region["opcodes"].most_common(5))
     why = " ".join(f"{name} {n}" for name, n in region["stalls"].most_common(4))
-    print(f"{region['address'][-6:]} {region['executed']:10d} {region['instructions']:13d} {share:5.1f}%  {ops}  /  {why}")
-  print("stall reasons, all samples: " + ", ".join(f"{name} {100 * n / total:.1f}%" for name, n in totals.most_common(8)))
+    print(f"{region['address'][-6:]} {region['executed']:10d} {region['instructions']:13d} {share:5.1f}%  "
+          f"{ops}  /  {why}")
+  reasons = ", ".join(f"{name} {100 * n / total:.1f}%" for name, n in totals.most_common(8))
+  print(f"stall reasons, all samples: {reasons}")
   by_opcode: collections.Counter = collections.Counter()
   for region in found:
     for name, n in region["opcodes"].items():

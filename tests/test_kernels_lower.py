@@ -72,3 +72,5 @@ def test_pingpong_kernels_lower(monkeypatch, tokens, hidden, intermediate):
   forward = functools.partial(ffn_kernel.bias_gelu_matmul_pingpong, tiles=ffn_kernel.PINGPONG_FORWARD_TILES)
   assert "mosaic_gpu" in lower_for_cuda(forward, x, wi, shape((intermediate,), jnp.float32))
   assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.dgelu_matmul, x, wo, h)
+  unrolled = ffn_kernel.Tiles(unroll_k=True)  # a launch option still to be measured (bench/ffn_gemm.py)
+  assert "mosaic_gpu" in lower_for_cuda(functools.partial(ffn_kernel.dgelu_matmul, tiles=unrolled), x, wo, h)
