@@ -4,9 +4,9 @@
 
 VARIANT, then train_step's own arguments:
   fwd      cooperative forward kernel, XLA backward (the step before change 29)
-  fwd+bwd  cooperative forward, ping-pong backward (dh and the bias gradient): the default
-  pp       ping-pong forward, XLA backward
-  pp+bwd   ping-pong forward and backward
+  fwd+bwd  cooperative forward, ping-pong backward (dh and the bias gradient): the default in sessions 13-14
+  pp       ping-pong forward (`PINGPONG_FORWARD_TILES`), XLA backward
+  pp+bwd   ping-pong forward and backward: the default since session 14
 For `ffn_impl="xla"` (no kernels) use train_step's `--config.model.ffn_impl=xla`. One variant per process:
 the switches are read when the step is traced.
 """
