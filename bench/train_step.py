@@ -179,7 +179,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
       batching every step, prefetch as in the config) instead of synthetic ids.
     vocab_size, mask_id: the vocabulary (default BERT's, or the corpus' own).
     peak_tflops: the device's dense bf16 peak, for MFU.
-    profile_dir: also trace 10 more steps there, write the optimised HLO beside the
+    profile_dir: also trace 10 more steps there, write the optimised HLO (gzipped) beside the
       trace and summarise device time per op.
 
   Returns:
@@ -254,7 +254,8 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
       jax.block_until_ready(metrics)
       traced_s = (time.perf_counter() - traced_start) / traced
     hlo_text = compiled.as_text()
-    (pathlib.Path(profile_dir) / "train_step.hlo.txt").write_text(hlo_text)
+    with gzip.open(pathlib.Path(profile_dir) / "train_step.hlo.txt.gz", "wt") as handle:
+      handle.write(hlo_text)
     profile = profile_summary(profile_dir, hlo_text, steps=traced)
     profile.insert(1, f"host wall time of the traced steps {traced_s * 1e3:.2f} ms/step (timed loop: "
                       f"{seconds * 1e3:.2f})")
