@@ -94,6 +94,48 @@ def test_gradient_accumulation_equals_direct_step():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
+def test_padded_vocabulary_steps_equal_the_exact_one():
+  """`vocab_pad_multiple`: the MLM and SBO heads compute 128 logits for the 101 words; the loss, metrics and
+  parameters (same shapes) follow the unpadded model's."""
+  batches = [synthetic_batch(seed=s) for s in range(2)]
+  exact_state, exact_step, mesh, *_ = build("mlm+sbo")
+  padded_state, padded_step, *_ = build("mlm+sbo", model_overrides={"vocab_pad_multiple": 128})
+  assert jax.tree.map(jnp.shape, exact_state.params) == jax.tree.map(jnp.shape, padded_state.params)
+  for batch in batches:
+    exact_state, exact = exact_step(exact_state, sharding_lib.global_batch(batch, mesh))
+    padded_state, padded = padded_step(padded_state, sharding_lib.global_batch(batch, mesh))
+    for key in exact:
+      np.testing.assert_allclose(np.asarray(padded[key]), np.asarray(exact[key]), rtol=2e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(exact_state.params), jax.tree.leaves(padded_state.params)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6, rtol=1e-4)
+
+
+def test_padded_vocabulary_logits_and_electra_samples():
+  from bert_jax.models import ElectraModel, PretrainingModel, electra_generator_config
+  cfg = tiny_model(vocab_pad_multiple=64)
+  assert cfg.padded_vocab_size == 128 and tiny_model(vocab_pad_multiple=101).padded_vocab_size == 101
+  ids, positions = jnp.full((2, 12), 7, jnp.int32), jnp.array([[1, 2, 3], [4, 5, 0]])
+  padded = PretrainingModel(cfg, sentence_head=False)
+  exact = PretrainingModel(cfg.replace(vocab_pad_multiple=1), sentence_head=False)
+  params = exact.init(jax.random.key(0), ids, positions)
+  logits = padded.apply(params, ids, positions)["mlm_logits"]
+  assert logits.shape == (2, 3, 128) and np.all(np.asarray(logits[..., 101:]) < -1e8)
+  np.testing.assert_allclose(logits[..., :101], exact.apply(params, ids, positions)["mlm_logits"], rtol=1e-6)
+  with pytest.raises(ValueError, match="vocab_pad_multiple"):
+    tiny_model(vocab_pad_multiple=0)
+  # ELECTRA's generator samples from the vocabulary's logits only: the same replacements with the padding.
+  outs = []
+  for multiple in (1, 64):
+    disc = cfg.replace(vocab_pad_multiple=multiple)
+    electra = ElectraModel(disc, electra_generator_config(disc, 0.5))
+    rngs = {"params": jax.random.key(0), "sample": jax.random.key(1)}
+    variables = electra.init(rngs, ids, positions, ids)
+    outs.append(electra.apply(variables, ids, positions, ids, rngs={"sample": jax.random.key(1)}))
+  assert outs[1]["mlm_logits"].shape[-1] == 128
+  np.testing.assert_array_equal(outs[0]["corrupted_ids"], outs[1]["corrupted_ids"])
+  assert np.any(np.asarray(outs[0]["replaced"]))
+
+
 def test_param_norms_are_those_of_the_parameters_before_and_the_update():
   state, step, mesh, *_ = build(param_norms=True)
   before = jax.tree.map(np.asarray, state.params)

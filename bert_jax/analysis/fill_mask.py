@@ -62,6 +62,7 @@ def fill_mask(model_cfg: ModelConfig, params: dict[str, Any], tokenizer: Tokeniz
       results.append([])
       continue
     logits = apply(params, jnp.asarray([row], jnp.int32), jnp.asarray([positions], jnp.int32))[0]
+    logits = logits[:, :model_cfg.vocab_size]  # without `vocab_pad_multiple`'s padding
     probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
     per_mask = []
     for p in probs:

@@ -73,6 +73,13 @@ class ModelConfig:
       elsewhere) or "xla". Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
+    vocab_pad_multiple: the MLM and SBO heads' tied vocabulary projection
+      computes `padded_vocab_size` (vocab_size rounded up to a multiple of
+      this) logits, the extra ones at -1e9: never predicted, no loss, no
+      gradient; the parameters keep vocab_size rows. For the GPU's GEMMs:
+      cuBLAS wants bf16 dimensions in multiples of 8, and XLA pads BERT's
+      30522 by copying the [predictions, vocab] logits' gradient every step.
+      1 (default): exactly vocab_size logits.
   """
 
   vocab_size: int = 30522
@@ -102,13 +109,14 @@ class ModelConfig:
   layer_norm_impl: str = "auto"
   ffn_impl: str = "auto"
   remat: str = "none"
+  vocab_pad_multiple: int = 1
 
   def __post_init__(self):
     def fail(field, why):
       raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {why}")
 
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                  "max_position_embeddings"):
+                  "max_position_embeddings", "vocab_pad_multiple"):
       if getattr(self, field) <= 0:
         fail(field, "must be positive")
     if self.hidden_size % self.num_heads:
@@ -135,6 +143,11 @@ class ModelConfig:
       fail("remat", "cuDNN's attention dropout draws a new mask at every execution of the kernel, so a recomputed "
                     "forward pass would drop other probabilities than the one it replaces; use attention_impl="
                     "'auto' (or 'flash') with remat, or attention_dropout=0")
+
+  @property
+  def padded_vocab_size(self) -> int:
+    """The width of the vocabulary logits: vocab_size rounded up to a multiple of vocab_pad_multiple."""
+    return -(-self.vocab_size // self.vocab_pad_multiple) * self.vocab_pad_multiple
 
   @property
   def head_dim(self) -> int:

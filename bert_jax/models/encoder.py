@@ -180,8 +180,14 @@ class Embeddings(nn.Module):
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed"))
 
   def attend(self, x_bme: Array) -> Array:
-    """Tied output projection: [..., E] -> [..., vocab] logits."""
-    return self.word_embeddings.attend(x_bme)
+    """Tied output projection: [..., E] -> [..., padded_vocab_size] logits (`ModelConfig.vocab_pad_multiple`:
+    the table's extra rows are zeros, so those logits are 0 before the head's bias)."""
+    cfg = self.config
+    extra = cfg.padded_vocab_size - cfg.vocab_size
+    if not extra:
+      return self.word_embeddings.attend(x_bme)
+    table = jnp.pad(self.word_embeddings.embedding.astype(cfg.compute_dtype), ((0, extra), (0, 0)))
+    return jnp.dot(x_bme.astype(cfg.compute_dtype), table.T)
 
   def word_table(self) -> Array:
     return self.word_embeddings.embedding

@@ -19,6 +19,9 @@ from bert_jax.models.encoder import activation, bias_init, dense, layer_norm
 
 Array = jax.Array
 
+# The logit of the vocabulary's padding columns (`ModelConfig.vocab_pad_multiple`): exp(-1e9 - max) is 0 in float32.
+PAD_LOGIT = -1e9
+
 
 def gather_positions(hidden_ble: Array, positions_bm: Array) -> Array:
   """[B, L, H] gathered at [B, M] positions -> [B, M, H]."""
@@ -26,7 +29,7 @@ def gather_positions(hidden_ble: Array, positions_bm: Array) -> Array:
 
 
 class VocabTransform(nn.Module):
-  """dense(H -> E) + activation + LayerNorm, then the tied vocabulary projection + bias."""
+  """dense(H -> E) + activation + LayerNorm, then the tied vocabulary projection + bias: [..., padded_vocab_size]."""
 
   config: ModelConfig
 
@@ -36,6 +39,9 @@ class VocabTransform(nn.Module):
     x_bme = activation(cfg.hidden_act)(dense(cfg, cfg.embed_dim, (None, "embed"), "transform")(x_bmh))
     x_bme = layer_norm(cfg, "transform_norm")(x_bme)
     bias_v = self.param("output_bias", bias_init(("vocab",)), (cfg.vocab_size,), cfg.weight_dtype)
+    extra = cfg.padded_vocab_size - cfg.vocab_size
+    if extra:  # `ModelConfig.vocab_pad_multiple`: logits past the vocabulary that no softmax weighs
+      bias_v = jnp.concatenate([bias_v, jnp.full((extra,), PAD_LOGIT, bias_v.dtype)])
     return ops.bias_add(attend(x_bme), bias_v)
 
 
@@ -46,7 +52,8 @@ class MLMHead(nn.Module):
 
   @nn.compact
   def __call__(self, hidden_ble: Array, positions_bm: Array, attend) -> Array:
-    """Returns [B, M, vocab] logits at `positions_bm`; `attend` is the tied embedding projection."""
+    """Returns [B, M, padded_vocab_size] logits at `positions_bm` (`ModelConfig.vocab_pad_multiple`); `attend` is
+    the tied embedding projection."""
     return VocabTransform(self.config, name="predictions")(gather_positions(hidden_ble, positions_bm), attend)
 
 

@@ -49,7 +49,8 @@ class PretrainingModel(nn.Module):
                position_ids: Array | None = None, pack_ids: Array | None = None,
                cls_positions: Array | None = None, sbo_left: Array | None = None, sbo_right: Array | None = None,
                sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True) -> dict[str, Array]:
-    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,2]?, "sbo_logits" [B,M,V]?}."""
+    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,2]?, "sbo_logits" [B,M,V]?}, V
+    the config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it)."""
     hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, packed=packed,
                           deterministic=deterministic)["hidden"]
     outputs = {"hidden": hidden, "mlm_logits": self.mlm(hidden, mlm_positions, self.encoder.attend)}
@@ -94,14 +95,15 @@ class ElectraModel(nn.Module):
         False takes the argmax (for deterministic evaluation).
 
     Returns:
-      {"mlm_logits" [B,M,V] generator logits, "rtd_logits" [B,L],
+      {"mlm_logits" [B,M,V] generator logits (V: `padded_vocab_size`), "rtd_logits" [B,L],
        "corrupted_ids" [B,L], "replaced" [B,L] bool}.
     """
     kwargs = dict(segment_ids=segment_ids, position_ids=position_ids, pack_ids=pack_ids, packed=packed,
                   deterministic=deterministic)
     gen_hidden = self.generator(input_ids, **kwargs)["hidden"]
     mlm_logits = self.generator_mlm(gen_hidden, mlm_positions, self.embeddings.attend)
-    logits = jax.lax.stop_gradient(mlm_logits.astype(jnp.float32))
+    # The vocabulary's own logits (`vocab_pad_multiple` pads them): the samples do not depend on the padding.
+    logits = jax.lax.stop_gradient(mlm_logits[..., :self.generator_config.vocab_size].astype(jnp.float32))
     if sample:
       sampled_bm = jax.random.categorical(self.make_rng("sample"), logits, axis=-1)
     else:
