@@ -225,5 +225,6 @@ def main() -> None:
       except Exception as error:  # noqa: BLE001
         print(f"{label}: backward fail {type(error).__name__}: {str(error)[:300]}", flush=True)
 
+
 if __name__ == "__main__":
   main()
