@@ -130,7 +130,7 @@ def normal_tail(h32: Array) -> tuple[Array, Array]:
 
 
 def erf(x: Array) -> Array:
-  """erf of float32 x by `normal_tail` (the kernels' erf, for tests)."""
+  """erf of float32 x by `normal_tail`, the polynomial under the kernels' GELU and GELU' (for tests)."""
   y = 1.0 - 2.0 * normal_tail(x * float(np.sqrt(2.0)))[0]
   return jnp.where(x < 0.0, -y, y)
 
