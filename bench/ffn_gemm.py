@@ -2,7 +2,7 @@
 
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
-  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,5,5x64x4+joint,4+unroll  # the ping-pong kernels only
+  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,5,5x64x4+joint,4+unroll,5+saved  # ping-pong only
   python bench/ffn_gemm.py --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
   ncu --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 --set full -o fwd \
     python bench/ffn_gemm.py --shapes 32768x768x3072 --once forward  # one kernel for a profiler (see below)
@@ -11,7 +11,8 @@ Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and G
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
 `bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
 XLA form relative to its largest value. Then the ping-pong kernels per launch (ring depth, the epilogue's
-[epi, epi] store tiles, the forward's output slots per warpgroup, `Tiles.unroll_k`, `Tiles.joint_stores`): the forward
+[epi, epi] store tiles, the forward's output slots per warpgroup, `Tiles.unroll_k`, `Tiles.joint_stores`, and
++saved: the forward writing GELU'(h) for a backward that multiplies by it, `SAVE_GELU_DERIVATIVE`): the forward
 (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
 sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
 fused with the sums).
@@ -75,8 +76,8 @@ def patched(**attributes):
     jax.clear_caches()
 
 
-def _dgelu_sums_only(acc, h_smem, dh_tile, epi):
-  del h_smem, dh_tile
+def _dgelu_sums_only(acc, h_smem, dh_tile, epi, saved=False):
+  del h_smem, dh_tile, saved
   return [acc[:epi, en * epi:(en + 1) * epi] for en in range(acc.shape[1] // epi)]
 
 
@@ -91,8 +92,8 @@ ABLATIONS = {
     "backward": {
         "as shipped": {},
         "GELU'(h) replaced by h": dict(gelu_derivative=lambda h32: h32),
-        "no column sums": dict(_dgelu_epilogue=lambda *args, shipped=ffn_kernel._dgelu_epilogue: (  # noqa: SLF001
-            shipped(*args), [])[1]),
+        "no column sums": dict(_dgelu_epilogue=lambda *args, shipped=(
+            ffn_kernel._dgelu_epilogue), **kwargs: (shipped(*args, **kwargs), [])[1]),  # noqa: SLF001
         "no epilogue (GEMM + column sums)": dict(_dgelu_epilogue=_dgelu_sums_only),
     },
 }
@@ -118,18 +119,18 @@ def ablate(x, wi, bias, dy, wo, h, iters: int) -> None:
             print(f"  ablation, ping-pong {kind}, {label}: fail {type(error).__name__}: {str(error)[:300]}", flush=True)
 
 
-def pingpong_launches(text: str) -> list[tuple[str, ffn_kernel.Tiles]]:
-  """--pingpong-stages: "4,5x64x4+joint,4+unroll" -> (label, Tiles) per launch."""
+def pingpong_launches(text: str) -> list[tuple[str, ffn_kernel.Tiles, bool]]:
+  """--pingpong-stages: "4,5x64x4+joint,4+unroll,4+saved" -> (label, Tiles, saved) per launch."""
   launches = []
   for spec in filter(None, text.split(",")):
     sizes, *flags = spec.split("+")
-    if set(flags) - {"unroll", "joint"}:
-      raise SystemExit(f"--pingpong-stages {spec}: the flags are +unroll and +joint")
+    if set(flags) - {"unroll", "joint", "saved"}:
+      raise SystemExit(f"--pingpong-stages {spec}: the flags are +unroll, +joint and +saved")
     stages, epi, slots = ([int(v) for v in sizes.split("x")] + [64, 2])[:3]
     tiles = ffn_kernel.Tiles(stages=stages, epi=epi, out_slots=slots, unroll_k="unroll" in flags,
                              joint_stores="joint" in flags)
     label = f"  ping-pong, ring {stages}, epilogue tiles {epi}, {slots} output slots" + "".join(f" +{f}" for f in flags)
-    launches.append((label, tiles))
+    launches.append((label, tiles, "saved" in flags))
   return launches
 
 
@@ -158,7 +159,8 @@ def main() -> None:
   parser.add_argument("--widths", default="8", help="grid_tile_width values")
   parser.add_argument("--pingpong-stages", default="4",
                       help="ping-pong launches, comma-separated ring depth[x epilogue tile[x output slots]] with "
-                           "optional +unroll (Tiles.unroll_k) and +joint (Tiles.joint_stores) ('' none)")
+                           "optional +unroll (Tiles.unroll_k), +joint (Tiles.joint_stores) and +saved "
+                           "(SAVE_GELU_DERIVATIVE's kernels) ('' none)")
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--ablate", action="store_true", help="time the ping-pong kernels with parts taken out")
   parser.add_argument("--once", choices=("forward", "backward"), help="run one ping-pong kernel 3 times, no timing")
@@ -205,22 +207,27 @@ def main() -> None:
     dh_ref, sums_ref = bwd(dy, wo, h_ref)
     print(f"  backward, XLA (GEMM, GELU backward + bias gradient) {time_ms(bwd, dy, wo, h_ref, iters=args.iters):.4f}",
           flush=True)
+    # SAVE_GELU_DERIVATIVE's residual, GELU'(h) in bf16 (launches with +saved)
+    gp_ref = jax.jit(lambda h: ffn_kernel.gelu_derivative(h.astype(jnp.float32)).astype(h.dtype))(h_ref)
     timed_backward = set()
-    for label, tiles in launches:
+    for label, tiles, saved in launches:
       try:
-        kf = jax.jit(lambda x, w, b, t=tiles: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t))
-        h, g = kf(x, wi, bias)
-        print(f"{label}: forward {time_ms(kf, x, wi, bias, iters=args.iters):.4f} (h {rel_err(h, h_ref):.2g}, "
-              f"GELU(h) {rel_err(g, g_ref):.2g})", flush=True)
+        kf = jax.jit(lambda x, w, b, t=tiles, d=saved: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, t, derivative=d))
+        r, g = kf(x, wi, bias)
+        first = "GELU'(h)" if saved else "h"
+        print(f"{label}: forward {time_ms(kf, x, wi, bias, iters=args.iters):.4f} ({first} "
+              f"{rel_err(r, gp_ref if saved else h_ref):.2g}, GELU(h) {rel_err(g, g_ref):.2g})", flush=True)
       except Exception as error:  # noqa: BLE001
         print(f"{label}: forward fail {type(error).__name__}: {str(error)[:300]}", flush=True)
-      if (tiles.stages, tiles.epi, tiles.unroll_k) in timed_backward:  # no output slots or joint stores there
+      if (tiles.stages, tiles.epi, tiles.unroll_k, saved) in timed_backward:  # no output slots or joint stores there
         continue
-      timed_backward.add((tiles.stages, tiles.epi, tiles.unroll_k))
+      timed_backward.add((tiles.stages, tiles.epi, tiles.unroll_k, saved))
+      side = gp_ref if saved else h_ref
       try:
-        kb = jax.jit(lambda dy, wo, h, t=tiles: ffn_kernel.dgelu_matmul(dy, wo, h, t), compiler_options=options)
-        dh, sums = kb(dy, wo, h_ref)
-        print(f"{label}: backward + bias gradient {time_ms(kb, dy, wo, h_ref, iters=args.iters):.4f} "
+        kb = jax.jit(lambda dy, wo, r, t=tiles, s=saved: ffn_kernel.dgelu_matmul(dy, wo, r, t, saved=s),
+                     compiler_options=options)
+        dh, sums = kb(dy, wo, side)
+        print(f"{label}: backward + bias gradient {time_ms(kb, dy, wo, side, iters=args.iters):.4f} "
               f"(dh {rel_err(dh, dh_ref):.2g}, sums {rel_err(sums, sums_ref):.2g})", flush=True)
       except Exception as error:  # noqa: BLE001
         print(f"{label}: backward fail {type(error).__name__}: {str(error)[:300]}", flush=True)

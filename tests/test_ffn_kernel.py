@@ -27,6 +27,9 @@ def test_kernel_gelu_derivative_matches_autodiff():
   x = jnp.linspace(-9.0, 9.0, 100_001, dtype=jnp.float32)
   reference = jax.vmap(jax.grad(lambda v: 0.5 * v * (1.0 + jax.lax.erf(v / np.sqrt(2.0)))))(x)
   assert float(jnp.max(jnp.abs(ffn_kernel.gelu_derivative(x) - reference))) < 2e-6
+  value, derivative = ffn_kernel.gelu_and_derivative(x)  # the forward epilogue's pair (SAVE_GELU_DERIVATIVE)
+  np.testing.assert_array_equal(np.asarray(value), np.asarray(ffn_kernel.gelu(x)))
+  np.testing.assert_array_equal(np.asarray(derivative), np.asarray(ffn_kernel.gelu_derivative(x)))
 
 
 def ffn_inputs(dtype, shape=(4, 16, 64), features=256):
@@ -44,12 +47,14 @@ def xla_feed_forward(x, wi, bi, wo, bo):
   return ops.bias_add(jnp.dot(ops.gelu(ops.bias_add(jnp.dot(x, wi), bi)), wo), bo)
 
 
+@pytest.mark.parametrize("save_derivative", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gelu_feed_forward_custom_gradient_equals_autodiff(dtype):
+def test_gelu_feed_forward_custom_gradient_equals_autodiff(dtype, save_derivative):
   """The rule the kernel path differentiates with (`_gelu_feed_forward_bwd`), on the XLA forms, against autodiff
-  of the FFN: the same ops, so equal to float rounding."""
+  of the FFN: the same ops, so equal to float rounding (with `save_derivative`, GELU'(h) is the residual: one
+  more rounding in bf16)."""
   args, dy = ffn_inputs(dtype)
-  custom = lambda *a: ops._gelu_feed_forward(*a, False, False)  # noqa: E731, SLF001
+  custom = lambda *a: ops._gelu_feed_forward(*a, False, False, save_derivative)  # noqa: E731, SLF001
   y_ref, vjp_ref = jax.vjp(xla_feed_forward, *args)
   y, vjp = jax.vjp(custom, *args)
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
@@ -84,13 +89,15 @@ def emulated_kernels(monkeypatch):
   """The Hopper kernels replaced by XLA programs with their rounding (h rounded once after the bias, dh from a
   float32 product), and `_hopper` true: the model's kernel path, its custom VJP and its per-shard wrappers run on
   CPU."""
-  def bias_gelu_matmul(x, w, bias, tiles=None):
+  def bias_gelu_matmul(x, w, bias, tiles=None, derivative=False):
     h = (jnp.dot(x, w, preferred_element_type=jnp.float32) + bias).astype(x.dtype)
-    return h, ffn_kernel.gelu(h.astype(jnp.float32)).astype(x.dtype)
+    g, gp = ffn_kernel.gelu_and_derivative(h.astype(jnp.float32))
+    return (gp if derivative else h).astype(x.dtype), g.astype(x.dtype)
 
-  def dgelu_matmul(dy, wo, h, tiles=None):
+  def dgelu_matmul(dy, wo, h, tiles=None, saved=False):
     dg = jnp.dot(dy, wo.T, preferred_element_type=jnp.float32)
-    dh = (dg * ffn_kernel.gelu_derivative(h.astype(jnp.float32))).astype(h.dtype)
+    h32 = h.astype(jnp.float32)
+    dh = (dg * (h32 if saved else ffn_kernel.gelu_derivative(h32))).astype(h.dtype)
     return dh, jnp.sum(dh.astype(jnp.float32), axis=0)
 
   monkeypatch.setattr(ffn_kernel, "_hopper", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
@@ -119,17 +126,19 @@ def encoder_value_and_grad(impl, ids, target, mesh=None):
     return step(params), step.lower(params).as_text()
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded):
+@pytest.mark.parametrize("sharded, save_derivative", [(False, False), (True, False), (False, True)])
+def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded, save_derivative):
   """The FFN's kernel path (`ops.gelu_feed_forward` with both kernels, emulated) in an encoder against "xla":
-  the custom VJP's wiring (dh and the bias gradient from `dgelu`), and under a 4-way batch mesh the per-shard
-  wrappers, whose column sums are added across shards."""
+  the custom VJP's wiring (dh and the bias gradient from `dgelu`), under a 4-way batch mesh the per-shard
+  wrappers, whose column sums are added across shards, and with `SAVE_GELU_DERIVATIVE` GELU'(h) as the
+  residual."""
   from bert_jax.parallel import sharding as sharding_lib
   ids = jax.random.randint(jax.random.key(1), (16, 32), 5, 512)  # 128 rows per shard under the mesh: one tile
   target = jax.random.normal(jax.random.key(2), (16, 32, 256), jnp.float32)
   mesh = sharding_lib.create_mesh({"data": 4}, devices=jax.devices()[:4]) if sharded else None
   (loss_x, grads_x), _ = encoder_value_and_grad("xla", ids, target, mesh)
   emulated_kernels(monkeypatch)
+  monkeypatch.setattr(ffn_kernel, "SAVE_GELU_DERIVATIVE", save_derivative)
   assert ffn_kernel.applies_dgelu(jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 512), jnp.bfloat16))
   (loss_k, grads_k), hlo = encoder_value_and_grad("auto", ids, target, mesh)
   if sharded:

@@ -63,8 +63,38 @@ def test_dgelu_matmul_equals_xla(shape):
   assert errors[0] < 4e-3 and errors[1] < 1e-5  # the sums: of dh as stored, float32 in another order
 
 
-def test_model_gradients_with_the_kernel_equal_xla(monkeypatch):
-  """An encoder's loss and gradients with ffn_impl "auto" (the kernels on this GPU) and "xla".
+@pytest.mark.parametrize("schedule, shape", [("pingpong", (32768, 768, 3072)), ("pingpong", (384, 512, 384)),
+                                             ("cooperative", (2048, 256, 512))])
+def test_saved_gelu_derivative_forward_and_backward(schedule, shape):
+  """`derivative` forward kernels write GELU'(h) in h's place, and `dgelu_matmul(saved=True)` multiplies by it
+  (`SAVE_GELU_DERIVATIVE`)."""
+  m, k, n = shape
+  keys = jax.random.split(jax.random.key(2), 4)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (0.1 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
+  bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
+  kernel = {"cooperative": ffn_kernel.bias_gelu_matmul, "pingpong": ffn_kernel.bias_gelu_matmul_pingpong}[schedule]
+  gp, g = jax.jit(lambda *a: kernel(*a, derivative=True))(x, w, bias)
+  h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
+  gp_ref = jax.vmap(jax.grad(lambda v: ops.gelu(v)))(h_ref.ravel()).reshape(m, n)
+  errors = relative(gp, gp_ref), relative(g, ops.gelu(h_ref))
+  print(f"{schedule} {shape}: GELU'(h) {errors[0]:.2e}, GELU(h) {errors[1]:.2e}")
+  assert max(errors) < 4e-3
+  if schedule == "cooperative":
+    return
+  dy = jax.random.normal(keys[3], (m, k), jnp.float32).astype(jnp.bfloat16)
+  wo = w.T
+  dh, sums = jax.jit(lambda *a: ffn_kernel.dgelu_matmul(*a, saved=True))(dy, wo, gp)
+  reference = jnp.dot(dy, wo.T, preferred_element_type=jnp.float32) * gp_ref
+  errors = relative(dh, reference), relative(sums, jnp.sum(dh.astype(jnp.float32), axis=0))
+  print(f"{shape} saved: dh {errors[0]:.2e}, column sums {errors[1]:.2e}")
+  assert errors[0] < 6e-3 and errors[1] < 1e-5  # dh: GELU'(h) and the product each rounded to bf16
+
+
+@pytest.mark.parametrize("save_derivative", [False, True])
+def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative):
+  """An encoder's loss and gradients with ffn_impl "auto" (the kernels on this GPU; with `save_derivative`,
+  GELU'(h) as the backward's residual) and "xla".
 
   The loss is a random projection of the output, so that every gradient is of the order of the activations: a
   loss that the final LayerNorm makes nearly flat leaves gradients of pure rounding noise, which no two
@@ -75,6 +105,7 @@ def test_model_gradients_with_the_kernel_equal_xla(monkeypatch):
                 max_position_embeddings=128, dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
   ids = jax.random.randint(jax.random.key(1), (16, 128), 5, 1024)
   target = jax.random.normal(jax.random.key(2), (16, 128, 256), jnp.float32)
+  monkeypatch.setattr(ffn_kernel, "SAVE_GELU_DERIVATIVE", save_derivative)
   results = []
   params = None
   for impl in ("auto", "xla"):

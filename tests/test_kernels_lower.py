@@ -60,6 +60,8 @@ def test_ffn_kernel_lowers(monkeypatch, tokens, hidden, intermediate):
   args = (shape((tokens, hidden), jnp.bfloat16), shape((hidden, intermediate), jnp.bfloat16),
           shape((intermediate,), jnp.float32))
   assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.bias_gelu_matmul, *args)
+  derivative = functools.partial(ffn_kernel.bias_gelu_matmul, derivative=True)  # SAVE_GELU_DERIVATIVE's forward
+  assert "mosaic_gpu" in lower_for_cuda(derivative, *args)
 
 
 @pytest.mark.parametrize("tokens, hidden, intermediate", [(32768, 768, 3072), (16384, 1024, 4096)])
@@ -72,5 +74,9 @@ def test_pingpong_kernels_lower(monkeypatch, tokens, hidden, intermediate):
   forward = functools.partial(ffn_kernel.bias_gelu_matmul_pingpong, tiles=ffn_kernel.PINGPONG_FORWARD_TILES)
   assert "mosaic_gpu" in lower_for_cuda(forward, x, wi, shape((intermediate,), jnp.float32))
   assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.dgelu_matmul, x, wo, h)
+  saved = dict(derivative=True), dict(saved=True)  # SAVE_GELU_DERIVATIVE's pair
+  assert "mosaic_gpu" in lower_for_cuda(functools.partial(forward, **saved[0]), x, wi, shape((intermediate,),
+                                                                                             jnp.float32))
+  assert "mosaic_gpu" in lower_for_cuda(functools.partial(ffn_kernel.dgelu_matmul, **saved[1]), x, wo, h)
   unrolled = ffn_kernel.Tiles(unroll_k=True)  # a launch option still to be measured (bench/ffn_gemm.py)
   assert "mosaic_gpu" in lower_for_cuda(functools.partial(ffn_kernel.dgelu_matmul, tiles=unrolled), x, wo, h)

@@ -140,14 +140,32 @@ def gelu(h32: Array) -> Array:
   return jnp.maximum(h32, 0.0) - jnp.abs(h32) * normal_tail(h32)[0]
 
 
+def _forward_values(h: Array, mode: str) -> list[Array]:
+  """The forward epilogue's outputs from h (rounded to the output dtype): mode "bias_gelu" (h, GELU(h)),
+  "bias_gelu_derivative" (GELU'(h), GELU(h)), both functions of the rounded h."""
+  h32 = h.astype(jnp.float32)
+  if mode == "bias_gelu_derivative":
+    value, derivative = gelu_and_derivative(h32)
+    return [derivative.astype(h.dtype), value.astype(h.dtype)]
+  return [h, gelu(h32).astype(h.dtype)]
+
+
 def gelu_derivative(h32: Array) -> Array:
   """GELU'(h) = Phi(h) + h phi(h), float32, by `normal_tail` (the density shares its exp)."""
+  return gelu_and_derivative(h32)[1]
+
+
+def gelu_and_derivative(h32: Array) -> tuple[Array, Array]:
+  """(GELU(h), GELU'(h)), float32, from one `normal_tail`: the forward epilogue's values where it saves GELU'(h)
+  for the backward pass instead of h (`SAVE_GELU_DERIVATIVE`)."""
   tail, e = normal_tail(h32)
-  return jnp.where(h32 < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
+  value = jnp.maximum(h32, 0.0) - jnp.abs(h32) * tail
+  return value, jnp.where(h32 < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
 
 
 def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
-  """mode "bias_gelu": out_gmems (h, GELU(h)), h = a @ b + bias; mode "plain": (a @ b,) (the bench's reference)."""
+  """mode "bias_gelu": out_gmems (h, GELU(h)), h = a @ b + bias; "bias_gelu_derivative": (GELU'(h), GELU(h));
+  "plain": (a @ b,) (the bench's reference)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -162,7 +180,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
   out_swizzle = plgpu.find_swizzle(epi * itemsize * 8)
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)), plgpu.SwizzleTransform(out_swizzle))
-  with_bias = mode == "bias_gelu"
+  with_bias = mode.startswith("bias_gelu")
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -219,7 +237,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
                 bias = plgpu.load(bias_smem.at[wg, pl.ds(en * epi, epi)], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 part = part + lax.broadcast_in_dim(bias, (epi, epi), [1])
               h = part.astype(dtype)
-              values = [h, gelu(h.astype(jnp.float32)).astype(dtype)] if with_bias else [h]
+              values = _forward_values(h, mode) if with_bias else [h]
               for value, ref in zip(values, out_gmems):
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
                 out_smem[wg, slot] = value
@@ -248,19 +266,21 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
   on the tile owner's): Mosaic GPU keeps a barrier's expected phase per thread, flipped by the thread's own
   waits, so a barrier must only complete phases that its waiter waits for.
 
-  mode "bias_gelu": a [M, K] @ b [K, N] + side (the bias, float32 [N]) -> out_gmems (h, GELU(h)).
+  mode "bias_gelu": a [M, K] @ b [K, N] + side (the bias, float32 [N]) -> out_gmems (h, GELU(h)); mode
+  "bias_gelu_derivative": the same with GELU'(h) in place of h.
   mode "dgelu": (a [M, K] @ b [N, K]^T) * GELU'(side) with side = h [M, N] -> out_gmems (dh, its column sums
   per row of tiles [M / m, N] float32): the FFN's backward from d GELU(h) = dy @ wo^T to dh and (summed over
-  the rows of tiles) the bias gradient. h's tile is read through TMA during the main loop and dh written back
-  through the same shared memory. The column sums reduce across warps through Mosaic GPU's one reduction
-  scratch buffer, so the warpgroups take turns (`sum_order` barriers) as they do on the tensor cores.
+  the rows of tiles) the bias gradient; mode "dgelu_saved": the same with side = GELU'(h). The side tile is
+  read through TMA during the main loop and dh written back through the same shared memory. The column sums
+  reduce across warps through Mosaic GPU's one reduction scratch buffer, so the warpgroups take turns
+  (`sum_order` barriers) as they do on the tensor cores.
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   dtype = a_gmem.dtype
   m, k = a_gmem.shape
-  transposed_b = mode == "dgelu"
+  transposed_b = mode.startswith("dgelu")
   n = b_gmem.shape[0] if transposed_b else b_gmem.shape[1]
   tile_m, tile_n, tile_k, epi, stages = tiles.m, tiles.n, tiles.k, tiles.epi, tiles.stages
   m_iters, n_iters, k_iters = m // tile_m, n // tile_n, k // tile_k
@@ -384,7 +404,8 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
         acc = pl.run_scoped(main_loop, plgpu.ACC((tile_m, tile_n), jnp.float32))
         plgpu.barrier_wait(side_barrier.at[wg])
         if transposed_b:
-          sums = _dgelu_epilogue(acc, side_smem.at[wg], out_gmems[0].at[m_slice, n_slice], epi)
+          sums = _dgelu_epilogue(acc, side_smem.at[wg], out_gmems[0].at[m_slice, n_slice], epi,
+                                 saved=mode == "dgelu_saved")
 
           @pl.when(j > 0)
           def _():
@@ -397,14 +418,16 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
           plgpu.copy_smem_to_gmem(sums_smem.at[wg], out_gmems[1].at[mi, n_slice])
         else:
           _bias_gelu_epilogue(acc, side_smem.at[wg], out_smem.at[wg], [ref.at[m_slice, n_slice] for ref in out_gmems],
-                              epi, dtype, tiles.joint_stores)
+                              epi, dtype, mode, tiles.joint_stores)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype, joint_stores: bool = False):
-  """h = acc + bias and GELU(h), rounded to `dtype`, stored by [epi, epi] sub-tiles through out_smem's slots in turn
-  (with `joint_stores`, both of a sub-tile's values behind one shared-memory fence and warpgroup barrier)."""
+def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype, mode: str = "bias_gelu",
+                        joint_stores: bool = False):
+  """h = acc + bias rounded to `dtype`, then `_forward_values` (h or GELU'(h), and GELU(h)), stored by [epi, epi]
+  sub-tiles through out_smem's slots in turn (with `joint_stores`, both of a sub-tile's values behind one
+  shared-memory fence and warpgroup barrier)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -418,7 +441,7 @@ def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype, jo
       part = acc[em * epi:(em + 1) * epi, en * epi:(en + 1) * epi]
       bias = plgpu.load(bias_smem.at[pl.ds(en * epi, epi)], (), layout=plgpu.Layout.WGMMA.reduce(0))
       h = (part + lax.broadcast_in_dim(bias, (epi, epi), [1])).astype(dtype)
-      pairs = list(zip((h, gelu(h.astype(jnp.float32)).astype(dtype)), out_tiles))
+      pairs = list(zip(_forward_values(h, mode), out_tiles))
       for group in ([pairs] if joint_stores else [[pair] for pair in pairs]):
         plgpu.wait_smem_to_gmem(slots - len(group), wait_read_only=True)  # the slots' previous stores read them
         for i, (value, _) in enumerate(group):
@@ -429,9 +452,10 @@ def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype, jo
         slot = (slot + len(group)) % slots
 
 
-def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int) -> list[Array]:
-  """dh = acc * GELU'(h) over h's tile in shared memory, by [epi, epi] parts, written in place and stored.
-  Returns per column block the rows' sum of dh's parts (float32 [epi, epi], of dh rounded as stored)."""
+def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int, saved: bool = False) -> list[Array]:
+  """dh = acc * GELU'(h) over h's tile in shared memory (with `saved`, the tile holds GELU'(h) itself), by
+  [epi, epi] parts, written in place and stored. Returns per column block the rows' sum of dh's parts (float32
+  [epi, epi], of dh rounded as stored)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -442,7 +466,7 @@ def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int) -> list[Array]:
       part = h_smem.at[pl.ds(em * epi, epi), pl.ds(en * epi, epi)]
       h = plgpu.load(part, (), layout=plgpu.Layout.WGMMA)
       dg = acc[em * epi:(em + 1) * epi, en * epi:(en + 1) * epi]
-      dh = (dg * gelu_derivative(h.astype(jnp.float32))).astype(h.dtype)
+      dh = (dg * (h.astype(jnp.float32) if saved else gelu_derivative(h.astype(jnp.float32)))).astype(h.dtype)
       part[...] = dh
       sums[en] = dh.astype(jnp.float32) if sums[en] is None else sums[en] + dh.astype(jnp.float32)
   plgpu.commit_smem()
@@ -458,17 +482,17 @@ def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int) -> list[Array]:
 def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   m, n = a.shape[0], b.shape[1]
   out = jax.ShapeDtypeStruct((m, n), a.dtype)
-  return _launch(functools.partial(_kernel, tiles=tiles, mode=mode), (out, out) if mode == "bias_gelu" else (out,),
+  return _launch(functools.partial(_kernel, tiles=tiles, mode=mode), (out, out) if mode != "plain" else (out,),
                  tiles, grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",))(a, b, side)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
-  n = b.shape[0] if mode == "dgelu" else b.shape[1]
+  n = b.shape[0] if mode.startswith("dgelu") else b.shape[1]
   out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
   sums = jax.ShapeDtypeStruct((a.shape[0] // tiles.m, n), jnp.float32)
   body = functools.partial(_pingpong_kernel, tiles=tiles, mode=mode, num_ctas=jax.devices()[0].core_count)
-  return _launch(body, (out, out) if mode == "bias_gelu" else (out, sums), tiles, grid_names=("sm",))(a, b, side)
+  return _launch(body, (out, sums) if mode.startswith("dgelu") else (out, out), tiles, grid_names=("sm",))(a, b, side)
 
 
 def _launch(body, out_type, tiles: Tiles, **mesh):
@@ -511,6 +535,10 @@ FORWARD_SCHEDULE = "pingpong"  # or "cooperative": the forward GEMM by `bias_gel
 # 0.236 against 0.246 ms at BERT-Large's FFN shape, equal at BERT-Base's).
 PINGPONG_FORWARD_TILES = Tiles(stages=5)
 BACKWARD_KERNEL = True  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then its GELU backward)
+# The forward kernel writes GELU'(h) instead of h for the backward pass, whose epilogue then multiplies by it
+# instead of computing it (`ops.gelu_feed_forward`, where either kernel runs). dh is rounded twice (GELU'(h) to
+# bf16, then dh), not once. Session 15's experiment: off until measured faster on a GPU.
+SAVE_GELU_DERIVATIVE = False
 
 
 def supported_pingpong(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
@@ -547,41 +575,44 @@ def _over_row_shards(run, rows: tuple[Array, ...], weights: tuple[Array, ...], x
                        out_specs=tuple(map(split, out_ndims)), check_vma=False)(*rows, *weights)
 
 
-def bias_gelu(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
-  """(h, GELU(h)) of x [..., K] @ w [K, N] + bias (`bias_gelu_matmul`, or its ping-pong form with
-  FORWARD_SCHEDULE "pingpong"), per shard of x's rows under a mesh (the weights replicated to each). Only
-  where `applies`."""
+def bias_gelu(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles(),
+              derivative: bool = False) -> tuple[Array, Array]:
+  """(h, GELU(h)) of x [..., K] @ w [K, N] + bias, or with `derivative` (GELU'(h), GELU(h)) (`bias_gelu_matmul`,
+  or its ping-pong form with FORWARD_SCHEDULE "pingpong"), per shard of x's rows under a mesh (the weights
+  replicated to each). Only where `applies`."""
   k, n = w.shape
 
   def run(x, w, bias):
     x2 = x.reshape(-1, k)
     if FORWARD_SCHEDULE == "pingpong" and supported_pingpong(x2.shape[0], k, n, x.dtype, PINGPONG_FORWARD_TILES):
-      h, g = bias_gelu_matmul_pingpong(x2, w, bias, PINGPONG_FORWARD_TILES)
+      h, g = bias_gelu_matmul_pingpong(x2, w, bias, PINGPONG_FORWARD_TILES, derivative=derivative)
     else:
-      h, g = bias_gelu_matmul(x2, w, bias, tiles)
+      h, g = bias_gelu_matmul(x2, w, bias, tiles, derivative=derivative)
     return h.reshape(*x.shape[:-1], n), g.reshape(*x.shape[:-1], n)
 
   return _over_row_shards(run, (x,), (w, bias), x, w, (x.ndim, x.ndim))
 
 
 def dgelu(dy: Array, wo: Array, h: Array, x: Array, wi: Array,
-          tiles: Tiles = Tiles()) -> tuple[Array, Array]:
+          tiles: Tiles = Tiles(), saved: bool = False) -> tuple[Array, Array]:
   """(dh, its float32 sum over the rows) with dh = (dy @ wo^T) * GELU'(h), for an FFN of input x and first kernel
-  wi (`dgelu_matmul`): dy [..., K], wo [N, K], h [..., N], per shard of the rows under a mesh. Only where
-  `applies_dgelu(x, wi)`."""
+  wi (`dgelu_matmul`): dy [..., K], wo [N, K], h [..., N] (with `saved`, GELU'(h) in its place), per shard of the
+  rows under a mesh. Only where `applies_dgelu(x, wi)`."""
   n, k = wo.shape
 
   def run(dy, h, wo):
-    dh, sums = dgelu_matmul(dy.reshape(-1, k), wo, h.reshape(-1, n), tiles)
+    dh, sums = dgelu_matmul(dy.reshape(-1, k), wo, h.reshape(-1, n), tiles, saved=saved)
     return dh.reshape(h.shape), sums[None]
 
   dh, sums = _over_row_shards(run, (dy, h), (wo,), x, wi, (h.ndim, 2))
   return dh, jnp.sum(sums, axis=0)
 
 
-def bias_gelu_matmul(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
-  """(h, GELU(h)) with h = x @ w + bias: x [M, K], w [K, N] bf16, bias [N] (any float dtype) -> two [M, N] bf16."""
-  return _call("bias_gelu", x, w, bias.astype(jnp.float32), tiles)
+def bias_gelu_matmul(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles(),
+                     derivative: bool = False) -> tuple[Array, Array]:
+  """(h, GELU(h)) with h = x @ w + bias: x [M, K], w [K, N] bf16, bias [N] (any float dtype) -> two [M, N] bf16.
+  With `derivative`, (GELU'(h), GELU(h)): the backward pass's residual instead of h."""
+  return _call("bias_gelu_derivative" if derivative else "bias_gelu", x, w, bias.astype(jnp.float32), tiles)
 
 
 def matmul(a: Array, b: Array, tiles: Tiles = Tiles()) -> Array:
@@ -589,16 +620,18 @@ def matmul(a: Array, b: Array, tiles: Tiles = Tiles()) -> Array:
   return _call("plain", a, b, jnp.zeros((b.shape[1],), jnp.float32), tiles)[0]
 
 
-def bias_gelu_matmul_pingpong(x: Array, w: Array, bias: Array,
-                              tiles: Tiles = Tiles()) -> tuple[Array, Array]:
+def bias_gelu_matmul_pingpong(x: Array, w: Array, bias: Array, tiles: Tiles = Tiles(),
+                              derivative: bool = False) -> tuple[Array, Array]:
   """`bias_gelu_matmul` by the ping-pong kernel (one warpgroup's epilogue under the other's matmuls)."""
-  return _pingpong_call("bias_gelu", x, w, bias.astype(jnp.float32), tiles)
+  return _pingpong_call("bias_gelu_derivative" if derivative else "bias_gelu", x, w, bias.astype(jnp.float32), tiles)
 
 
-def dgelu_matmul(dy: Array, wo: Array, h: Array, tiles: Tiles = Tiles()) -> tuple[Array, Array]:
+def dgelu_matmul(dy: Array, wo: Array, h: Array, tiles: Tiles = Tiles(),
+                 saved: bool = False) -> tuple[Array, Array]:
   """(dh, dh's column sums): dh = (dy @ wo^T) * GELU'(h) with dy [M, K], wo [N, K] (the FFN's output kernel,
   K = hidden), h [M, N], all bf16 -> [M, N] bf16, and its sums over the rows, float32 [N] (the first
   projection's bias gradient). The FFN's backward pass from its output gradient to the pre-GELU gradient,
-  without writing d GELU(h) or reading dh back for the sum."""
-  dh, sums = _pingpong_call("dgelu", dy, wo, h, tiles)
+  without writing d GELU(h) or reading dh back for the sum. With `saved`, h is GELU'(h) (`bias_gelu_matmul`'s
+  `derivative`) and the epilogue only multiplies."""
+  dh, sums = _pingpong_call("dgelu_saved" if saved else "dgelu", dy, wo, h, tiles)
   return dh, jnp.sum(sums, axis=0)

@@ -218,40 +218,48 @@ def gelu_feed_forward(x: Array, wi: Array, bi: Array, wo: Array, bo: Array) -> A
   dh = (dy @ wo^T) * GELU'(h) and its bias gradient from another (`ffn_kernel.dgelu`, where
   `ffn_kernel.applies_dgelu`), so GELU(h)'s gradient is never written and no GELU kernel passes over memory.
   Elsewhere the same rule runs XLA's forms, the values of `bias_add(gelu(bias_add(x @ wi, bi)) @ wo, bo)` under
-  autodiff.
+  autodiff. With `ffn_kernel.SAVE_GELU_DERIVATIVE` (where either kernel runs), the forward pass saves GELU'(h)
+  instead of h, and the backward pass multiplies by it.
   """
-  return _gelu_feed_forward(x, wi, bi, wo, bo, ffn_kernel.applies(x, wi), ffn_kernel.applies_dgelu(x, wi))
+  forward_kernel, backward_kernel = ffn_kernel.applies(x, wi), ffn_kernel.applies_dgelu(x, wi)
+  save_derivative = ffn_kernel.SAVE_GELU_DERIVATIVE and (forward_kernel or backward_kernel)
+  return _gelu_feed_forward(x, wi, bi, wo, bo, forward_kernel, backward_kernel, save_derivative)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _gelu_feed_forward(x, wi, bi, wo, bo, forward_kernel: bool, backward_kernel: bool):
-  return _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gelu_feed_forward(x, wi, bi, wo, bo, forward_kernel: bool, backward_kernel: bool, save_derivative: bool):
+  return _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel, save_derivative)[0]
 
 
-def _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel):
+def _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel, save_derivative):
+  """The forward pass; its residual r is h, or GELU'(h) rounded to h's dtype with `save_derivative`."""
   del backward_kernel
   if forward_kernel:
-    h, g = ffn_kernel.bias_gelu(x, wi, bi)
+    r, g = ffn_kernel.bias_gelu(x, wi, bi, derivative=save_derivative)
   else:  # the XLA form, for tests of the backward rule off GPU
     h = bias_add(jnp.dot(x, wi), bi)
     g = gelu(h)
+    r = _gelu_derivative(h.astype(jnp.float32), False).astype(h.dtype) if save_derivative else h
   y = bias_add(jnp.dot(g, wo), bo)
-  return y, (x, wi, bi, h, g, wo, bo)
+  return y, (x, wi, bi, r, g, wo, bo)
 
 
-def _gelu_feed_forward_bwd(forward_kernel, backward_kernel, residuals, dy):
+def _gelu_feed_forward_bwd(forward_kernel, backward_kernel, save_derivative, residuals, dy):
   """What autodiff of the XLA form computes, with dh from `ffn_kernel.dgelu` where `backward_kernel`."""
   del forward_kernel
-  x, wi, bi, h, g, wo, bo = residuals
+  x, wi, bi, r, g, wo, bo = residuals
   rows = tuple(range(dy.ndim - 1))
   last = dy.ndim - 1
   dbo = jnp.sum(dy.astype(jnp.float32), axis=rows).astype(bo.dtype)
   dwo = jax.lax.dot_general(g, dy, ((rows, rows), ((), ())))
   if backward_kernel:
-    dh, dbi = ffn_kernel.dgelu(dy, wo, h, x, wi)
+    dh, dbi = ffn_kernel.dgelu(dy, wo, r, x, wi, saved=save_derivative)
   else:
     dg = jax.lax.dot_general(dy, wo, (((last,), (1,)), ((), ())))
-    (dh,) = _gelu_bwd(False, h, dg)
+    if save_derivative:
+      dh = (dg.astype(jnp.float32) * r.astype(jnp.float32)).astype(r.dtype)
+    else:
+      (dh,) = _gelu_bwd(False, r, dg)
     dbi = jnp.sum(dh.astype(jnp.float32), axis=rows)
   dbi = dbi.astype(bi.dtype)
   dwi = jax.lax.dot_general(x, dh, ((rows, rows), ((), ())))
