@@ -117,12 +117,6 @@ def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-# The branch's gradient behind an optimization barrier: its consumers (the branch's bias gradient, a column sum,
-# and the GEMMs) then read one written copy instead of XLA hashing the dropout mask again inside the reduction.
-# An experiment of session 15 (bench/NOTES.md); off until measured faster on a GPU.
-MATERIALIZE_BRANCH_GRADIENT = False
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def add_layer_norm(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float, epsilon: float,
                    dtype, implementation: str = "auto") -> Array:
@@ -164,8 +158,6 @@ def _add_layer_norm_bwd(rate, epsilon, dtype, implementation, residuals, dy):
   dbranch = dtotal
   if rate > 0:
     dbranch = dropout.apply_mask_backward(dtotal, seeds, rate)  # the mask hashed again, not saved
-    if MATERIALIZE_BRANCH_GRADIENT:
-      dbranch = jax.lax.optimization_barrier(dbranch)
   return dtotal, dbranch, dscale, dbias, None
 
 
