@@ -2,7 +2,7 @@
 
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
-  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,5,5x64x4+joint,4+unroll,5+saved  # ping-pong only
+  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,5,5x64x4,4+saved  # the ping-pong kernels only
   python bench/ffn_gemm.py --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
   ncu --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 --set full -o fwd \
     python bench/ffn_gemm.py --shapes 32768x768x3072 --once forward  # one kernel for a profiler (see below)
@@ -11,13 +11,13 @@ Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and G
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
 `bias_gelu_matmul` and the same kernel's plain GEMM (`ffn_kernel.matmul`), with the differences from the
 XLA form relative to its largest value. Then the ping-pong kernels per launch (ring depth, the epilogue's
-[epi, epi] store tiles, the forward's output slots per warpgroup, `Tiles.unroll_k`, `Tiles.joint_stores`, and
-+saved: the forward writing GELU'(h) for a backward that multiplies by it, `SAVE_GELU_DERIVATIVE`): the forward
-(`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
+[epi, epi] store tiles, the forward's output slots per warpgroup; +saved: the forward writing GELU'(h) for a
+backward that multiplies by it, the model's pair with `SAVE_GELU_DERIVATIVE`, else the pair that saves h): the
+forward (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
 sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
 fused with the sums).
 
-`--ablate` times the ping-pong kernels with parts of their epilogues taken out (patched in this process only; the
+`--ablate` times the ping-pong kernels (the pair that saves h) with parts of their epilogues taken out (patched in this process only; the
 results are wrong by design, so no errors are printed): the forward without its epilogue, writing h only, with
 the GELU replaced by a copy, and with more output slots (`Tiles.out_slots`); the backward without GELU'(h)'s
 arithmetic, without the column sums, and without its epilogue (no h tile read, no dh written; the sums kept).
@@ -120,15 +120,14 @@ def ablate(x, wi, bias, dy, wo, h, iters: int) -> None:
 
 
 def pingpong_launches(text: str) -> list[tuple[str, ffn_kernel.Tiles, bool]]:
-  """--pingpong-stages: "4,5x64x4+joint,4+unroll,4+saved" -> (label, Tiles, saved) per launch."""
+  """--pingpong-stages: "4,5x64x4,4+saved" -> (label, Tiles, saved) per launch."""
   launches = []
   for spec in filter(None, text.split(",")):
     sizes, *flags = spec.split("+")
-    if set(flags) - {"unroll", "joint", "saved"}:
-      raise SystemExit(f"--pingpong-stages {spec}: the flags are +unroll, +joint and +saved")
+    if set(flags) - {"saved"}:
+      raise SystemExit(f"--pingpong-stages {spec}: the only flag is +saved")
     stages, epi, slots = ([int(v) for v in sizes.split("x")] + [64, 2])[:3]
-    tiles = ffn_kernel.Tiles(stages=stages, epi=epi, out_slots=slots, unroll_k="unroll" in flags,
-                             joint_stores="joint" in flags)
+    tiles = ffn_kernel.Tiles(stages=stages, epi=epi, out_slots=slots)
     label = f"  ping-pong, ring {stages}, epilogue tiles {epi}, {slots} output slots" + "".join(f" +{f}" for f in flags)
     launches.append((label, tiles, "saved" in flags))
   return launches
@@ -140,11 +139,12 @@ def run_once(kind: str, m: int, hidden: int, inter: int) -> None:
                      f"{m} x {hidden} x {inter} (a Hopper GPU and multiples of the tiles)")
   keys = jax.random.split(jax.random.key(0), 3)
   if kind == "forward":
-    kernel = jax.jit(lambda x, w, b: ffn_kernel.bias_gelu_matmul_pingpong(x, w, b, ffn_kernel.PINGPONG_FORWARD_TILES))
+    kernel = jax.jit(lambda x, w, b: ffn_kernel.bias_gelu_matmul_pingpong(
+        x, w, b, ffn_kernel.PINGPONG_FORWARD_TILES, derivative=ffn_kernel.SAVE_GELU_DERIVATIVE))
     args = (jax.random.normal(keys[0], (m, hidden), jnp.bfloat16), jax.random.normal(keys[1], (hidden, inter),
             jnp.bfloat16), jnp.zeros((inter,), jnp.float32))
   else:
-    kernel = jax.jit(ffn_kernel.dgelu_matmul)
+    kernel = jax.jit(lambda dy, wo, r: ffn_kernel.dgelu_matmul(dy, wo, r, saved=ffn_kernel.SAVE_GELU_DERIVATIVE))
     args = (jax.random.normal(keys[0], (m, hidden), jnp.bfloat16), jax.random.normal(keys[1], (inter, hidden),
             jnp.bfloat16), jax.random.normal(keys[2], (m, inter), jnp.bfloat16))
   for _ in range(3):
@@ -159,8 +159,7 @@ def main() -> None:
   parser.add_argument("--widths", default="8", help="grid_tile_width values")
   parser.add_argument("--pingpong-stages", default="4",
                       help="ping-pong launches, comma-separated ring depth[x epilogue tile[x output slots]] with "
-                           "optional +unroll (Tiles.unroll_k), +joint (Tiles.joint_stores) and +saved "
-                           "(SAVE_GELU_DERIVATIVE's kernels) ('' none)")
+                           "optional +saved (SAVE_GELU_DERIVATIVE's kernels) ('' none)")
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--ablate", action="store_true", help="time the ping-pong kernels with parts taken out")
   parser.add_argument("--once", choices=("forward", "backward"), help="run one ping-pong kernel 3 times, no timing")
@@ -219,9 +218,9 @@ def main() -> None:
               f"{rel_err(r, gp_ref if saved else h_ref):.2g}, GELU(h) {rel_err(g, g_ref):.2g})", flush=True)
       except Exception as error:  # noqa: BLE001
         print(f"{label}: forward fail {type(error).__name__}: {str(error)[:300]}", flush=True)
-      if (tiles.stages, tiles.epi, tiles.unroll_k, saved) in timed_backward:  # no output slots or joint stores there
+      if (tiles.stages, tiles.epi, saved) in timed_backward:  # no output slots there
         continue
-      timed_backward.add((tiles.stages, tiles.epi, tiles.unroll_k, saved))
+      timed_backward.add((tiles.stages, tiles.epi, saved))
       side = gp_ref if saved else h_ref
       try:
         kb = jax.jit(lambda dy, wo, r, t=tiles, s=saved: ffn_kernel.dgelu_matmul(dy, wo, r, t, saved=s),

@@ -75,12 +75,6 @@ class Tiles:
   stages: int = 4
   epi: int = 64
   out_slots: int = 2  # the ping-pong forward's shared-memory slots per warpgroup for [epi, epi] output stores
-  # The ping-pong main loop unrolled in Python: static ring slots where stages divides the k-steps (fewer scalar
-  # instructions per k-step; not yet measured, bench/NOTES.md session 14, next 1).
-  unroll_k: bool = False
-  # The ping-pong forward's h and GELU(h) sub-tiles stored behind one commit (half the epilogue's barriers; needs
-  # out_slots >= 2; not yet measured).
-  joint_stores: bool = False
   grid_tile_width: int = 8
   grid_minor_m: bool = True  # consecutive tiles walk along M (the weight tile stays in L2)
   approx_math: bool = True  # ex2.approx and rsqrt.approx in the epilogue's GELU (-0.01 ms per BERT-Base call)
@@ -369,36 +363,22 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
         def _():
           plgpu.barrier_wait(order.at[1 - wg])  # the other warpgroup's main loop is done
 
-        def slot_of(kk, back=0):  # the ring slot of k-step kk - back: static when unrolled over whole rings
-          if tiles.unroll_k and k_iters % stages == 0:
-            return (kk - back) % stages
-          return lax.rem(j * k_iters + kk - back, stages) if back else lax.rem(j * k_iters + kk, stages)
-
         def main_loop(acc_ref):
           def step(kk, _):
-            slot = slot_of(kk)
+            slot = lax.rem(j * k_iters + kk, stages)
             plgpu.barrier_wait(full.at[wg * stages + slot])
             b = plgpu.transpose_ref(b_smem.at[slot], (1, 0)) if transposed_b else b_smem.at[slot]
             plgpu.wgmma(acc_ref, a_smem.at[slot], b)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
 
-            if tiles.unroll_k:
-              if kk > 0:
-                plgpu.barrier_arrive(consumed.at[slot_of(kk, back=1)])
-              return
-
             @pl.when(kk > 0)
             def _():
-              plgpu.barrier_arrive(consumed.at[slot_of(kk, back=1)])
+              plgpu.barrier_arrive(consumed.at[lax.rem(j * k_iters + kk - 1, stages)])
 
-          if tiles.unroll_k:
-            for kk in range(k_iters):
-              step(kk, None)
-          else:
-            lax.fori_loop(0, k_iters, step, None)
+          lax.fori_loop(0, k_iters, step, None)
           plgpu.barrier_arrive(order.at[wg])  # the tensor cores are the other warpgroup's
           plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[slot_of(k_iters, back=1)])
+          plgpu.barrier_arrive(consumed.at[lax.rem(j * k_iters + k_iters - 1, stages)])
           return acc_ref[...]
 
         acc = pl.run_scoped(main_loop, plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -418,38 +398,31 @@ def _pingpong_kernel(a_gmem, b_gmem, side_gmem, *out_gmems, tiles: Tiles, mode: 
           plgpu.copy_smem_to_gmem(sums_smem.at[wg], out_gmems[1].at[mi, n_slice])
         else:
           _bias_gelu_epilogue(acc, side_smem.at[wg], out_smem.at[wg], [ref.at[m_slice, n_slice] for ref in out_gmems],
-                              epi, dtype, mode, tiles.joint_stores)
+                              epi, dtype, mode)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype, mode: str = "bias_gelu",
-                        joint_stores: bool = False):
+def _bias_gelu_epilogue(acc, bias_smem, out_smem, out_tiles, epi: int, dtype, mode: str = "bias_gelu"):
   """h = acc + bias rounded to `dtype`, then `_forward_values` (h or GELU'(h), and GELU(h)), stored by [epi, epi]
-  sub-tiles through out_smem's slots in turn (with `joint_stores`, both of a sub-tile's values behind one
-  shared-memory fence and warpgroup barrier)."""
+  sub-tiles through out_smem's slots in turn."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   tile_m, tile_n = acc.shape
   slots = out_smem.shape[0]
-  if joint_stores and slots < len(out_tiles):
-    raise ValueError(f"Tiles.joint_stores needs out_slots >= {len(out_tiles)}, got {slots}")
   slot = 0
   for em in range(tile_m // epi):
     for en in range(tile_n // epi):
       part = acc[em * epi:(em + 1) * epi, en * epi:(en + 1) * epi]
       bias = plgpu.load(bias_smem.at[pl.ds(en * epi, epi)], (), layout=plgpu.Layout.WGMMA.reduce(0))
       h = (part + lax.broadcast_in_dim(bias, (epi, epi), [1])).astype(dtype)
-      pairs = list(zip(_forward_values(h, mode), out_tiles))
-      for group in ([pairs] if joint_stores else [[pair] for pair in pairs]):
-        plgpu.wait_smem_to_gmem(slots - len(group), wait_read_only=True)  # the slots' previous stores read them
-        for i, (value, _) in enumerate(group):
-          out_smem[(slot + i) % slots] = value
+      for value, tile in zip(_forward_values(h, mode), out_tiles):
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous store has read it
+        out_smem[slot] = value
         plgpu.commit_smem()
-        for i, (_, tile) in enumerate(group):
-          plgpu.copy_smem_to_gmem(out_smem.at[(slot + i) % slots], tile.at[pl.ds(em * epi, epi), pl.ds(en * epi, epi)])
-        slot = (slot + len(group)) % slots
+        plgpu.copy_smem_to_gmem(out_smem.at[slot], tile.at[pl.ds(em * epi, epi), pl.ds(en * epi, epi)])
+        slot = (slot + 1) % slots
 
 
 def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int, saved: bool = False) -> list[Array]:
