@@ -3,7 +3,6 @@
   python bench/attention.py                       # B=256 L=128 and B=64 L=512, 12 heads x 64, bf16
   python bench/attention.py --sweep               # also flash tiles and (num_warps, num_stages) per kernel
   python bench/attention.py --shapes 2x64 --impls xla,flash   # CPU smoke run (flash in Pallas' interpreter)
-  python bench/attention.py --shapes 256x128 --impls flash --one-pass 64x8x2,32x4x2   # the one-pass backward
 
 Implementations: "xla" (the reference path, with dropout), "flash" (Pallas
 kernels, with dropout), "cudnn" (GPU only, without dropout: cuDNN's fused
@@ -101,9 +100,6 @@ def main() -> None:
   parser.add_argument("--mgpu-blocks", default="64x64x2x64x64x1",
                       help="comma-separated launches of mgpu-nomask (see `mgpu_attention`)")
   parser.add_argument("--sweep", action="store_true", help="tune flash tiles, num_warps and num_stages")
-  parser.add_argument("--one-pass", default="",
-                      help="launches of the one-pass backward kernel (flash_attention.ONE_PASS_BACKWARD_MAX_LEN), "
-                           "comma-separated block_q x num_warps x num_stages, timed as 'flash' at every shape")
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
   shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
@@ -125,23 +121,6 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001 -- a failed config is a row, not the end of the sweep.
       rows.append(f"| B={batch} L={length} H={args.heads} | {name} | failed: {repr(error)[:300]} | |")
     print(rows[-1], flush=True)
-
-  if args.one_pass:
-    default, limit = dict(flash_attention.KERNEL_PARAMS), flash_attention.ONE_PASS_BACKWARD_MAX_LEN
-    rows += ["", "| shape | one-pass backward block_q x num_warps x num_stages | fwd ms | fwd+bwd ms |",
-             "|---|---|---|---|"]
-    for (batch, length), launch in itertools.product(shapes, args.one_pass.split(",")):
-      block_q, warps, stages = (int(v) for v in launch.split("x"))
-      flash_attention.KERNEL_PARAMS["backward"] = flash_attention.KernelParams(block_q, length, warps, stages)
-      flash_attention.ONE_PASS_BACKWARD_MAX_LEN = length
-      try:
-        fwd, both = time_attention(batch, length, "flash", heads=args.heads, iters=args.iters)
-        rows.append(f"| B={batch} L={length} H={args.heads} | {launch} | {fwd:.3f} | {both:.3f} |")
-      except Exception as error:  # noqa: BLE001
-        rows.append(f"| B={batch} L={length} H={args.heads} | {launch} | failed: {repr(error)[:300]} | |")
-      print(rows[-1], flush=True)
-    flash_attention.KERNEL_PARAMS.update(default)
-    flash_attention.ONE_PASS_BACKWARD_MAX_LEN = limit
 
   if args.sweep:
     default = dict(flash_attention.KERNEL_PARAMS)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import attention, flash_attention
+from bert_jax.models import attention
 from bert_jax.models.attention import dot_product_attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (cuDNN)")
@@ -77,15 +77,11 @@ def attention_errors(batch: int, length: int, heads: int, head_dim: int, packed:
 
 CASES = [("cudnn", 128, False, 0.0, False), ("cudnn", 512, False, 0.0, False), ("cudnn", 128, True, 0.0, False),
          ("flash", 128, False, 0.1, False), ("flash", 512, False, 0.1, False), ("flash", 128, True, 0.1, False),
-         ("flash", 384, False, 0.0, True), ("flash-one-pass", 128, False, 0.1, False),
-         ("flash-one-pass", 128, True, 0.1, False), ("flash-one-pass", 128, False, 0.0, True)]
+         ("flash", 384, False, 0.0, True)]
 
 
 @pytest.mark.parametrize("candidate,length,packed,dropout_rate,causal", CASES)
-def test_fused_attention_matches_xla_in_bf16(monkeypatch, candidate, length, packed, dropout_rate, causal):
-  if candidate == "flash-one-pass":  # the flash kernels' one-pass backward (`_backward_kernel`)
-    monkeypatch.setattr(flash_attention, "ONE_PASS_BACKWARD_MAX_LEN", length)
-    candidate = "flash"
+def test_fused_attention_matches_xla_in_bf16(candidate, length, packed, dropout_rate, causal):
   errors = attention_errors(batch=4, length=length, heads=12, head_dim=64, packed=packed, candidate=candidate,
                             dropout_rate=dropout_rate, causal=causal)
   for name, pairs in errors.items():

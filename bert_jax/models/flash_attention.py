@@ -78,13 +78,7 @@ class KernelParams(NamedTuple):
 # Measured on an H100 (bench/NOTES.md session 7): 64 x 64 tiles with 4 warps were the best of 16 tile and launch
 # settings at lengths 128 and 512; 3 pipeline stages made the two backward kernels 3-6% faster than 2.
 KERNEL_PARAMS = {"forward": KernelParams(64, 64, 4, 2), "dkdv": KernelParams(64, 64, 4, 3),
-                 "dq": KernelParams(64, 64, 4, 3), "backward": KernelParams(64, 128, 8, 2)}
-# The one-pass backward kernel (`_backward_kernel`: dQ, dK and dV of a (batch, head) in one program, every key's
-# gradients in registers, so each probability tile and its dropout mask is computed once instead of once in each
-# of the dQ and dK/dV kernels) takes lengths up to this; longer ones (and 0: never) run the two kernels. Its
-# "backward" params: block_q query rows per step; block_k is unused (all keys). Session 15's experiment: off until
-# measured on a GPU.
-ONE_PASS_BACKWARD_MAX_LEN = 0
+                 "dq": KernelParams(64, 64, 4, 3)}
 
 
 def _row_keys(rows: Array, seed0: Array, seed1: Array) -> Array:
@@ -247,46 +241,6 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
   dkv_ref[:, VALUE, :] = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
 
 
-def _backward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dqkv_ref, *, scale, packed,
-                     causal, rate, block_q, num_heads, q_len):
-  """dQ, dK and dV of one (batch, head) in one pass over its query tiles, all keys in this program: the dK/dV
-  kernel's loop, which also computes each tile's delta and writes its rows of dQ (complete, since every key is
-  here), so the probabilities and the dropout mask are recomputed once instead of twice."""
-  b, h = pl.program_id(1), pl.program_id(2)
-  length = k_ref.shape[0]
-  k, v = k_ref[...], v_ref[...]
-  k_pos = jnp.arange(length, dtype=jnp.int32)
-  pack_k = pack_ref[...]
-  key_bias = _key_bias(pack_k)
-
-  def body(iq, carry):
-    dk, dv = carry
-    q_pos = iq * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    rows = pl.ds(iq * block_q, block_q)
-    q, do = q_ref[rows, :], do_ref[rows, :]
-    delta = jnp.sum(o_ref[rows, :].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
-    s = _scores(q, k, key_bias, pack_ref[rows], pack_k, q_pos, k_pos, scale=scale * _LOG2E, packed=packed,
-                causal=causal)
-    p = jnp.exp2(s - lse_ref[rows][:, None])
-    dp = _dot(do, v.T)
-    if rate > 0:
-      keep = _keep(_kernel_row_keys(meta_ref, b, h, q_pos, num_heads=num_heads, q_len=q_len), 0, length, rate)
-      p_kept = jnp.where(keep, p, 0.0)
-      dp = jnp.where(keep, dp, 0.0)
-    else:
-      p_kept = p
-    dv = dv + _dot(p_kept.astype(do.dtype).T, do)
-    ds = (p * (dp - ((1.0 - rate) * delta)[:, None])).astype(q.dtype)
-    dk = dk + _dot(ds.T, q)
-    dqkv_ref[rows, QUERY, :] = (_dot(ds, k) * (scale / (1.0 - rate))).astype(dqkv_ref.dtype)
-    return dk, dv
-
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, zeros))
-  dqkv_ref[:, KEY, :] = (dk * (scale / (1.0 - rate))).astype(dqkv_ref.dtype)
-  dqkv_ref[:, VALUE, :] = (dv * (1.0 / (1.0 - rate))).astype(dqkv_ref.dtype)
-
-
 def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *, scale,
                packed, causal, rate, block_k, num_heads, q_len):
   """dQ of one query tile, and delta = rowsum(out * d_out) of its rows for the dK/dV kernel (which runs
@@ -370,27 +324,11 @@ def _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interp
 
 
 def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret):
-  """d(qkv) [B, L, H, 3, D]: up to ONE_PASS_BACKWARD_MAX_LEN, the one-pass kernel; else the dQ kernel writes slot
-  QUERY (and delta), then the dK/dV kernel slots KEY and VALUE in place."""
+  """d(qkv) [B, L, H, 3, D]: the dQ kernel writes slot QUERY (and delta), then the dK/dV kernel slots KEY and
+  VALUE in place."""
   batch, length, heads, _, head_dim = qkv.shape
   common = dict(scale=scale, packed=packed, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
   all_rows = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
-  row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
-  every_row = _specs(length, head_dim, None, lambda i: 0)
-
-  if length <= ONE_PASS_BACKWARD_MAX_LEN:
-    block_q = _block(length, KERNEL_PARAMS["backward"].block_q)
-    return pl.pallas_call(
-        functools.partial(_backward_kernel, block_q=block_q, **common),
-        grid=(1, batch, heads),
-        in_specs=[*_common_specs(length), all_rows(QUERY), all_rows(KEY), all_rows(VALUE), every_row, every_row,
-                  row_stats],
-        out_specs=pl.BlockSpec((None, length, None, 3, head_dim), lambda i, b, h: (b, 0, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-        compiler_params=None if interpret else _compiler_params("backward"),
-        interpret=interpret,
-        name="flash_attention_backward",
-    )(meta, pack_ids, qkv, qkv, qkv, out, d_out, lse)
 
   block_q, block_k = _blocks("dq", length)
   q_rows = _fused_spec(length, head_dim, block_q, lambda i: i, QUERY)
@@ -411,11 +349,12 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   block_q, block_k = _blocks("dkdv", length)
   k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
   kv_block = pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0))
+  row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
   return pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=block_q, **common),
       grid=(length // block_k, batch, heads),
-      in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE), every_row, row_stats,
-                row_stats, kv_block],
+      in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
+                _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats, kv_block],
       out_specs=kv_block,
       out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
       input_output_aliases={8: 0},
