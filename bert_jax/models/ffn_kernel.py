@@ -5,12 +5,14 @@ GELU(h). cuBLAS (which XLA calls) adds the bias in its epilogue but has no
 exact-GELU epilogue, so XLA runs the GELU as a separate memory-bound kernel that
 reads h back and writes GELU(h). `bias_gelu_matmul(x, w, bias)` computes both
 from the accumulator while it is still in registers and writes h (the backward
-pass's residual) and GELU(h) (the `wo` matmul's input) once each.
+pass's residual; with `derivative`, GELU'(h) instead) and GELU(h) (the `wo`
+matmul's input) once each.
 
 The backward pass of the FFN needs dh = (dy @ wo^T) * GELU'(h) and the bias
 gradient, dh's column sums. XLA writes d GELU(h) from the GEMM, then reads it and
-h back to write dh and sum it. `dgelu_matmul(dy, wo, h)` reads h's tile during
-the GEMM's main loop and writes only dh and the sums of each tile's columns.
+h back to write dh and sum it. `dgelu_matmul(dy, wo, h)` reads h's tile (with
+`saved`, GELU'(h)'s) during the GEMM's main loop and writes only dh and the sums
+of each tile's columns.
 
 Two schedules of one persistent kernel (one CTA per SM looping over output tiles,
 a memory warpgroup streaming operand blocks through shared memory by TMA, two
@@ -23,14 +25,17 @@ compute warpgroups with wgmma):
   the warpgroups take turns on the tensor cores, so one's epilogue runs under the
   other's matmuls. A hand-built ring of operand slots and barriers.
 
-Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md session 14, one call), ms
-per call at [32768, 768] x [768, 3072] (BERT-Base, 32768 tokens): forward XLA
-0.392, cooperative 0.319-0.327, ping-pong 0.300; backward dh + bias gradient XLA
-0.453, ping-pong with the sums in its epilogue 0.341. At BERT-Large's [16384,
-1024] x [1024, 4096]: forward XLA 0.307, cooperative 0.254-0.258, ping-pong
-(5-deep ring) 0.236; backward XLA 0.347, ping-pong 0.267. The model uses the
-ping-pong kernels both ways (`FORWARD_SCHEDULE`, `PINGPONG_FORWARD_TILES`,
-`BACKWARD_KERNEL`). Their main loop is as fast as cuBLAS' GEMM alone; what they
+Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md sessions 14-15), ms per
+call at [32768, 768] x [768, 3072] (BERT-Base, 32768 tokens): forward XLA
+0.392, cooperative 0.319-0.327, ping-pong 0.293-0.300; backward dh + bias
+gradient XLA 0.453, ping-pong with the sums in its epilogue 0.333-0.341. At
+BERT-Large's [16384, 1024] x [1024, 4096]: forward XLA 0.307, cooperative
+0.254-0.258, ping-pong (5-deep ring) 0.236-0.238; backward XLA 0.347, ping-pong
+0.267. The model uses the ping-pong kernels both ways (`FORWARD_SCHEDULE`,
+`PINGPONG_FORWARD_TILES`, `BACKWARD_KERNEL`), and the forward writes GELU'(h)
+in place of h, so that the backward's epilogue only multiplies
+(`SAVE_GELU_DERIVATIVE`; session 15: forward 0.309, backward 0.289 at
+BERT-Base, 0.248 and 0.246 at BERT-Large; the step 0.4 ms faster). Their main loop is as fast as cuBLAS' GEMM alone; what they
 take beyond it is the epilogue's per-element arithmetic, longer than the other
 warpgroup's matmuls (Nsight Compute, session 14), hence `normal_tail`'s few
 instructions.
