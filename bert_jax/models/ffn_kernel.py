@@ -35,10 +35,10 @@ BERT-Large's [16384, 1024] x [1024, 4096]: forward XLA 0.307, cooperative
 `PINGPONG_FORWARD_TILES`, `BACKWARD_KERNEL`), and the forward writes GELU'(h)
 in place of h, so that the backward's epilogue only multiplies
 (`SAVE_GELU_DERIVATIVE`; session 15: forward 0.309, backward 0.289 at
-BERT-Base, 0.248 and 0.246 at BERT-Large; the step 0.4 ms faster). Their main loop is as fast as cuBLAS' GEMM alone; what they
-take beyond it is the epilogue's per-element arithmetic, longer than the other
-warpgroup's matmuls (Nsight Compute, session 14), hence `normal_tail`'s few
-instructions.
+BERT-Base, 0.248 and 0.246 at BERT-Large; the step 0.4 ms faster). Their main
+loop is as fast as cuBLAS' GEMM alone; what they take beyond it is the
+epilogue's per-element arithmetic, longer than the other warpgroup's matmuls
+(Nsight Compute, session 14), hence `normal_tail`'s few instructions.
 
 The kernels run on Hopper GPUs only (`supported`, `supported_pingpong`; Pallas
 has no interpreter for Mosaic GPU kernels in jax 0.10); elsewhere
