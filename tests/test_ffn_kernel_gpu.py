@@ -32,15 +32,21 @@ FORWARD_CASES = ([("cooperative", s) for s in [(32768, 768, 3072), (16384, 1024,
                  + [("pingpong", s) for s in PINGPONG_SHAPES])
 
 
+FORWARD_KERNELS = {"cooperative": ffn_kernel.bias_gelu_matmul, "pingpong": ffn_kernel.bias_gelu_matmul_pingpong}
+
+
+def forward_inputs(keys, shape, w_scale: float):
+  """x [m, k], w [k, n] (bf16, w scaled by w_scale) and a float32 bias [n] from three keys."""
+  m, k, n = shape
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (w_scale * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
+  return x, w, 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
+
+
 @pytest.mark.parametrize("schedule, shape", FORWARD_CASES)
 def test_bias_gelu_matmul_equals_xla(schedule, shape):
-  m, k, n = shape
-  keys = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-  w = (0.05 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
-  bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
-  kernel = {"cooperative": ffn_kernel.bias_gelu_matmul, "pingpong": ffn_kernel.bias_gelu_matmul_pingpong}[schedule]
-  h, g = jax.jit(kernel)(x, w, bias)
+  x, w, bias = forward_inputs(jax.random.split(jax.random.key(0), 3), shape, 0.05)
+  h, g = jax.jit(FORWARD_KERNELS[schedule])(x, w, bias)
   h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
   g_ref = ops.gelu(h_ref)
   errors = relative(h, h_ref), relative(g, g_ref)
@@ -70,11 +76,8 @@ def test_saved_gelu_derivative_forward_and_backward(schedule, shape):
   (`SAVE_GELU_DERIVATIVE`)."""
   m, k, n = shape
   keys = jax.random.split(jax.random.key(2), 4)
-  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-  w = (0.1 * jax.random.normal(keys[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
-  bias = 0.1 * jax.random.normal(keys[2], (n,), jnp.float32)
-  kernel = {"cooperative": ffn_kernel.bias_gelu_matmul, "pingpong": ffn_kernel.bias_gelu_matmul_pingpong}[schedule]
-  gp, g = jax.jit(lambda *a: kernel(*a, derivative=True))(x, w, bias)
+  x, w, bias = forward_inputs(keys, shape, 0.1)
+  gp, g = jax.jit(lambda *a: FORWARD_KERNELS[schedule](*a, derivative=True))(x, w, bias)
   h_ref = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias
   gp_ref = jax.vmap(jax.grad(lambda v: ops.gelu(v)))(h_ref.ravel()).reshape(m, n)
   errors = relative(gp, gp_ref), relative(g, ops.gelu(h_ref))
