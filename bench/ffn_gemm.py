@@ -13,14 +13,15 @@ cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEM
 XLA form relative to its largest value. Then the ping-pong kernels per launch (ring depth, the epilogue's
 [epi, epi] store tiles, the forward's output slots per warpgroup; +saved: the forward writing GELU'(h) for a
 backward that multiplies by it, the model's pair with `SAVE_GELU_DERIVATIVE`, else the pair that saves h): the
-forward (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's column
-sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU backward
-fused with the sums).
+forward (`bias_gelu_matmul_pingpong`) and the backward's dh = (dy @ wo^T) GELU'(h) with the bias gradient's
+column sums (`dgelu_matmul`, the sums in its epilogue), against XLA's backward (its GEMM, then the GELU
+backward fused with the sums).
 
-`--ablate` times the ping-pong kernels (the pair that saves h) with parts of their epilogues taken out (patched in this process only; the
-results are wrong by design, so no errors are printed): the forward without its epilogue, writing h only, with
-the GELU replaced by a copy, and with more output slots (`Tiles.out_slots`); the backward without GELU'(h)'s
-arithmetic, without the column sums, and without its epilogue (no h tile read, no dh written; the sums kept).
+`--ablate` times the ping-pong kernels (the pair that saves h) with parts of their epilogues taken out (patched
+in this process only; the results are wrong by design, so no errors are printed): the forward without its
+epilogue, writing h only, with the GELU replaced by a copy, and with more output slots (`Tiles.out_slots`); the
+backward without GELU'(h)'s arithmetic, without the column sums, and without its epilogue (no h tile read, no
+dh written; the sums kept).
 
 `--once forward|backward` runs the model's ping-pong kernel (`PINGPONG_FORWARD_TILES` / default tiles) three
 times at the first shape and nothing else: for Nsight Compute as above, or with MOSAIC_GPU_DUMP_PTX=1
@@ -92,8 +93,8 @@ ABLATIONS = {
     "backward": {
         "as shipped": {},
         "GELU'(h) replaced by h": dict(gelu_derivative=lambda h32: h32),
-        "no column sums": dict(_dgelu_epilogue=lambda *args, shipped=(
-            ffn_kernel._dgelu_epilogue), **kwargs: (shipped(*args, **kwargs), [])[1]),  # noqa: SLF001
+        "no column sums": dict(_dgelu_epilogue=lambda *args, shipped=ffn_kernel._dgelu_epilogue,  # noqa: SLF001
+                               **kwargs: (shipped(*args, **kwargs), [])[1]),
         "no epilogue (GEMM + column sums)": dict(_dgelu_epilogue=_dgelu_sums_only),
     },
 }

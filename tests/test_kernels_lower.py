@@ -74,7 +74,7 @@ def test_pingpong_kernels_lower(monkeypatch, tokens, hidden, intermediate):
   forward = functools.partial(ffn_kernel.bias_gelu_matmul_pingpong, tiles=ffn_kernel.PINGPONG_FORWARD_TILES)
   assert "mosaic_gpu" in lower_for_cuda(forward, x, wi, shape((intermediate,), jnp.float32))
   assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.dgelu_matmul, x, wo, h)
-  saved = dict(derivative=True), dict(saved=True)  # SAVE_GELU_DERIVATIVE's pair
-  assert "mosaic_gpu" in lower_for_cuda(functools.partial(forward, **saved[0]), x, wi, shape((intermediate,),
-                                                                                             jnp.float32))
-  assert "mosaic_gpu" in lower_for_cuda(functools.partial(ffn_kernel.dgelu_matmul, **saved[1]), x, wo, h)
+  # SAVE_GELU_DERIVATIVE's pair: the forward writing GELU'(h), the backward multiplying by it.
+  bias = shape((intermediate,), jnp.float32)
+  assert "mosaic_gpu" in lower_for_cuda(functools.partial(forward, derivative=True), x, wi, bias)
+  assert "mosaic_gpu" in lower_for_cuda(functools.partial(ffn_kernel.dgelu_matmul, saved=True), x, wo, h)
