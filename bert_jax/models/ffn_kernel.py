@@ -134,9 +134,17 @@ def erf(x: Array) -> Array:
   return jnp.where(x < 0.0, -y, y)
 
 
+def _gelu_from_tail(h32: Array, tail: Array) -> Array:
+  return jnp.maximum(h32, 0.0) - jnp.abs(h32) * tail
+
+
+def _gelu_derivative_from_tail(h32: Array, tail: Array, e: Array) -> Array:
+  return jnp.where(h32 < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
+
+
 def gelu(h32: Array) -> Array:
   """The exact GELU h Phi(h), float32: max(h, 0) - |h| Phi(-|h|) (`normal_tail`), no select."""
-  return jnp.maximum(h32, 0.0) - jnp.abs(h32) * normal_tail(h32)[0]
+  return _gelu_from_tail(h32, normal_tail(h32)[0])
 
 
 def _forward_values(h: Array, mode: str) -> list[Array]:
@@ -151,15 +159,14 @@ def _forward_values(h: Array, mode: str) -> list[Array]:
 
 def gelu_derivative(h32: Array) -> Array:
   """GELU'(h) = Phi(h) + h phi(h), float32, by `normal_tail` (the density shares its exp)."""
-  return gelu_and_derivative(h32)[1]
+  return _gelu_derivative_from_tail(h32, *normal_tail(h32))
 
 
 def gelu_and_derivative(h32: Array) -> tuple[Array, Array]:
   """(GELU(h), GELU'(h)), float32, from one `normal_tail`: the forward epilogue's values where it saves GELU'(h)
   for the backward pass instead of h (`SAVE_GELU_DERIVATIVE`)."""
   tail, e = normal_tail(h32)
-  value = jnp.maximum(h32, 0.0) - jnp.abs(h32) * tail
-  return value, jnp.where(h32 < 0.0, tail, 1.0 - tail) + h32 * (_INV_SQRT_2PI * e)
+  return _gelu_from_tail(h32, tail), _gelu_derivative_from_tail(h32, tail, e)
 
 
 def _kernel(a_gmem, b_gmem, bias_gmem, *out_gmems, tiles: Tiles, mode: str):
