@@ -7,6 +7,9 @@ then the bias add), and its erf is a polynomial: differences are bfloat16 roundi
 
 from __future__ import annotations
 
+import contextlib
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 from bert_jax.models import ffn_kernel, ops
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.encoder import Encoder
+from bert_jax.parallel import sharding as sharding_lib
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "gpu" or not ffn_kernel.supported(256, 64, 256, jnp.bfloat16),
@@ -94,10 +98,11 @@ def test_saved_gelu_derivative_forward_and_backward(schedule, shape):
   assert errors[0] < 6e-3 and errors[1] < 1e-5  # dh: GELU'(h) and the product each rounded to bf16
 
 
-@pytest.mark.parametrize("save_derivative", [False, True])
-def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative):
+@pytest.mark.parametrize("save_derivative, sharded", [(False, False), (True, False), (True, True)])
+def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative, sharded):
   """An encoder's loss and gradients with ffn_impl "auto" (the kernels on this GPU; with `save_derivative`,
-  GELU'(h) as the backward's residual) and "xla".
+  GELU'(h) as the backward's residual) and "xla"; with `sharded`, both under a data-parallel mesh of every GPU
+  here (the kernels per shard of the rows, `ffn_kernel._over_row_shards`; needs two GPUs or more).
 
   The loss is a random projection of the output, so that every gradient is of the order of the activations: a
   loss that the final LayerNorm makes nearly flat leaves gradients of pure rounding noise, which no two
@@ -106,27 +111,39 @@ def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative)
   """
   kwargs = dict(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
                 max_position_embeddings=128, dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
+  if sharded and jax.device_count() < 2:
+    pytest.skip("needs two GPUs or more")
   ids = jax.random.randint(jax.random.key(1), (16, 128), 5, 1024)
   target = jax.random.normal(jax.random.key(2), (16, 128, 256), jnp.float32)
   monkeypatch.setattr(ffn_kernel, "SAVE_GELU_DERIVATIVE", save_derivative)
+  context = contextlib.nullcontext()
+  if sharded:
+    mesh = sharding_lib.create_mesh({"data": jax.device_count()})
+    context = contextlib.ExitStack()
+    context.enter_context(mesh)
+    context.enter_context(nn.logical_axis_rules(sharding_lib.DEFAULT_RULES))
   results = []
   params = None
-  for impl in ("auto", "xla"):
-    model = Encoder(ModelConfig(**kwargs, ffn_impl=impl))
-    params = params or model.init(jax.random.key(0), ids)
+  with context:
+    for impl in ("auto", "xla"):
+      model = Encoder(ModelConfig(**kwargs, ffn_impl=impl))
+      params = params or model.init(jax.random.key(0), ids)
 
-    def loss(params):
-      return jnp.mean(model.apply(params, ids)["hidden"].astype(jnp.float32) * target)
+      def loss(params):
+        return jnp.mean(model.apply(params, ids)["hidden"].astype(jnp.float32) * target)
 
-    if impl == "auto":
-      hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
-      assert "mosaic" in hlo  # the kernels, not the XLA form
-      if ffn_kernel.BACKWARD_KERNEL:  # the backward's dh kernel is there too
-        monkeypatch.setattr(ffn_kernel, "BACKWARD_KERNEL", False)
-        forward_only = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
-        monkeypatch.setattr(ffn_kernel, "BACKWARD_KERNEL", True)
-        assert hlo.count("mosaic") > forward_only.count("mosaic")
-    results.append(jax.jit(jax.value_and_grad(loss))(params))
+      if impl == "auto":
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
+        assert "mosaic" in hlo  # the kernels, not the XLA form
+        if ffn_kernel.BACKWARD_KERNEL:  # the backward's dh kernel is there too
+          monkeypatch.setattr(ffn_kernel, "BACKWARD_KERNEL", False)
+          forward_only = jax.jit(jax.grad(loss)).lower(params).compile().as_text().lower()
+          monkeypatch.setattr(ffn_kernel, "BACKWARD_KERNEL", True)
+          assert hlo.count("mosaic") > forward_only.count("mosaic")
+        if sharded:  # each GPU runs the kernels on its own rows
+          lowered = jax.jit(jax.grad(loss)).lower(params).as_text()
+          assert "manual_computation" in lowered or "shard_map" in lowered
+      results.append(jax.jit(jax.value_and_grad(loss))(params))
   (loss_k, grads_k), (loss_x, grads_x) = results
   assert abs(float(loss_k) - float(loss_x)) < 1e-2 * abs(float(loss_x))
   errors = {jax.tree_util.keystr(path): error for path, error in
