@@ -52,6 +52,9 @@ Array = jax.Array
 BLOCK_ROWS = 32
 CHUNK = 128
 NUM_WARPS = 4
+ROW_LOOP = False  # session 16 trial: `_row_loop_kernel`
+STEP_ROWS = 1
+LOOP_CHUNK = 256
 # The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches on an H100
 # (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138).
 FORWARD_BLOCK_ROWS = 8
@@ -95,6 +98,36 @@ def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, db
     dbias_ref[cols] = jnp.sum(dy, axis=0)
 
 
+def _row_loop_kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *,
+                     features: int, block_rows: int, step_rows: int, chunk: int):
+  """The backward over `block_rows` rows, `step_rows` at a time in a loop: each step loads its rows once (every
+  column chunk), reduces them along the features, writes dx and adds dy * xhat and dy into column accumulators
+  of the step's shape, reduced across rows once at the end (no cross-thread column reduction per step)."""
+  chunks = [pl.ds(c * chunk, chunk) for c in range(features // chunk)]
+  scales = [scale_ref[cols].astype(jnp.float32)[None, :] for cols in chunks]
+
+  def step(i, accumulators):
+    rows = pl.ds(pl.multiple_of(i * step_rows, step_rows), step_rows)
+    mean = mean_ref[rows][:, None]
+    rstd = rstd_ref[rows][:, None]
+    dys = [dy_ref[rows, cols].astype(jnp.float32) for cols in chunks]
+    xhats = [(x_ref[rows, cols].astype(jnp.float32) - mean) * rstd for cols in chunks]
+    gs = [dy * scale for dy, scale in zip(dys, scales)]
+    mean_g = (sum(jnp.sum(g, axis=1) for g in gs) / features)[:, None]
+    mean_gx = (sum(jnp.sum(g * xhat, axis=1) for g, xhat in zip(gs, xhats)) / features)[:, None]
+    for cols, g, xhat in zip(chunks, gs, xhats):
+      dx_ref[rows, cols] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
+    dscale, dbias = accumulators
+    return (tuple(a + dy * xhat for a, dy, xhat in zip(dscale, dys, xhats)),
+            tuple(a + dy for a, dy in zip(dbias, dys)))
+
+  zeros = tuple(jnp.zeros((step_rows, chunk), jnp.float32) for _ in chunks)
+  dscale, dbias = jax.lax.fori_loop(0, block_rows // step_rows, step, (zeros, zeros))
+  for cols, a, b in zip(chunks, dscale, dbias):
+    dscale_ref[cols] = jnp.sum(a, axis=0)
+    dbias_ref[cols] = jnp.sum(b, axis=0)
+
+
 def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool, block_rows: int,
                  num_warps: int):
   """[R, E] x and dy, [R] statistics -> dx [R, E], partial sums [R / block_rows, E] of dy * xhat and dy."""
@@ -107,8 +140,12 @@ def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, in
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
     compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  kernel = functools.partial(_kernel, features=features, block_rows=block_rows)
+  if ROW_LOOP:
+    kernel = functools.partial(_row_loop_kernel, features=features, block_rows=block_rows, step_rows=STEP_ROWS,
+                               chunk=LOOP_CHUNK)
   return pl.pallas_call(
-      functools.partial(_kernel, features=features, block_rows=block_rows),
+      kernel,
       grid=(blocks,),
       in_specs=[row_block, row_block, stats, stats, pl.BlockSpec((features,), lambda i: (0,))],
       out_specs=[row_block, partial, partial],
