@@ -70,8 +70,8 @@ def time_forward(rows: int, features: int, block_rows: int | None, num_warps: in
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="32768x768,16384x1024,8192x4096", help="rows x features, comma-separated")
-  parser.add_argument("--blocks", default="8,16,32", help="block_rows values")
-  parser.add_argument("--warps", default="4,8", help="num_warps values")
+  parser.add_argument("--blocks", default="8,16,32,64", help="block_rows values")
+  parser.add_argument("--warps", default="1,2,4,8", help="num_warps values")
   parser.add_argument("--passes", default="backward,forward")
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the floor column (H100: ~3.0)")

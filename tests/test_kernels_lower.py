@@ -42,7 +42,8 @@ def test_layer_norm_kernels_lower():
   rows, features = 4096, 768
   x, stats, vector = shape((rows, features), jnp.bfloat16), shape((rows,), jnp.float32), shape((features,), jnp.float32)
   backward = lambda *a: layer_norm_kernel._backward_2d(  # noqa: E731, SLF001
-      *a, interpret=False, block_rows=layer_norm_kernel.BLOCK_ROWS, num_warps=layer_norm_kernel.NUM_WARPS)
+      *a, interpret=False, block_rows=layer_norm_kernel.BLOCK_ROWS,
+      num_warps=layer_norm_kernel.backward_warps(features))
   assert "triton" in lower_for_cuda(backward, x, x, stats, stats, vector)
   forward = lambda meta, x, branch, scale, bias: layer_norm_kernel._forward_2d(  # noqa: E731, SLF001
       meta, x, branch, scale, bias, rate=0.1, epsilon=1e-12, dtype=jnp.bfloat16, interpret=False,

@@ -7,24 +7,29 @@ LayerNorms of a BERT-Base seq-128 step spent 6.1 ms in their backward pass
 (bench/NOTES.md, session-2 profile; ~4.9 ms after `ops.layer_norm`'s own
 gradient), against ~1 ms to read x and dy once and write dx.
 
-Here one kernel does all of it for a block of rows: a first pass over the
-row block computes the two row sums, a second writes dx and this block's
-partial column sums of dy * xhat and dy; XLA adds the partial sums of the
-blocks (an array of [rows / block, features], small). (Keeping the block's
-tiles in registers instead of reading them twice was slower on an H100:
-0.126 against 0.104 ms at 32768 x 768, bench/NOTES.md session 7.) The
-features are walked in chunks of `CHUNK` columns (the Triton lowering needs power-of-two
-tiles; BERT's widths 128-1024 are multiples of 128). The arithmetic is that
-of `ops._layer_norm_bwd` (float32), so the results agree to rounding.
+Here one kernel does all of it. Each program takes `BLOCK_ROWS` rows and
+walks them `STEP_ROWS` at a time in a loop: a step loads its rows once (in
+column chunks of 256, or 128 where the width is not a multiple of 256: the
+Triton lowering needs power-of-two tiles), reduces each row along the features
+(the two row sums), writes dx, and adds dy * xhat and dy into column
+accumulators held per thread. The accumulators are reduced across rows once
+per program, and XLA adds the programs' partial sums (an array of
+[rows / BLOCK_ROWS, features], small). The arithmetic is that of
+`ops._layer_norm_bwd` (float32), so the results agree to rounding.
+
+Measured on an H100 (bench/NOTES.md, session 16): 0.072 / 0.052 ms per call at
+32768 x 768 / 16384 x 1024, against 0.098 / 0.075 for the earlier kernel,
+which read its 32-row block twice and reduced the column sums across the
+block in every chunk (Nsight Compute: 255 registers a thread, 2 blocks per
+SM, 1.6 TB/s); BERT-Base seq-128 train step 42.35 -> 41.72 ms.
 
 Under a mesh the kernel runs per shard of the batch (`jax.shard_map`, the
 rules' "batch" axes; replicated over the other mesh axes, as the activations
 are); the partial sums are added across shards by XLA.
 Off GPU it runs in Pallas' interpreter (slow; for tests).
 
-Measured (H100, bench/NOTES.md session 5): BERT-Base seq-128 step 60.8 ->
-58.8 ms (-3.0%); BERT-Large seq 128 unchanged (+0.5%). The default on GPU
-(`ModelConfig.layer_norm_impl="auto"`).
+The kernel replaced XLA's form in session 5 (H100: BERT-Base seq-128 step
+60.8 -> 58.8 ms). The default on GPU (`ModelConfig.layer_norm_impl="auto"`).
 
 `add_layer_norm_forward` is the forward pass of a post-LN residual,
 LayerNorm(x + dropout(branch)), as one kernel: it reads x and the branch once
@@ -49,16 +54,23 @@ from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
+# The backward kernel's launch: 32 rows per program, 2 rows per step of its loop, in column chunks of 256 (128 where
+# the width is not a multiple of 256), one warp per 768 columns (`backward_warps`); the best of 30 launches on an
+# H100 at both BERT widths (bench/NOTES.md, session 16).
 BLOCK_ROWS = 32
+STEP_ROWS = 2
 CHUNK = 128
-NUM_WARPS = 4
-ROW_LOOP = False  # session 16 trial: `_row_loop_kernel`
-STEP_ROWS = 1
-LOOP_CHUNK = 256
 # The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches on an H100
 # (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138).
 FORWARD_BLOCK_ROWS = 8
 FORWARD_NUM_WARPS = 8
+
+
+def backward_warps(features: int) -> int:
+  """The backward kernel's warps for a width: enough that a thread holds at most ~48 values of each [2, features]
+  step tile (a power of two: 1 at 768, 2 at 1024; H100, session 16: 0.072 / 0.052 ms, against 0.082 / 0.073 with
+  the other)."""
+  return 1 << max(0, -(-features // 768) - 1).bit_length()
 
 
 def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
@@ -73,33 +85,7 @@ def _row_shards(x: Array, block_rows: int):
 
 
 def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int,
-            block_rows: int):
-  mean = mean_ref[...][:, None]
-  rstd = rstd_ref[...][:, None]
-
-  def chunk(c):
-    cols = pl.ds(c * CHUNK, CHUNK)
-    dy = dy_ref[:, cols].astype(jnp.float32)
-    xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
-    return cols, dy, xhat, dy * scale_ref[cols].astype(jnp.float32)[None, :]
-
-  sum_g = jnp.zeros((block_rows,), jnp.float32)
-  sum_gx = jnp.zeros((block_rows,), jnp.float32)
-  for c in range(features // CHUNK):
-    _, _, xhat, g = chunk(c)
-    sum_g += jnp.sum(g, axis=1)
-    sum_gx += jnp.sum(g * xhat, axis=1)
-  mean_g = (sum_g / features)[:, None]
-  mean_gx = (sum_gx / features)[:, None]
-  for c in range(features // CHUNK):
-    cols, dy, xhat, g = chunk(c)
-    dx_ref[:, cols] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
-    dscale_ref[cols] = jnp.sum(dy * xhat, axis=0)
-    dbias_ref[cols] = jnp.sum(dy, axis=0)
-
-
-def _row_loop_kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *,
-                     features: int, block_rows: int, step_rows: int, chunk: int):
+            block_rows: int, step_rows: int, chunk: int):
   """The backward over `block_rows` rows, `step_rows` at a time in a loop: each step loads its rows once (every
   column chunk), reduces them along the features, writes dx and adds dy * xhat and dy into column accumulators
   of the step's shape, reduced across rows once at the end (no cross-thread column reduction per step)."""
@@ -140,12 +126,10 @@ def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, in
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
     compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-  kernel = functools.partial(_kernel, features=features, block_rows=block_rows)
-  if ROW_LOOP:
-    kernel = functools.partial(_row_loop_kernel, features=features, block_rows=block_rows, step_rows=STEP_ROWS,
-                               chunk=LOOP_CHUNK)
+  step_rows = STEP_ROWS if block_rows % STEP_ROWS == 0 else 1
+  chunk = 2 * CHUNK if features % (2 * CHUNK) == 0 else CHUNK
   return pl.pallas_call(
-      kernel,
+      functools.partial(_kernel, features=features, block_rows=block_rows, step_rows=step_rows, chunk=chunk),
       grid=(blocks,),
       in_specs=[row_block, row_block, stats, stats, pl.BlockSpec((features,), lambda i: (0,))],
       out_specs=[row_block, partial, partial],
@@ -157,14 +141,15 @@ def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, in
 
 
 def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *,
-                        block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> tuple[Array, Array, Array] | None:
+                        block_rows: int = BLOCK_ROWS, num_warps: int | None = None
+                        ) -> tuple[Array, Array, Array] | None:
   """(dx, dscale, dbias) of LayerNorm over the last axis; x, dy [..., E], mean and rstd [..., 1] float32.
 
   dscale and dbias are float32 sums over every row. None where the kernel
   does not apply: a width that is not a multiple of CHUNK, or rows (per shard,
   under a mesh) that are not a multiple of `block_rows`; the caller then uses
-  the XLA form. `block_rows` and `num_warps` are the launch parameters
-  (`bench/layer_norm.py` sweeps them).
+  the XLA form. `block_rows` and `num_warps` (None: `backward_warps`) are the
+  launch parameters (`bench/layer_norm.py` sweeps them).
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
@@ -173,7 +158,7 @@ def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Ar
     return None
   mesh, row_axes, _ = shards
   run = functools.partial(_backward_2d, interpret=jax.default_backend() != "gpu", block_rows=block_rows,
-                          num_warps=num_warps)
+                          num_warps=num_warps or backward_warps(features))
   if mesh is not None:
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
     run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P()),
