@@ -34,8 +34,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "RESULT "
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # Cheaper CPU code generation: a tiny training step compiles in about a third of
-# the time. Numerics change slightly, so pass the same flags to every run that
-# a test compares.
+# the time. Numerics change slightly, so every run that a test compares needs the
+# same flags: conftest.py sets them for the whole suite (processes inherit them).
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 

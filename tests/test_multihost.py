@@ -103,8 +103,7 @@ class Runner:
                str(workdir)] + overrides
     return multiprocess_util.run_processes(command, num_processes, local_devices=4 // num_processes,
                                            timeout_s=300,
-                                           extra_env={**self.env, "SIGTERM_AT_BATCH": str(sigterm_at_batch)},
-                                           xla_flags=multiprocess_util.FAST_COMPILE_FLAGS)
+                                           extra_env={**self.env, "SIGTERM_AT_BATCH": str(sigterm_at_batch)})
 
 
 def metrics(workdir: pathlib.Path) -> list[dict]:
