@@ -52,8 +52,7 @@ def free_port() -> int:
 
 def process_env(process_id: int, num_processes: int, port: int,
                 local_devices: int = 2,
-                extra_env: Mapping[str, str] | None = None,
-                xla_flags: Sequence[str] = ()) -> dict[str, str]:
+                extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
   """Environment of one child process.
 
   Args:
@@ -62,7 +61,6 @@ def process_env(process_id: int, num_processes: int, port: int,
     port: coordinator port on localhost.
     local_devices: fake CPU devices per process.
     extra_env: added last (may override anything above).
-    xla_flags: appended to the inherited XLA_FLAGS (e.g. FAST_COMPILE_FLAGS).
 
   Returns:
     A copy of os.environ with the BERT_JAX_* variables, JAX_PLATFORMS=cpu and
@@ -73,7 +71,6 @@ def process_env(process_id: int, num_processes: int, port: int,
     env.pop(name, None)
   flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
   flags.append(f"--xla_force_host_platform_device_count={local_devices}")
-  flags.extend(xla_flags)
   env.update(
       XLA_FLAGS=" ".join(flags),
       JAX_PLATFORMS="cpu",
@@ -120,8 +117,7 @@ def run_processes(command: Sequence[str], num_processes: int, *,
                   local_devices: int = 2, timeout_s: float = 120.0,
                   extra_env: Mapping[str, str] | None = None,
                   cwd: str | os.PathLike[str] | None = None,
-                  check: bool = True,
-                  xla_flags: Sequence[str] = ()) -> list[ProcessResult]:
+                  check: bool = True) -> list[ProcessResult]:
   """Starts `command` in `num_processes` processes joined as one JAX job.
 
   Args:
@@ -133,7 +129,6 @@ def run_processes(command: Sequence[str], num_processes: int, *,
     extra_env: extra variables for every process.
     cwd: working directory (the repository root when None).
     check: raise MultiprocessError unless every process exits with 0.
-    xla_flags: extra XLA_FLAGS for every process.
 
   Returns:
     One ProcessResult per process, ordered by process id.
@@ -146,7 +141,7 @@ def run_processes(command: Sequence[str], num_processes: int, *,
   for process_id, (stdout, stderr) in enumerate(outputs):
     procs.append(subprocess.Popen(
         list(command), cwd=cwd or REPO_ROOT, stdout=stdout, stderr=stderr,
-        env=process_env(process_id, num_processes, port, local_devices, extra_env, xla_flags)))
+        env=process_env(process_id, num_processes, port, local_devices, extra_env)))
   deadline = time.monotonic() + timeout_s
   failure = None
   while failure is None and any(p.poll() is None for p in procs):
