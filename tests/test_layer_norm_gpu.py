@@ -36,18 +36,21 @@ def test_pallas_layer_norm_backward_on_gpu_equals_xla(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(256, 128, 768), (32, 512, 1024), (64, 76, 768)])
-def test_pallas_add_layer_norm_forward_on_gpu_equals_xla(shape, dtype):
-  """The residual + dropout + LayerNorm forward kernel: same mask (exactly), values to rounding."""
+def test_pallas_add_layer_norm_on_gpu_equals_xla(shape, dtype):
+  """The post-LN residual's kernels (forward: bias, dropout, sum, LayerNorm; backward: LayerNorm's, the mask hashed
+  again, the branch gradient and its bias's): the same mask (exactly), values to rounding."""
   x, dy, scale, bias = layer_norm_inputs(shape, dtype)
   branch = jax.random.normal(jax.random.key(11), shape).astype(dtype)
+  branch_bias = 0.3 * jax.random.normal(jax.random.key(12), shape[-1:])
   seeds = jnp.asarray([17, -3], jnp.int32)
-  hlo = jax.jit(lambda x: ops.add_layer_norm(x, branch, scale, bias, seeds, 0.1, 1e-12, dtype, "pallas")).lower(
+  hlo = jax.jit(jax.grad(lambda x: jnp.sum(ops.add_layer_norm(
+      x, branch, scale, bias, seeds, 0.1, 1e-12, dtype, "pallas", branch_bias).astype(jnp.float32)))).lower(
       x).compile().as_text()
-  assert "triton" in hlo.lower()
-  pallas = add_layer_norm_outputs("pallas", x, branch, dy, scale, bias, seeds, 0.1)
-  xla = add_layer_norm_outputs("xla", x, branch, dy, scale, bias, seeds, 0.1)
+  assert hlo.lower().count("triton") >= 2  # both kernels
+  pallas = add_layer_norm_outputs("pallas", x, branch, dy, scale, bias, seeds, 0.1, branch_bias)
+  xla = add_layer_norm_outputs("xla", x, branch, dy, scale, bias, seeds, 0.1, branch_bias)
   np.testing.assert_array_equal(np.asarray(pallas[2]) == 0, np.asarray(xla[2]) == 0)  # dbranch: the same mask
-  for name, a, b in zip(("y", "dx", "dbranch", "dscale", "dbias"), pallas, xla):
+  for name, a, b in zip(("y", "dx", "dbranch", "dscale", "dbias", "dbranch_bias"), pallas, xla):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     relative = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(f"{shape} {jnp.dtype(dtype).name} {name}: relative {relative:.2e}, max-abs {np.max(np.abs(a - b)):.2e}")

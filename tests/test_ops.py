@@ -174,40 +174,52 @@ def test_bias_add_sums_its_gradient_in_float32():
   assert np.max(np.abs(np.asarray(naive) - exact)) > np.max(np.abs(np.asarray(dbias) - exact))
 
 
-def add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, rate):
-  """(y, dx, dbranch, dscale, dbias) of ops.add_layer_norm with the given implementation (jitted)."""
-  def loss(x, branch, scale, bias):
-    y = ops.add_layer_norm(x, branch, scale, bias, seeds, rate, 1e-12, x.dtype, implementation)
+def add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, rate, branch_bias=None):
+  """(y, dx, dbranch, dscale, dbias[, dbranch_bias]) of ops.add_layer_norm with the given implementation
+  (jitted)."""
+  def loss(x, branch, scale, bias, branch_bias):
+    y = ops.add_layer_norm(x, branch, scale, bias, seeds, rate, 1e-12, x.dtype, implementation, branch_bias)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
-  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, branch, scale, bias)
+  argnums = (0, 1, 2, 3) if branch_bias is None else (0, 1, 2, 3, 4)
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(x, branch, scale, bias,
+                                                                                   branch_bias)
   return (y, *grads)
 
 
-def add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate):
-  """The same from the two ops apart, by autodiff: layer_norm(x + Dropout(branch)) (the mask of `seeds`)."""
+def add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate, branch_bias=None):
+  """The same from the ops apart, by autodiff: layer_norm(x + Dropout(bias_add(branch, branch_bias))) (the mask
+  of `seeds`)."""
   from bert_jax.models import dropout
-  def loss(x, branch, scale, bias):
+  def loss(x, branch, scale, bias, branch_bias):
+    if branch_bias is not None:
+      branch = ops.bias_add(branch, branch_bias)
     dropped = dropout.apply_mask(branch, seeds, rate) if rate else branch
     y = ops.layer_norm(x + dropped, scale, bias, 1e-12, x.dtype, "xla")
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
-  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, branch, scale, bias)
+  argnums = (0, 1, 2, 3) if branch_bias is None else (0, 1, 2, 3, 4)
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(x, branch, scale, bias,
+                                                                                   branch_bias)
   return (y, *grads)
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
-@pytest.mark.parametrize("dtype,shape,rate", [(jnp.float32, (4, 16, 256), 0.1), (jnp.float32, (64, 128), 0.0),
-                                              (jnp.bfloat16, (2, 32, 384), 0.3)])
-def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, shape, rate):
-  """The post-LN residual op (Pallas forward kernel in the interpreter, or XLA) against the two ops apart."""
+@pytest.mark.parametrize("dtype,shape,rate,with_bias", [
+    (jnp.float32, (4, 16, 256), 0.1, True), (jnp.float32, (64, 128), 0.0, True),
+    (jnp.float32, (2, 32, 128), 0.2, False), (jnp.bfloat16, (2, 32, 384), 0.3, True)])
+def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, shape, rate, with_bias):
+  """The post-LN residual op (Pallas kernels in the interpreter, or XLA) against the ops apart, with and without
+  the branch's bias."""
   x, dy, scale, bias = layer_norm_inputs(shape, dtype)
   branch = jax.random.normal(jax.random.key(7), shape).astype(dtype)
+  branch_bias = 0.3 * jax.random.normal(jax.random.key(8), shape[-1:]) if with_bias else None
   seeds = jnp.asarray([123456789, -987654321], jnp.int32)
-  ours = add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, rate)
-  expected = add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate)
+  ours = add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, rate, branch_bias)
+  expected = add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate, branch_bias)
   # bfloat16: XLA may keep the reference's rounded intermediates in float32 (excess precision), so the
-  # column sums over rows (dscale, dbias) differ by bfloat16 rounding of their terms.
+  # column sums over rows (dscale, dbias, dbranch_bias) differ by bfloat16 rounding of their terms.
   tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=3e-2, atol=5e-2)
-  for name, a, b in zip(("y", "dx", "dbranch", "dscale", "dbias"), ours, expected):
+  assert len(ours) == len(expected) == 5 + with_bias
+  for name, a, b in zip(("y", "dx", "dbranch", "dscale", "dbias", "dbranch_bias"), ours, expected):
     assert a.dtype == b.dtype and a.shape == b.shape, name
     _close(a, b, **tol)
   if rate:  # the dropped elements get no gradient, the kept ones 1 / (1 - rate) times the sum's
@@ -215,19 +227,41 @@ def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, sh
     assert abs(dropped.mean() - rate) < 0.05
 
 
-def test_add_layer_norm_forward_kernel_per_shard_equals_unsharded():
-  """Under a 4-way batch mesh each device hashes its own rows with their global indices: the same mask."""
+def test_add_layer_norm_backward_kernel_hashes_the_forward_mask():
+  """The backward kernel's branch gradient: exactly dx times the forward's multiplier, element for element, and
+  its column sums those of that array (the interpreter; bfloat16, rounded where XLA's form rounds)."""
+  from bert_jax.models import dropout, layer_norm_kernel
+  x, dy, scale, _ = layer_norm_inputs((4, 32, 256), jnp.bfloat16)
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, -1, keepdims=True)
+  rstd = jax.lax.rsqrt(jnp.var(x32, -1, keepdims=True) + 1e-12)
+  seeds = jnp.asarray([3, -77], jnp.int32)
+  dtotal, dbranch, dscale, dbias, dbranch_bias = layer_norm_kernel.add_layer_norm_backward(
+      x, dy, mean, rstd, scale, seeds, 0.25, branch_sums=True, step_rows=2)
+  plain = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale, step_rows=2)  # the same summation order
+  for a, b in zip((dtotal, dscale, dbias), plain):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(np.asarray(dbranch, np.float32),
+                                np.asarray(dropout.apply_mask(dtotal, seeds, 0.25), np.float32))
+  _close(dbranch_bias, jnp.sum(dbranch.astype(jnp.float32), axis=(0, 1)), rtol=1e-6, atol=1e-5)
+  assert layer_norm_kernel.add_layer_norm_backward(x, dy, mean, rstd, scale, seeds, 0.25, False)[4] is None
+
+
+def test_add_layer_norm_kernels_per_shard_equal_unsharded():
+  """Under a 4-way batch mesh each device hashes its own rows with their global indices, in both kernels: the same
+  mask; the branch bias's partial sums are added across shards."""
   from bert_jax.parallel import sharding as sharding_lib
   mesh = sharding_lib.create_mesh({"data": 4}, devices=jax.devices()[:4])
   x, dy, scale, bias = layer_norm_inputs((8, 16, 128), jnp.float32)
   branch = jax.random.normal(jax.random.key(8), x.shape)
   seeds = jnp.asarray([5, 6], jnp.int32)
-  expected = add_layer_norm_reference(x, branch, dy, scale, bias, seeds, 0.2)
+  branch_bias = 0.3 * jax.random.normal(jax.random.key(9), x.shape[-1:])
+  expected = add_layer_norm_reference(x, branch, dy, scale, bias, seeds, 0.2, branch_bias)
   batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   run = functools.partial(add_layer_norm_outputs, "pallas")
   with mesh, nn.logical_axis_rules(sharding_lib.DEFAULT_RULES):
-    got = run(*(jax.device_put(a, batch) for a in (x, branch, dy)), scale, bias, seeds, 0.2)
-    hlo = jax.jit(lambda *a: run(*a, seeds, 0.2)).lower(x, branch, dy, scale, bias).as_text()
+    got = run(*(jax.device_put(a, batch) for a in (x, branch, dy)), scale, bias, seeds, 0.2, branch_bias)
+    hlo = jax.jit(lambda *a: run(*a, seeds, 0.2, branch_bias)).lower(x, branch, dy, scale, bias).as_text()
   assert "manual_computation" in hlo
   for a, b in zip(got, expected):
     _close(a, b, rtol=1e-5, atol=1e-4)

@@ -187,8 +187,8 @@ def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch, mesh_sizes):
   from bert_jax.models import layer_norm_kernel
   traced = []
   kernel = layer_norm_kernel._backward_2d
-  monkeypatch.setattr(layer_norm_kernel, "_backward_2d", lambda x, *args, **kw: traced.append(x.shape) or
-                      kernel(x, *args, **kw))
+  monkeypatch.setattr(layer_norm_kernel, "_backward_2d", lambda meta, x, *args, **kw: traced.append(x.shape) or
+                      kernel(meta, x, *args, **kw))
   wide = dict(hidden_size=128, intermediate_size=256)
   batches = [synthetic_batch(seed=s) for s in range(2)]
   states, losses = [], []

@@ -57,9 +57,9 @@ class LayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, branch: Array | None = None, dropout: Dropout | None = None,
-               deterministic: bool = True) -> Array:
-    """LayerNorm(x), or of the post-LN residual x + dropout(branch) (`ops.add_layer_norm`: one kernel on GPU,
-    the mask that `dropout` would draw)."""
+               deterministic: bool = True, branch_bias: Array | None = None) -> Array:
+    """LayerNorm(x), or of the post-LN residual x + dropout(branch + branch_bias) (`ops.add_layer_norm`: one
+    kernel a pass on GPU, the mask that `dropout` would draw; `branch_bias` [E] or None)."""
     features = (x.shape[-1],)
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
                        features, self.param_dtype)
@@ -71,7 +71,7 @@ class LayerNorm(nn.Module):
       return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
     seeds = dropout.seeds() if rate > 0 else jnp.zeros((2,), jnp.int32)
     return ops.add_layer_norm(x, branch.astype(x.dtype), scale, bias, seeds, rate, self.epsilon, self.dtype,
-                              self.implementation)
+                              self.implementation, branch_bias)
 
 
 def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> LayerNorm:
@@ -102,9 +102,10 @@ class Projection(nn.Module):
   contract: int = 1
 
   @nn.compact
-  def __call__(self, x: Array, weights_only: bool = False) -> Array | tuple[Array, Array]:
-    """The projection of x, or with `weights_only` its (kernel [*in, *features], bias [*features]) in the
-    compute dtype, for a caller that fuses several projections of x into one GEMM (`SelfAttention`)."""
+  def __call__(self, x: Array, weights_only: bool = False, add_bias: bool = True) -> Array | tuple[Array, Array]:
+    """The projection of x; with `add_bias` False, (the projection without its bias, the bias [*features]) for a
+    caller that adds it (`ops.add_layer_norm`); with `weights_only`, (kernel [*in, *features] in the compute
+    dtype, bias [*features]) for a caller that fuses several projections of x into one GEMM (`SelfAttention`)."""
     cfg = self.config
     lead, inputs = x.shape[:x.ndim - self.contract], x.shape[x.ndim - self.contract:]
     kernel = self.param("kernel", dense_init(cfg, self.axes), inputs + tuple(self.features), cfg.weight_dtype)
@@ -114,6 +115,8 @@ class Projection(nn.Module):
       return kernel.astype(dtype), bias
     width_in, width_out = math.prod(inputs), math.prod(self.features)
     y = jnp.dot(x.astype(dtype).reshape(*lead, width_in), kernel.astype(dtype).reshape(width_in, width_out))
+    if not add_bias:
+      return y.reshape(*lead, *self.features), bias
     return ops.bias_add(y, bias.reshape(width_out)).reshape(*lead, *self.features)
 
 
@@ -200,7 +203,16 @@ def call_site_seed(path: tuple[str, ...], layer: int) -> int:
 
 
 class SelfAttention(nn.Module):
+  """Multi-head self-attention and its output projection.
+
+  Attributes:
+    config: the architecture.
+    defer_output_bias: return (output without the output projection's bias, that bias [E]) for the caller to add
+      (the post-LN residual, `LayerNorm(x, branch, dropout, deterministic, branch_bias)`).
+  """
+
   config: ModelConfig
+  defer_output_bias: bool = False
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
@@ -239,16 +251,25 @@ class SelfAttention(nn.Module):
       k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
       v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
       out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, **options)
-    out_ble = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")(out_blhd)
-    return out_ble, probs
+    output = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")
+    return output(out_blhd, add_bias=not self.defer_output_bias), probs
 
 
 class FeedForward(nn.Module):
+  """The position-wise feed-forward block (`ModelConfig.ffn`, `hidden_act`), both projections.
+
+  Attributes:
+    config: the architecture.
+    defer_output_bias: as `SelfAttention`'s: return (output without the "wo" bias, that bias).
+  """
+
   config: ModelConfig
+  defer_output_bias: bool = False
 
   @nn.compact
-  def __call__(self, x_ble: Array) -> Array:
+  def __call__(self, x_ble: Array) -> Array | tuple[Array, Array]:
     cfg = self.config
+    add_bias = not self.defer_output_bias
     act = activation(cfg.hidden_act)
     if cfg.ffn == "geglu":
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi_gate")(x_ble))
@@ -259,16 +280,22 @@ class FeedForward(nn.Module):
       if cfg.ffn_impl == "auto" and ffn_kernel.applies(x_ble, wi):  # both projections, GELU in Hopper kernels
         h_shape = jax.ShapeDtypeStruct((*x_ble.shape[:-1], cfg.intermediate_size), wi.dtype)
         wo, bo = dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_shape, weights_only=True)
-        return ops.gelu_feed_forward(x_ble, wi, bi, wo, bo)
+        y_ble = ops.gelu_feed_forward(x_ble, wi, bi, wo)
+        return ops.bias_add(y_ble, bo) if add_bias else (y_ble, bo)
       h_blf = ops.gelu(ops.bias_add(jnp.dot(x_ble, wi), bi))
     else:
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble))
     h_blf = nn.with_logical_constraint(h_blf, ("batch", "length", "mlp"))
-    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_blf)
+    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_blf, add_bias=add_bias)
 
 
 class TransformerBlock(nn.Module):
-  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN."""
+  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN.
+
+  Post-LN, the sublayers' output biases are added by the residual LayerNorms (`ops.add_layer_norm`), whose
+  backward kernel sums their gradients beside the branch gradient it writes (one pass over memory fewer per
+  residual than a separate dropout-backward and bias-sum kernel).
+  """
 
   config: ModelConfig
 
@@ -278,17 +305,21 @@ class TransformerBlock(nn.Module):
     cfg = self.config
     dropout = Dropout(cfg.hidden_dropout)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
-    attention = SelfAttention(cfg, name="attention")
-    ffn = FeedForward(cfg, name="ffn")
+    post = cfg.norm != "pre"
+    attention = SelfAttention(cfg, defer_output_bias=post, name="attention")
+    ffn = FeedForward(cfg, defer_output_bias=post, name="ffn")
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
                                   return_probs, layer)
       x_ble = x_ble + dropout(attn_ble, deterministic=deterministic)
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
-      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs, layer)
-      x_ble = attention_norm(x_ble, attn_ble, dropout, deterministic)  # LayerNorm(x + dropout(attn))
-      x_ble = ffn_norm(x_ble, ffn(x_ble), dropout, deterministic)
+      (attn_ble, attn_bias), probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic,
+                                               return_probs, layer)
+      # LayerNorm(x + dropout(attn + its output bias))
+      x_ble = attention_norm(x_ble, attn_ble, dropout, deterministic, attn_bias)
+      ffn_ble, ffn_bias = ffn(x_ble)
+      x_ble = ffn_norm(x_ble, ffn_ble, dropout, deterministic, ffn_bias)
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
 
 

@@ -66,11 +66,24 @@ FORWARD_BLOCK_ROWS = 8
 FORWARD_NUM_WARPS = 8
 
 
+# The residual backward (`add_layer_norm_backward` with the branch bias's sums: a third set of accumulators) as
+# (rows per step, warps) by width; the best of 14 launches at 32 rows a program on an H100 (bench/NOTES.md,
+# session 17). Other widths: one row a step, twice the plain kernel's warps.
+RESIDUAL_LAUNCH = {768: (1, 2), 1024: (2, 2)}
+
+
 def backward_warps(features: int) -> int:
   """The backward kernel's warps for a width: enough that a thread holds at most ~48 values of each [2, features]
   step tile (a power of two: 1 at 768, 2 at 1024; H100, session 16: 0.072 / 0.052 ms, against 0.082 / 0.073 with
   the other)."""
   return 1 << max(0, -(-features // 768) - 1).bit_length()
+
+
+def backward_launch(features: int, branch_sums: bool) -> tuple[int, int]:
+  """(rows per loop step, warps) of the backward kernel for a width, with or without the branch bias's sums."""
+  if branch_sums:
+    return RESIDUAL_LAUNCH.get(features, (1, 2 * backward_warps(features)))
+  return STEP_ROWS, backward_warps(features)
 
 
 def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
@@ -84,13 +97,25 @@ def _row_shards(x: Array, block_rows: int):
   return shards if shards is not None and supported(shards[2], x.shape[-1], block_rows) else None
 
 
-def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, dbias_ref, *, features: int,
-            block_rows: int, step_rows: int, chunk: int):
+def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, features: int, block_rows: int,
+            step_rows: int, chunk: int, rate: float, branch_sums: bool):
   """The backward over `block_rows` rows, `step_rows` at a time in a loop: each step loads its rows once (every
   column chunk), reduces them along the features, writes dx and adds dy * xhat and dy into column accumulators
-  of the step's shape, reduced across rows once at the end (no cross-thread column reduction per step)."""
+  of the step's shape, reduced across rows once at the end (no cross-thread column reduction per step).
+
+  The post-LN residual's backward (`add_layer_norm_backward`) adds: with `rate` > 0, the branch's gradient
+  dx * dropout multiplier (the mask hashed from `meta_ref`'s seeds and the global element index, as the forward
+  kernel's), written beside dx; with `branch_sums`, that gradient's column sums (the branch bias's gradient) in a
+  third set of accumulators."""
+  out_refs = list(out_refs)
+  dx_ref = out_refs.pop(0)
+  dbranch_ref = out_refs.pop(0) if rate > 0 else None
+  dscale_ref, dbias_ref = out_refs[:2]
+  dbranch_bias_ref = out_refs[2] if branch_sums else None
   chunks = [pl.ds(c * chunk, chunk) for c in range(features // chunk)]
   scales = [scale_ref[cols].astype(jnp.float32)[None, :] for cols in chunks]
+  first_row = meta_ref[2] + pl.program_id(0) * block_rows
+  seed0, seed1 = meta_ref[0], meta_ref[1]
 
   def step(i, accumulators):
     rows = pl.ds(pl.multiple_of(i * step_rows, step_rows), step_rows)
@@ -101,22 +126,37 @@ def _kernel(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dscale_ref, db
     gs = [dy * scale for dy, scale in zip(dys, scales)]
     mean_g = (sum(jnp.sum(g, axis=1) for g in gs) / features)[:, None]
     mean_gx = (sum(jnp.sum(g * xhat, axis=1) for g, xhat in zip(gs, xhats)) / features)[:, None]
-    for cols, g, xhat in zip(chunks, gs, xhats):
-      dx_ref[rows, cols] = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
-    dscale, dbias = accumulators
+    dbranches = []
+    for c, (cols, g, xhat) in enumerate(zip(chunks, gs, xhats)):
+      dx = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
+      dx_ref[rows, cols] = dx
+      if rate > 0:  # dropout.keep_mask's bits of the global array, row-major
+        row = first_row + i * step_rows + jnp.arange(step_rows, dtype=jnp.int32)
+        index = row[:, None] * features + (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, :]
+        keep = keep_index(index, seed0, seed1, rate)
+        dx = (dx.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(dx.dtype)
+        dbranch_ref[rows, cols] = dx
+      dbranches.append(dx.astype(jnp.float32))
+    dscale, dbias, dbranch_bias = accumulators
+    if branch_sums:
+      dbranch_bias = tuple(a + d for a, d in zip(dbranch_bias, dbranches))
     return (tuple(a + dy * xhat for a, dy, xhat in zip(dscale, dys, xhats)),
-            tuple(a + dy for a, dy in zip(dbias, dys)))
+            tuple(a + dy for a, dy in zip(dbias, dys)), dbranch_bias)
 
   zeros = tuple(jnp.zeros((step_rows, chunk), jnp.float32) for _ in chunks)
-  dscale, dbias = jax.lax.fori_loop(0, block_rows // step_rows, step, (zeros, zeros))
-  for cols, a, b in zip(chunks, dscale, dbias):
-    dscale_ref[cols] = jnp.sum(a, axis=0)
-    dbias_ref[cols] = jnp.sum(b, axis=0)
+  dscale, dbias, dbranch_bias = jax.lax.fori_loop(0, block_rows // step_rows, step,
+                                                  (zeros, zeros, zeros if branch_sums else ()))
+  for c, cols in enumerate(chunks):
+    dscale_ref[cols] = jnp.sum(dscale[c], axis=0)
+    dbias_ref[cols] = jnp.sum(dbias[c], axis=0)
+    if branch_sums:
+      dbranch_bias_ref[cols] = jnp.sum(dbranch_bias[c], axis=0)
 
 
-def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, interpret: bool, block_rows: int,
-                 num_warps: int):
-  """[R, E] x and dy, [R] statistics -> dx [R, E], partial sums [R / block_rows, E] of dy * xhat and dy."""
+def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *, rate: float,
+                 branch_sums: bool, interpret: bool, block_rows: int, step_rows: int, num_warps: int) -> list[Array]:
+  """[R, E] x and dy, [R] statistics -> dx [R, E], (with `rate` > 0) the branch gradient [R, E], and partial
+  sums [R / block_rows, E] of dy * xhat, dy and (with `branch_sums`) the branch gradient."""
   rows, features = x.shape
   blocks = rows // block_rows
   row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
@@ -126,55 +166,108 @@ def _backward_2d(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, in
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
     compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-  step_rows = STEP_ROWS if block_rows % STEP_ROWS == 0 else 1
+  step_rows = step_rows if block_rows % step_rows == 0 else 1
   chunk = 2 * CHUNK if features % (2 * CHUNK) == 0 else CHUNK
+  full = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  sums = jax.ShapeDtypeStruct((blocks, features), jnp.float32)
+  out_shape = [full] + [full] * (rate > 0) + [sums, sums] + [sums] * branch_sums
+  out_specs = [row_block] + [row_block] * (rate > 0) + [partial, partial] + [partial] * branch_sums
   return pl.pallas_call(
-      functools.partial(_kernel, features=features, block_rows=block_rows, step_rows=step_rows, chunk=chunk),
+      functools.partial(_kernel, features=features, block_rows=block_rows, step_rows=step_rows, chunk=chunk,
+                        rate=rate, branch_sums=branch_sums),
       grid=(blocks,),
-      in_specs=[row_block, row_block, stats, stats, pl.BlockSpec((features,), lambda i: (0,))],
-      out_specs=[row_block, partial, partial],
-      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((blocks, features), jnp.float32),
-                 jax.ShapeDtypeStruct((blocks, features), jnp.float32)],
+      in_specs=[pl.BlockSpec((3,), lambda i: (0,)), row_block, row_block, stats, stats,
+                pl.BlockSpec((features,), lambda i: (0,))],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=compiler_params,
       interpret=interpret,
-  )(x, dy, mean, rstd, scale)
+      name="layer_norm_backward",
+  )(meta, x, dy, mean, rstd, scale)
+
+
+def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds: Array | None, rate: float,
+              branch_sums: bool, block_rows: int, step_rows: int | None, num_warps: int | None
+              ) -> list[Array] | None:
+  """`_backward_2d` on [..., E] arrays, per row shard under a mesh; the partial sums added. None where the kernel
+  does not apply."""
+  features = x.shape[-1]
+  lead = x.shape[:-1]
+  shards = _row_shards(x, block_rows)
+  if shards is None:
+    return None
+  mesh, row_axes, rows = shards
+  full_outputs = 1 + (rate > 0)
+  default_step_rows, default_warps = backward_launch(features, branch_sums)
+
+  def run(x, dy, mean, rstd, scale, seeds):
+    offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0  # the mask hashes global row indices
+    meta = jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
+    return tuple(_backward_2d(meta, x, dy, mean, rstd, scale, rate=rate, branch_sums=branch_sums,
+                              interpret=jax.default_backend() != "gpu", block_rows=block_rows,
+                              step_rows=step_rows or default_step_rows, num_warps=num_warps or default_warps))
+
+  if mesh is not None:
+    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
+    outputs = full_outputs + 2 + branch_sums
+    run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P(), P()),
+                        out_specs=(row_spec,) * outputs, check_vma=False)
+  seeds = jnp.zeros((2,), jnp.int32) if seeds is None else seeds
+  outputs = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1), scale,
+                seeds)
+  return ([a.reshape(*lead, features) for a in outputs[:full_outputs]]
+          + [jnp.sum(a, axis=0) for a in outputs[full_outputs:]])
 
 
 def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *,
-                        block_rows: int = BLOCK_ROWS, num_warps: int | None = None
+                        block_rows: int = BLOCK_ROWS, step_rows: int | None = None, num_warps: int | None = None
                         ) -> tuple[Array, Array, Array] | None:
   """(dx, dscale, dbias) of LayerNorm over the last axis; x, dy [..., E], mean and rstd [..., 1] float32.
 
   dscale and dbias are float32 sums over every row. None where the kernel
   does not apply: a width that is not a multiple of CHUNK, or rows (per shard,
   under a mesh) that are not a multiple of `block_rows`; the caller then uses
-  the XLA form. `block_rows` and `num_warps` (None: `backward_warps`) are the
-  launch parameters (`bench/layer_norm.py` sweeps them).
+  the XLA form. `block_rows`, `step_rows` and `num_warps` (None:
+  `backward_launch`'s) are the launch parameters (`bench/layer_norm.py` sweeps
+  them).
   """
-  features = x.shape[-1]
-  lead = x.shape[:-1]
-  shards = _row_shards(x, block_rows)
-  if shards is None:
+  outputs = _backward(x, dy, mean, rstd, scale, None, 0.0, False, block_rows, step_rows, num_warps)
+  return None if outputs is None else tuple(outputs)
+
+
+def add_layer_norm_backward(total: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds: Array,
+                            rate: float, branch_sums: bool, *, block_rows: int = BLOCK_ROWS,
+                            step_rows: int | None = None, num_warps: int | None = None
+                            ) -> tuple[Array, Array, Array, Array, Array | None] | None:
+  """The backward of the post-LN residual y = LayerNorm(total), total = x + dropout(branch (+ its bias)):
+  (dtotal, dbranch, dscale, dbias, dbranch_bias) from one kernel.
+
+  dtotal is also x's gradient; dbranch = dtotal times `dropout.keep_mask(seeds, total.shape, rate)`'s multiplier
+  (the mask hashed again in the kernel; dtotal itself where rate is 0), in total's dtype; dbranch_bias its float32
+  column sums with `branch_sums`, else None. None where the kernel does not apply; the launch parameters: as
+  `layer_norm_backward`'s.
+  """
+  outputs = _backward(total, dy, mean, rstd, scale, seeds, rate, branch_sums, block_rows, step_rows, num_warps)
+  if outputs is None:
     return None
-  mesh, row_axes, _ = shards
-  run = functools.partial(_backward_2d, interpret=jax.default_backend() != "gpu", block_rows=block_rows,
-                          num_warps=num_warps or backward_warps(features))
-  if mesh is not None:
-    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
-    run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P()),
-                        out_specs=(row_spec, row_spec, row_spec), check_vma=False)
-  dx, dscale, dbias = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1),
-                          scale)
-  return dx.reshape(*lead, features), jnp.sum(dscale, axis=0), jnp.sum(dbias, axis=0)
+  if rate == 0:
+    outputs.insert(1, outputs[0])
+  dtotal, dbranch, dscale, dbias = outputs[:4]
+  return dtotal, dbranch, dscale, dbias, outputs[4] if branch_sums else None
 
 
-def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, y_ref, s_ref, mean_ref, rstd_ref, *,
-                    features: int, block_rows: int, rate: float, epsilon: float):
+def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, *refs, features: int, block_rows: int,
+                    rate: float, epsilon: float, branch_bias: bool):
+  branch_bias_ref = refs[0] if branch_bias else None
+  y_ref, s_ref, mean_ref, rstd_ref = refs[1:] if branch_bias else refs
   rows = meta_ref[2] + pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
   sums, total = [], jnp.zeros((block_rows,), jnp.float32)
   for c in range(features // CHUNK):
     cols = pl.ds(c * CHUNK, CHUNK)
     d = branch_ref[:, cols]
+    if branch_bias:  # ops.bias_add's value: the bias rounded to the branch's dtype, the sum rounded once
+      bias = branch_bias_ref[cols].astype(d.dtype).astype(jnp.float32)
+      d = (d.astype(jnp.float32) + bias[None, :]).astype(d.dtype)
     if rate > 0:
       # dropout.keep_mask's bits, from the row-major element index of the global array.
       index = rows[:, None] * features + (c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32))[None, :]
@@ -196,7 +289,8 @@ def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, y_ref, s_r
   rstd_ref[...] = rstd
 
 
-def _forward_2d(meta, x, branch, scale, bias, *, rate, epsilon, dtype, interpret, block_rows, num_warps):
+def _forward_2d(meta, x, branch, scale, bias, branch_bias, *, rate, epsilon, dtype, interpret, block_rows,
+                num_warps):
   rows, features = x.shape
   row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
   stats = pl.BlockSpec((block_rows,), lambda i: (i,))
@@ -205,27 +299,32 @@ def _forward_2d(meta, x, branch, scale, bias, *, rate, epsilon, dtype, interpret
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
     compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  vectors = (scale, bias) if branch_bias is None else (scale, bias, branch_bias)
   return pl.pallas_call(
-      functools.partial(_forward_kernel, features=features, block_rows=block_rows, rate=rate, epsilon=epsilon),
+      functools.partial(_forward_kernel, features=features, block_rows=block_rows, rate=rate, epsilon=epsilon,
+                        branch_bias=branch_bias is not None),
       grid=(rows // block_rows,),
-      in_specs=[pl.BlockSpec((3,), lambda i: (0,)), row_block, row_block, vector, vector],
+      in_specs=[pl.BlockSpec((3,), lambda i: (0,)), row_block, row_block] + [vector] * len(vectors),
       out_specs=[row_block, row_block, stats, stats],
       out_shape=[jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)],
       compiler_params=compiler_params,
       interpret=interpret,
       name="add_layer_norm_forward",
-  )(meta, x, branch, scale, bias)
+  )(meta, x, branch, *vectors)
 
 
 def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float,
-                           epsilon: float, dtype, *, block_rows: int = FORWARD_BLOCK_ROWS,
-                           num_warps: int = FORWARD_NUM_WARPS) -> tuple[Array, Array, Array, Array] | None:
-  """(y, s, mean, rstd) of y = LayerNorm(s), s = x + dropout(branch) (in x's dtype), over the last axis.
+                           epsilon: float, dtype, branch_bias: Array | None = None, *,
+                           block_rows: int = FORWARD_BLOCK_ROWS, num_warps: int = FORWARD_NUM_WARPS
+                           ) -> tuple[Array, Array, Array, Array] | None:
+  """(y, s, mean, rstd) of y = LayerNorm(s), s = x + dropout(branch + branch_bias) (in x's dtype), over the last
+  axis.
 
-  x and branch [..., E] of one dtype; `seeds` int32[2] of `dropout.keep_mask` (its mask, element for element,
-  of the global [..., E] array; ignored when rate is 0); mean and rstd [..., 1] float32; y in `dtype`. None
-  where the kernel does not apply (as `layer_norm_backward`): the caller then uses XLA.
+  x and branch [..., E] of one dtype; `branch_bias` [E] or None (no bias), added as `ops.bias_add` adds it;
+  `seeds` int32[2] of `dropout.keep_mask` (its mask, element for element, of the global [..., E] array; ignored
+  when rate is 0); mean and rstd [..., 1] float32; y in `dtype`. None where the kernel does not apply (as
+  `layer_norm_backward`): the caller then uses XLA.
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
@@ -235,16 +334,16 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   mesh, row_axes, rows = shards
   interpret = jax.default_backend() != "gpu"
 
-  def call(x, branch, scale, bias, seeds):
+  def call(x, branch, scale, bias, seeds, branch_bias):
     offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0  # the mask hashes global row indices
     meta = jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
-    return _forward_2d(meta, x, branch, scale, bias, rate=rate, epsilon=epsilon, dtype=dtype, interpret=interpret,
-                       block_rows=block_rows, num_warps=num_warps)
+    return _forward_2d(meta, x, branch, scale, bias, branch_bias, rate=rate, epsilon=epsilon, dtype=dtype,
+                       interpret=interpret, block_rows=block_rows, num_warps=num_warps)
 
   if mesh is not None:
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
-    call = jax.shard_map(call, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P()),
+    call = jax.shard_map(call, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P(), P()),
                          out_specs=(row_spec, row_spec, vector, vector), check_vma=False)
-  y, s, mean, rstd = call(x.reshape(-1, features), branch.reshape(-1, features), scale, bias, seeds)
+  y, s, mean, rstd = call(x.reshape(-1, features), branch.reshape(-1, features), scale, bias, seeds, branch_bias)
   return (y.reshape(*lead, features), s.reshape(*lead, features), mean.reshape(*lead, 1),
           rstd.reshape(*lead, 1))

@@ -11,9 +11,11 @@ exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
   one kernel; or (implementation="pallas", the default on GPU through "auto",
   `ModelConfig.layer_norm_impl`) one Pallas kernel for all of it
   (`layer_norm_kernel.py`).
-- `add_layer_norm` is a post-LN residual, layer_norm(x + dropout(branch)): its
-  forward pass is one Pallas kernel on GPU (the sum, the hashed mask, the
-  statistics and the output), and its backward pass recomputes the mask.
+- `add_layer_norm` is a post-LN residual, layer_norm(x + dropout(branch + its
+  bias)): on GPU each pass is one Pallas kernel (forward: the bias, the hashed
+  mask, the sum, the statistics and the output; backward: LayerNorm's, the
+  mask hashed again, the branch's gradient and its bias's), and the XLA form's
+  backward recomputes the mask too.
 - `bias_add` sums its bias gradient in float32 (autodiff of a bfloat16 add
   sums it in bfloat16, PyTorch in float32).
 - `gelu` saves only its input; the backward recomputes Phi(x) and phi(x)
@@ -117,15 +119,16 @@ def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def add_layer_norm(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float, epsilon: float,
-                   dtype, implementation: str = "auto") -> Array:
-  """layer_norm(x + dropout(branch)): a post-LN residual, with `dropout.apply_mask(branch, seeds, rate)`.
+                   dtype, implementation: str = "auto", branch_bias: Array | None = None) -> Array:
+  """layer_norm(x + dropout(branch + branch_bias)): a post-LN residual, with `dropout.apply_mask(.., seeds, rate)`.
 
-  The same values as the two ops apart (the sum rounded to x's dtype, as `x + dropout(branch)` is). With the
-  Pallas implementation (see `layer_norm`) the forward pass is one kernel
-  (`layer_norm_kernel.add_layer_norm_forward`) that also hashes the mask; either way the backward pass
-  recomputes the mask from `seeds` instead of saving it, and runs `layer_norm`'s backward.
+  The same values as the ops apart (`bias_add(branch, branch_bias)`, then the sum rounded to x's dtype, as
+  `x + dropout(..)` is). The sublayer's output bias comes in here, rather than in the GEMM that makes the branch,
+  so that its gradient (the branch gradient's column sums) comes from the backward pass's kernel. With the Pallas
+  implementation (see `layer_norm`) each pass is one kernel (`layer_norm_kernel.add_layer_norm_forward`, which
+  hashes the mask, and `add_layer_norm_backward`, which hashes it again and writes the branch's gradient beside
+  x's); the XLA form recomputes the mask from `seeds` instead of saving it, too.
 
   Args:
     x: [..., E] residual stream.
@@ -134,34 +137,55 @@ def add_layer_norm(x: Array, branch: Array, scale: Array, bias: Array, seeds: Ar
     seeds: int32[2] dropout seeds (`Dropout.seeds`); unused when rate is 0.
     rate: dropout rate in [0, 1).
     epsilon, dtype, implementation: as `layer_norm`.
+    branch_bias: [E] the sublayer's output bias, or None.
   """
-  return _add_layer_norm_fwd(x, branch, scale, bias, seeds, rate, epsilon, dtype, implementation)[0]
+  return _add_layer_norm(x, branch, branch_bias, scale, bias, seeds, rate, epsilon, dtype, implementation)
 
 
-def _add_layer_norm_fwd(x, branch, scale, bias, seeds, rate, epsilon, dtype, implementation="auto"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _add_layer_norm(x, branch, branch_bias, scale, bias, seeds, rate, epsilon, dtype, implementation):
+  return _add_layer_norm_fwd(x, branch, branch_bias, scale, bias, seeds, rate, epsilon, dtype, implementation)[0]
+
+
+def _add_layer_norm_fwd(x, branch, branch_bias, scale, bias, seeds, rate, epsilon, dtype, implementation="auto"):
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"add_layer_norm: dropout rate {rate} not in [0, 1)")
   fused = None
   if _use_kernel(implementation):
-    fused = layer_norm_kernel.add_layer_norm_forward(x, branch, scale, bias, seeds, rate, epsilon, dtype)
+    fused = layer_norm_kernel.add_layer_norm_forward(x, branch, scale, bias, seeds, rate, epsilon, dtype,
+                                                     branch_bias)
   if fused is not None:
     y, total, mean, rstd = fused
   else:
+    if branch_bias is not None:
+      branch = branch + branch_bias.astype(branch.dtype)
     total = x + (dropout.apply_mask(branch, seeds, rate) if rate > 0 else branch)
     y, (total, mean, rstd, _, _) = _layer_norm_fwd(total, scale, bias, epsilon, dtype)
-  return y, (total, mean, rstd, scale, bias, seeds)
+  return y, (total, mean, rstd, scale, bias, seeds, branch_bias)
 
 
 def _add_layer_norm_bwd(rate, epsilon, dtype, implementation, residuals, dy):
-  total, mean, rstd, scale, bias, seeds = residuals
-  dtotal, dscale, dbias = _layer_norm_bwd(epsilon, dtype, implementation, (total, mean, rstd, scale, bias), dy)
-  dbranch = dtotal
-  if rate > 0:
-    dbranch = dropout.apply_mask_backward(dtotal, seeds, rate)  # the mask hashed again, not saved
-  return dtotal, dbranch, dscale, dbias, None
+  total, mean, rstd, scale, bias, seeds, branch_bias = residuals
+  kernel = None
+  if _use_kernel(implementation):
+    kernel = layer_norm_kernel.add_layer_norm_backward(total, dy, mean, rstd, scale, seeds, rate,
+                                                       branch_sums=branch_bias is not None)
+  if kernel is not None:
+    dtotal, dbranch, dscale, dbias, dbranch_bias = kernel
+  else:
+    dtotal, dscale, dbias = _layer_norm_bwd(epsilon, dtype, "xla", (total, mean, rstd, scale, bias), dy)
+    dbranch = dtotal
+    if rate > 0:
+      dbranch = dropout.apply_mask_backward(dtotal, seeds, rate)  # the mask hashed again, not saved
+    dbranch_bias = None
+    if branch_bias is not None:
+      dbranch_bias = jnp.sum(dbranch.astype(jnp.float32), axis=tuple(range(dbranch.ndim - 1)))
+  if branch_bias is not None:
+    dbranch_bias = dbranch_bias.astype(branch_bias.dtype)
+  return dtotal, dbranch, dbranch_bias, dscale.astype(scale.dtype), dbias.astype(bias.dtype), None
 
 
-add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
+_add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
 
 _SQRT_HALF = float(np.sqrt(0.5))
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
@@ -201,29 +225,29 @@ def _gelu_bwd(approximate, x, dy):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def gelu_feed_forward(x: Array, wi: Array, bi: Array, wo: Array, bo: Array) -> Array:
-  """GELU(x @ wi + bi) @ wo + bo with the exact (erf) GELU: a feed-forward block, both projections.
+def gelu_feed_forward(x: Array, wi: Array, bi: Array, wo: Array) -> Array:
+  """GELU(x @ wi + bi) @ wo with the exact (erf) GELU: a feed-forward block, both projections (the caller adds the
+  output bias: `bias_add`, or the post-LN residual's `add_layer_norm`).
 
-  x [..., E], wi [E, F] and wo [F, E] in the compute dtype, biases [F] and [E] (their gradients summed in float32,
-  as `bias_add`). On a Hopper GPU the forward pass writes h = x @ wi + bi and GELU(h) from one Mosaic GPU kernel
+  x [..., E], wi [E, F] and wo [F, E] in the compute dtype, bias bi [F] (its gradient summed in float32, as
+  `bias_add`). On a Hopper GPU the forward pass writes h = x @ wi + bi and GELU(h) from one Mosaic GPU kernel
   (`ffn_kernel.bias_gelu`, where `ffn_kernel.applies`: the FFN's caller checks it), and the backward pass takes
   dh = (dy @ wo^T) * GELU'(h) and its bias gradient from another (`ffn_kernel.dgelu`, where
   `ffn_kernel.applies_dgelu`), so GELU(h)'s gradient is never written and no GELU kernel passes over memory.
-  Elsewhere the same rule runs XLA's forms, the values of `bias_add(gelu(bias_add(x @ wi, bi)) @ wo, bo)` under
-  autodiff. With `ffn_kernel.SAVE_GELU_DERIVATIVE` (where either kernel runs), the forward pass saves GELU'(h)
+  Elsewhere the same rule runs XLA's forms, the values of `gelu(bias_add(x @ wi, bi)) @ wo` under autodiff. With `ffn_kernel.SAVE_GELU_DERIVATIVE` (where either kernel runs), the forward pass saves GELU'(h)
   instead of h, and the backward pass multiplies by it.
   """
   forward_kernel, backward_kernel = ffn_kernel.applies(x, wi), ffn_kernel.applies_dgelu(x, wi)
   save_derivative = ffn_kernel.SAVE_GELU_DERIVATIVE and (forward_kernel or backward_kernel)
-  return _gelu_feed_forward(x, wi, bi, wo, bo, forward_kernel, backward_kernel, save_derivative)
+  return _gelu_feed_forward(x, wi, bi, wo, forward_kernel, backward_kernel, save_derivative)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _gelu_feed_forward(x, wi, bi, wo, bo, forward_kernel: bool, backward_kernel: bool, save_derivative: bool):
-  return _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel, save_derivative)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gelu_feed_forward(x, wi, bi, wo, forward_kernel: bool, backward_kernel: bool, save_derivative: bool):
+  return _gelu_feed_forward_fwd(x, wi, bi, wo, forward_kernel, backward_kernel, save_derivative)[0]
 
 
-def _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel, save_derivative):
+def _gelu_feed_forward_fwd(x, wi, bi, wo, forward_kernel, backward_kernel, save_derivative):
   """The forward pass; its residual r is h, or GELU'(h) rounded to h's dtype with `save_derivative`."""
   del backward_kernel
   if forward_kernel:
@@ -232,17 +256,15 @@ def _gelu_feed_forward_fwd(x, wi, bi, wo, bo, forward_kernel, backward_kernel, s
     h = bias_add(jnp.dot(x, wi), bi)
     g = gelu(h)
     r = _gelu_derivative(h.astype(jnp.float32), False).astype(h.dtype) if save_derivative else h
-  y = bias_add(jnp.dot(g, wo), bo)
-  return y, (x, wi, bi, r, g, wo, bo)
+  return jnp.dot(g, wo), (x, wi, bi, r, g, wo)
 
 
 def _gelu_feed_forward_bwd(forward_kernel, backward_kernel, save_derivative, residuals, dy):
   """What autodiff of the XLA form computes, with dh from `ffn_kernel.dgelu` where `backward_kernel`."""
   del forward_kernel
-  x, wi, bi, r, g, wo, bo = residuals
+  x, wi, bi, r, g, wo = residuals
   rows = tuple(range(dy.ndim - 1))
   last = dy.ndim - 1
-  dbo = jnp.sum(dy.astype(jnp.float32), axis=rows).astype(bo.dtype)
   dwo = jax.lax.dot_general(g, dy, ((rows, rows), ((), ())))
   if backward_kernel:
     dh, dbi = ffn_kernel.dgelu(dy, wo, r, x, wi, saved=save_derivative)
@@ -256,7 +278,7 @@ def _gelu_feed_forward_bwd(forward_kernel, backward_kernel, save_derivative, res
   dbi = dbi.astype(bi.dtype)
   dwi = jax.lax.dot_general(x, dh, ((rows, rows), ((), ())))
   dx = jax.lax.dot_general(dh, wi, (((last,), (1,)), ((), ())))
-  return dx, dwi, dbi, dwo, dbo
+  return dx, dwi, dbi, dwo
 
 
 _gelu_feed_forward.defvjp(_gelu_feed_forward_fwd, _gelu_feed_forward_bwd)
