@@ -31,8 +31,15 @@ Off GPU it runs in Pallas' interpreter (slow; for tests).
 The kernel replaced XLA's form in session 5 (H100: BERT-Base seq-128 step
 60.8 -> 58.8 ms). The default on GPU (`ModelConfig.layer_norm_impl="auto"`).
 
+`add_layer_norm_backward` is the same kernel for a post-LN residual,
+LayerNorm(x + dropout(branch + bias)): it also hashes the dropout mask again,
+writes the branch's gradient beside dx, and sums that gradient's columns (the
+branch bias's gradient) in a third set of accumulators. That was a separate
+XLA fusion reading dx back (H100, session 17: 0.117 -> 0.100 ms per call at
+32768 x 768; BERT-Base seq-128 step 42.34 -> 41.85 ms, BERT-Large unchanged).
+
 `add_layer_norm_forward` is the forward pass of a post-LN residual,
-LayerNorm(x + dropout(branch)), as one kernel: it reads x and the branch once
+LayerNorm(x + dropout(branch + bias)), as one kernel: it reads x and the branch once
 and writes the sum (the backward pass's input) and the normalised output; the
 hashed dropout mask (`dropout.keep_mask`'s, element for element) is computed
 in the kernel. XLA took three kernels for it (dropout and add, writing the
@@ -67,8 +74,8 @@ FORWARD_NUM_WARPS = 8
 
 
 # The residual backward (`add_layer_norm_backward` with the branch bias's sums: a third set of accumulators) as
-# (rows per step, warps) by width; the best of 14 launches at 32 rows a program on an H100 (bench/NOTES.md,
-# session 17). Other widths: one row a step, twice the plain kernel's warps.
+# (rows per step, warps) by width, at 32 rows a program: the best of 14 launches (16-64 rows a program) on an H100
+# (bench/NOTES.md, session 17). Other widths: one row a step, twice the plain kernel's warps.
 RESIDUAL_LAUNCH = {768: (1, 2), 1024: (2, 2)}
 
 
