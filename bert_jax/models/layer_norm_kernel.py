@@ -104,6 +104,13 @@ def _row_shards(x: Array, block_rows: int):
   return shards if shards is not None and supported(shards[2], x.shape[-1], block_rows) else None
 
 
+def _meta(seeds: Array, row_axes, rows: int) -> Array:
+  """int32[3] for the kernels' mask: the two seeds and this shard's first global row (inside `shard_map` over
+  `row_axes`, `rows` rows a shard; 0 without a mesh), since the mask hashes global row indices."""
+  offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0
+  return jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
+
+
 def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, features: int, block_rows: int,
             step_rows: int, chunk: int, rate: float, branch_sums: bool):
   """The backward over `block_rows` rows, `step_rows` at a time in a loop: each step loads its rows once (every
@@ -133,17 +140,18 @@ def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, f
     gs = [dy * scale for dy, scale in zip(dys, scales)]
     mean_g = (sum(jnp.sum(g, axis=1) for g in gs) / features)[:, None]
     mean_gx = (sum(jnp.sum(g * xhat, axis=1) for g, xhat in zip(gs, xhats)) / features)[:, None]
+    row = first_row + i * step_rows + jnp.arange(step_rows, dtype=jnp.int32)  # global, for the mask's index
     dbranches = []
     for c, (cols, g, xhat) in enumerate(zip(chunks, gs, xhats)):
       dx = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
       dx_ref[rows, cols] = dx
       if rate > 0:  # dropout.keep_mask's bits of the global array, row-major
-        row = first_row + i * step_rows + jnp.arange(step_rows, dtype=jnp.int32)
         index = row[:, None] * features + (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, :]
         keep = keep_index(index, seed0, seed1, rate)
         dx = (dx.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(dx.dtype)
         dbranch_ref[rows, cols] = dx
-      dbranches.append(dx.astype(jnp.float32))
+      if branch_sums:
+        dbranches.append(dx.astype(jnp.float32))
     dscale, dbias, dbranch_bias = accumulators
     if branch_sums:
       dbranch_bias = tuple(a + d for a, d in zip(dbranch_bias, dbranches))
@@ -208,9 +216,7 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
   default_step_rows, default_warps = backward_launch(features, branch_sums)
 
   def run(x, dy, mean, rstd, scale, seeds):
-    offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0  # the mask hashes global row indices
-    meta = jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
-    return tuple(_backward_2d(meta, x, dy, mean, rstd, scale, rate=rate, branch_sums=branch_sums,
+    return tuple(_backward_2d(_meta(seeds, row_axes, rows), x, dy, mean, rstd, scale, rate=rate, branch_sums=branch_sums,
                               interpret=jax.default_backend() != "gpu", block_rows=block_rows,
                               step_rows=step_rows or default_step_rows, num_warps=num_warps or default_warps))
 
@@ -342,9 +348,7 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   interpret = jax.default_backend() != "gpu"
 
   def call(x, branch, scale, bias, seeds, branch_bias):
-    offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0  # the mask hashes global row indices
-    meta = jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
-    return _forward_2d(meta, x, branch, scale, bias, branch_bias, rate=rate, epsilon=epsilon, dtype=dtype,
+    return _forward_2d(_meta(seeds, row_axes, rows), x, branch, scale, bias, branch_bias, rate=rate, epsilon=epsilon, dtype=dtype,
                        interpret=interpret, block_rows=block_rows, num_warps=num_warps)
 
   if mesh is not None:

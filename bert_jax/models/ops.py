@@ -234,8 +234,9 @@ def gelu_feed_forward(x: Array, wi: Array, bi: Array, wo: Array) -> Array:
   (`ffn_kernel.bias_gelu`, where `ffn_kernel.applies`: the FFN's caller checks it), and the backward pass takes
   dh = (dy @ wo^T) * GELU'(h) and its bias gradient from another (`ffn_kernel.dgelu`, where
   `ffn_kernel.applies_dgelu`), so GELU(h)'s gradient is never written and no GELU kernel passes over memory.
-  Elsewhere the same rule runs XLA's forms, the values of `gelu(bias_add(x @ wi, bi)) @ wo` under autodiff. With `ffn_kernel.SAVE_GELU_DERIVATIVE` (where either kernel runs), the forward pass saves GELU'(h)
-  instead of h, and the backward pass multiplies by it.
+  Elsewhere the same rule runs XLA's forms, the values of `gelu(bias_add(x @ wi, bi)) @ wo` under autodiff. With
+  `ffn_kernel.SAVE_GELU_DERIVATIVE` (where either kernel runs), the forward pass saves GELU'(h) instead of h, and
+  the backward pass multiplies by it.
   """
   forward_kernel, backward_kernel = ffn_kernel.applies(x, wi), ffn_kernel.applies_dgelu(x, wi)
   save_derivative = ffn_kernel.SAVE_GELU_DERIVATIVE and (forward_kernel or backward_kernel)
