@@ -309,3 +309,52 @@ def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
   for path, a in jax.tree_util.tree_leaves_with_path(flash_grads):
     b = dict(jax.tree_util.tree_leaves_with_path(xla_grads))[path]
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))  # float32 rounding
+
+
+@pytest.mark.parametrize("layer_norm_impl", ["xla", "pallas"])
+def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding_them_in_the_projections(
+    layer_norm_impl):
+  """The post-LN block hands its sublayers' output biases to the residual LayerNorms (`defer_output_bias`, so that
+  the backward kernel sums their gradients); the values and every gradient are those of the block that adds them in
+  the projections (float32, dropout on: the same masks)."""
+  from bert_jax.models.dropout import Dropout
+  from bert_jax.models.encoder import FeedForward, SelfAttention, TransformerBlock, layer_norm
+
+  class BiasInProjections(nn.Module):
+    config: object
+
+    @nn.compact
+    def __call__(self, x, position_ids, deterministic):
+      cfg = self.config
+      dropout = Dropout(cfg.hidden_dropout)
+      attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
+      attention, ffn = SelfAttention(cfg, name="attention"), FeedForward(cfg, name="ffn")
+      attn, _ = attention(x, None, position_ids, False, deterministic, False, 0)
+      x = attention_norm(x, attn, dropout, deterministic)
+      return ffn_norm(x, ffn(x), dropout, deterministic)
+
+  cfg = tiny(hidden_size=128, intermediate_size=256, hidden_dropout=0.2, attention_dropout=0.1, dtype="float32",
+             layer_norm_impl=layer_norm_impl)
+  x = jax.random.normal(jax.random.key(0), (2, 16, 128))
+  positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  block = TransformerBlock(cfg)
+  params = block.init(jax.random.key(1), x, None, positions)
+  for name in ("output", "wo"):  # nonzero output biases, so that adding them in the wrong place would show
+    scope = params["params"]["attention" if name == "output" else "ffn"][name]
+    scope["bias"] = nn.Partitioned(0.5 * jax.random.normal(jax.random.key(2), scope["bias"].value.shape),
+                                   scope["bias"].names)
+  rngs = {"dropout": jax.random.key(3)}
+
+  def loss(params, module, call):
+    out = call(module, params)
+    return jnp.sum(jnp.sin(out) * jnp.arange(128.0)), out
+
+  ours = jax.value_and_grad(loss, has_aux=True)(
+      params, block, lambda m, p: m.apply(p, x, None, positions, deterministic=False, rngs=rngs)[0])
+  expected = jax.value_and_grad(loss, has_aux=True)(
+      params, BiasInProjections(cfg), lambda m, p: m.apply(p, x, positions, False, rngs=rngs))
+  np.testing.assert_allclose(ours[0][1], expected[0][1], rtol=1e-5, atol=1e-5)
+  leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(expected[1])))
+  for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(ours[1])):
+    np.testing.assert_allclose(a, leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert float(jnp.max(jnp.abs(nn.unbox(ours[1])["params"]["ffn"]["wo"]["bias"]))) > 0
