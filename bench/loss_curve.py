@@ -71,7 +71,10 @@ def compare(baseline: dict[int, dict], current: dict[int, dict]) -> tuple[list[s
   per_seed = [statistics.mean(current[s][step] - baseline[s][step] for step in steps) for s in seeds]
   mean = statistics.mean(per_seed)
   se = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else float("nan")
-  whole = f"curve-averaged difference {mean:+.4f} +- {se:.4f} (t = {mean / se:+.2f}, {len(seeds) - 1} dof)"
+  identical = sum(current[s][step] == baseline[s][step] for s in seeds for step in steps)
+  t = f"{mean / se:+.2f}" if se > 0 else "undefined: no spread"
+  whole = (f"curve-averaged difference {mean:+.4f} +- {se:.4f} (t = {t}, {len(seeds) - 1} dof); "
+           f"{identical} of {len(seeds) * len(steps)} logged losses identical")
   return rows, worst, whole
 
 
