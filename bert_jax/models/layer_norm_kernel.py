@@ -112,6 +112,16 @@ def _meta(seeds: Array, row_axes, rows: int) -> Array:
   return jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
 
 
+def _dropout(values: Array, rows: Array, first_col: int, features: int, seed0: Array, seed1: Array,
+             rate: float) -> Array:
+  """Inverted dropout of a kernel's tile: `values` [len(rows), width] at global rows `rows` and columns
+  first_col.. of a [.., features] array, with `dropout.keep_mask`'s bits (the row-major global element index); the
+  product with the float32 multiplier rounded once to values' dtype, as `dropout.apply_mask`."""
+  index = rows[:, None] * features + (first_col + jnp.arange(values.shape[1], dtype=jnp.int32))[None, :]
+  keep = keep_index(index, seed0, seed1, rate)
+  return (values.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(values.dtype)
+
+
 def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, features: int, block_rows: int,
             step_rows: int, chunk: int, rate: float, branch_sums: bool):
   """The backward over `block_rows` rows, `step_rows` at a time in a loop: each step loads its rows once (every
@@ -146,10 +156,8 @@ def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, f
     for c, (cols, g, xhat) in enumerate(zip(chunks, gs, xhats)):
       dx = (rstd * (g - mean_g - xhat * mean_gx)).astype(dx_ref.dtype)
       dx_ref[rows, cols] = dx
-      if rate > 0:  # dropout.keep_mask's bits of the global array, row-major
-        index = row[:, None] * features + (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, :]
-        keep = keep_index(index, seed0, seed1, rate)
-        dx = (dx.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(dx.dtype)
+      if rate > 0:
+        dx = _dropout(dx, row, c * chunk, features, seed0, seed1, rate)
         dbranch_ref[rows, cols] = dx
       if branch_sums:
         dbranches.append(dx.astype(jnp.float32))
@@ -224,9 +232,8 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
 
   if mesh is not None:
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
-    outputs = full_outputs + 2 + branch_sums
     run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P(), P()),
-                        out_specs=(row_spec,) * outputs, check_vma=False)
+                        out_specs=(row_spec,) * (full_outputs + 2 + branch_sums), check_vma=False)
   seeds = jnp.zeros((2,), jnp.int32) if seeds is None else seeds
   outputs = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1), scale,
                 seeds)
@@ -292,10 +299,7 @@ def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, *refs, fea
         bias = branch_bias_ref[cols].astype(d.dtype).astype(jnp.float32)
         d = (d.astype(jnp.float32) + bias[None, :]).astype(d.dtype)
       if rate > 0:
-        # dropout.keep_mask's bits, from the row-major element index of the global array.
-        index = rows[:, None] * features + (c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32))[None, :]
-        keep = keep_index(index, meta_ref[0], meta_ref[1], rate)
-        d = (d.astype(jnp.float32) * jnp.where(keep, 1.0 / (1.0 - rate), 0.0)).astype(d.dtype)
+        d = _dropout(d, rows, c * CHUNK, features, meta_ref[0], meta_ref[1], rate)
       total_chunk = (x_ref[block, cols].astype(jnp.float32) + d.astype(jnp.float32)).astype(s_ref.dtype)
       s_ref[block, cols] = total_chunk
       sums.append(total_chunk.astype(jnp.float32))
