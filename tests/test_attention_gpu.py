@@ -145,3 +145,31 @@ def test_cudnn_dropout_forward_and_backward_drop_the_same_probabilities():
   assert not np.array_equal(fwd, fwd_again)  # a new mask at every execution
   assert not np.array_equal(fwd, fwd_other_seed)  # call sites with their own seeds draw their own masks
   assert not np.array_equal(fwd[0], fwd[1]) and not np.array_equal(fwd[:, 0], fwd[:, 1])  # rows, heads
+
+
+@pytest.mark.parametrize("length", [128, 512])
+def test_flash_fused_bias_gradient_is_the_column_sum_of_the_projections_gradient(length):
+  """The bias's gradient from the backward kernels' tile sums against XLA's sum of the d(qkv) they write
+  (float32, the same rows: only the order of the additions differs), BERT-Base heads in bfloat16; the output
+  equals attention of qkv + bias added beforehand (the same rounding)."""
+  from bert_jax.models import flash_attention
+  keys = jax.random.split(jax.random.key(0), 3)
+  qkv = jax.random.normal(keys[0], (16, length, 12, 3, 64), jnp.float32).astype(jnp.bfloat16)
+  bias = jax.random.normal(keys[1], (12, 3, 64), jnp.float32)
+  cotangent = jax.random.normal(keys[2], (16, length, 12, 64), jnp.float32)
+  pack_ids = jnp.ones((16, length), jnp.int32).at[1, length // 2:].set(0)
+
+  def loss(qkv, bias):
+    out = flash_attention.flash_attention(qkv, pack_ids=pack_ids, dropout_rate=0.1, dropout_rng=keys[2], bias=bias)
+    return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+  (_, out), (d_qkv, d_bias) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(qkv, bias)
+  _, apart = jax.jit(loss)(qkv + bias.astype(jnp.bfloat16), None)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(apart))
+  summed = np.asarray(jnp.sum(d_qkv.astype(jnp.float32), axis=(0, 1)))
+  slots = {"key": flash_attention.KEY, "value": flash_attention.VALUE, "query": flash_attention.QUERY}
+  for name, slot in slots.items():
+    scale = np.abs(summed[:, flash_attention.VALUE]).max()  # the key bias's gradient is 0 up to cancellation
+    error = np.abs(np.asarray(d_bias)[:, slot] - summed[:, slot]).max() / scale
+    print(f"L={length} d_bias[{name}]: max error {error:.2e} of the value slot's largest")
+    assert error < 1e-5, (name, error)
