@@ -150,8 +150,8 @@ def test_cudnn_dropout_forward_and_backward_drop_the_same_probabilities():
 @pytest.mark.parametrize("length", [128, 512])
 def test_flash_fused_bias_gradient_is_the_column_sum_of_the_projections_gradient(length):
   """The bias's gradient from the backward kernels' tile sums against XLA's sum of the d(qkv) they write
-  (float32, the same rows: only the order of the additions differs), BERT-Base heads in bfloat16; the output
-  equals attention of qkv + bias added beforehand (the same rounding)."""
+  (float32, the same rows: only the order of the additions differs; the keys' is 0, XLA's sum rounding noise),
+  BERT-Base heads in bfloat16; the output equals attention of qkv + bias added beforehand (the same rounding)."""
   from bert_jax.models import flash_attention
   keys = jax.random.split(jax.random.key(0), 3)
   qkv = jax.random.normal(keys[0], (16, length, 12, 3, 64), jnp.float32).astype(jnp.bfloat16)

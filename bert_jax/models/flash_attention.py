@@ -206,7 +206,8 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
 
 def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_ref, *sums_ref,
                  scale, packed, causal, rate, block_q, num_heads, q_len):
-  """dK and dV of one key tile; with `sums_ref`, also their column sums [2, D] (the fused bias's gradient)."""
+  """dK and dV of one key tile; with `sums_ref`, also dV's column sums [D] (the value bias's gradient; the key
+  bias's is 0: it shifts all logits of a query row by the same amount, which the softmax ignores)."""
   del dq_ref  # The dQ kernel's output, aliased to this kernel's: only its key and value slots are written here.
   ik, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_k = k_ref.shape[0]
@@ -238,11 +239,11 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, zeros))
-  for slot, grad in ((KEY, dk * (scale / (1.0 - rate))), (VALUE, dv * (1.0 / (1.0 - rate)))):
-    grad = grad.astype(dkv_ref.dtype)
-    dkv_ref[:, slot, :] = grad
-    if sums_ref:
-      sums_ref[0][slot, :] = _column_sums(grad)
+  dkv_ref[:, KEY, :] = (dk * (scale / (1.0 - rate))).astype(dkv_ref.dtype)
+  dv = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
+  dkv_ref[:, VALUE, :] = dv
+  if sums_ref:
+    sums_ref[0][...] = _column_sums(dv)
 
 
 def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *sums_ref,
@@ -339,21 +340,21 @@ def _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interp
 def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret, bias_sums):
   """d(qkv) [B, L, H, 3, D]: the dQ kernel writes slot QUERY (and delta), then the dK/dV kernel slots KEY and
   VALUE in place. With `bias_sums`, also the gradient of a bias [H, 3, D] added to qkv (float32): the sum of
-  d(qkv) over batch and length, from the kernels' column sums of their tiles (None without)."""
+  d(qkv) over batch and length, from the kernels' column sums of their dQ and dV tiles, and 0 for the keys
+  (`_dkdv_kernel`; autodiff of the add would sum rounding noise there). None without."""
   batch, length, heads, _, head_dim = qkv.shape
   common = dict(scale=scale, packed=packed, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
   all_rows = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
-  # A tile's column sums: [B, tiles, H, (slots,) D] float32, one (slots, D) block per program.
-  sums = lambda tile, slots: ([pl.BlockSpec((None, None, None, *slots, head_dim),  # noqa: E731
-                                            lambda i, b, h: (b, i, h, *(0 for _ in slots), 0))],
-                              [jax.ShapeDtypeStruct((batch, length // tile, heads, *slots, head_dim), jnp.float32)])
+  # A tile's column sums: [B, tiles, H, D] float32, one D block per program.
+  sums = lambda tile: ([pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, i, h, 0))],  # noqa: E731
+                       [jax.ShapeDtypeStruct((batch, length // tile, heads, head_dim), jnp.float32)])
   no_sums = ([], [])
 
   block_q, block_k = _blocks("dq", length)
   q_rows = _fused_spec(length, head_dim, block_q, lambda i: i, QUERY)
   out_rows = _specs(length, head_dim, block_q, lambda i: i)
   row_block = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  q_sum_specs, q_sum_shapes = sums(block_q, ()) if bias_sums else no_sums
+  q_sum_specs, q_sum_shapes = sums(block_q) if bias_sums else no_sums
   d_qkv, delta, *q_sums = pl.pallas_call(
       functools.partial(_dq_kernel, block_k=block_k, **common),
       grid=(length // block_q, batch, heads),
@@ -370,14 +371,14 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
   kv_block = pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0))
   row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
-  kv_sum_specs, kv_sum_shapes = sums(block_k, (2,)) if bias_sums else no_sums
-  d_qkv, *kv_sums = pl.pallas_call(
+  v_sum_specs, v_sum_shapes = sums(block_k) if bias_sums else no_sums
+  d_qkv, *v_sums = pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=block_q, **common),
       grid=(length // block_k, batch, heads),
       in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
                 _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats, kv_block],
-      out_specs=[kv_block, *kv_sum_specs],
-      out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), *kv_sum_shapes],
+      out_specs=[kv_block, *v_sum_specs],
+      out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), *v_sum_shapes],
       input_output_aliases={8: 0},
       compiler_params=None if interpret else _compiler_params("dkdv"),
       interpret=interpret,
@@ -385,10 +386,8 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta, d_qkv)
   if not bias_sums:
     return d_qkv, None
-  q_sum, kv_sum = q_sums[0].sum(axis=(0, 1)), kv_sums[0].sum(axis=(0, 1))  # [H, D], [H, 2, D]
-  parts = [None] * 3
-  parts[QUERY], parts[KEY], parts[VALUE] = q_sum, kv_sum[:, KEY], kv_sum[:, VALUE]
-  return d_qkv, jnp.stack(parts, axis=1)
+  q_sum, v_sum = q_sums[0].sum(axis=(0, 1)), v_sums[0].sum(axis=(0, 1))  # [H, D] each
+  return d_qkv, fuse_qkv(q_sum, jnp.zeros_like(v_sum), v_sum)
 
 
 def _add_bias(qkv: Array, bias: Array | None) -> Array:
