@@ -166,10 +166,14 @@ def test_flash_fused_bias_gradient_is_the_column_sum_of_the_projections_gradient
   (_, out), (d_qkv, d_bias) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(qkv, bias)
   _, apart = jax.jit(loss)(qkv + bias.astype(jnp.bfloat16), None)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(apart))
-  summed = np.asarray(jnp.sum(d_qkv.astype(jnp.float32), axis=(0, 1)))
-  slots = {"key": flash_attention.KEY, "value": flash_attention.VALUE, "query": flash_attention.QUERY}
-  for name, slot in slots.items():
-    scale = np.abs(summed[:, flash_attention.VALUE]).max()  # the key bias's gradient is 0 up to cancellation
-    error = np.abs(np.asarray(d_bias)[:, slot] - summed[:, slot]).max() / scale
+  summed, d_bias = np.asarray(jnp.sum(d_qkv.astype(jnp.float32), axis=(0, 1))), np.asarray(d_bias)
+  scale = np.abs(summed[:, flash_attention.VALUE]).max()
+  for name, slot in {"value": flash_attention.VALUE, "query": flash_attention.QUERY}.items():
+    error = np.abs(d_bias[:, slot] - summed[:, slot]).max() / scale
     print(f"L={length} d_bias[{name}]: max error {error:.2e} of the value slot's largest")
     assert error < 1e-5, (name, error)
+  # The keys': 0 exactly, where XLA sums the rounding errors of bf16 dK (~4e-3 of the value slot's largest on an
+  # H100, session 18).
+  np.testing.assert_array_equal(d_bias[:, flash_attention.KEY], 0.0)
+  print(f"L={length} XLA's sum of dK: {np.abs(summed[:, flash_attention.KEY]).max() / scale:.2e} of the value "
+        f"slot's largest")
