@@ -64,49 +64,6 @@ def test_kernels_match_reference(rate, causal, packed):
   np.testing.assert_array_equal(np.asarray(flash(q, k, v))[0, 40:], 0.0)
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.1])
-def test_fused_bias_and_its_gradient_from_the_kernels(rate):
-  """flash_attention(qkv, bias=b) is attention of qkv + b (as `ops.bias_add` adds it); b's gradient, summed by
-  the backward kernels from their tiles, is the sum of qkv's gradient over batch and length, padding rows
-  included (as autodiff of the add sums it), and exactly 0 for the keys (where autodiff sums rounding noise).
-  Also under a mesh that splits batch and heads (the shards' sums are added)."""
-  q, k, v, cotangent, pack = inputs(batch=4, heads=4)
-  qkv = fa.fuse_qkv(q, k, v)
-  bias = jax.random.normal(jax.random.key(3), qkv.shape[2:], jnp.float32)
-  rng = jax.random.key(6)
-  seeds = fa.dropout_seeds(rng)
-
-  def flash(qkv, bias):
-    out = fa.flash_attention(qkv, pack_ids=pack, packed=True, dropout_rate=rate, dropout_rng=rng, bias=bias,
-                             interpret=True)
-    return jnp.sum(out * cotangent), out
-
-  def plain(qkv, bias):
-    out = reference(*fa.split_qkv(qkv + bias), pack, seeds, rate, False)
-    return jnp.sum(out * cotangent), out
-
-  (_, expected), (d_qkv, d_bias) = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(qkv, bias)
-  np.testing.assert_allclose(d_bias, d_qkv.sum(axis=(0, 1)), rtol=1e-5, atol=1e-4)
-  assert np.abs(d_bias[:, fa.VALUE]).min() > 1e-2 and np.abs(d_bias[:, fa.QUERY]).max() > 1e-1
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
-  for sharded in (False, True):
-    run = jax.jit(jax.value_and_grad(flash, argnums=(0, 1), has_aux=True))
-    if sharded:
-      with mesh, nn.logical_axis_rules(DEFAULT_RULES):
-        (_, out), grads = run(qkv, bias)
-    else:
-      (_, out), grads = run(qkv, bias)
-    np.testing.assert_allclose(out, expected, atol=2e-6)
-    np.testing.assert_allclose(grads[0], d_qkv, atol=5e-6)
-    np.testing.assert_allclose(grads[1], d_bias, rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(grads[1][:, fa.KEY], 0.0)
-  # The other implementations add it before splitting the projections.
-  fused, _ = self_attention(qkv, pack_ids=pack, packed=True, implementation="xla", bias=bias)
-  np.testing.assert_allclose(fused, reference(*fa.split_qkv(qkv + bias), pack, seeds, 0.0, False), atol=2e-6)
-  with pytest.raises(ValueError, match=r"bias \[heads, 3, head_dim\]"):
-    fa.flash_attention(qkv, pack_ids=pack, bias=bias[:, :2], interpret=True)
-
-
 def test_xla_path_drops_the_same_probabilities():
   q, k, v, _, pack = inputs()
   rng = jax.random.key(9)

@@ -56,7 +56,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import flash_attention, ops
+from bert_jax.models import flash_attention
 
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
 # Command buffers without cuDNN kernels: what cuDNN's attention dropout needs (see the module docstring).
@@ -202,13 +202,9 @@ def dot_product_attention(
 
 def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: bool = False, causal: bool = False,
                    implementation: str = "auto", dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
-                   dropout_seed: int = 0, return_probs: bool = False,
-                   bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                   dropout_seed: int = 0, return_probs: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """`dot_product_attention` of one fused [batch, length, heads, 3, head_dim] projection
   (`flash_attention.fuse_qkv`'s layout): the flash kernels read it in place, the other implementations split it.
-
-  bias: [heads, 3, head_dim] added to the projections first (`ops.bias_add`); the flash kernels compute its
-  gradient themselves (`flash_attention.flash_attention`).
   """
   head_dim = qkv_blh3d.shape[-1]
   impl = resolve_implementation(implementation, dtype=qkv_blh3d.dtype, head_dim=head_dim,
@@ -216,12 +212,9 @@ def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: 
                                 return_probs=return_probs, length=qkv_blh3d.shape[1])
   if impl == "flash":
     out = flash_attention.flash_attention(qkv_blh3d, pack_ids=pack_ids, packed=packed, causal=causal,
-                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng, bias=bias,
+                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                           interpret=_backend() != "gpu")
     return out, None
-  if bias is not None:
-    shape = qkv_blh3d.shape
-    qkv_blh3d = ops.bias_add(qkv_blh3d.reshape(*shape[:2], -1), bias.reshape(-1)).reshape(shape)
   return dot_product_attention(*flash_attention.split_qkv(qkv_blh3d), pack_ids=pack_ids, packed=packed,
                                causal=causal, implementation=impl, dropout_rate=dropout_rate,
                                dropout_rng=dropout_rng, dropout_seed=dropout_seed, return_probs=return_probs)

@@ -239,11 +239,9 @@ class SelfAttention(nn.Module):
       bias = flash_attention.fuse_qkv(*(weights[n][1] for n in ("query", "key", "value")))
       width = x_ble.shape[-1]
       qkv = jnp.dot(x_ble.astype(cfg.compute_dtype).reshape(-1, width), kernel.reshape(width, -1))
-      # The bias is added inside (`flash_attention.flash_attention`: fused into this GEMM's epilogue by XLA, its
-      # gradient summed by the backward kernels).
-      qkv_blh3d = qkv.reshape(*x_ble.shape[:2], heads, 3, head_dim)
+      qkv_blh3d = ops.bias_add(qkv, bias.reshape(-1)).reshape(*x_ble.shape[:2], heads, 3, head_dim)
       qkv_blh3d = nn.with_logical_constraint(qkv_blh3d, ("batch", "length", "heads", None, "kv"))
-      out_blhd, probs = self_attention(qkv_blh3d, bias=bias, **options)
+      out_blhd, probs = self_attention(qkv_blh3d, **options)
     else:
       q_blhd, k_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "key", "value"))
       if cfg.position_embedding == "rotary":

@@ -204,10 +204,8 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
 # = (c * scale) * p * (keep * dp - (1 - rate) * delta): the kernels compute p * (keep * dp - (1 - rate) * delta)
 # (the factor on delta once per row) and apply c * scale to dK and dQ once per tile, and c to dV.
 
-def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_ref, *sums_ref,
-                 scale, packed, causal, rate, block_q, num_heads, q_len):
-  """dK and dV of one key tile; with `sums_ref`, also dV's column sums [D] (the value bias's gradient; the key
-  bias's is 0: it shifts all logits of a query row by the same amount, which the softmax ignores)."""
+def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_ref, *, scale,
+                 packed, causal, rate, block_q, num_heads, q_len):
   del dq_ref  # The dQ kernel's output, aliased to this kernel's: only its key and value slots are written here.
   ik, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_k = k_ref.shape[0]
@@ -240,16 +238,13 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, zeros))
   dkv_ref[:, KEY, :] = (dk * (scale / (1.0 - rate))).astype(dkv_ref.dtype)
-  dv = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
-  dkv_ref[:, VALUE, :] = dv
-  if sums_ref:
-    sums_ref[0][...] = _column_sums(dv)
+  dkv_ref[:, VALUE, :] = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
 
 
-def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *sums_ref,
-               scale, packed, causal, rate, block_k, num_heads, q_len):
+def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *, scale,
+               packed, causal, rate, block_k, num_heads, q_len):
   """dQ of one query tile, and delta = rowsum(out * d_out) of its rows for the dK/dV kernel (which runs
-  after this one: no separate pass over the output and its gradient); with `sums_ref`, dQ's column sums [D]."""
+  after this one: no separate pass over the output and its gradient)."""
   iq, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_q = q_ref.shape[0]
   q, do, lse = q_ref[...], do_ref[...], lse_ref[...]
@@ -275,16 +270,7 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, 
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
-  dq = (dq * (scale / (1.0 - rate))).astype(dq_ref.dtype)
-  dq_ref[...] = dq
-  if sums_ref:
-    sums_ref[0][...] = _column_sums(dq)
-
-
-def _column_sums(grad: Array) -> Array:
-  """Float32 column sums of a tile's gradient as stored (rounded to its dtype): the tile's share of the fused
-  bias's gradient, which autodiff of the bias add would sum from the stored gradient."""
-  return jnp.sum(grad.astype(jnp.float32), axis=0)
+  dq_ref[...] = (dq * (scale / (1.0 - rate))).astype(dq_ref.dtype)
 
 
 def _compiler_params(kernel: str):
@@ -337,31 +323,24 @@ def _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interp
   return out, lse
 
 
-def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret, bias_sums):
+def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret):
   """d(qkv) [B, L, H, 3, D]: the dQ kernel writes slot QUERY (and delta), then the dK/dV kernel slots KEY and
-  VALUE in place. With `bias_sums`, also the gradient of a bias [H, 3, D] added to qkv (float32): the sum of
-  d(qkv) over batch and length, from the kernels' column sums of their dQ and dV tiles, and 0 for the keys
-  (`_dkdv_kernel`; autodiff of the add would sum rounding noise there). None without."""
+  VALUE in place."""
   batch, length, heads, _, head_dim = qkv.shape
   common = dict(scale=scale, packed=packed, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
   all_rows = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
-  # A tile's column sums: [B, tiles, H, D] float32, one D block per program.
-  sums = lambda tile: ([pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, i, h, 0))],  # noqa: E731
-                       [jax.ShapeDtypeStruct((batch, length // tile, heads, head_dim), jnp.float32)])
-  no_sums = ([], [])
 
   block_q, block_k = _blocks("dq", length)
   q_rows = _fused_spec(length, head_dim, block_q, lambda i: i, QUERY)
   out_rows = _specs(length, head_dim, block_q, lambda i: i)
   row_block = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  q_sum_specs, q_sum_shapes = sums(block_q) if bias_sums else no_sums
-  d_qkv, delta, *q_sums = pl.pallas_call(
+  d_qkv, delta = pl.pallas_call(
       functools.partial(_dq_kernel, block_k=block_k, **common),
       grid=(length // block_q, batch, heads),
       in_specs=[*_common_specs(length), q_rows, all_rows(KEY), all_rows(VALUE), out_rows, out_rows, row_block],
-      out_specs=[q_rows, row_block, *q_sum_specs],
+      out_specs=[q_rows, row_block],
       out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32), *q_sum_shapes],
+                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
       compiler_params=None if interpret else _compiler_params("dq"),
       interpret=interpret,
       name="flash_attention_dq",
@@ -371,50 +350,34 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
   kv_block = pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0))
   row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
-  v_sum_specs, v_sum_shapes = sums(block_k) if bias_sums else no_sums
-  d_qkv, *v_sums = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=block_q, **common),
       grid=(length // block_k, batch, heads),
       in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
                 _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats, kv_block],
-      out_specs=[kv_block, *v_sum_specs],
-      out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), *v_sum_shapes],
+      out_specs=kv_block,
+      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
       input_output_aliases={8: 0},
       compiler_params=None if interpret else _compiler_params("dkdv"),
       interpret=interpret,
       name="flash_attention_dkdv",
   )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta, d_qkv)
-  if not bias_sums:
-    return d_qkv, None
-  q_sum, v_sum = q_sums[0].sum(axis=(0, 1)), v_sums[0].sum(axis=(0, 1))  # [H, D] each
-  return d_qkv, fuse_qkv(q_sum, jnp.zeros_like(v_sum), v_sum)
 
 
-def _add_bias(qkv: Array, bias: Array | None) -> Array:
-  """qkv + bias [H, 3, D] as `ops.bias_add` adds it, on the [rows, H * 3 * D] view of the GEMM that produced qkv,
-  into whose epilogue XLA fuses the add."""
-  if bias is None:
-    return qkv
-  width = math.prod(qkv.shape[2:])
-  return (qkv.reshape(-1, width) + bias.reshape(width).astype(qkv.dtype)).reshape(qkv.shape)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _flash(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
+  return _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _flash(qkv, bias, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
-  return _forward(_add_bias(qkv, bias), pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)[0]
-
-
-def _flash_fwd(qkv, bias, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
-  qkv = _add_bias(qkv, bias)
+def _flash_fwd(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
   out, lse = _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)
-  return out, (qkv, bias, pack_ids, meta, out, lse)
+  return out, (qkv, pack_ids, meta, out, lse)
 
 
 def _flash_bwd(scale, packed, causal, rate, num_heads, interpret, residuals, d_out):
-  qkv, bias, pack_ids, meta, out, lse = residuals
-  d_qkv, d_bias = _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret,
-                            bias_sums=bias is not None)
-  return d_qkv, None if bias is None else d_bias.astype(bias.dtype), None, None
+  qkv, pack_ids, meta, out, lse = residuals
+  return (_backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret),
+          None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -434,16 +397,11 @@ def split_qkv(qkv: Array) -> tuple[Array, Array, Array]:
 
 
 def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = False, causal: bool = False,
-                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, bias: Array | None = None,
-                    interpret: bool = False) -> Array:
+                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, interpret: bool = False) -> Array:
   """Fused self-attention with dropout: [B, L, H, 3, D] projections in (`fuse_qkv`), [B, L, H, D] out.
 
   pack_ids: [B, L] int, 0 for padding, else the packed example id (None: no padding). packed: whether rows may
   hold several examples; if False, pack_ids must be 0 or 1 and only padding is masked (no per-pair compare).
-  bias: [H, 3, D] (`fuse_qkv`'s layout) added to the projections first, as `ops.bias_add` adds it (XLA fuses the
-  add into the GEMM that computes them); its gradient comes from the backward kernels' column sums of the tiles
-  they write, where autodiff of the add would read the whole gradient back once more (0.05 ms a layer at BERT-Base
-  seq 128, bench/NOTES.md session 18).
 
   See the module docstring. Inside a mesh scope the kernels run per shard
   (`shard_map`) with batch and heads split as the logical axis rules say
@@ -461,9 +419,6 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
   if pack_ids.shape != (batch, length):
     raise ValueError(f"flash attention: pack_ids [batch, length] = {(batch, length)} expected, got "
                      f"{pack_ids.shape}")
-  if bias is not None and bias.shape != (heads, 3, head_dim):
-    raise ValueError(f"flash attention: bias [heads, 3, head_dim] = {(heads, 3, head_dim)} expected, got "
-                     f"{bias.shape}")
   pack_ids = pack_ids.astype(jnp.int32)
   scale = 1.0 / math.sqrt(head_dim)
   # The mask hashes global (batch row, head) indices: the unsharded head count, the shard's offsets in meta.
@@ -473,7 +428,7 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
   mesh = sharding_lib.current_mesh()
   if mesh is None or mesh.size == 1:
     meta = jnp.concatenate([seeds, jnp.zeros((2,), jnp.int32)])
-    return run(qkv_blh3d, bias, pack_ids, meta)
+    return run(qkv_blh3d, pack_ids, meta)
 
   from jax.sharding import PartitionSpec as P
   batch_axes, _, head_axes, _ = sharding_lib.split_axes(("batch", "length", "heads", "kv"),
@@ -481,15 +436,11 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
   out_spec = P(batch_axes or None, None, head_axes or None, None)
   qkv_spec = P(batch_axes or None, None, head_axes or None, None, None)
 
-  bias_spec = P(head_axes or None, None, None)
-
-  def per_shard(qkv, pack, seeds, bias):
+  def per_shard(qkv, pack, seeds):
     b_offset = lax.axis_index(batch_axes) * qkv.shape[0] if batch_axes else 0
     h_offset = lax.axis_index(head_axes) * qkv.shape[2] if head_axes else 0
     meta = jnp.stack([seeds[0], seeds[1], jnp.int32(b_offset), jnp.int32(h_offset)]).astype(jnp.int32)
-    return run(qkv, bias, pack, meta)
+    return run(qkv, pack, meta)
 
-  # A bias's gradient is a sum over the batch: shard_map's transpose adds the shards' sums (psum over the axes
-  # its spec leaves out).
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv_spec, P(batch_axes or None, None), P(), bias_spec),
-                       out_specs=out_spec, check_vma=False)(qkv_blh3d, pack_ids, seeds, bias)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv_spec, P(batch_axes or None, None), P()),
+                       out_specs=out_spec, check_vma=False)(qkv_blh3d, pack_ids, seeds)
