@@ -16,8 +16,8 @@ Three tables, one line per [rows, features] input, ms per call:
   * forward of that residual: XLA's form of `ops.add_layer_norm` and
     `layer_norm_kernel.add_layer_norm_forward`, with the floor of reading x and
     the branch and writing the sum and y once.
-Each kernel is timed for every (block_rows, step_rows, num_warps) (the forward also
-with all its rows at once, "Nr/Ww").
+Each backward kernel is timed for every (block_rows, step_rows, num_warps), the
+forward for every (block_rows, num_warps) ("Nr/Ww").
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def time_residual_backward(rows: int, features: int, launch: tuple[int, int, int
 
 def time_forward(rows: int, features: int, launch: tuple[int, int, int] | None, iters: int) -> float:
   """ms per residual LayerNorm forward call (y, the sum and the statistics, with the branch's bias); launch
-  (block_rows, step_rows (0: all at once), num_warps), None: the XLA form."""
+  (block_rows, 0, num_warps), None: the XLA form."""
   x, branch, _, _, scale = inputs(rows, features)
   bias, seeds = jnp.zeros_like(scale), jnp.asarray([1, 2], jnp.int32)
   if launch is None:
@@ -95,8 +95,7 @@ def time_forward(rows: int, features: int, launch: tuple[int, int, int] | None, 
         x, branch, bias, scale, bias, seeds, 0.1, 1e-12, x.dtype, "xla"))
   else:
     fn = jax.jit(lambda x, branch, scale, bias: layer_norm_kernel.add_layer_norm_forward(
-        x, branch, scale, bias, seeds, 0.1, 1e-12, x.dtype, bias, block_rows=launch[0], step_rows=launch[1] or None,
-        num_warps=launch[2]))
+        x, branch, scale, bias, seeds, 0.1, 1e-12, x.dtype, bias, block_rows=launch[0], num_warps=launch[2]))
   return time_ms(fn, x, branch, scale, bias, iters=iters)
 
 
@@ -104,7 +103,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="32768x768,16384x1024,8192x4096", help="rows x features, comma-separated")
   parser.add_argument("--blocks", default="8,16,32,64", help="block_rows values")
-  parser.add_argument("--step-rows", default="1,2", help="the kernels' rows per loop step")
+  parser.add_argument("--step-rows", default="1,2", help="the backward kernels' rows per loop step")
   parser.add_argument("--warps", default="1,2,4,8", help="num_warps values")
   parser.add_argument("--passes", default="backward,residual,forward")
   parser.add_argument("--iters", type=int, default=50)
@@ -115,7 +114,7 @@ def main() -> None:
     timer, arrays, baselines = {"backward": (time_backward, 3, [None]),
                                 "residual": (time_residual_backward, 4, [None, "split"]),
                                 "forward": (time_forward, 4, [None])}[part]
-    steps = ([0] if part == "forward" else []) + numbers(args.step_rows)
+    steps = [0] if part == "forward" else numbers(args.step_rows)
     launches = baselines + list(itertools.product(numbers(args.blocks), steps, numbers(args.warps)))
     header = ["rows x features", "floor"] + [
         {None: "xla", "split": "split"}.get(l) if not isinstance(l, tuple) else

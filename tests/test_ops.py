@@ -227,21 +227,6 @@ def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, sh
     assert abs(dropped.mean() - rate) < 0.05
 
 
-@pytest.mark.parametrize("block_rows, step_rows", [(32, 1), (16, 2)])
-def test_add_layer_norm_forward_row_loop_equals_the_default_launch(block_rows, step_rows):
-  """The forward kernel walking its rows in a loop computes what the one-step launch does, element for element."""
-  from bert_jax.models import layer_norm_kernel
-  x, _, scale, bias = layer_norm_inputs((2, 32, 256), jnp.bfloat16)
-  branch = jax.random.normal(jax.random.key(7), x.shape).astype(x.dtype)
-  branch_bias = 0.3 * jax.random.normal(jax.random.key(8), x.shape[-1:])
-  seeds = jnp.asarray([11, 12], jnp.int32)
-  args = (x, branch, scale, bias, seeds, 0.1, 1e-12, jnp.bfloat16, branch_bias)
-  expected = layer_norm_kernel.add_layer_norm_forward(*args)
-  got = layer_norm_kernel.add_layer_norm_forward(*args, block_rows=block_rows, step_rows=step_rows)
-  for a, b in zip(got, expected):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_add_layer_norm_backward_kernel_hashes_the_forward_mask():
   """The backward kernel's branch gradient: exactly dx times the forward's multiplier, element for element, and
   its column sums those of that array (the interpreter; bfloat16, rounded where XLA's form rounds)."""

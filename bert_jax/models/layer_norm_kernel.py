@@ -68,8 +68,8 @@ BLOCK_ROWS = 32
 STEP_ROWS = 2
 CHUNK = 128
 # The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches on an H100
-# (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138). Its
-# row-loop launches (`add_layer_norm_forward(step_rows=)`, session 17) are not yet timed on a GPU.
+# (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138). A row
+# loop like the backward's was slower at all nine launches tried (16-64 rows a program, 1-2 a step; session 18).
 FORWARD_BLOCK_ROWS = 8
 FORWARD_NUM_WARPS = 8
 
@@ -279,51 +279,39 @@ def add_layer_norm_backward(total: Array, dy: Array, mean: Array, rstd: Array, s
 
 
 def _forward_kernel(meta_ref, x_ref, branch_ref, scale_ref, bias_ref, *refs, features: int, block_rows: int,
-                    step_rows: int, rate: float, epsilon: float, branch_bias: bool):
-  """The forward over `block_rows` rows, `step_rows` at a time (in a loop where fewer than `block_rows`): a step
-  reads its rows of x and the branch once, writes the sum, keeps it in registers for the row statistics, and
-  writes y."""
+                    rate: float, epsilon: float, branch_bias: bool):
+  """The forward over `block_rows` rows: reads x and the branch once, writes the sum, keeps it in registers for
+  the row statistics, and writes y."""
   branch_bias_ref = refs[0] if branch_bias else None
   y_ref, s_ref, mean_ref, rstd_ref = refs[1:] if branch_bias else refs
-  first_row = meta_ref[2] + pl.program_id(0) * block_rows
-
-  def step(i, carry):
-    start = 0 if step_rows == block_rows else pl.multiple_of(i * step_rows, step_rows)
-    block = slice(None) if step_rows == block_rows else pl.ds(start, step_rows)
-    rows = first_row + start + jnp.arange(step_rows, dtype=jnp.int32)
-    sums, total = [], jnp.zeros((step_rows,), jnp.float32)
-    for c in range(features // CHUNK):
-      cols = pl.ds(c * CHUNK, CHUNK)
-      d = branch_ref[block, cols]
-      if branch_bias:  # ops.bias_add's value: the bias rounded to the branch's dtype, the sum rounded once
-        bias = branch_bias_ref[cols].astype(d.dtype).astype(jnp.float32)
-        d = (d.astype(jnp.float32) + bias[None, :]).astype(d.dtype)
-      if rate > 0:
-        d = _dropout(d, rows, c * CHUNK, features, meta_ref[0], meta_ref[1], rate)
-      total_chunk = (x_ref[block, cols].astype(jnp.float32) + d.astype(jnp.float32)).astype(s_ref.dtype)
-      s_ref[block, cols] = total_chunk
-      sums.append(total_chunk.astype(jnp.float32))
-      total += jnp.sum(sums[-1], axis=1)
-    mean = total / features
-    var = sum(jnp.sum(jnp.square(chunk - mean[:, None]), axis=1) for chunk in sums) / features
-    rstd = jax.lax.rsqrt(var + epsilon)
-    for c, chunk in enumerate(sums):
-      cols = pl.ds(c * CHUNK, CHUNK)
-      scale = scale_ref[cols].astype(jnp.float32)[None, :]
-      y_ref[block, cols] = ((chunk - mean[:, None]) * (rstd[:, None] * scale)
-                            + bias_ref[cols].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
-    mean_ref[block] = mean
-    rstd_ref[block] = rstd
-    return carry
-
-  if step_rows == block_rows:
-    step(0, None)
-  else:
-    jax.lax.fori_loop(0, block_rows // step_rows, step, None)
+  rows = meta_ref[2] + pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+  sums, total = [], jnp.zeros((block_rows,), jnp.float32)
+  for c in range(features // CHUNK):
+    cols = pl.ds(c * CHUNK, CHUNK)
+    d = branch_ref[:, cols]
+    if branch_bias:  # ops.bias_add's value: the bias rounded to the branch's dtype, the sum rounded once
+      bias = branch_bias_ref[cols].astype(d.dtype).astype(jnp.float32)
+      d = (d.astype(jnp.float32) + bias[None, :]).astype(d.dtype)
+    if rate > 0:
+      d = _dropout(d, rows, c * CHUNK, features, meta_ref[0], meta_ref[1], rate)
+    total_chunk = (x_ref[:, cols].astype(jnp.float32) + d.astype(jnp.float32)).astype(s_ref.dtype)
+    s_ref[:, cols] = total_chunk
+    sums.append(total_chunk.astype(jnp.float32))
+    total += jnp.sum(sums[-1], axis=1)
+  mean = total / features
+  var = sum(jnp.sum(jnp.square(chunk - mean[:, None]), axis=1) for chunk in sums) / features
+  rstd = jax.lax.rsqrt(var + epsilon)
+  for c, chunk in enumerate(sums):
+    cols = pl.ds(c * CHUNK, CHUNK)
+    scale = scale_ref[cols].astype(jnp.float32)[None, :]
+    y_ref[:, cols] = ((chunk - mean[:, None]) * (rstd[:, None] * scale)
+                      + bias_ref[cols].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
+  mean_ref[...] = mean
+  rstd_ref[...] = rstd
 
 
 def _forward_2d(meta, x, branch, scale, bias, branch_bias, *, rate, epsilon, dtype, interpret, block_rows,
-                step_rows, num_warps):
+                num_warps):
   rows, features = x.shape
   row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
   stats = pl.BlockSpec((block_rows,), lambda i: (i,))
@@ -334,9 +322,8 @@ def _forward_2d(meta, x, branch, scale, bias, branch_bias, *, rate, epsilon, dty
     compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
   vectors = (scale, bias) if branch_bias is None else (scale, bias, branch_bias)
   return pl.pallas_call(
-      functools.partial(_forward_kernel, features=features, block_rows=block_rows,
-                        step_rows=step_rows if block_rows % step_rows == 0 else block_rows, rate=rate,
-                        epsilon=epsilon, branch_bias=branch_bias is not None),
+      functools.partial(_forward_kernel, features=features, block_rows=block_rows, rate=rate, epsilon=epsilon,
+                        branch_bias=branch_bias is not None),
       grid=(rows // block_rows,),
       in_specs=[pl.BlockSpec((3,), lambda i: (0,)), row_block, row_block] + [vector] * len(vectors),
       out_specs=[row_block, row_block, stats, stats],
@@ -350,7 +337,7 @@ def _forward_2d(meta, x, branch, scale, bias, branch_bias, *, rate, epsilon, dty
 
 def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, seeds: Array, rate: float,
                            epsilon: float, dtype, branch_bias: Array | None = None, *,
-                           block_rows: int = FORWARD_BLOCK_ROWS, step_rows: int | None = None,
+                           block_rows: int = FORWARD_BLOCK_ROWS,
                            num_warps: int = FORWARD_NUM_WARPS) -> tuple[Array, Array, Array, Array] | None:
   """(y, s, mean, rstd) of y = LayerNorm(s), s = x + dropout(branch + branch_bias) (in x's dtype), over the last
   axis.
@@ -358,8 +345,7 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   x and branch [..., E] of one dtype; `branch_bias` [E] or None (no bias), added as `ops.bias_add` adds it;
   `seeds` int32[2] of `dropout.keep_mask` (its mask, element for element, of the global [..., E] array; ignored
   when rate is 0); mean and rstd [..., 1] float32; y in `dtype`. None where the kernel does not apply (as
-  `layer_norm_backward`): the caller then uses XLA. The launch: `block_rows` a program, `step_rows` of them at a
-  time in a loop (None: all at once), `num_warps`.
+  `layer_norm_backward`): the caller then uses XLA. The launch: `block_rows` a program, `num_warps`.
   """
   features = x.shape[-1]
   lead = x.shape[:-1]
@@ -372,7 +358,7 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   def call(x, branch, scale, bias, seeds, branch_bias):
     return _forward_2d(_meta(seeds, row_axes, rows), x, branch, scale, bias, branch_bias, rate=rate,
                        epsilon=epsilon, dtype=dtype, interpret=interpret, block_rows=block_rows,
-                       step_rows=step_rows or block_rows, num_warps=num_warps)
+                       num_warps=num_warps)
 
   if mesh is not None:
     row_spec, vector = P(row_axes or None, None), P(row_axes or None)
