@@ -83,3 +83,29 @@ def test_pingpong_kernels_lower(monkeypatch, tokens, hidden, intermediate):
   bias = shape((intermediate,), jnp.float32)
   assert "mosaic_gpu" in lower_for_cuda(functools.partial(forward, derivative=True), x, wi, bias)
   assert "mosaic_gpu" in lower_for_cuda(functools.partial(ffn_kernel.dgelu_matmul, saved=True), x, wo, h)
+
+
+def test_triton_ir_and_launch_of_each_flash_kernel_extracted_for_the_offline_register_count():
+  """bench/triton_registers.py reads each Pallas Triton kernel's IR and launch out of the CUDA lowering (then
+  compiles them with pip's Triton, not installed here). Newer jax compiles the kernels while lowering (skipped)."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "triton_registers.py"
+  spec = importlib.util.spec_from_file_location("triton_registers", path)
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  qkv = shape((8, 128, 12, 3, 64), jnp.bfloat16)
+
+  def loss(qkv):
+    out = flash_attention.flash_attention(qkv, pack_ids=None, dropout_rate=0.1, dropout_rng=jax.random.key(1))
+    return jnp.sum(out.astype(jnp.float32))
+
+  try:
+    kernels = tool.triton_kernels(jax.grad(loss), qkv)
+  except SystemExit as error:
+    pytest.skip(str(error))
+  launches = {name: (warps, stages) for name, warps, stages, _ in kernels}
+  params = flash_attention.KERNEL_PARAMS
+  assert launches == {f"flash_attention_{k}": (params[k].num_warps, params[k].num_stages)
+                      for k in ("forward", "dq", "dkdv")}
+  assert all("tt.func" in ttir for *_, ttir in kernels)
