@@ -112,6 +112,16 @@ def _meta(seeds: Array, row_axes, rows: int) -> Array:
   return jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
 
 
+def _per_row_shard(fn, mesh, row_axes, in_kinds: str, out_kinds: str):
+  """fn on [rows, E] arrays ("r"), row vectors [rows] ("v") and replicated operands ("p"), as `in_kinds` and
+  `out_kinds` spell them: inside a mesh, a `shard_map` splitting the rows over `row_axes`; fn itself without one."""
+  if mesh is None:
+    return fn
+  specs = {"r": P(row_axes or None, None), "v": P(row_axes or None), "p": P()}
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs[k] for k in in_kinds),
+                       out_specs=tuple(specs[k] for k in out_kinds), check_vma=False)
+
+
 def _dropout(values: Array, rows: Array, first_col: int, features: int, seed0: Array, seed1: Array,
              rate: float) -> Array:
   """Inverted dropout of a kernel's tile: `values` [len(rows), width] at global rows `rows` and columns
@@ -230,10 +240,7 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
                               block_rows=block_rows, step_rows=step_rows or default_step_rows,
                               num_warps=num_warps or default_warps))
 
-  if mesh is not None:
-    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
-    run = jax.shard_map(run, mesh=mesh, in_specs=(row_spec, row_spec, vector, vector, P(), P()),
-                        out_specs=(row_spec,) * (full_outputs + 2 + branch_sums), check_vma=False)
+  run = _per_row_shard(run, mesh, row_axes, "rrvvpp", "r" * (full_outputs + 2 + branch_sums))
   seeds = jnp.zeros((2,), jnp.int32) if seeds is None else seeds
   outputs = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1), scale,
                 seeds)
@@ -360,10 +367,7 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
                        epsilon=epsilon, dtype=dtype, interpret=interpret, block_rows=block_rows,
                        num_warps=num_warps)
 
-  if mesh is not None:
-    row_spec, vector = P(row_axes or None, None), P(row_axes or None)
-    call = jax.shard_map(call, mesh=mesh, in_specs=(row_spec, row_spec, P(), P(), P(), P()),
-                         out_specs=(row_spec, row_spec, vector, vector), check_vma=False)
+  call = _per_row_shard(call, mesh, row_axes, "rrpppp", "rrvv")
   y, s, mean, rstd = call(x.reshape(-1, features), branch.reshape(-1, features), scale, bias, seeds, branch_bias)
   return (y.reshape(*lead, features), s.reshape(*lead, features), mean.reshape(*lead, 1),
           rstd.reshape(*lead, 1))
