@@ -158,7 +158,7 @@ def _add_layer_norm_fwd(x, branch, branch_bias, scale, bias, seeds, rate, epsilo
     y, total, mean, rstd = fused
   else:
     if branch_bias is not None:
-      branch = branch + branch_bias.astype(branch.dtype)
+      branch = bias_add(branch, branch_bias)
     total = x + (dropout.apply_mask(branch, seeds, rate) if rate > 0 else branch)
     y, (total, mean, rstd, _, _) = _layer_norm_fwd(total, scale, bias, epsilon, dtype)
   return y, (total, mean, rstd, scale, bias, seeds, branch_bias)
@@ -177,9 +177,7 @@ def _add_layer_norm_bwd(rate, epsilon, dtype, implementation, residuals, dy):
     dbranch = dtotal
     if rate > 0:
       dbranch = dropout.apply_mask_backward(dtotal, seeds, rate)  # the mask hashed again, not saved
-    dbranch_bias = None
-    if branch_bias is not None:
-      dbranch_bias = jnp.sum(dbranch.astype(jnp.float32), axis=tuple(range(dbranch.ndim - 1)))
+    dbranch_bias = None if branch_bias is None else _bias_add_bwd(branch_bias, dbranch)[1]
   if branch_bias is not None:
     dbranch_bias = dbranch_bias.astype(branch_bias.dtype)
   return dtotal, dbranch, dbranch_bias, dscale.astype(scale.dtype), dbias.astype(bias.dtype), None
