@@ -106,8 +106,8 @@ def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative,
 
   The loss is a random projection of the output, so that every gradient is of the order of the activations: a
   loss that the final LayerNorm makes nearly flat leaves gradients of pure rounding noise, which no two
-  implementations share. The key projection's bias has a zero gradient (softmax ignores a per-query shift of
-  the scores) and is left out.
+  implementations share. The key projection's bias is not trained (softmax ignores a per-query shift of the
+  scores: `flash_attention.add_qkv_bias`) and is left out.
   """
   kwargs = dict(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
                 max_position_embeddings=128, dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)

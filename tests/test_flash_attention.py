@@ -113,3 +113,42 @@ def test_auto_picks_flash_for_training_and_cudnn_for_forward_only_passes(monkeyp
   assert pick(dtype=jnp.bfloat16, dropout_active=False, training=True, return_probs=True) == "xla"
   monkeypatch.setattr(attention, "_backend", lambda: "cpu")
   assert pick(dtype=jnp.bfloat16, dropout_active=True, training=True) == "xla"
+
+
+def test_add_qkv_bias_trains_the_query_and_value_slots_only():
+  """The fused bias's value is ops.bias_add's; its gradient is the float32 row sum of the query and value slots
+  and exactly 0 in the key slot (a per-query shift of the scores: no effect on the output)."""
+  from bert_jax.models import ops
+  heads, head_dim = 3, 8
+  qkv = jax.random.normal(jax.random.key(0), (2, 5, heads * 3 * head_dim), jnp.bfloat16)
+  bias = jax.random.normal(jax.random.key(1), (heads, 3, head_dim), jnp.float32)
+  cotangent = jax.random.normal(jax.random.key(2), qkv.shape, jnp.bfloat16)
+  out, vjp = jax.vjp(fa.add_qkv_bias, qkv, bias)
+  want, want_vjp = jax.vjp(ops.bias_add, qkv, bias.reshape(-1))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  (d_qkv, d_bias), (want_qkv, want_bias) = vjp(cotangent), want_vjp(cotangent)
+  np.testing.assert_array_equal(np.asarray(d_qkv, np.float32), np.asarray(want_qkv, np.float32))
+  want_bias = np.asarray(want_bias).reshape(heads, 3, head_dim)
+  for slot in (fa.QUERY, fa.VALUE):
+    np.testing.assert_array_equal(np.asarray(d_bias)[:, slot], want_bias[:, slot])
+  assert not np.any(np.asarray(d_bias)[:, fa.KEY]) and np.all(want_bias[:, fa.KEY] != 0)
+
+
+@pytest.mark.parametrize("impl,position", [("flash", "learned"), ("xla", "learned"), ("xla", "rotary")])
+def test_key_bias_is_trained_only_where_it_changes_the_scores(impl, position):
+  """The encoder's key-bias gradient: exactly 0 with learned positions (fused flash projections or
+  separate ones), a real gradient with rotary positions (which rotate the bias by key position)."""
+  from bert_jax.models import Encoder, ModelConfig
+  config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                       max_position_embeddings=32, attention_impl=impl, position_embedding=position,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+  model = Encoder(config)
+  ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+  target = jax.random.normal(jax.random.key(2), (2, 16, 32))
+  params = model.init(jax.random.key(0), ids)
+  grads = jax.grad(lambda p: jnp.mean(model.apply(p, ids)["hidden"] * target))(params)
+  leaves = {jax.tree_util.keystr(path): np.asarray(g) for path, g in jax.tree_util.tree_leaves_with_path(grads)}
+  key_bias = [g for name, g in leaves.items() if "['key']['bias']" in name]
+  query_bias = [g for name, g in leaves.items() if "['query']['bias']" in name]
+  assert key_bias and all(np.any(g) for g in query_bias)
+  assert all(np.any(g) for g in key_bias) == (position == "rotary")

@@ -239,11 +239,15 @@ class SelfAttention(nn.Module):
       bias = flash_attention.fuse_qkv(*(weights[n][1] for n in ("query", "key", "value")))
       width = x_ble.shape[-1]
       qkv = jnp.dot(x_ble.astype(cfg.compute_dtype).reshape(-1, width), kernel.reshape(width, -1))
-      qkv_blh3d = ops.bias_add(qkv, bias.reshape(-1)).reshape(*x_ble.shape[:2], heads, 3, head_dim)
+      qkv_blh3d = flash_attention.add_qkv_bias(qkv, bias).reshape(*x_ble.shape[:2], heads, 3, head_dim)
       qkv_blh3d = nn.with_logical_constraint(qkv_blh3d, ("batch", "length", "heads", None, "kv"))
       out_blhd, probs = self_attention(qkv_blh3d, **options)
     else:
-      q_blhd, k_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "key", "value"))
+      q_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "value"))
+      k_blhd, k_bias_hd = projections["key"](x_ble, add_bias=False)
+      if cfg.position_embedding != "rotary":  # no effect on the output: no gradient (`flash_attention.add_qkv_bias`)
+        k_bias_hd = jax.lax.stop_gradient(k_bias_hd)
+      k_blhd = ops.bias_add(k_blhd.reshape(*k_blhd.shape[:-2], -1), k_bias_hd.reshape(-1)).reshape(k_blhd.shape)
       if cfg.position_embedding == "rotary":
         q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
         k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)

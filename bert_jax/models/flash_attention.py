@@ -391,6 +391,38 @@ def fuse_qkv(query: Array, key: Array, value: Array) -> Array:
   return jnp.stack(parts, axis=-2)
 
 
+@jax.custom_vjp
+def add_qkv_bias(qkv: Array, bias_h3d: Array) -> Array:
+  """qkv [..., H * 3 * D] + the fused bias [H, 3, D] (`fuse_qkv`'s layout), in qkv's dtype, as `ops.bias_add`
+  (the add XLA fuses into the GEMM that produces qkv); the gradient of the query and value slots summed over the
+  rows in float32, the key slot's exactly 0.
+
+  A key bias adds q . b_k to every score of query q, a shift of the whole row that the softmax ignores: it has
+  no effect on the output whatever its value (padding, packing and causal masks are per-pair and leave it a
+  shift too; rotary positions, which rotate b_k by key position, do not take this path). Autodiff would sum
+  only the rounding noise of the key gradients there, a third of the reduction's reads (BERT-Base seq 128:
+  0.63 ms of the step summed all three slots, bench/NOTES.md session 19), and AdamW would turn that noise into
+  updates of the learning rate's size.
+  """
+  return qkv + bias_h3d.reshape(-1).astype(qkv.dtype)
+
+
+def _add_qkv_bias_fwd(qkv, bias_h3d):
+  return add_qkv_bias(qkv, bias_h3d), bias_h3d
+
+
+def _add_qkv_bias_bwd(bias_h3d, d_qkv):
+  heads, three, head_dim = bias_h3d.shape
+  assert three == 3 and KEY == 0, "the trained slots (value, query) are the last two"
+  rows = d_qkv.reshape(-1, heads, 3, head_dim)[:, :, KEY + 1:, :]
+  sums = jnp.sum(rows.astype(jnp.float32), axis=0)
+  d_bias = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1)
+  return d_qkv, d_bias.astype(bias_h3d.dtype)
+
+
+add_qkv_bias.defvjp(_add_qkv_bias_fwd, _add_qkv_bias_bwd)
+
+
 def split_qkv(qkv: Array) -> tuple[Array, Array, Array]:
   """(query, key, value) [..., H, D] of a fused [..., H, 3, D] array."""
   return qkv[..., QUERY, :], qkv[..., KEY, :], qkv[..., VALUE, :]

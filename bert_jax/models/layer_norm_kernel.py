@@ -13,8 +13,8 @@ column chunks of 256, or 128 where the width is not a multiple of 256: the
 Triton lowering needs power-of-two tiles), reduces each row along the features
 (the two row sums), writes dx, and adds dy * xhat and dy into column
 accumulators held per thread. The accumulators are reduced across rows once
-per program, and XLA adds the programs' partial sums (an array of
-[rows / BLOCK_ROWS, features], small). The arithmetic is that of
+per program, and XLA adds the programs' partial sums (one array of
+[rows / BLOCK_ROWS, sums x features], small). The arithmetic is that of
 `ops._layer_norm_bwd` (float32), so the results agree to rounding.
 
 Measured on an H100 (bench/NOTES.md, session 16): 0.072 / 0.052 ms per call at
@@ -142,11 +142,9 @@ def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, f
   dx * dropout multiplier (the mask hashed from `meta_ref`'s seeds and the global element index, as the forward
   kernel's), written beside dx; with `branch_sums`, that gradient's column sums (the branch bias's gradient) in a
   third set of accumulators."""
-  out_refs = list(out_refs)
-  dx_ref = out_refs.pop(0)
+  dx_ref, *out_refs = out_refs
   dbranch_ref = out_refs.pop(0) if rate > 0 else None
-  dscale_ref, dbias_ref = out_refs[:2]
-  dbranch_bias_ref = out_refs[2] if branch_sums else None
+  sums_ref, = out_refs
   chunks = [pl.ds(c * chunk, chunk) for c in range(features // chunk)]
   scales = [scale_ref[cols].astype(jnp.float32)[None, :] for cols in chunks]
   first_row = meta_ref[2] + pl.program_id(0) * block_rows
@@ -180,22 +178,22 @@ def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, f
   zeros = tuple(jnp.zeros((step_rows, chunk), jnp.float32) for _ in chunks)
   dscale, dbias, dbranch_bias = jax.lax.fori_loop(0, block_rows // step_rows, step,
                                                   (zeros, zeros, zeros if branch_sums else ()))
-  for c, cols in enumerate(chunks):
-    dscale_ref[cols] = jnp.sum(dscale[c], axis=0)
-    dbias_ref[cols] = jnp.sum(dbias[c], axis=0)
-    if branch_sums:
-      dbranch_bias_ref[cols] = jnp.sum(dbranch_bias[c], axis=0)
+  for k, accumulator in enumerate((dscale, dbias) + ((dbranch_bias,) if branch_sums else ())):
+    for c in range(len(chunks)):
+      sums_ref[pl.ds(k * features + c * chunk, chunk)] = jnp.sum(accumulator[c], axis=0)
 
 
 def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *, rate: float,
                  branch_sums: bool, interpret: bool, block_rows: int, step_rows: int, num_warps: int) -> list[Array]:
   """[R, E] x and dy, [R] statistics -> dx [R, E], (with `rate` > 0) the branch gradient [R, E], and partial
-  sums [R / block_rows, E] of dy * xhat, dy and (with `branch_sums`) the branch gradient."""
+  sums [R / block_rows, n * E] of dy * xhat, dy and (with `branch_sums`) the branch gradient, side by side in one
+  array: XLA adds the programs' partial sums of all n in one reduction (three launches of ~3-5 us each were
+  ~0.4 ms of a BERT-Large seq-128 step, bench/NOTES.md session 19)."""
   rows, features = x.shape
   blocks = rows // block_rows
   row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
   stats = pl.BlockSpec((block_rows,), lambda i: (i,))
-  partial = pl.BlockSpec((None, features), lambda i: (i, 0))
+  partial = pl.BlockSpec((None, (2 + branch_sums) * features), lambda i: (i, 0))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
@@ -203,9 +201,9 @@ def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, sca
   step_rows = step_rows if block_rows % step_rows == 0 else 1
   chunk = 2 * CHUNK if features % (2 * CHUNK) == 0 else CHUNK
   full = jax.ShapeDtypeStruct(x.shape, x.dtype)
-  sums = jax.ShapeDtypeStruct((blocks, features), jnp.float32)
-  out_shape = [full] + [full] * (rate > 0) + [sums, sums] + [sums] * branch_sums
-  out_specs = [row_block] + [row_block] * (rate > 0) + [partial, partial] + [partial] * branch_sums
+  sums = jax.ShapeDtypeStruct((blocks, (2 + branch_sums) * features), jnp.float32)
+  out_shape = [full] + [full] * (rate > 0) + [sums]
+  out_specs = [row_block] + [row_block] * (rate > 0) + [partial]
   return pl.pallas_call(
       functools.partial(_kernel, features=features, block_rows=block_rows, step_rows=step_rows, chunk=chunk,
                         rate=rate, branch_sums=branch_sums),
@@ -240,12 +238,12 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
                               block_rows=block_rows, step_rows=step_rows or default_step_rows,
                               num_warps=num_warps or default_warps))
 
-  run = _per_row_shard(run, mesh, row_axes, "rrvvpp", "r" * (full_outputs + 2 + branch_sums))
+  run = _per_row_shard(run, mesh, row_axes, "rrvvpp", "r" * (full_outputs + 1))
   seeds = jnp.zeros((2,), jnp.int32) if seeds is None else seeds
   outputs = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1), scale,
                 seeds)
-  return ([a.reshape(*lead, features) for a in outputs[:full_outputs]]
-          + [jnp.sum(a, axis=0) for a in outputs[full_outputs:]])
+  sums = jnp.sum(outputs[full_outputs], axis=0).reshape(-1, features)
+  return [a.reshape(*lead, features) for a in outputs[:full_outputs]] + list(sums)
 
 
 def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *,
