@@ -400,9 +400,9 @@ def add_qkv_bias(qkv: Array, bias_h3d: Array) -> Array:
   A key bias adds q . b_k to every score of query q, a shift of the whole row that the softmax ignores: it has
   no effect on the output whatever its value (padding, packing and causal masks are per-pair and leave it a
   shift too; rotary positions, which rotate b_k by key position, do not take this path). Autodiff would sum
-  only the rounding noise of the key gradients there, a third of the reduction's reads (BERT-Base seq 128:
-  0.63 ms of the step summed all three slots, bench/NOTES.md session 19), and AdamW would turn that noise into
-  updates of the learning rate's size.
+  only the rounding noise of the key gradients there, a third of the reduction's reads (H100, BERT-Base seq
+  128: 0.63 ms a step for the three slots, 0.49 for two; bench/NOTES.md session 19), and AdamW would turn that
+  noise into updates of the learning rate's size.
   """
   return qkv + bias_h3d.reshape(-1).astype(qkv.dtype)
 

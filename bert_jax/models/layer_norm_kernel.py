@@ -187,8 +187,8 @@ def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, sca
                  branch_sums: bool, interpret: bool, block_rows: int, step_rows: int, num_warps: int) -> list[Array]:
   """[R, E] x and dy, [R] statistics -> dx [R, E], (with `rate` > 0) the branch gradient [R, E], and partial
   sums [R / block_rows, n * E] of dy * xhat, dy and (with `branch_sums`) the branch gradient, side by side in one
-  array: XLA adds the programs' partial sums of all n in one reduction (three launches of ~3-5 us each were
-  ~0.4 ms of a BERT-Large seq-128 step, bench/NOTES.md session 19)."""
+  array: XLA adds the programs' partial sums of all n in one reduction (H100, session 19: these reductions took
+  0.37 -> 0.20 ms of a BERT-Base seq-128 step, 74 -> 24 launches, and 0.43 -> 0.19 ms at BERT-Large)."""
   rows, features = x.shape
   blocks = rows // block_rows
   row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))
