@@ -102,14 +102,18 @@ class Projection(nn.Module):
   contract: int = 1
 
   @nn.compact
-  def __call__(self, x: Array, weights_only: bool = False, add_bias: bool = True) -> Array | tuple[Array, Array]:
+  def __call__(self, x: Array, weights_only: bool = False, add_bias: bool = True,
+               train_bias: bool = True) -> Array | tuple[Array, Array]:
     """The projection of x; with `add_bias` False, (the projection without its bias, the bias [*features]) for a
     caller that adds it (`ops.add_layer_norm`); with `weights_only`, (kernel [*in, *features] in the compute
-    dtype, bias [*features]) for a caller that fuses several projections of x into one GEMM (`SelfAttention`)."""
+    dtype, bias [*features]) for a caller that fuses several projections of x into one GEMM (`SelfAttention`).
+    With `train_bias` False the bias gets no gradient (a key bias the softmax ignores: `SelfAttention`)."""
     cfg = self.config
     lead, inputs = x.shape[:x.ndim - self.contract], x.shape[x.ndim - self.contract:]
     kernel = self.param("kernel", dense_init(cfg, self.axes), inputs + tuple(self.features), cfg.weight_dtype)
     bias = self.param("bias", bias_init(self.axes[self.contract:]), tuple(self.features), cfg.weight_dtype)
+    if not train_bias:
+      bias = jax.lax.stop_gradient(bias)
     dtype = cfg.compute_dtype
     if weights_only:
       return kernel.astype(dtype), bias
@@ -244,10 +248,8 @@ class SelfAttention(nn.Module):
       out_blhd, probs = self_attention(qkv_blh3d, **options)
     else:
       q_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "value"))
-      k_blhd, k_bias_hd = projections["key"](x_ble, add_bias=False)
-      if cfg.position_embedding != "rotary":  # no effect on the output: no gradient (`flash_attention.add_qkv_bias`)
-        k_bias_hd = jax.lax.stop_gradient(k_bias_hd)
-      k_blhd = ops.bias_add(k_blhd.reshape(*k_blhd.shape[:-2], -1), k_bias_hd.reshape(-1)).reshape(k_blhd.shape)
+      # The key bias only matters where rotary positions rotate it (`flash_attention.add_qkv_bias`).
+      k_blhd = projections["key"](x_ble, train_bias=cfg.position_embedding == "rotary")
       if cfg.position_embedding == "rotary":
         q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
         k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
