@@ -25,7 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from bert_jax.parallel import sharding as sharding_lib
-from bert_jax.train import optim
+from bert_jax.train import optim, weight_copies
 
 Array = jax.Array
 
@@ -113,8 +113,12 @@ def _gather_fsdp(partitioning: Partitioning, param_shardings: Any) -> Callable[[
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
                     rng: Array, partitioning: Partitioning, state_shardings: Any,
-                    param_norms: bool = False) -> Callable:
-  """Returns the jitted `train_step(state, batch) -> (state, metrics)`.
+                    param_norms: bool = False, keep_weight_copies: bool = True) -> weight_copies.TrainStep:
+  """Returns `train_step(state, batch) -> (state, metrics)` (jitted, the state donated; `.lower` as a jitted one's).
+
+  With `keep_weight_copies` the step keeps the low-precision copies of the parameters that the model reads only
+  through a cast (`weight_copies`): the update writes them, the next step reads them; the same numbers, one
+  pass over those parameters fewer per step.
 
   The metrics always hold the loss, its terms, the gradients' global norm and the learning rate. With
   `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm` (the update
@@ -123,24 +127,25 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
   output buffers; on an H100 they cost 0.7-1.1 ms of a 47 ms BERT-Base step (bench/NOTES.md, session 8).
   """
   whole = _gather_fsdp(partitioning, state_shardings.params)
-  grad_fn = jax.value_and_grad(lambda task, params, *args: _loss_and_terms(task, whole(params), *args), argnums=1,
-                               has_aux=True)
+  grad_fn = jax.value_and_grad(
+      lambda task, params, copies, *args: _loss_and_terms(task, whole(weight_copies.substitute(params, copies)),
+                                                          *args), argnums=1, has_aux=True)
 
-  def train_step(state: TrainState, batch: dict[str, Array]):
+  def train_step(state: TrainState, copies: dict[int, Array], batch: dict[str, Array]):
     with partitioning.context():
       step_rng = jax.random.fold_in(rng, state.step)
       inputs = task.prepare(batch)
       denominators = task.denominators(inputs)
       if accum_steps == 1:
-        (loss, terms), grads = grad_fn(task, state.params, inputs, step_rng, denominators, True)
+        (loss, terms), grads = grad_fn(task, state.params, copies, inputs, step_rng, denominators, True)
       else:
         micro = _split_microbatches(inputs, accum_steps)
 
         def body(carry, xs):
           grads_sum, loss_sum, terms_sum = carry
           micro_inputs, index = xs
-          (loss, terms), grads = grad_fn(task, state.params, micro_inputs, jax.random.fold_in(step_rng, index),
-                                         denominators, True)
+          (loss, terms), grads = grad_fn(task, state.params, copies, micro_inputs,
+                                         jax.random.fold_in(step_rng, index), denominators, True)
           add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
           return (add(grads_sum, grads), loss_sum + loss, add(terms_sum, terms)), None
 
@@ -161,17 +166,43 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
       new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                              opt_state=keep(opt_state, state.opt_state))
+      # Cast where the update writes the parameters: the same fusion writes the copies the next step reads.
+      new_copies = weight_copies.cast(new_state.params, {index: copy.dtype for index, copy in copies.items()})
       metrics = summarize(task, terms, denominators)
       metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
                      nonfinite=1 - finite.astype(jnp.int32))
       if param_norms:
         metrics.update(param_norm=optim.global_norm(state.params), update_norm=optim.global_norm(updates))
-      return new_state, metrics
+      return new_state, new_copies, metrics
 
   replicated = sharding_lib.replicated(partitioning.mesh)
   batch_sharding = sharding_lib.batch_sharding(partitioning.mesh)
-  return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, replicated), donate_argnums=0, compiler_options=compiler_options())
+
+  def build(state: TrainState, batch: dict[str, Array]) -> weight_copies.StepParts:
+    dtypes = {}
+    # Data parallelism only: with parameters sharded (FSDP) or computations split over them (tensor
+    # parallelism), a gradient would be reduced across devices in the copy's dtype (the transpose of moving
+    # the copy), where the cast's transpose reduces it in float32: not the same numbers.
+    model_parallel = any(size > 1 for axis, size in partitioning.mesh.shape.items() if axis != "data")
+    if keep_weight_copies and not model_parallel:
+      with partitioning.context():
+        dtypes = weight_copies.cast_only_leaves(
+            lambda params, batch: task.forward(params, task.prepare(batch), rng, True), state.params, batch)
+    param_shardings = jax.tree.leaves(state_shardings.params)
+    copy_shardings = {index: param_shardings[index] for index in dtypes}
+    step = jax.jit(train_step, in_shardings=(state_shardings, copy_shardings, batch_sharding),
+                   out_shardings=(state_shardings, copy_shardings, replicated), donate_argnums=(0, 1),
+                   compiler_options=compiler_options())
+    recast = jax.jit(lambda params: weight_copies.cast(params, dtypes), out_shardings=copy_shardings)
+
+    def abstract_copies(params):
+      leaves = jax.tree.leaves(params)
+      return {index: jax.ShapeDtypeStruct(leaves[index].shape, dtype, sharding=copy_shardings[index])
+              for index, dtype in dtypes.items()}
+
+    return weight_copies.StepParts(step, recast, abstract_copies)
+
+  return weight_copies.TrainStep(build)
 
 
 # XLA options of the train, eval and predict steps on GPU (bench/NOTES.md has the measurements):
