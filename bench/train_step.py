@@ -25,8 +25,10 @@ import collections
 import gzip
 import json
 import pathlib
+import queue
 import re
 import sys
+import threading
 import time
 from typing import Any
 
@@ -163,6 +165,36 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   return lines
 
 
+class CompletionTimes:
+  """When each step of a loop finished on the device, seen from a thread that waits on each step's output in turn
+  while the loop goes on dispatching.
+
+  The timed loop (start, N steps, wait for the last) also counts the time before the device gets busy: the
+  first step's dispatch, from an idle device (as the reference's loop does). The time between the first and the
+  last step's completion is the rate of a long run, where the host is a step ahead.
+  """
+
+  def __init__(self):
+    self.times: list[float] = []
+    self._queue: queue.Queue = queue.Queue()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while (outputs := self._queue.get()) is not None:
+      jax.block_until_ready(outputs)
+      self.times.append(time.perf_counter())
+
+  def watch(self, outputs: Any) -> None:
+    self._queue.put(outputs)
+
+  def seconds_per_step(self) -> float | None:
+    """Mean time between consecutive completions (None for fewer than 2 steps)."""
+    self._queue.put(None)
+    self._thread.join()
+    return (self.times[-1] - self.times[0]) / (len(self.times) - 1) if len(self.times) > 1 else None
+
+
 def _real_tokens(batch: dict[str, Any]) -> int:
   return int(np.sum(np.asarray(batch["pack_ids"]) > 0))
 
@@ -238,13 +270,16 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
     state, metrics = compiled(state, next_batch(index)[0])
   jax.block_until_ready(metrics)
   tokens = 0
+  finished = CompletionTimes()
   start = time.perf_counter()
   for index in range(steps):
     batch, real = next_batch(index)
     state, metrics = compiled(state, batch)
+    finished.watch(metrics)
     tokens += real
   loss = float(metrics["loss"])  # Waits for the last step.
   seconds = (time.perf_counter() - start) / steps
+  steady = finished.seconds_per_step()
   profile = None
   if profile_dir is not None:
     traced = 10
@@ -259,7 +294,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
       handle.write(hlo_text)
     profile = profile_summary(profile_dir, hlo_text, steps=traced)
     profile.insert(1, f"host wall time of the traced steps {traced_s * 1e3:.2f} ms/step (timed loop: "
-                      f"{seconds * 1e3:.2f})")
+                      f"{seconds * 1e3:.2f}, steady: {steady * 1e3 if steady else float('nan'):.2f})")
   if iterator is not None:
     iterator.close()
 
@@ -276,7 +311,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
                                                dropout_active=model_cfg.attention_dropout > 0, return_probs=False,
                                                length=seq_len, training=True),
       "data": "synthetic" if data_dir is None else data_dir,
-      "packing": bool(data.packing), "step_s": seconds, "seq_per_s": rows / seconds,
+      "packing": bool(data.packing), "step_s": seconds, "steady_step_s": steady, "seq_per_s": rows / seconds,
       "tokens_per_s": tokens_per_s, "real_token_fraction": tokens / (steps * rows * seq_len),
       "tflops": achieved / 1e12, "mfu": achieved / (peak_tflops * 1e12 * devices), "peak_bytes": peak_memory_bytes(),
       "compile_s": compile_s, "lower_s": lower_s, "loss": loss, "flops_per_token": flops_per_token,
@@ -286,12 +321,14 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
 
 def format_table(results: list[dict[str, Any]]) -> str:
   """One row per measurement."""
-  header = ("model", "seq", "batch", "data", "step ms", "seq/s", "tokens/s", "TFLOP/s", "MFU", "peak GiB")
+  header = ("model", "seq", "batch", "data", "step ms", "steady ms", "seq/s", "tokens/s", "TFLOP/s", "MFU",
+            "peak GiB")
   lines = []
   for r in results:
     peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
     data = "synthetic" if r["data"] == "synthetic" else ("packed" if r["packing"] else "real")
     lines.append((f"{r['family']}-{r['size']}", str(r["seq"]), str(r["batch"]), data, f"{r['step_s'] * 1e3:.1f}",
+                  "-" if r.get("steady_step_s") is None else f"{r['steady_step_s'] * 1e3:.1f}",
                   f"{r['seq_per_s']:,.0f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.0f}",
                   f"{100 * r['mfu']:.1f}%", peak))
   widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
