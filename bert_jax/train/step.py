@@ -200,7 +200,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       return {index: jax.ShapeDtypeStruct(leaves[index].shape, dtype, sharding=copy_shardings[index])
               for index, dtype in dtypes.items()}
 
-    return weight_copies.StepParts(step, recast, abstract_copies)
+    return weight_copies.StepParts(step, recast, abstract_copies, dtypes)
 
   return weight_copies.TrainStep(build)
 

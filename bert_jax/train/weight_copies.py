@@ -11,10 +11,11 @@ holds exactly the cast the model would have made, and the gradient reaches the
 float32 parameter as through the cast (`read_through`). Under FSDP the
 parameters are gathered in bfloat16, half the bytes.
 
-Which parameters: those whose every use in the forward pass is a cast to one
-narrower dtype, found in the traced forward pass (`cast_only_leaves`), not by
-name: a `Projection` kernel qualifies; the word-embedding table, gathered in
-float32, does not; a fine-tuning head computing in float32 has no cast at all.
+Which parameters: those the forward pass reads exactly once, through a cast
+to a narrower dtype, found in the traced forward pass (`cast_only_leaves`),
+not by name: a `Projection` kernel qualifies; the word-embedding table
+(gathered in float32, and read again by the tied output projection) does not;
+nor does a fine-tuning head computing in float32, which has no cast at all.
 
 The copies live inside `TrainStep`, not in the train state: checkpoints,
 warm starts and fine-tuning's initial weights see the same state as before.
@@ -54,41 +55,49 @@ def _read_through_jvp(primals, tangents):
   return copy, tangents[0].astype(copy.dtype)
 
 
-def _cast_targets(jaxpr: jax_core.Jaxpr, var: Any) -> set[Any] | None:
-  """The dtypes `var` is cast to if every use of it in `jaxpr` is a cast; None if any use is not."""
+def _cast_uses(jaxpr: jax_core.Jaxpr, var: Any) -> list[Any] | None:
+  """The dtype of each cast of `var` in `jaxpr` if every use of it is a cast; None if any use is not."""
   if any(out is var for out in jaxpr.outvars):
     return None
-  targets: set[Any] = set()
+  uses: list[Any] = []
   for eqn in jaxpr.eqns:
     for position, operand in enumerate(eqn.invars):
       if operand is not var:
         continue
       if eqn.primitive.name == "convert_element_type":
-        targets.add(jnp.dtype(eqn.params["new_dtype"]))
+        uses.append(jnp.dtype(eqn.params["new_dtype"]))
         continue
       sub = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
       sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
       if not isinstance(sub, jax_core.Jaxpr) or len(sub.invars) != len(eqn.invars):
         return None
-      inner = _cast_targets(sub, sub.invars[position])
+      if eqn.primitive.name == "scan" and position < eqn.params["num_consts"] + eqn.params["num_carry"]:
+        return None  # read in every iteration: its gradient would be summed over them in the copy's dtype
+      inner = _cast_uses(sub, sub.invars[position])
       if inner is None:
         return None
-      targets |= inner
-  return targets
+      uses += inner
+  return uses
 
 
 def cast_only_leaves(forward: Callable[..., Any], params: Any, *args: Any) -> dict[int, Any]:
-  """{leaf index of `params`: dtype} for the floating-point leaves that `forward(params, *args)` reads only
-  through casts to one narrower dtype (traced, not run)."""
+  """{leaf index of `params`: dtype} for the floating-point leaves that `forward(params, *args)` reads exactly
+  once, through a cast to a narrower dtype (traced, not run).
+
+  Once: a copy read in several places would have its gradients summed in its own dtype (the cotangents of
+  one value), where each cast's gradient is converted back on its own and the sum taken in float32. So a
+  parameter that ALBERT's shared block reads in every layer, or the word-embedding table that both the
+  embedding lookup and the tied output projection read, keeps its casts.
+  """
   leaves, treedef = jax.tree.flatten(params)
   closed = jax.make_jaxpr(lambda leaves, *rest: forward(treedef.unflatten(leaves), *rest))(leaves, *args)
   found = {}
   for index, (leaf, var) in enumerate(zip(leaves, closed.jaxpr.invars)):
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
       continue
-    targets = _cast_targets(closed.jaxpr, var)
-    if targets and len(targets) == 1:
-      (dtype,) = targets
+    uses = _cast_uses(closed.jaxpr, var)
+    if uses and len(uses) == 1:
+      (dtype,) = uses
       if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < jnp.dtype(leaf.dtype).itemsize:
         found[index] = dtype
   return found
@@ -118,11 +127,13 @@ class StepParts:
     step: `(state, copies, batch) -> (state, copies, metrics)`, jitted with the state and copies donated.
     recast: params -> their copies (`cast`, jitted into the copies' shardings).
     abstract_copies: params -> the copies' `jax.ShapeDtypeStruct`s, for lowering.
+    dtypes: {leaf index of the parameters: its copy's dtype} (`cast_only_leaves`); empty: no copies.
   """
 
   step: Callable[..., Any]
   recast: Callable[[Any], dict[int, Array]]
   abstract_copies: Callable[[Any], dict[int, Any]]
+  dtypes: dict[int, Any]
 
 
 class TrainStep:

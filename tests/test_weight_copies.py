@@ -1,0 +1,120 @@
+"""The bf16 weight copies kept between train steps (`train/weight_copies.py`): which parameters get one, their
+gradient, and steps with copies equal to steps without (model families, accumulation, replaced parameters,
+the AOT-compiled step, meshes)."""
+
+import sys
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import model_config
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import objectives, optim, weight_copies
+from bert_jax.train.step import Partitioning, make_state_init, make_train_step
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_train_step import make_config, synthetic_batch, tiny_model  # noqa: E402
+
+BF16 = jnp.bfloat16
+
+
+def test_cast_only_leaves_are_the_parameters_read_once_through_a_narrowing_cast():
+  @jax.custom_vjp
+  def custom(w):
+    return w.astype(BF16)
+
+  custom.defvjp(lambda w: (custom(w), None), lambda _, g: (g.astype(jnp.float32),))
+
+  def forward(params, x):
+    out = [jnp.dot(x.astype(BF16), params["dot"].astype(BF16)),
+           jax.checkpoint(lambda w: w.astype(BF16))(params["remat"]),
+           jax.jit(lambda w: w.astype(BF16))(params["jit"]),
+           jax.lax.scan(lambda c, w: (c, w.astype(BF16)), 0.0, params["scan"])[1],
+           params["also_f32"].astype(BF16) + params["also_f32"].sum().astype(BF16),
+           params["two_dtypes"].astype(jnp.float16).astype(BF16) + params["two_dtypes"].astype(BF16),
+           params["plain"].astype(BF16) * 0 + params["plain"],
+           params["twice"].astype(BF16) + params["twice"].astype(BF16),
+           jax.lax.scan(lambda c, _: (c, params["scan_const"].astype(BF16)), 0.0, None, length=2)[1],
+           custom(params["custom"]),
+           params["ints"].astype(BF16)]
+    return sum(o.astype(jnp.float32).sum() for o in out), params["returned"]
+
+  shape = (4, 4)
+  params = {name: jnp.ones(shape) for name in ("dot", "remat", "jit", "scan", "also_f32", "two_dtypes", "plain",
+                                               "custom", "returned", "twice", "scan_const")}
+  params["ints"] = jnp.ones(shape, jnp.int32)
+  names = sorted(params)  # a dict's leaves, in order
+  found = weight_copies.cast_only_leaves(forward, params, jnp.ones(shape))
+  assert {names[i]: dtype for i, dtype in found.items()} == {name: jnp.dtype(BF16)
+                                                              for name in ("dot", "remat", "jit", "scan")}
+
+
+def test_read_through_is_the_cast_forward_and_backward():
+  p = jax.random.normal(jax.random.key(0), (64, 32))
+  x = jax.random.normal(jax.random.key(1), (8, 64)).astype(BF16)
+  loss = lambda w: jnp.sum(jnp.tanh(jnp.dot(x, w).astype(jnp.float32)))  # noqa: E731
+  value, grad = jax.value_and_grad(lambda p: loss(p.astype(BF16)))(p)
+  value_c, grad_c = jax.value_and_grad(lambda p: loss(weight_copies.read_through(p, p.astype(BF16))))(p)
+  assert grad.dtype == grad_c.dtype == jnp.float32
+  np.testing.assert_array_equal(value_c, value)
+  np.testing.assert_array_equal(grad_c, grad)
+
+
+def _model(family):
+  if family == "albert":  # one shared block read in both layers
+    return model_config("albert", "base", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4,
+                        intermediate_size=64, embedding_size=16, max_position_embeddings=64, dtype="bfloat16",
+                        hidden_dropout=0.1, attention_dropout=0.1)
+  return tiny_model(dtype="bfloat16", hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def _states_and_steps(family, objective_name, accum_steps, mesh_sizes, keeps=(True, False)):
+  config = make_config(objective_name, accum_steps=accum_steps)
+  objective = objectives.make_objective(config, _model(family), mask_id=4)
+  tx, schedule = optim.make_optimizer(config.optim, total_steps=100)
+  devices = int(np.prod(list(mesh_sizes.values())))
+  mesh = sharding_lib.create_mesh(mesh_sizes, devices=jax.devices()[:devices])
+  partitioning = Partitioning(mesh, sharding_lib.DEFAULT_RULES)
+  dummy = {k: jnp.asarray(v) for k, v in synthetic_batch().items()}
+  init, shardings = make_state_init(lambda key: objective.init_variables(key, dummy), tx, partitioning,
+                                    jax.random.key(0))
+  return [(init(jax.random.key(0)), make_train_step(
+      objective, tx, schedule, accum_steps=accum_steps, rng=jax.random.key(1), partitioning=partitioning,
+      state_shardings=shardings, keep_weight_copies=keep)) for keep in keeps], mesh
+
+
+@pytest.mark.parametrize("family,objective_name,accum_steps,aot", [
+    ("bert", "mlm+nsp", 1, True), ("albert", "mlm+sop", 2, False), ("bert", "rtd", 1, False)])
+def test_steps_with_copies_equal_steps_without(family, objective_name, accum_steps, aot):
+  """Bit for bit over three steps: the first casts the copies from the state, the second from parameters
+  replaced since (a warm start: the copies the first returned are stale), the third uses the copies the second
+  returned."""
+  (with_copies, without), mesh = _states_and_steps(family, objective_name, accum_steps, {"data": 2})
+  batches = [sharding_lib.global_batch(synthetic_batch(seed=i), mesh) for i in range(3)]
+  results = []
+  for state, step in (with_copies, without):
+    if aot:
+      step = step.lower(state, batches[0]).compile()
+    losses = []
+    for i, batch in enumerate(batches):
+      if i == 1:
+        state = state.replace(params=jax.tree.map(lambda p: p * 0.5, state.params))
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+    results.append((state, losses, len(step.parts(state, batches[0]).dtypes)))
+  (state_a, losses_a, copies), (state_b, losses_b, no_copies) = results
+  assert copies > 0 and no_copies == 0
+  assert losses_a == losses_b
+  for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_copies_only_under_data_parallelism():
+  """Under FSDP or tensor parallelism a copy's gradient would be reduced across devices in bfloat16: none."""
+  for mesh_sizes, expect in (({"data": 2, "fsdp": 2}, False), ({"tensor": 2}, False), ({"data": 4}, True)):
+    (with_copies,), mesh = _states_and_steps("bert", "mlm", 1, mesh_sizes, keeps=(True,))
+    state, step = with_copies
+    assert bool(step.parts(state, sharding_lib.global_batch(synthetic_batch(), mesh)).dtypes) == expect
