@@ -2,8 +2,9 @@
 gradient, and steps with copies equal to steps without (model families, accumulation, replaced parameters,
 the AOT-compiled step, meshes)."""
 
-import sys
 import pathlib
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +87,14 @@ def _states_and_steps(family, objective_name, accum_steps, mesh_sizes, keeps=(Tr
       state_shardings=shardings, keep_weight_copies=keep)) for keep in keeps], mesh
 
 
-@pytest.mark.parametrize("family,objective_name,accum_steps,aot", [
-    ("bert", "mlm+nsp", 1, True), ("albert", "mlm+sop", 2, False), ("bert", "rtd", 1, False)])
-def test_steps_with_copies_equal_steps_without(family, objective_name, accum_steps, aot):
+@pytest.mark.parametrize("family,objective_name,accum_steps,aot,mesh_sizes", [
+    ("bert", "mlm+nsp", 1, True, {"data": 2}), ("albert", "mlm+sop", 2, False, {"data": 2, "fsdp": 2}),
+    ("bert", "rtd", 1, False, {"fsdp": 2})])
+def test_steps_with_copies_equal_steps_without(family, objective_name, accum_steps, aot, mesh_sizes):
   """Bit for bit over three steps: the first casts the copies from the state, the second from parameters
   replaced since (a warm start: the copies the first returned are stale), the third uses the copies the second
-  returned."""
-  (with_copies, without), mesh = _states_and_steps(family, objective_name, accum_steps, {"data": 2})
+  returned. Under FSDP the copies are gathered and the gradients reduced in float32, as without them."""
+  (with_copies, without), mesh = _states_and_steps(family, objective_name, accum_steps, mesh_sizes)
   batches = [sharding_lib.global_batch(synthetic_batch(seed=i), mesh) for i in range(3)]
   results = []
   for state, step in (with_copies, without):
@@ -112,9 +114,21 @@ def test_steps_with_copies_equal_steps_without(family, objective_name, accum_ste
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_copies_only_under_data_parallelism():
-  """Under FSDP or tensor parallelism a copy's gradient would be reduced across devices in bfloat16: none."""
-  for mesh_sizes, expect in (({"data": 2, "fsdp": 2}, False), ({"tensor": 2}, False), ({"data": 4}, True)):
+def test_no_copies_under_tensor_parallelism():
+  """XLA's partitioner moves weights under tensor parallelism; a copy's gradient would be reduced in bfloat16."""
+  for mesh_sizes, expect in (({"data": 2, "tensor": 2}, False), ({"data": 2, "fsdp": 2}, True)):
     (with_copies,), mesh = _states_and_steps("bert", "mlm", 1, mesh_sizes, keeps=(True,))
     state, step = with_copies
     assert bool(step.parts(state, sharding_lib.global_batch(synthetic_batch(), mesh)).dtypes) == expect
+
+
+def test_fsdp_gathers_the_copies():
+  """Under FSDP the model reads each copy gathered (bf16 sharding constraints in the lowered step)."""
+  (with_copies, without), mesh = _states_and_steps("bert", "mlm", 1, {"fsdp": 4})
+  batch = sharding_lib.global_batch(synthetic_batch(), mesh)
+  dtypes = [re.findall(r"sdy.sharding_constraint [^:]*: tensor<[0-9x]*x(\w+)>", step.lower(state, batch).as_text())
+            for state, step in (with_copies, without)]
+  state, step = with_copies
+  copies = len(step.parts(state, batch).dtypes)
+  assert copies > 0 and dtypes[1].count("bf16") == 0
+  assert dtypes[0].count("bf16") == copies

@@ -126,9 +126,10 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
   every parameter's update kernel, making each a reduction kernel, and then copies the updated state into the
   output buffers; on an H100 they cost 0.7-1.1 ms of a 47 ms BERT-Base step (bench/NOTES.md, session 8).
   """
-  whole = _gather_fsdp(partitioning, state_shardings.params)
+  fsdp = partitioning.mesh.shape.get("fsdp", 1) > 1
+  gather_to = sharding_lib.gathered(state_shardings.params) if fsdp else None  # see _gather_fsdp
   grad_fn = jax.value_and_grad(
-      lambda task, params, copies, *args: _loss_and_terms(task, whole(weight_copies.substitute(params, copies)),
+      lambda task, params, copies, *args: _loss_and_terms(task, weight_copies.substitute(params, copies, gather_to),
                                                           *args), argnums=1, has_aux=True)
 
   def train_step(state: TrainState, copies: dict[int, Array], batch: dict[str, Array]):
@@ -180,11 +181,9 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
 
   def build(state: TrainState, batch: dict[str, Array]) -> weight_copies.StepParts:
     dtypes = {}
-    # Data parallelism only: with parameters sharded (FSDP) or computations split over them (tensor
-    # parallelism), a gradient would be reduced across devices in the copy's dtype (the transpose of moving
-    # the copy), where the cast's transpose reduces it in float32: not the same numbers.
-    model_parallel = any(size > 1 for axis, size in partitioning.mesh.shape.items() if axis != "data")
-    if keep_weight_copies and not model_parallel:
+    # Not under tensor parallelism: XLA's partitioner moves weights there on its own, and moving a copy would
+    # reduce its gradient across devices in bf16 (the transpose), where the cast's gradient is reduced in float32.
+    if keep_weight_copies and partitioning.mesh.shape.get("tensor", 1) == 1:
       with partitioning.context():
         dtypes = weight_copies.cast_only_leaves(
             lambda params, batch: task.forward(params, task.prepare(batch), rng, True), state.params, batch)

@@ -9,9 +9,12 @@ copies (one more output of the same fusion, 2 bytes per parameter), and the
 next step's forward pass reads the copies (measured: -0.16 ms at BERT-Base
 seq 128, -0.36 ms at BERT-Large, session 20). The numbers do not change: a copy
 holds exactly the cast the model would have made, and the gradient reaches the
-float32 parameter as through the cast (`read_through`). `make_train_step`
-keeps copies only under pure data parallelism: under FSDP or tensor
-parallelism a copy's gradient would be reduced across devices in bfloat16.
+float32 parameter as through the cast (`read_through`). Under FSDP the copies
+are what gets gathered, half the bytes, and the gradient is converted to
+float32 before it is reduced into the shards, as the cast's would be
+(`GatherCopyOnUse`). Under tensor parallelism `make_train_step` keeps no
+copies: XLA's partitioner moves weights there on its own, and the transpose
+of moving a copy would reduce its gradient in bfloat16.
 
 Which parameters: those the forward pass reads exactly once, through a cast
 to a narrower dtype, found in the traced forward pass (`cast_only_leaves`),
@@ -31,9 +34,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import flax
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
+
+from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
@@ -105,13 +111,34 @@ def cast_only_leaves(forward: Callable[..., Any], params: Any, *args: Any) -> di
   return found
 
 
-def substitute(params: Any, copies: dict[int, Array]) -> Any:
-  """`params` with each leaf that has a copy read through it (`read_through`)."""
-  if not copies:
-    return params
+@flax.struct.dataclass
+class GatherCopyOnUse(sharding_lib.GatherOnUse):
+  """`sharding_lib.GatherOnUse` for a parameter with a copy: the module reading it gets the copy gathered, read
+  through the parameter gathered (`read_through`). The forward pass moves only the copy (half the bytes of a
+  float32 parameter); the backward pass converts the gradient to float32 before reducing it into the shards,
+  as the cast's gradient would be."""
+
+  copy: Any = None
+
+  def unbox(self) -> Any:
+    gather = lambda x: jax.lax.with_sharding_constraint(x, self.sharding)  # noqa: E731
+    return read_through(gather(self.value), gather(self.copy))
+
+
+def substitute(params: Any, copies: dict[int, Array], gather_to: Any = None) -> Any:
+  """What the model reads: `params` with each leaf that has a copy read through it (`read_through`).
+
+  With `gather_to` (shardings of `params`' structure: FSDP's whole parameters) every leaf is boxed to be
+  gathered where a module reads it (`sharding_lib.GatherOnUse`), those with a copy as `GatherCopyOnUse`.
+  """
   leaves, treedef = jax.tree.flatten(params)
-  for index, copy in copies.items():
-    leaves[index] = read_through(leaves[index], copy)
+  if gather_to is None:
+    for index, copy in copies.items():
+      leaves[index] = read_through(leaves[index], copy)
+  else:
+    shardings = treedef.flatten_up_to(gather_to)
+    leaves = [GatherCopyOnUse(leaf, sharding, copies[index]) if index in copies else
+              sharding_lib.GatherOnUse(leaf, sharding) for index, (leaf, sharding) in enumerate(zip(leaves, shardings))]
   return treedef.unflatten(leaves)
 
 
