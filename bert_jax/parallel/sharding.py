@@ -154,11 +154,6 @@ class GatherOnUse(flax.core.meta.AxisMetadata):
     raise NotImplementedError("GatherOnUse parameters cannot go through nn.scan / nn.vmap")
 
 
-def gather_on_use(params: Any, shardings: Any) -> Any:
-  """Boxes every parameter as `GatherOnUse` with its sharding from `shardings` (a tree of the same structure)."""
-  return jax.tree.map(lambda value, sharding: GatherOnUse(value, sharding), params, shardings)
-
-
 def current_mesh() -> Any:
   """The mesh of the enclosing `with mesh:` / `jax.set_mesh` scope, or None."""
   from jax._src import mesh as mesh_lib  # The legacy `with mesh:` scope has no public getter.

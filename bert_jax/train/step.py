@@ -94,8 +94,9 @@ def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
   return loss, terms
 
 
-def _gather_fsdp(partitioning: Partitioning, param_shardings: Any) -> Callable[[Any], Any]:
-  """params -> params that the model reads gathered whole along the fsdp mesh axis (identity without one).
+def _model_params(partitioning: Partitioning, param_shardings: Any) -> Callable[..., Any]:
+  """`(params, copies={}) -> params as the model reads them`: gathered whole along the fsdp mesh axis where a
+  module reads them, and through their copies where they have one (`weight_copies.substitute`).
 
   Every step that runs the model calls it on the parameters first. Left to
   itself, XLA keeps FSDP weights sharded and moves the activations instead
@@ -105,10 +106,8 @@ def _gather_fsdp(partitioning: Partitioning, param_shardings: Any) -> Callable[[
   is recomputed in the backward pass, so only that block's weights are whole
   at a time. In the train step the gradients are reduced back into the shards.
   """
-  if partitioning.mesh.shape.get("fsdp", 1) == 1:
-    return lambda params: params
-  whole = sharding_lib.gathered(param_shardings)
-  return lambda params: sharding_lib.gather_on_use(params, whole)
+  gather_to = sharding_lib.gathered(param_shardings) if partitioning.mesh.shape.get("fsdp", 1) > 1 else None
+  return lambda params, copies=None: weight_copies.substitute(params, copies or {}, gather_to)
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
@@ -126,11 +125,9 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
   every parameter's update kernel, making each a reduction kernel, and then copies the updated state into the
   output buffers; on an H100 they cost 0.7-1.1 ms of a 47 ms BERT-Base step (bench/NOTES.md, session 8).
   """
-  fsdp = partitioning.mesh.shape.get("fsdp", 1) > 1
-  gather_to = sharding_lib.gathered(state_shardings.params) if fsdp else None  # see _gather_fsdp
-  grad_fn = jax.value_and_grad(
-      lambda task, params, copies, *args: _loss_and_terms(task, weight_copies.substitute(params, copies, gather_to),
-                                                          *args), argnums=1, has_aux=True)
+  read = _model_params(partitioning, state_shardings.params)
+  grad_fn = jax.value_and_grad(lambda task, params, copies, *args: _loss_and_terms(task, read(params, copies), *args),
+                               argnums=1, has_aux=True)
 
   def train_step(state: TrainState, copies: dict[int, Array], batch: dict[str, Array]):
     with partitioning.context():
@@ -238,13 +235,13 @@ def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array
 
 def make_eval_step(task: Task, partitioning: Partitioning, state_shardings: Any) -> Callable:
   """Returns the jitted `eval_step(params, batch) -> sums` (loss/correct sums and counts per term)."""
-  whole = _gather_fsdp(partitioning, state_shardings.params)
+  read = _model_params(partitioning, state_shardings.params)
 
   def eval_step(params, batch):
     with partitioning.context():
       inputs = task.prepare(batch)
       denominators = task.denominators(inputs)
-      terms = task.forward(whole(params), inputs, None, False)
+      terms = task.forward(read(params), inputs, None, False)
       sums = dict(terms)
       for name in task.weights:
         sums[f"{name}_count"] = denominators[name]
@@ -262,11 +259,11 @@ def make_predict_step(task: Any, partitioning: Partitioning, param_shardings: An
   the head's raw outputs in evaluation mode (no dropout); fine-tuning reads
   logits through it for the official metrics.
   """
-  whole = _gather_fsdp(partitioning, param_shardings)
+  read = _model_params(partitioning, param_shardings)
 
   def predict_step(params, batch):
     with partitioning.context():
-      return task.predict(whole(params), task.prepare(batch))
+      return task.predict(read(params), task.prepare(batch))
 
   replicated = sharding_lib.replicated(partitioning.mesh)
   return jax.jit(predict_step, in_shardings=(param_shardings, sharding_lib.batch_sharding(partitioning.mesh)),

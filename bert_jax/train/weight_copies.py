@@ -133,6 +133,8 @@ def substitute(params: Any, copies: dict[int, Array], gather_to: Any = None) -> 
   """
   leaves, treedef = jax.tree.flatten(params)
   if gather_to is None:
+    if not copies:
+      return params
     for index, copy in copies.items():
       leaves[index] = read_through(leaves[index], copy)
   else:
