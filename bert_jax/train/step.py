@@ -115,9 +115,9 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
                     param_norms: bool = False, keep_weight_copies: bool = True) -> weight_copies.TrainStep:
   """Returns `train_step(state, batch) -> (state, metrics)` (jitted, the state donated; `.lower` as a jitted one's).
 
-  With `keep_weight_copies` the step keeps the low-precision copies of the parameters that the model reads only
-  through a cast (`weight_copies`): the update writes them, the next step reads them; the same numbers, one
-  pass over those parameters fewer per step.
+  With `keep_weight_copies` the step keeps the low-precision copies of the parameters that the model reads once,
+  through a cast (`weight_copies`; not under tensor parallelism): the update writes them, the next step reads
+  them; the same numbers, one pass over those parameters fewer per step.
 
   The metrics always hold the loss, its terms, the gradients' global norm and the learning rate. With
   `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm` (the update
