@@ -190,13 +190,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
                    out_shardings=(state_shardings, copy_shardings, replicated), donate_argnums=(0, 1),
                    compiler_options=compiler_options())
     recast = jax.jit(lambda params: weight_copies.cast(params, dtypes), out_shardings=copy_shardings)
-
-    def abstract_copies(params):
-      leaves = jax.tree.leaves(params)
-      return {index: jax.ShapeDtypeStruct(leaves[index].shape, dtype, sharding=copy_shardings[index])
-              for index, dtype in dtypes.items()}
-
-    return weight_copies.StepParts(step, recast, abstract_copies, dtypes)
+    return weight_copies.StepParts(step, recast, dtypes)
 
   return weight_copies.TrainStep(build)
 

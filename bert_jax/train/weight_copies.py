@@ -156,14 +156,13 @@ class StepParts:
 
   Attributes:
     step: `(state, copies, batch) -> (state, copies, metrics)`, jitted with the state and copies donated.
-    recast: params -> their copies (`cast`, jitted into the copies' shardings).
-    abstract_copies: params -> the copies' `jax.ShapeDtypeStruct`s, for lowering.
+    recast: params -> their copies (`cast`, jitted into the copies' shardings; `recast.eval_shape` gives the
+      copies' `jax.ShapeDtypeStruct`s for lowering).
     dtypes: {leaf index of the parameters: its copy's dtype} (`cast_only_leaves`); empty: no copies.
   """
 
   step: Callable[..., Any]
-  recast: Callable[[Any], dict[int, Array]]
-  abstract_copies: Callable[[Any], dict[int, Any]]
+  recast: Any  # a jitted params -> copies
   dtypes: dict[int, Any]
 
 
@@ -201,7 +200,7 @@ class TrainStep:
 
   def lower(self, state: Any, batch: Any) -> "LoweredTrainStep":
     parts = self.parts(state, batch)
-    return LoweredTrainStep(parts.step.lower(state, parts.abstract_copies(state.params), batch), parts)
+    return LoweredTrainStep(parts.step.lower(state, parts.recast.eval_shape(state.params), batch), parts)
 
 
 class LoweredTrainStep:
