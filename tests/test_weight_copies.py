@@ -11,13 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import model_config
 from bert_jax.parallel import sharding as sharding_lib
-from bert_jax.train import objectives, optim, weight_copies
-from bert_jax.train.step import Partitioning, make_state_init, make_train_step
+from bert_jax.train import optim, weight_copies
+from bert_jax.train.step import make_train_step
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_train_step import make_config, synthetic_batch, tiny_model  # noqa: E402
+from test_train_step import build, make_config, synthetic_batch  # noqa: E402
 
 BF16 = jnp.bfloat16
 
@@ -64,37 +63,27 @@ def test_read_through_is_the_cast_forward_and_backward():
   np.testing.assert_array_equal(grad_c, grad)
 
 
-def _model(family):
-  if family == "albert":  # one shared block read in both layers
-    return model_config("albert", "base", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4,
-                        intermediate_size=64, embedding_size=16, max_position_embeddings=64, dtype="bfloat16",
-                        hidden_dropout=0.1, attention_dropout=0.1)
-  return tiny_model(dtype="bfloat16", hidden_dropout=0.1, attention_dropout=0.1)
+ALBERT = dict(num_shared_groups=1, embedding_size=16)  # one shared block read in both layers
 
 
-def _states_and_steps(family, objective_name, accum_steps, mesh_sizes, keeps=(True, False)):
-  config = make_config(objective_name, accum_steps=accum_steps)
-  objective = objectives.make_objective(config, _model(family), mask_id=4)
-  tx, schedule = optim.make_optimizer(config.optim, total_steps=100)
-  devices = int(np.prod(list(mesh_sizes.values())))
-  mesh = sharding_lib.create_mesh(mesh_sizes, devices=jax.devices()[:devices])
-  partitioning = Partitioning(mesh, sharding_lib.DEFAULT_RULES)
-  dummy = {k: jnp.asarray(v) for k, v in synthetic_batch().items()}
-  init, shardings = make_state_init(lambda key: objective.init_variables(key, dummy), tx, partitioning,
-                                    jax.random.key(0))
-  return [(init(jax.random.key(0)), make_train_step(
-      objective, tx, schedule, accum_steps=accum_steps, rng=jax.random.key(1), partitioning=partitioning,
-      state_shardings=shardings, keep_weight_copies=keep)) for keep in keeps], mesh
+def _with_and_without(objective_name, accum_steps, mesh_sizes, model=None):
+  """(state, step with copies), (an equal state, step without), mesh: tiny bf16 models with dropout."""
+  state, step, mesh, objective, partitioning, shardings = build(
+      objective_name, mesh_sizes, accum_steps, dropout=0.1, model_overrides=dict(dtype="bfloat16", **(model or {})))
+  tx, schedule = optim.make_optimizer(make_config(objective_name).optim, total_steps=100)
+  without = make_train_step(objective, tx, schedule, accum_steps=accum_steps, rng=jax.random.key(1),
+                            partitioning=partitioning, state_shardings=shardings, keep_weight_copies=False)
+  return (state, step), (jax.tree.map(jnp.copy, state), without), mesh
 
 
-@pytest.mark.parametrize("family,objective_name,accum_steps,aot,mesh_sizes", [
-    ("bert", "mlm+nsp", 1, True, {"data": 2}), ("albert", "mlm+sop", 2, False, {"data": 2, "fsdp": 2}),
-    ("bert", "rtd", 1, False, {"fsdp": 2})])
-def test_steps_with_copies_equal_steps_without(family, objective_name, accum_steps, aot, mesh_sizes):
+@pytest.mark.parametrize("objective_name,accum_steps,aot,mesh_sizes,model", [
+    ("mlm+nsp", 1, True, {"data": 2}, None), ("mlm+sop", 2, False, {"data": 2, "fsdp": 2}, ALBERT),
+    ("rtd", 1, False, {"fsdp": 2}, None)])
+def test_steps_with_copies_equal_steps_without(objective_name, accum_steps, aot, mesh_sizes, model):
   """Bit for bit over three steps: the first casts the copies from the state, the second from parameters
   replaced since (a warm start: the copies the first returned are stale), the third uses the copies the second
   returned. Under FSDP the copies are gathered and the gradients reduced in float32, as without them."""
-  (with_copies, without), mesh = _states_and_steps(family, objective_name, accum_steps, mesh_sizes)
+  with_copies, without, mesh = _with_and_without(objective_name, accum_steps, mesh_sizes, model)
   batches = [sharding_lib.global_batch(synthetic_batch(seed=i), mesh) for i in range(3)]
   results = []
   for state, step in (with_copies, without):
@@ -117,14 +106,13 @@ def test_steps_with_copies_equal_steps_without(family, objective_name, accum_ste
 def test_no_copies_under_tensor_parallelism():
   """XLA's partitioner moves weights under tensor parallelism; a copy's gradient would be reduced in bfloat16."""
   for mesh_sizes, expect in (({"data": 2, "tensor": 2}, False), ({"data": 2, "fsdp": 2}, True)):
-    (with_copies,), mesh = _states_and_steps("bert", "mlm", 1, mesh_sizes, keeps=(True,))
-    state, step = with_copies
+    state, step, mesh, *_ = build("mlm", mesh_sizes, model_overrides=dict(dtype="bfloat16"))
     assert bool(step.parts(state, sharding_lib.global_batch(synthetic_batch(), mesh)).dtypes) == expect
 
 
 def test_fsdp_gathers_the_copies():
   """Under FSDP the model reads each copy gathered (bf16 sharding constraints in the lowered step)."""
-  (with_copies, without), mesh = _states_and_steps("bert", "mlm", 1, {"fsdp": 4})
+  with_copies, without, mesh = _with_and_without("mlm", 1, {"fsdp": 4})
   batch = sharding_lib.global_batch(synthetic_batch(), mesh)
   dtypes = [re.findall(r"sdy.sharding_constraint [^:]*: tensor<[0-9x]*x(\w+)>", step.lower(state, batch).as_text())
             for state, step in (with_copies, without)]
