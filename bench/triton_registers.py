@@ -6,8 +6,10 @@
 
 Needs pip's Triton 3.5 or later (`pip install triton`, not a project dependency). The kernels are lowered for CUDA
 on this machine as tests/test_kernels_lower.py does; each pallas_call's custom call carries its Triton IR and launch
-(num_warps, num_stages), which pip's Triton compiles for sm_90a, reading registers and spills from its ptxas log and
-the dynamic shared memory from its metadata. Needs jax <= 0.10.2's lowering (the IR in the custom call).
+(num_warps, num_stages), which pip's Triton compiles for sm_90a, reading registers and spills from its ptxas log,
+the dynamic shared memory from its metadata, and the warp shuffles and barriers (`shfl`, `bar`: what a reduction
+across a tile's rows costs, bench/NOTES.md sessions 18 and 21) from its PTX. The flash kernels get the fused bias, as
+the encoder calls them. Needs jax <= 0.10.2's lowering (the IR in the custom call).
 
 This is not the GPU's compiler: there jaxlib compiles the same IR with XLA's pinned Triton. At B=256 L=128
 pip's Triton 3.4-3.9 gave the forward 125-128 registers and dQ 152-159, against 121 and 155 on the H100 (ncu,
@@ -91,8 +93,10 @@ def compile_kernel(triton, name: str, ttir: str, num_warps: int, num_stages: int
     for suffix, text in (("ttir", ttir), ("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"]),
                          ("ptxas.log", log)):
       (dump / f"{name}.{suffix}").write_text(text)
+  ptx = kernel.asm["ptx"]
   return dict(registers=int(registers[1]), stack=int(spills[1]), spill_stores=int(spills[2]),
-              spill_loads=int(spills[3]), shared=kernel.metadata.shared, seconds=seconds)
+              spill_loads=int(spills[3]), shared=kernel.metadata.shared, seconds=seconds,
+              shuffles=len(re.findall(r"\bshfl\.", ptx)), barriers=len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)))
 
 
 def kernel_calls(args) -> list[tuple[str | None, object, tuple]]:
@@ -102,14 +106,15 @@ def kernel_calls(args) -> list[tuple[str | None, object, tuple]]:
   batch, length = map(int, args.shape.split("x"))
   shape = jax.ShapeDtypeStruct
   qkv = shape((batch, length, args.heads, 3, args.head_dim), jnp.bfloat16)
+  bias = shape((args.heads, 3, args.head_dim), jnp.float32)  # as the encoder calls it: the kernels sum its gradient
   pack_ids = jnp.ones((batch, length), jnp.int32)
 
-  def loss(qkv):
+  def loss(qkv, bias):
     out = flash_attention.flash_attention(qkv, pack_ids=pack_ids, packed=args.packed, dropout_rate=args.dropout,
-                                          dropout_rng=jax.random.key(0))
+                                          dropout_rng=jax.random.key(0), bias_h3d=bias)
     return jnp.sum(out.astype(jnp.float32))
 
-  calls = [(None, jax.grad(loss), (qkv,))]
+  calls = [(None, jax.grad(loss, argnums=(0, 1)), (qkv, bias))]
   if args.layer_norm:
     rows, features = batch * length, args.heads * args.head_dim
     x, stats = shape((rows, features), jnp.bfloat16), shape((rows,), jnp.float32)
@@ -156,13 +161,14 @@ def main():
   print(f"triton {triton.__version__}, jax {jax.__version__}, sm_{args.arch}; flash: {args.shape}, "
         f"{args.heads} heads x {args.head_dim}, dropout {args.dropout}, packed {args.packed}")
   print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'spill st/ld':>11} {'stack':>5} "
-        f"{'shared B':>8} {'compile s':>9}")
+        f"{'shared B':>8} {'shfl':>5} {'bar':>4} {'compile s':>9}")
   for label, fn, fn_args in kernel_calls(args):
     for name, num_warps, num_stages, ttir in triton_kernels(fn, *fn_args):
       name = label or name
       r = compile_kernel(triton, name, ttir, num_warps, num_stages, args.arch, args.dump)
       print(f"{name:26} {num_warps:5} {num_stages:6} {r['registers']:5} "
-            f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['stack']:5} {r['shared']:8} {r['seconds']:9.1f}")
+            f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['stack']:5} {r['shared']:8} {r['shuffles']:5} "
+            f"{r['barriers']:4} {r['seconds']:9.1f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Skipped without a GPU. Each fused path and XLA's bf16 path are compared with a
 float32 XLA reference on the same inputs (relative error ||a - ref|| / ||ref||
 over the real query rows) and with each other, forward and gradients; with
 dropout all paths drop the same probabilities (one hash mask). `pytest -s`
-prints the figures. Last, cuDNN's own dropout ("cudnn" asked for with attention
+prints the figures. The flash kernels' sums of the fused bias's gradient against XLA's. Last, cuDNN's own dropout ("cudnn" asked for with attention
 dropout): its forward and backward kernels must drop the same probabilities
 (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,
 as that path needs; skipped otherwise).
@@ -12,6 +12,7 @@ as that path needs; skipped otherwise).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import attention
+from bert_jax.models import attention, flash_attention
 from bert_jax.models.attention import dot_product_attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (cuDNN)")
@@ -145,3 +146,46 @@ def test_cudnn_dropout_forward_and_backward_drop_the_same_probabilities():
   assert not np.array_equal(fwd, fwd_again)  # a new mask at every execution
   assert not np.array_equal(fwd, fwd_other_seed)  # call sites with their own seeds draw their own masks
   assert not np.array_equal(fwd[0], fwd[1]) and not np.array_equal(fwd[:, 0], fwd[:, 1])  # rows, heads
+
+
+@pytest.mark.parametrize("length,packed", [(128, False), (512, False), (128, True)])
+def test_flash_kernels_sum_the_bias_gradient_as_xla_does(length, packed):
+  """The fused bias's gradient from the backward kernels' tile sums (`flash_attention(bias_h3d=)`) against XLA's
+  row sum of the same bf16 d(qkv) (`add_qkv_bias` before the kernels): the same output and d(qkv) bit for bit,
+  the same sums up to float32 summation order, the key slot 0 in both."""
+  batch, heads, head_dim = 8, 12, 64
+  keys = jax.random.split(jax.random.key(0), 4)
+  qkv = jax.random.normal(keys[0], (batch, length, heads, 3, head_dim), jnp.bfloat16)
+  bias = 0.1 * jax.random.normal(keys[1], (heads, 3, head_dim), jnp.float32)
+  cotangent = jax.random.normal(keys[2], (batch, length, heads, head_dim), jnp.bfloat16)
+  lengths = jax.random.randint(keys[3], (batch,), length // 2, length + 1)
+  positions = jnp.arange(length)[None, :]
+  pack_ids = (positions < lengths[:, None]).astype(jnp.int32)
+  if packed:
+    pack_ids = pack_ids * jnp.where(positions < lengths[:, None] // 2, 1, 2)
+  attend = functools.partial(flash_attention.flash_attention, pack_ids=pack_ids, packed=packed, dropout_rate=0.1,
+                             dropout_rng=jax.random.key(1))
+
+  def kernel_sums(qkv, bias):
+    return attend(qkv, bias_h3d=bias)
+
+  def xla_sums(qkv, bias):
+    return attend(flash_attention.add_qkv_bias(qkv, bias))
+
+  @jax.jit
+  def both(qkv, bias, cotangent):
+    results = []
+    for f in (kernel_sums, xla_sums):
+      out, pull = jax.vjp(f, qkv, bias)
+      results.append((out, *pull(cotangent)))
+    return results
+
+  (out, d_qkv, d_bias), (want_out, want_qkv, want_bias) = both(qkv, bias, cotangent)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(d_qkv, np.float32), np.asarray(want_qkv, np.float32))
+  d_bias, want_bias = np.asarray(d_bias), np.asarray(want_bias)
+  scale = np.abs(want_bias).max()
+  print(f"L={length} packed={packed}: bias gradient max |kernel - xla| {np.abs(d_bias - want_bias).max():.2e} of "
+        f"{scale:.2e}")
+  np.testing.assert_allclose(d_bias, want_bias, atol=1e-5 * scale)
+  assert not np.any(d_bias[:, flash_attention.KEY]) and not np.any(want_bias[:, flash_attention.KEY])

@@ -134,6 +134,41 @@ def test_add_qkv_bias_trains_the_query_and_value_slots_only():
   assert not np.any(np.asarray(d_bias)[:, fa.KEY]) and np.all(want_bias[:, fa.KEY] != 0)
 
 
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_bias_gradient_is_summed_by_the_kernels(mesh_shape):
+  """flash_attention(bias_h3d=) equals add_qkv_bias followed by the reference, in value and in both gradients:
+  the query and value slots' sums come from the backward kernels' tiles (and, on a mesh, from every shard's),
+  the key slot's is exactly 0."""
+  q, k, v, cotangent, pack = inputs(batch=4, heads=4)
+  bias = jax.random.normal(jax.random.key(7), (4, 3, 16), jnp.float32)
+  rng = jax.random.key(3)
+  seeds = fa.dropout_seeds(rng)
+
+  def flash(qkv, bias):
+    out = fa.flash_attention(qkv, pack_ids=pack, packed=True, dropout_rate=0.1, dropout_rng=rng, bias_h3d=bias,
+                             interpret=True)
+    return jnp.sum(out * cotangent), out
+
+  def plain(qkv, bias):
+    out = reference(*fa.split_qkv(fa.add_qkv_bias(qkv, bias)), pack, seeds, 0.1, False)
+    return jnp.sum(out * cotangent), out
+
+  qkv = fa.fuse_qkv(q, k, v)
+  (_, expected), (want_qkv, want_bias) = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(qkv, bias)
+  run = jax.value_and_grad(flash, argnums=(0, 1), has_aux=True)
+  if mesh_shape is None:
+    (_, out), (d_qkv, d_bias) = run(qkv, bias)
+  else:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "fsdp", "tensor"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+      (_, out), (d_qkv, d_bias) = jax.jit(run)(qkv, bias)
+  np.testing.assert_allclose(out, expected, atol=2e-6)
+  np.testing.assert_allclose(d_qkv, want_qkv, atol=5e-6)
+  assert np.abs(np.asarray(want_bias)[:, fa.QUERY]).max() > 1.0  # a gradient worth comparing
+  np.testing.assert_allclose(d_bias, want_bias, rtol=1e-6, atol=2e-5)
+  assert not np.any(np.asarray(d_bias)[:, fa.KEY])
+
+
 @pytest.mark.parametrize("impl,position", [("flash", "learned"), ("xla", "learned"), ("xla", "rotary")])
 def test_key_bias_is_trained_only_where_it_changes_the_scores(impl, position):
   """The encoder's key-bias gradient: exactly 0 with learned positions (fused flash projections or

@@ -24,17 +24,19 @@ def lower_for_cuda(fn, *args) -> str:
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_flash_attention_forward_and_backward_lower(packed):
+@pytest.mark.parametrize("packed, bias", [(False, True), (True, False)])
+def test_flash_attention_forward_and_backward_lower(packed, bias):
+  """With the fused bias, the backward kernels also sum its gradient on the tensor cores (`_column_sums`)."""
   qkv = shape((8, 128, 12, 3, 64), jnp.bfloat16)
   pack_ids = jnp.ones((8, 128), jnp.int32)
 
-  def loss(qkv):
+  def loss(qkv, bias_h3d):
     out = flash_attention.flash_attention(qkv, pack_ids=pack_ids, packed=packed, dropout_rate=0.1,
-                                          dropout_rng=jax.random.key(1))
+                                          dropout_rng=jax.random.key(1), bias_h3d=bias_h3d)
     return jnp.sum(out.astype(jnp.float32))
 
-  text = lower_for_cuda(jax.grad(loss), qkv)
+  bias_h3d = shape((12, 3, 64), jnp.float32) if bias else None
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1) if bias else 0), qkv, bias_h3d)
   assert text.count("triton") >= 3  # the forward, dQ and dK/dV kernels
 
 

@@ -202,9 +202,13 @@ def dot_product_attention(
 
 def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: bool = False, causal: bool = False,
                    implementation: str = "auto", dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
-                   dropout_seed: int = 0, return_probs: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                   dropout_seed: int = 0, return_probs: bool = False,
+                   bias_h3d: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
   """`dot_product_attention` of one fused [batch, length, heads, 3, head_dim] projection
   (`flash_attention.fuse_qkv`'s layout): the flash kernels read it in place, the other implementations split it.
+
+  bias_h3d: the projections' fused bias [heads, 3, head_dim], added first (`flash_attention.add_qkv_bias`: no
+  gradient for the key slot); the flash kernels also sum its gradient.
   """
   head_dim = qkv_blh3d.shape[-1]
   impl = resolve_implementation(implementation, dtype=qkv_blh3d.dtype, head_dim=head_dim,
@@ -212,9 +216,11 @@ def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: 
                                 return_probs=return_probs, length=qkv_blh3d.shape[1])
   if impl == "flash":
     out = flash_attention.flash_attention(qkv_blh3d, pack_ids=pack_ids, packed=packed, causal=causal,
-                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng, bias_h3d=bias_h3d,
                                           interpret=_backend() != "gpu")
     return out, None
+  if bias_h3d is not None:
+    qkv_blh3d = flash_attention.add_qkv_bias(qkv_blh3d, bias_h3d)
   return dot_product_attention(*flash_attention.split_qkv(qkv_blh3d), pack_ids=pack_ids, packed=packed,
                                causal=causal, implementation=impl, dropout_rate=dropout_rate,
                                dropout_rng=dropout_rng, dropout_seed=dropout_seed, return_probs=return_probs)

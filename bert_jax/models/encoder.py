@@ -243,9 +243,10 @@ class SelfAttention(nn.Module):
       bias = flash_attention.fuse_qkv(*(weights[n][1] for n in ("query", "key", "value")))
       width = x_ble.shape[-1]
       qkv = jnp.dot(x_ble.astype(cfg.compute_dtype).reshape(-1, width), kernel.reshape(width, -1))
-      qkv_blh3d = flash_attention.add_qkv_bias(qkv, bias).reshape(*x_ble.shape[:2], heads, 3, head_dim)
+      qkv_blh3d = qkv.reshape(*x_ble.shape[:2], heads, 3, head_dim)
       qkv_blh3d = nn.with_logical_constraint(qkv_blh3d, ("batch", "length", "heads", None, "kv"))
-      out_blhd, probs = self_attention(qkv_blh3d, **options)
+      # The bias is added by `self_attention`: the flash kernels sum its gradient as they write d(qkv).
+      out_blhd, probs = self_attention(qkv_blh3d, bias_h3d=bias, **options)
     else:
       q_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "value"))
       # The key bias only matters where rotary positions rotate it (`flash_attention.add_qkv_bias`).

@@ -204,8 +204,25 @@ def _forward_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
 # = (c * scale) * p * (keep * dp - (1 - rate) * delta): the kernels compute p * (keep * dp - (1 - rate) * delta)
 # (the factor on delta once per row) and apply c * scale to dK and dQ once per tile, and c to dV.
 
-def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_ref, *, scale,
-                 packed, causal, rate, block_q, num_heads, q_len):
+def _column_sums(tile: Array) -> Array:
+  """[rows, D] (bf16) -> [D] float32 sums over the rows, on the tensor cores: ones[16, rows] @ tile, then the
+  maximum of its 16 equal rows.
+
+  The tile's rows are spread over the program's warps, so `jnp.sum(tile, axis=0)` is a cross-warp reduction:
+  80-92 warp shuffles and 10 barriers a program, which made the backward kernels 7-11% slower at length 128
+  (bench/NOTES.md, session 18). The product has its rows within a warp and the same value in each, so the
+  maximum over them needs a few shuffles and no barrier (Triton 3.8 for sm_90a: 12 shuffles and 2 barriers
+  a program; session 21). The sum is exact over the bf16 values with float32 accumulation, as XLA's
+  reduction of the same bf16 gradient.
+  """
+  ones = jnp.ones((16, tile.shape[0]), tile.dtype)
+  return jnp.max(jnp.dot(ones, tile, preferred_element_type=jnp.float32), axis=0)
+
+
+def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_ref, *sums_ref,
+                 scale, packed, causal, rate, block_q, num_heads, q_len):
+  """dK and dV of one key tile (and, with `sums_ref`, dV's sums over the tile's rows: the value bias's
+  gradient)."""
   del dq_ref  # The dQ kernel's output, aliased to this kernel's: only its key and value slots are written here.
   ik, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_k = k_ref.shape[0]
@@ -238,13 +255,17 @@ def _dkdv_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, zeros))
   dkv_ref[:, KEY, :] = (dk * (scale / (1.0 - rate))).astype(dkv_ref.dtype)
-  dkv_ref[:, VALUE, :] = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
+  dv = (dv * (1.0 / (1.0 - rate))).astype(dkv_ref.dtype)
+  dkv_ref[:, VALUE, :] = dv
+  if sums_ref:
+    sums_ref[0][...] = _column_sums(dv)
 
 
-def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *, scale,
-               packed, causal, rate, block_k, num_heads, q_len):
+def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *sums_ref,
+               scale, packed, causal, rate, block_k, num_heads, q_len):
   """dQ of one query tile, and delta = rowsum(out * d_out) of its rows for the dK/dV kernel (which runs
-  after this one: no separate pass over the output and its gradient)."""
+  after this one: no separate pass over the output and its gradient); with `sums_ref`, dQ's sums over the
+  tile's rows (the query bias's gradient)."""
   iq, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_q = q_ref.shape[0]
   q, do, lse = q_ref[...], do_ref[...], lse_ref[...]
@@ -270,7 +291,10 @@ def _dq_kernel(meta_ref, pack_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, 
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
-  dq_ref[...] = (dq * (scale / (1.0 - rate))).astype(dq_ref.dtype)
+  dq = (dq * (scale / (1.0 - rate))).astype(dq_ref.dtype)
+  dq_ref[...] = dq
+  if sums_ref:
+    sums_ref[0][...] = _column_sums(dq)
 
 
 def _compiler_params(kernel: str):
@@ -323,10 +347,16 @@ def _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interp
   return out, lse
 
 
-def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret):
+def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret, bias_sums):
   """d(qkv) [B, L, H, 3, D]: the dQ kernel writes slot QUERY (and delta), then the dK/dV kernel slots KEY and
-  VALUE in place."""
+  VALUE in place. With `bias_sums`, also the float32 sums of the query and value slots over all rows, [H, 2, D]
+  (value, query: `fuse_qkv`'s order), each kernel's per-tile sums added up here."""
   batch, length, heads, _, head_dim = qkv.shape
+
+  def tile_sums(block):  # [B, tiles, H, D] float32, one row per program
+    return ([pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, i, h, 0))],
+            [jax.ShapeDtypeStruct((batch, length // block, heads, head_dim), jnp.float32)])
+
   common = dict(scale=scale, packed=packed, causal=causal, rate=rate, num_heads=num_heads, q_len=length)
   all_rows = lambda slot: _fused_spec(length, head_dim, None, lambda i: 0, slot)  # noqa: E731
 
@@ -334,13 +364,14 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   q_rows = _fused_spec(length, head_dim, block_q, lambda i: i, QUERY)
   out_rows = _specs(length, head_dim, block_q, lambda i: i)
   row_block = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  d_qkv, delta = pl.pallas_call(
+  sum_specs, sum_shapes = tile_sums(block_q) if bias_sums else ([], [])
+  d_qkv, delta, *q_sums = pl.pallas_call(
       functools.partial(_dq_kernel, block_k=block_k, **common),
       grid=(length // block_q, batch, heads),
       in_specs=[*_common_specs(length), q_rows, all_rows(KEY), all_rows(VALUE), out_rows, out_rows, row_block],
-      out_specs=[q_rows, row_block],
+      out_specs=[q_rows, row_block, *sum_specs],
       out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
+                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32), *sum_shapes],
       compiler_params=None if interpret else _compiler_params("dq"),
       interpret=interpret,
       name="flash_attention_dq",
@@ -350,34 +381,48 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   k_rows = lambda slot: _fused_spec(length, head_dim, block_k, lambda i: i, slot)  # noqa: E731
   kv_block = pl.BlockSpec((None, block_k, None, 2, head_dim), lambda i, b, h: (b, i, h, 0, 0))
   row_stats = pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0))
-  return pl.pallas_call(
+  sum_specs, sum_shapes = tile_sums(block_k) if bias_sums else ([], [])
+  d_qkv, *v_sums = pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=block_q, **common),
       grid=(length // block_k, batch, heads),
       in_specs=[*_common_specs(length), all_rows(QUERY), k_rows(KEY), k_rows(VALUE),
                 _specs(length, head_dim, None, lambda i: 0), row_stats, row_stats, kv_block],
-      out_specs=kv_block,
-      out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+      out_specs=[kv_block, *sum_specs],
+      out_shape=[jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), *sum_shapes],
       input_output_aliases={8: 0},
       compiler_params=None if interpret else _compiler_params("dkdv"),
       interpret=interpret,
       name="flash_attention_dkdv",
   )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta, d_qkv)
+  if not bias_sums:
+    return d_qkv, None
+  assert KEY == 0, "the summed slots (value, query) are the last two"
+  sums = jnp.stack([jnp.sum(s, axis=(0, 1)) for s in (*v_sums, *q_sums)], axis=1)  # [H, 2, D]: VALUE, QUERY
+  return d_qkv, sums
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _flash(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _flash(qkv, pack_ids, meta, bias, scale, packed, causal, rate, num_heads, interpret):
+  """The kernels' attention of `qkv`. `bias` ([H, 3, D] or None) is not read: it is the fused bias the caller
+  has already added to `qkv` (without a gradient through that add); its gradient comes from here, the backward
+  kernels' row sums of the query and value slots, and 0 for the key slot (`add_qkv_bias`)."""
+  del bias
   return _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)[0]
 
 
-def _flash_fwd(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret):
+def _flash_fwd(qkv, pack_ids, meta, bias, scale, packed, causal, rate, num_heads, interpret):
   out, lse = _forward(qkv, pack_ids, meta, scale, packed, causal, rate, num_heads, interpret)
-  return out, (qkv, pack_ids, meta, out, lse)
+  return out, (qkv, pack_ids, meta, bias, out, lse)
 
 
 def _flash_bwd(scale, packed, causal, rate, num_heads, interpret, residuals, d_out):
-  qkv, pack_ids, meta, out, lse = residuals
-  return (_backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads, interpret),
-          None, None)
+  qkv, pack_ids, meta, bias, out, lse = residuals
+  d_qkv, sums = _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads,
+                          interpret, bias_sums=bias is not None)
+  d_bias = None
+  if bias is not None:
+    d_bias = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1).astype(bias.dtype)
+  return d_qkv, None, None, d_bias
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -404,7 +449,14 @@ def add_qkv_bias(qkv: Array, bias_h3d: Array) -> Array:
   128: 0.63 ms a step for the three slots, 0.49 for two; bench/NOTES.md session 19), and AdamW would turn that
   noise into updates of the learning rate's size.
   """
-  return qkv + bias_h3d.reshape(-1).astype(qkv.dtype)
+  return _add_bias(qkv, bias_h3d)
+
+
+def _add_bias(qkv: Array, bias_h3d: Array) -> Array:
+  """qkv [..., H * 3 * D] or [..., H, 3, D] plus the fused bias [H, 3, D], in qkv's dtype, on the [rows, H * 3 *
+  D] view: the add XLA fuses into the epilogue of the GEMM that produces qkv."""
+  width = bias_h3d.size
+  return (qkv.reshape(-1, width) + bias_h3d.reshape(width).astype(qkv.dtype)).reshape(qkv.shape)
 
 
 def _add_qkv_bias_fwd(qkv, bias_h3d):
@@ -429,11 +481,16 @@ def split_qkv(qkv: Array) -> tuple[Array, Array, Array]:
 
 
 def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = False, causal: bool = False,
-                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, interpret: bool = False) -> Array:
+                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, bias_h3d: Array | None = None,
+                    interpret: bool = False) -> Array:
   """Fused self-attention with dropout: [B, L, H, 3, D] projections in (`fuse_qkv`), [B, L, H, D] out.
 
   pack_ids: [B, L] int, 0 for padding, else the packed example id (None: no padding). packed: whether rows may
   hold several examples; if False, pack_ids must be 0 or 1 and only padding is masked (no per-pair compare).
+  bias_h3d: the projections' fused bias [H, 3, D] (`fuse_qkv`'s layout), added to qkv_blh3d first, with
+  `add_qkv_bias`'s value and gradient: the backward kernels sum the query and value slots of d(qkv) over their
+  tiles' rows as they write them (instead of a separate pass over d(qkv): H100, BERT-Base seq 128, 0.49 ms a
+  step; bench/NOTES.md session 21), and the key slot's gradient is 0.
 
   See the module docstring. Inside a mesh scope the kernels run per shard
   (`shard_map`) with batch and heads split as the logical axis rules say
@@ -452,6 +509,13 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
     raise ValueError(f"flash attention: pack_ids [batch, length] = {(batch, length)} expected, got "
                      f"{pack_ids.shape}")
   pack_ids = pack_ids.astype(jnp.int32)
+  if bias_h3d is not None:
+    if bias_h3d.shape != (heads, 3, head_dim):
+      raise ValueError(f"flash attention: bias [heads, 3, head_dim] = {(heads, 3, head_dim)} expected, got "
+                       f"{bias_h3d.shape}")
+    # Outside the kernels' custom VJP and shard_map, so that XLA fuses the add into the GEMM that made qkv; the
+    # bias's gradient comes from the kernels (`_flash`).
+    qkv_blh3d = _add_bias(qkv_blh3d, lax.stop_gradient(bias_h3d))
   scale = 1.0 / math.sqrt(head_dim)
   # The mask hashes global (batch row, head) indices: the unsharded head count, the shard's offsets in meta.
   run = functools.partial(_flash, scale=scale, packed=packed, causal=causal, rate=rate, num_heads=heads,
@@ -460,7 +524,7 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
   mesh = sharding_lib.current_mesh()
   if mesh is None or mesh.size == 1:
     meta = jnp.concatenate([seeds, jnp.zeros((2,), jnp.int32)])
-    return run(qkv_blh3d, pack_ids, meta)
+    return run(qkv_blh3d, pack_ids, meta, bias_h3d)
 
   from jax.sharding import PartitionSpec as P
   batch_axes, _, head_axes, _ = sharding_lib.split_axes(("batch", "length", "heads", "kv"),
@@ -468,11 +532,14 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
   out_spec = P(batch_axes or None, None, head_axes or None, None)
   qkv_spec = P(batch_axes or None, None, head_axes or None, None, None)
 
-  def per_shard(qkv, pack, seeds):
+  bias_spec = P() if bias_h3d is None else P(head_axes or None, None, None)
+
+  def per_shard(qkv, pack, seeds, bias):
     b_offset = lax.axis_index(batch_axes) * qkv.shape[0] if batch_axes else 0
     h_offset = lax.axis_index(head_axes) * qkv.shape[2] if head_axes else 0
     meta = jnp.stack([seeds[0], seeds[1], jnp.int32(b_offset), jnp.int32(h_offset)]).astype(jnp.int32)
-    return run(qkv, pack, meta)
+    return run(qkv, pack, meta, bias)
 
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv_spec, P(batch_axes or None, None), P()),
-                       out_specs=out_spec, check_vma=False)(qkv_blh3d, pack_ids, seeds)
+  # The bias's gradient: each shard's sums over its own rows, which shard_map's transpose adds over the batch axes.
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv_spec, P(batch_axes or None, None), P(), bias_spec),
+                       out_specs=out_spec, check_vma=False)(qkv_blh3d, pack_ids, seeds, bias_h3d)
