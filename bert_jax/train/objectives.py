@@ -49,47 +49,25 @@ def cross_entropy_sums(logits: Array, targets: Array, weights: Array) -> tuple[A
     weights: [...] per-token weights (0 for padding predictions).
 
   Returns:
-    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]), the argmax
-    being the first index of the maximum, as `jnp.argmax`'s.
+    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
   """
-  return _weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32))
-
-
-def log_sum_exp_and_argmax(logits: Array) -> tuple[Array, Array]:
-  """(logsumexp, first index of the maximum) over the last axis, float32 and int32, in one pass.
-
-  One variadic reduction of (logit, 1, index) with an online-softmax combiner: (m, s, i) is a running maximum,
-  the sum of exp(logit - m) so far and the first index holding m. XLA otherwise reads the [predictions, vocab]
-  logits twice: the maximum fused with the argmax, then the sum of exponentials (bench/NOTES.md session 21).
-  """
-  x = logits.astype(jnp.float32)
-  axis = x.ndim - 1
-  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
-
-  def combine(a, b):
-    (max_a, sum_a, index_a), (max_b, sum_b, index_b) = a, b
-    top = jnp.maximum(max_a, max_b)
-    total = sum_a * jnp.exp(max_a - top) + sum_b * jnp.exp(max_b - top)
-    first = (max_a > max_b) | ((max_a == max_b) & (index_a < index_b))
-    return top, total, jnp.where(first, index_a, index_b)
-
-  # A finite lowest maximum: combining two initial values gives exp(0) * 0, where -inf would give NaN.
-  init = (jnp.float32(jnp.finfo(jnp.float32).min), jnp.float32(0), jnp.int32(jnp.iinfo(jnp.int32).max))
-  top, total, first = jax.lax.reduce((x, jnp.ones_like(x), index), init, combine, (axis,))
-  return top + jnp.log(total), first
+  targets = targets.astype(jnp.int32)
+  loss = _weighted_cross_entropy(logits, targets, weights.astype(jnp.float32))
+  correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
+  return loss, correct
 
 
 @jax.custom_vjp
-def _weighted_cross_entropy(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
+def _weighted_cross_entropy(logits: Array, targets: Array, weights: Array) -> Array:
   return _weighted_cross_entropy_fwd(logits, targets, weights)[0]
 
 
 def _weighted_cross_entropy_fwd(logits, targets, weights):
-  log_z, argmax = log_sum_exp_and_argmax(logits)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(jnp.float32)
+  logits32 = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits32, axis=-1)
+  target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
   token_loss = log_z - target_logit
-  correct = jnp.sum((argmax == targets) * weights)
-  return (jnp.sum(token_loss * weights), correct), (logits, targets, weights, log_z, token_loss)
+  return jnp.sum(token_loss * weights), (logits, targets, weights, log_z, token_loss)
 
 
 def _weighted_cross_entropy_bwd(residuals, g):
@@ -100,7 +78,6 @@ def _weighted_cross_entropy_bwd(residuals, g):
   float32 arrays per step.
   """
   logits, targets, weights, log_z, token_loss = residuals
-  g, _ = g  # The correct-prediction count is piecewise constant: no gradient.
   scale = (g * weights)[..., None]
   softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
   one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
