@@ -12,12 +12,19 @@ import time
 
 import numpy as np
 import pytest
+from multiprocess_util import FAST_COMPILE_FLAGS
 
 from bert_jax.data import builtin_corpus, prepare, tokenizers
 from bert_jax.train import config_lib, trainer
 from bert_jax.train.checkpoint import restore_params
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags (conftest.py)."""
+  flags = " ".join(["--xla_force_host_platform_device_count=1", *FAST_COMPILE_FLAGS])
+  return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +110,9 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
       "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
       % (str(REPO / "tests"), str(prepared), steps))
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file)] + overrides
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  # The CLI's compilation cache, as users have it: the interrupted and the resumed runs load the straight run's
+  # compiled steps.
+  env = cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
 
   straight = tmp_path / "straight"
   subprocess.run(command + ["--workdir", str(straight)], check=True, env=env, cwd=REPO, capture_output=True)
@@ -192,7 +201,7 @@ def test_every_shipped_config_loads():
 
 def test_demo_cli_runs(tmp_path):
   """The README's demo command, shortened: built-in corpus -> vocab -> shards -> pretrain -> fill-mask."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = cli_env()
   out = subprocess.run([sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", "configs/demo.py:steps=20",
                         "--workdir", str(tmp_path / "demo"), "--config.train.eval_every=10",
                         "--config.train.log_every=10"], env=env, cwd=REPO, capture_output=True, text=True)
