@@ -152,6 +152,32 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path)
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(params))
 
 
+def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slices(tmp_path):
+  """Checkpointer's Orbax array handler: replica-parallel writes only for slices of MIN_REPLICA_SLICE_BYTES or
+  more (a compiled slice per shape and device made first saves of small states slow); both kinds read back."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+  from bert_jax.train import checkpoint
+  sliced = []
+  slice_in_dim = jax.lax.slice_in_dim
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  large_rows = 2 * checkpoint.MIN_REPLICA_SLICE_BYTES * len(jax.devices()) // (4 * 128)
+  state = {name: jax.device_put(jnp.arange(rows * 128, dtype=jnp.float32).reshape(rows, 128), replicated)
+           for name, rows in (("small", 64), ("large", large_rows))}
+  saver = checkpoint.Checkpointer(tmp_path, async_save=False)
+  jax.lax.slice_in_dim = lambda x, *a, **k: sliced.append(x.shape) or slice_in_dim(x, *a, **k)
+  try:
+    saver.save(1, state, {})
+  finally:
+    jax.lax.slice_in_dim = slice_in_dim
+  assert sliced and all(shape == (large_rows, 128) for shape in sliced), sliced
+  step, restored, _, _ = saver.restore_latest(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  assert step == 1 and all(np.array_equal(restored[k], state[k]) for k in state)
+
+
 def test_corrupt_checkpoint_falls_back_to_previous(prepared, tmp_path, caplog):
   trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
   newest = tmp_path / "checkpoints" / "4" / "state"

@@ -23,11 +23,28 @@ from bert_jax.parallel.distributed import sync_global_devices
 
 log = logging.getLogger(__name__)
 
+# Orbax's replica-parallel saving (each of R replicas of a replicated array writes 1/R of it) first slices the array
+# on every device, one compiled slice per shape and device. For small arrays that costs far more than it saves: on
+# CPU with 8 devices the first save of a 0.2M-parameter state took 4.9 s, 0.3 s with slices under this size written
+# whole by one replica. Large arrays (an embedding table) keep the parallel writes.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _use_array_handler() -> None:
+  """Registers (once) Orbax's jax.Array handler with `MIN_REPLICA_SLICE_BYTES`, its other settings as before."""
+  current = ocp.type_handlers.get_type_handler(jax.Array)
+  if getattr(current, "_min_slice_bytes_for_replica_parallel", None) == MIN_REPLICA_SLICE_BYTES:
+    return
+  handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+                                           array_metadata_store=getattr(current, "_array_metadata_store", None))
+  ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
 
 class Checkpointer:
   """Saves and restores {state, data iterator state, run metadata} per step."""
 
   def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
+    _use_array_handler()
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)
