@@ -4,7 +4,8 @@ Skipped without a GPU. Each fused path and XLA's bf16 path are compared with a
 float32 XLA reference on the same inputs (relative error ||a - ref|| / ||ref||
 over the real query rows) and with each other, forward and gradients; with
 dropout all paths drop the same probabilities (one hash mask). `pytest -s`
-prints the figures. The flash kernels' sums of the fused bias's gradient against XLA's. Last, cuDNN's own dropout ("cudnn" asked for with attention
+prints the figures. The flash kernels' sums of the fused bias's gradient
+against XLA's. Last, cuDNN's own dropout ("cudnn" asked for with attention
 dropout): its forward and backward kernels must drop the same probabilities
 (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,
 as that path needs; skipped otherwise).
