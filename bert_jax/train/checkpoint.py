@@ -8,6 +8,7 @@ is skipped with a warning and the previous one is used.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import pathlib
@@ -31,13 +32,17 @@ MIN_REPLICA_SLICE_BYTES = 1 << 20
 
 
 def _use_array_handler() -> None:
-  """Registers (once) Orbax's jax.Array handler with `MIN_REPLICA_SLICE_BYTES`, its other settings as before."""
+  """Registers (once) Orbax's jax.Array handler with `MIN_REPLICA_SLICE_BYTES`, its other settings as before
+  (an Orbax without the option keeps its handler)."""
   current = ocp.type_handlers.get_type_handler(jax.Array)
-  if getattr(current, "_min_slice_bytes_for_replica_parallel", None) == MIN_REPLICA_SLICE_BYTES:
+  options = inspect.signature(ocp.type_handlers.ArrayHandler).parameters
+  if ("min_slice_bytes_for_replica_parallel" not in options
+      or getattr(current, "_min_slice_bytes_for_replica_parallel", None) == MIN_REPLICA_SLICE_BYTES):
     return
-  handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
-                                           array_metadata_store=getattr(current, "_array_metadata_store", None))
-  ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  kwargs = {"min_slice_bytes_for_replica_parallel": MIN_REPLICA_SLICE_BYTES}
+  if "array_metadata_store" in options:
+    kwargs["array_metadata_store"] = getattr(current, "_array_metadata_store", None)
+  ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(**kwargs), override=True)
 
 
 class Checkpointer:
