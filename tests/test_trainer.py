@@ -1,4 +1,5 @@
-"""End-to-end pre-training on CPU: every objective learns, exact resume, NaN stop, corrupt checkpoints, config errors."""
+"""End-to-end pre-training on CPU: every objective learns, exact resume, NaN stop, checkpoints (corrupt, replica
+slices), config errors."""
 
 import json
 import logging
