@@ -400,7 +400,6 @@ def _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate,
   )(meta, pack_ids, qkv, qkv, qkv, d_out, lse, delta, d_qkv)
   if not bias_sums:
     return d_qkv, None
-  assert KEY == 0, "the summed slots (value, query) are the last two"
   sums = jnp.stack([jnp.sum(s, axis=(0, 1)) for s in (*v_sums, *q_sums)], axis=1)  # [H, 2, D]: VALUE, QUERY
   return d_qkv, sums
 
@@ -423,10 +422,7 @@ def _flash_bwd(scale, packed, causal, rate, num_heads, interpret, residuals, d_o
   qkv, pack_ids, meta, bias, out, lse = residuals
   d_qkv, sums = _backward(qkv, pack_ids, meta, out, lse, d_out, scale, packed, causal, rate, num_heads,
                           interpret, bias_sums=bias is not None)
-  d_bias = None
-  if bias is not None:
-    d_bias = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1).astype(bias.dtype)
-  return d_qkv, None, None, d_bias
+  return d_qkv, None, None, None if bias is None else _bias_gradient(sums, bias.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -469,11 +465,16 @@ def _add_qkv_bias_fwd(qkv, bias_h3d):
 
 def _add_qkv_bias_bwd(bias_h3d, d_qkv):
   heads, three, head_dim = bias_h3d.shape
-  assert three == 3 and KEY == 0, "the trained slots (value, query) are the last two"
+  assert three == 3
   rows = d_qkv.reshape(-1, heads, 3, head_dim)[:, :, KEY + 1:, :]
-  sums = jnp.sum(rows.astype(jnp.float32), axis=0)
-  d_bias = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1)
-  return d_qkv, d_bias.astype(bias_h3d.dtype)
+  return d_qkv, _bias_gradient(jnp.sum(rows.astype(jnp.float32), axis=0), bias_h3d.dtype)
+
+
+def _bias_gradient(sums_h2d: Array, dtype) -> Array:
+  """The fused bias's gradient [H, 3, D] from the float32 sums of its trained slots [H, 2, D] (value, query):
+  the key slot's is 0 (`add_qkv_bias`)."""
+  assert KEY == 0, "the trained slots (value, query) are the last two"
+  return jnp.concatenate([jnp.zeros_like(sums_h2d[:, :1]), sums_h2d], axis=1).astype(dtype)
 
 
 add_qkv_bias.defvjp(_add_qkv_bias_fwd, _add_qkv_bias_bwd)
