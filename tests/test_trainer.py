@@ -153,7 +153,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path)
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(params))
 
 
-def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slices(tmp_path):
+def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slices(tmp_path, monkeypatch):
   """Checkpointer's Orbax array handler: replica-parallel writes only for slices of MIN_REPLICA_SLICE_BYTES or
   more (a compiled slice per shape and device made first saves of small states slow); both kinds read back."""
   import jax
@@ -168,11 +168,9 @@ def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slice
   state = {name: jax.device_put(jnp.arange(rows * 128, dtype=jnp.float32).reshape(rows, 128), replicated)
            for name, rows in (("small", 64), ("large", large_rows))}
   saver = checkpoint.Checkpointer(tmp_path, async_save=False)
-  jax.lax.slice_in_dim = lambda x, *a, **k: sliced.append(x.shape) or slice_in_dim(x, *a, **k)
-  try:
-    saver.save(1, state, {})
-  finally:
-    jax.lax.slice_in_dim = slice_in_dim
+  monkeypatch.setattr(jax.lax, "slice_in_dim", lambda x, *a, **k: sliced.append(x.shape) or slice_in_dim(x, *a, **k))
+  saver.save(1, state, {})
+  monkeypatch.undo()
   assert sliced and all(shape == (large_rows, 128) for shape in sliced), sliced
   step, restored, _, _ = saver.restore_latest(jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
