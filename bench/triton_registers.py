@@ -3,6 +3,7 @@
   python bench/triton_registers.py                             # B=256 L=128, 12 heads x 64, dropout 0.1
   python bench/triton_registers.py --shape 64x512 --layer-norm # also the LayerNorm kernels (rows B*L)
   python bench/triton_registers.py --dump /tmp/kernels         # keep each kernel's TTIR, PTX and ptxas log
+  python bench/triton_registers.py --cross-entropy              # also the MLM loss's row statistics (4864 x 30592)
 
 Needs pip's Triton 3.5 or later (`pip install triton`, not a project dependency). The kernels are lowered for CUDA
 on this machine as tests/test_kernels_lower.py does; each pallas_call's custom call carries its Triton IR and launch
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import os
 import pathlib
@@ -38,7 +40,7 @@ from jax._src.interpreters import mlir  # noqa: E402
 from jax._src.lib import triton as jax_triton  # noqa: E402
 from jax._src.lib.mlir import ir  # noqa: E402
 
-from bert_jax.models import flash_attention, layer_norm_kernel  # noqa: E402
+from bert_jax.models import cross_entropy_kernel, flash_attention, layer_norm_kernel  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -102,7 +104,8 @@ def compile_kernel(triton, name: str, ttir: str, num_warps: int, num_stages: int
 def kernel_calls(args) -> list[tuple[str | None, object, tuple]]:
   """(label, function, argument shapes) of each lowering: the flash forward and backward at the shape; with
   --layer-norm the LayerNorm kernels on [B*L, H*D] (the residual forward and backward with the branch bias, the
-  plain backward). Label None: the kernels' own names."""
+  plain backward); with --cross-entropy the MLM loss's statistics on --mlm-logits. Label None: the kernels' own
+  names."""
   batch, length = map(int, args.shape.split("x"))
   shape = jax.ShapeDtypeStruct
   qkv = shape((batch, length, args.heads, 3, args.head_dim), jnp.bfloat16)
@@ -135,6 +138,10 @@ def kernel_calls(args) -> list[tuple[str | None, object, tuple]]:
     calls += [("add_layer_norm_forward", forward, (meta, x, x, vector, vector, vector)),
               ("add_layer_norm_backward", backward(args.dropout, True), (meta, x, x, stats, stats, vector)),
               ("layer_norm_backward", backward(0.0, False), (meta, x, x, stats, stats, vector))]
+  if args.cross_entropy:
+    rows, columns = map(int, args.mlm_logits.split("x"))
+    statistics = functools.partial(cross_entropy_kernel._statistics_2d, interpret=False)  # noqa: SLF001
+    calls.append((None, statistics, (shape((rows, columns), jnp.bfloat16), shape((rows,), jnp.int32))))
   return calls
 
 
@@ -146,6 +153,8 @@ def main():
   parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--packed", action="store_true", help="flash kernels with the per-pair pack-id compare")
   parser.add_argument("--layer-norm", action="store_true", help="also the LayerNorm kernels")
+  parser.add_argument("--cross-entropy", action="store_true", help="also the MLM loss's row statistics kernel")
+  parser.add_argument("--mlm-logits", default="4864x30592", help="ROWSxVOCAB of --cross-entropy")
   parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200, sm_90a)")
   parser.add_argument("--dump", type=pathlib.Path, help="write each kernel's TTIR, TTGIR, PTX and ptxas log here")
   args = parser.parse_args()

@@ -2,9 +2,9 @@
 
 CI has no GPU: the GPU test files skip, and the CPU tests run the Triton kernels in Pallas' interpreter, which
 checks their arithmetic but not that Pallas can lower them for a GPU. Lowering builds the kernels' Triton IR
-(flash attention, the LayerNorm kernels) and the Mosaic GPU module (the FFN kernel: its layouts and its shared
-memory against the H100's 227 KB), so a jax upgrade or an edit that breaks a GPU-only path fails here. Compiling
-and running them needs the GPU (tests/test_*_gpu.py).
+(flash attention, the LayerNorm kernels, the cross-entropy statistics) and the Mosaic GPU module (the FFN kernel:
+its layouts and its shared memory against the H100's 227 KB), so a jax upgrade or an edit that breaks a GPU-only
+path fails here. Compiling and running them needs the GPU (tests/test_*_gpu.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bert_jax.models import ffn_kernel, flash_attention, layer_norm_kernel
+from bert_jax.models import cross_entropy_kernel, ffn_kernel, flash_attention, layer_norm_kernel
 
 shape = jax.ShapeDtypeStruct
 
@@ -55,6 +55,13 @@ def test_layer_norm_kernels_lower(rate, branch_sums):
       meta, x, branch, scale, bias, branch_bias, rate=rate, epsilon=1e-12, dtype=jnp.bfloat16, interpret=False,
       block_rows=layer_norm_kernel.FORWARD_BLOCK_ROWS, num_warps=layer_norm_kernel.FORWARD_NUM_WARPS)
   assert "triton" in lower_for_cuda(forward, meta, x, x, vector, vector, vector if branch_sums else None)
+
+
+@pytest.mark.parametrize("rows, columns", [(4864, 30592), (2560, 30592), (64, 4096)])
+def test_cross_entropy_statistics_lower(rows, columns):
+  """The MLM loss's row statistics: the split chunk loop and the last, overlapping chunk (30592 = 119.5 x 256)."""
+  statistics = functools.partial(cross_entropy_kernel._statistics_2d, interpret=False)  # noqa: SLF001
+  assert "triton" in lower_for_cuda(statistics, shape((rows, columns), jnp.bfloat16), shape((rows,), jnp.int32))
 
 
 class _H100:

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import ops
+from bert_jax.models import cross_entropy_kernel, ops
 from bert_jax.models.encoder import LayerNorm
+from bert_jax.parallel.sharding import DEFAULT_RULES
 from bert_jax.train.objectives import cross_entropy_sums
 
 
@@ -156,6 +157,74 @@ def test_cross_entropy_gradient_matches_autodiff(dtype):
   tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=4e-3)
   _close(ours[0], expected[0], **tol)
   _close(ours[1], expected[1], rtol=1e-5, atol=1e-4)
+
+
+def _logits_with_ties(shape, key, dtype=jnp.bfloat16):
+  """Random logits with, in row 1, the maximum twice (first index 7) and every row's target drawn at random."""
+  keys = jax.random.split(key, 2)
+  logits = (4.0 * jax.random.normal(keys[0], shape)).astype(dtype)
+  row = (0,) * (len(shape) - 2) + (1,)
+  logits = logits.at[row + (7,)].set(30.0).at[row + (shape[-1] - 3,)].set(30.0)
+  return logits, jax.random.randint(keys[1], shape[:-1], 0, shape[-1])
+
+
+@pytest.mark.parametrize("columns", [4096, 4352, 30522, 30592])  # 4352: 17 chunks, one split; 30522: overlap
+def test_cross_entropy_kernel_statistics_match_xla(columns):
+  """The kernel's log-sum-exp to float32 rounding, the target's logit and the first argmax (ties) exactly."""
+  logits, targets = _logits_with_ties((4, 4, columns), jax.random.key(5))
+  log_z, target_logit, argmax = cross_entropy_kernel.row_statistics(logits, targets)
+  logits32 = logits.astype(jnp.float32)
+  _close(log_z, jax.nn.logsumexp(logits32, axis=-1), rtol=2e-6, atol=0)
+  np.testing.assert_array_equal(target_logit, jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0])
+  np.testing.assert_array_equal(argmax, jnp.argmax(logits, axis=-1))
+  assert int(argmax[0, 1]) == 7
+  ids = targets.at[0, 0].set(columns).at[0, 2].set(-1).at[0, 3].set(-columns - 1)  # as jnp.take_along_axis
+  np.testing.assert_array_equal(cross_entropy_kernel.row_statistics(logits, ids)[1],
+                                jnp.take_along_axis(logits32, ids[..., None], axis=-1)[..., 0])
+
+
+def test_cross_entropy_kernel_leaves_narrow_rows_and_odd_row_counts_to_xla():
+  assert cross_entropy_kernel.row_statistics(jnp.zeros((8, 384)), jnp.zeros((8,), jnp.int32)) is None
+  assert cross_entropy_kernel.row_statistics(jnp.zeros((6, 4096)), jnp.zeros((6,), jnp.int32)) is None
+  assert cross_entropy_kernel.row_statistics(jnp.zeros((8, 4000)), jnp.zeros((8,), jnp.int32)) is None
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4, 1), (2, 2, 2)])
+def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
+  """Loss, count and gradients through `implementation="pallas"` against "xla": per row shard on a data x fsdp
+  mesh; on a mesh splitting the vocabulary (tensor 2) the kernel steps aside and XLA reduces across shards."""
+  logits, targets = _logits_with_ties((16, 4, 4096), jax.random.key(6))
+  targets = targets.at[:, ::2].set(jnp.argmax(logits, axis=-1)[:, ::2])  # half the predictions right
+  weights = (jax.random.uniform(jax.random.key(7), (16, 4)) > 0.3).astype(jnp.float32)
+
+  def run(implementation):
+    def loss_and_grads(logits, weights):
+      sums = cross_entropy_sums(logits, targets, weights, implementation)
+      grads = jax.grad(lambda l, w: cross_entropy_sums(l, targets, w, implementation)[0], argnums=(0, 1))
+      return sums, grads(logits, weights)
+    uses_kernel = "pallas_call" in str(jax.make_jaxpr(loss_and_grads)(logits, weights))
+    assert uses_kernel == (implementation == "pallas" and mesh_shape != (2, 2, 2))
+    return jax.jit(loss_and_grads)(logits, weights)
+
+  if mesh_shape is None:
+    (loss, correct), grads = run("pallas")
+    (ref_loss, ref_correct), ref_grads = run("xla")
+  else:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "fsdp", "tensor"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+      logits, weights = jax.device_put(logits, sharding), jax.device_put(weights, sharding)
+      (loss, correct), grads = run("pallas")
+      (ref_loss, ref_correct), ref_grads = run("xla")
+  _close(loss, ref_loss, rtol=1e-6, atol=0)
+  assert float(correct) == float(ref_correct) and float(correct) > 0
+  np.testing.assert_array_equal(grads[0].astype(jnp.float32), ref_grads[0].astype(jnp.float32))
+  _close(grads[1], ref_grads[1], rtol=1e-6, atol=1e-5)  # the token losses: log-sum-exps to float32 rounding
+
+
+def test_cross_entropy_implementation_typo_is_named():
+  with pytest.raises(ValueError, match="implementation='palas'"):
+    cross_entropy_sums(jnp.zeros((2, 4096)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)), "palas")
 
 
 def test_bias_add_sums_its_gradient_in_float32():

@@ -54,7 +54,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
 from bert_jax.models.dropout import keep_index
 from bert_jax.parallel import sharding as sharding_lib
@@ -110,16 +109,6 @@ def _meta(seeds: Array, row_axes, rows: int) -> Array:
   `row_axes`, `rows` rows a shard; 0 without a mesh), since the mask hashes global row indices."""
   offset = jax.lax.axis_index(row_axes) * rows if row_axes else 0
   return jnp.stack([seeds[0], seeds[1], jnp.asarray(offset, jnp.int32)]).astype(jnp.int32)
-
-
-def _per_row_shard(fn, mesh, row_axes, in_kinds: str, out_kinds: str):
-  """fn on [rows, E] arrays ("r"), row vectors [rows] ("v") and replicated operands ("p"), as `in_kinds` and
-  `out_kinds` spell them: inside a mesh, a `shard_map` splitting the rows over `row_axes`; fn itself without one."""
-  if mesh is None:
-    return fn
-  specs = {"r": P(row_axes or None, None), "v": P(row_axes or None), "p": P()}
-  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs[k] for k in in_kinds),
-                       out_specs=tuple(specs[k] for k in out_kinds), check_vma=False)
 
 
 def _dropout(values: Array, rows: Array, first_col: int, features: int, seed0: Array, seed1: Array,
@@ -238,7 +227,7 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
                               block_rows=block_rows, step_rows=step_rows or default_step_rows,
                               num_warps=num_warps or default_warps))
 
-  run = _per_row_shard(run, mesh, row_axes, "rrvvpp", "r" * (full_outputs + 1))
+  run = sharding_lib.per_row_shard(run, mesh, row_axes, "rrvvpp", "r" * (full_outputs + 1))
   seeds = jnp.zeros((2,), jnp.int32) if seeds is None else seeds
   outputs = run(x.reshape(-1, features), dy.reshape(-1, features), mean.reshape(-1), rstd.reshape(-1), scale,
                 seeds)
@@ -365,7 +354,7 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
                        epsilon=epsilon, dtype=dtype, interpret=interpret, block_rows=block_rows,
                        num_warps=num_warps)
 
-  call = _per_row_shard(call, mesh, row_axes, "rrpppp", "rrvv")
+  call = sharding_lib.per_row_shard(call, mesh, row_axes, "rrpppp", "rrvv")
   y, s, mean, rstd = call(x.reshape(-1, features), branch.reshape(-1, features), scale, bias, seeds, branch_bias)
   return (y.reshape(*lead, features), s.reshape(*lead, features), mean.reshape(*lead, 1),
           rstd.reshape(*lead, 1))

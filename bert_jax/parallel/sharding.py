@@ -194,6 +194,17 @@ def row_shards(x: Any) -> tuple[Any, tuple[str, ...], int] | None:
   return mesh, row_axes, rows // math.prod(mesh.shape[axis] for axis in row_axes)
 
 
+def per_row_shard(fn, mesh, row_axes, in_kinds: str, out_kinds: str):
+  """fn on [rows, E] arrays ("r"), row vectors [rows] ("v") and replicated operands ("p"), as `in_kinds` and
+  `out_kinds` spell them: inside a mesh, a `jax.shard_map` splitting the rows over `row_axes` (`row_shards`); fn
+  itself without one."""
+  if mesh is None:
+    return fn
+  specs = {"r": PartitionSpec(row_axes or None, None), "v": PartitionSpec(row_axes or None), "p": PartitionSpec()}
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs[k] for k in in_kinds),
+                       out_specs=tuple(specs[k] for k in out_kinds), check_vma=False)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over data x fsdp; other axes replicated."""
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

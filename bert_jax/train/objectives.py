@@ -22,6 +22,7 @@ rtd (ELECTRA: generator MLM + 50 x replaced-token detection).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ import ml_collections
 import optax
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
+from bert_jax.models import cross_entropy_kernel
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
 
 OBJECTIVES = ("mlm+nsp", "mlm+sop", "mlm", "mlm+sbo", "ltr", "rtd")
@@ -40,49 +42,67 @@ SENTENCE_FORMATS = {"mlm+nsp": "segment_pair", "mlm+sop": "sop"}
 Array = jax.Array
 
 
-def cross_entropy_sums(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
+def cross_entropy_sums(logits: Array, targets: Array, weights: Array,
+                       implementation: str = "auto") -> tuple[Array, Array]:
   """Weighted sums of token cross-entropy and of correct argmax predictions (float32).
 
   Args:
     logits: [..., V] in any float dtype (the arithmetic is float32).
     targets: [...] int class ids.
     weights: [...] per-token weights (0 for padding predictions).
+    implementation: of the rows' statistics (log-sum-exp, target logit, argmax): "xla", "pallas" (one kernel
+      reading the logits once, `cross_entropy_kernel`; in the interpreter off GPU) or "auto" (the kernel on GPU).
+      XLA wherever the kernel does not apply (narrow rows, a vocabulary split by the mesh).
 
   Returns:
     (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
   """
-  targets = targets.astype(jnp.int32)
-  loss = _weighted_cross_entropy(logits, targets, weights.astype(jnp.float32))
-  correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
-  return loss, correct
+  if implementation not in ("auto", "xla", "pallas"):
+    raise ValueError(f"cross-entropy implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
+  return _weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32), implementation)
 
 
-@jax.custom_vjp
-def _weighted_cross_entropy(logits: Array, targets: Array, weights: Array) -> Array:
-  return _weighted_cross_entropy_fwd(logits, targets, weights)[0]
-
-
-def _weighted_cross_entropy_fwd(logits, targets, weights):
+def _row_statistics(logits: Array, targets: Array, implementation: str) -> tuple[Array, Array, Array]:
+  """(log-sum-exp, target logit, first argmax) of each row of logits, the first two in float32."""
+  if implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu"):
+    statistics = cross_entropy_kernel.row_statistics(logits, targets)
+    if statistics is not None:
+      return statistics
   logits32 = logits.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits32, axis=-1)
   target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
+  return log_z, target_logit, jnp.argmax(logits, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _weighted_cross_entropy(logits: Array, targets: Array, weights: Array, implementation: str
+                            ) -> tuple[Array, Array]:
+  return _weighted_cross_entropy_fwd(logits, targets, weights, implementation)[0]
+
+
+def _weighted_cross_entropy_fwd(logits, targets, weights, implementation):
+  log_z, target_logit, argmax = _row_statistics(logits, targets, implementation)
   token_loss = log_z - target_logit
-  return jnp.sum(token_loss * weights), (logits, targets, weights, log_z, token_loss)
+  correct = (argmax == targets).astype(jnp.float32)
+  return ((jnp.sum(token_loss * weights), jnp.sum(correct * weights)),
+          (logits, targets, weights, log_z, token_loss, correct))
 
 
-def _weighted_cross_entropy_bwd(residuals, g):
+def _weighted_cross_entropy_bwd(implementation, residuals, g):
   """d/dlogits = g * weight * (softmax - one_hot(target)), written in one elementwise pass in the logits' dtype.
 
   Autodiff of the forward gives a float32 [..., V] softmax plus a scatter-add
   for the target pick; for BERT's sparse MLM head that is a few [B * M, vocab]
-  float32 arrays per step.
+  float32 arrays per step. The correct-prediction count has no gradient in the logits.
   """
-  logits, targets, weights, log_z, token_loss = residuals
-  scale = (g * weights)[..., None]
+  del implementation
+  logits, targets, weights, log_z, token_loss, correct = residuals
+  g_loss, g_correct = g
+  scale = (g_loss * weights)[..., None]
   softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
   one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
   dlogits = (scale * (softmax - one_hot)).astype(logits.dtype)
-  return dlogits, None, g * token_loss
+  return dlogits, None, g_loss * token_loss + g_correct * correct
 
 
 _weighted_cross_entropy.defvjp(_weighted_cross_entropy_fwd, _weighted_cross_entropy_bwd)
