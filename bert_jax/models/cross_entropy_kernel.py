@@ -27,9 +27,10 @@ the target's logit and the argmax (ties: the first index, as `jnp.argmax`) are
 exact.
 
 Measured on an H100 (bench/cross_entropy.py, session 22; ms per call with
-XLA's combination): 0.129 against XLA's 0.301 at 4864 x 30592 (the floor, one
-read at 3 TB/s, 0.099), 0.071 against 0.163 at 2432 x 30592; in the BERT-Base
-seq-128 step 0.138 ms for the kernel against 0.379 for XLA's reductions.
+XLA's combination): 0.13 against XLA's 0.30 at 4864 x 30592 (the floor, one
+read at 3 TB/s, 0.099), 0.07 against 0.16 at 2432 x 30592; in the BERT-Base
+seq-128 step 0.142 ms for the kernel and ~0.008 for combining its splits,
+against 0.378 for XLA's reductions.
 
 Under a mesh the kernel runs per shard of the rows (`jax.shard_map` over the
 rules' "batch" axes); where the rules split the vocabulary (tensor
