@@ -71,6 +71,12 @@ class ModelConfig:
       its epilogue, and in the backward pass dh = (dy @ wo^T) GELU'(h) with
       the bias gradient as another, `ffn_kernel.py`, where shapes allow; XLA
       elsewhere) or "xla". Same values to rounding.
+    cross_entropy_impl: "auto" (default: "pallas" on GPU, "xla" elsewhere),
+      "xla" or "pallas": the MLM and SBO losses' row statistics (log-sum-exp,
+      target logit, argmax) as one Pallas kernel reading the logits once
+      (`cross_entropy_kernel.py`; rows of at least 4096 logits and a vocabulary
+      the mesh does not split, the XLA form otherwise; off GPU in Pallas'
+      interpreter, for tests). Same values to rounding.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
     vocab_pad_multiple: the MLM and SBO heads' tied vocabulary projection
@@ -110,6 +116,7 @@ class ModelConfig:
   attention_impl: str = "auto"
   layer_norm_impl: str = "auto"
   ffn_impl: str = "auto"
+  cross_entropy_impl: str = "auto"
   remat: str = "none"
   vocab_pad_multiple: int = 1
 
@@ -130,6 +137,7 @@ class ModelConfig:
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
                "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "flash", "xla"),
                "layer_norm_impl": ("auto", "xla", "pallas"), "ffn_impl": ("auto", "xla"),
+               "cross_entropy_impl": ("auto", "xla", "pallas"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16")}
     for field, allowed in choices.items():

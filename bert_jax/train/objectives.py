@@ -32,8 +32,8 @@ import ml_collections
 import optax
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
-from bert_jax.models import cross_entropy_kernel
-from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
+from bert_jax.models import (ElectraModel, ModelConfig, PretrainingModel, cross_entropy_kernel,
+                             electra_generator_config)
 
 OBJECTIVES = ("mlm+nsp", "mlm+sop", "mlm", "mlm+sbo", "ltr", "rtd")
 # The example format each objective's sentence head needs.
@@ -191,11 +191,12 @@ class Objective:
     common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
                   pack_ids=inputs["pack_ids"], packed=self.packed, deterministic=not train)
     out: dict[str, Array] = {}
+    implementation = self.model_config.cross_entropy_impl  # of the vocabulary-wide losses (MLM, SBO)
     if self.name == "rtd":
       model_out = self.model.apply({"params": params}, inputs["input_ids"], inputs["mlm_positions"],
                                    inputs["original_ids"], rngs=rngs, **common)
       out["mlm_loss"], out["mlm_correct"] = cross_entropy_sums(model_out["mlm_logits"], inputs["mlm_ids"],
-                                                               inputs["mlm_weights"])
+                                                               inputs["mlm_weights"], implementation)
       real = (inputs["pack_ids"] > 0).astype(jnp.float32)
       out["rtd_loss"], out["rtd_correct"] = binary_cross_entropy_sums(model_out["rtd_logits"],
                                                                       model_out["replaced"], real)
@@ -208,13 +209,13 @@ class Objective:
     model_out = self.model.apply({"params": params}, inputs["input_ids"], inputs["mlm_positions"], rngs=rngs,
                                  **common, **extra)
     out["mlm_loss"], out["mlm_correct"] = cross_entropy_sums(model_out["mlm_logits"], inputs["mlm_ids"],
-                                                             inputs["mlm_weights"])
+                                                             inputs["mlm_weights"], implementation)
     if "sentence" in self.weights:
       out["sentence_loss"], out["sentence_correct"] = cross_entropy_sums(
           model_out["sentence_logits"], inputs["sentence_labels"], inputs["sentence_weights"])
     if "sbo" in self.weights:
       out["sbo_loss"], out["sbo_correct"] = cross_entropy_sums(model_out["sbo_logits"], inputs["mlm_ids"],
-                                                               inputs["mlm_weights"])
+                                                               inputs["mlm_weights"], implementation)
     return out
 
   def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
