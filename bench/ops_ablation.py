@@ -12,6 +12,7 @@ LayerNorm, jax.nn.gelu, autodiff of the log-softmax pick): before, + LayerNorm,
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import pathlib
 import sys
 
@@ -23,16 +24,33 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import train_step  # noqa: E402
-from bert_jax.models import encoder, heads  # noqa: E402
+from bert_jax.models import encoder, heads, ops  # noqa: E402
 from bert_jax.train import objectives  # noqa: E402
 
 CURRENT = {"layer_norm": encoder.layer_norm, "activation": encoder.activation, "ce": objectives.cross_entropy_sums}
 
 
+class FlaxLayerNorm(nn.Module):
+  """flax.linen.LayerNorm behind `encoder.LayerNorm`'s call: the post-LN residual x + dropout(branch + bias)
+  computed apart, by XLA and autodiff, before it."""
+
+  config: Any
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x, branch=None, dropout=None, deterministic=True, branch_bias=None):
+    if branch is not None:
+      if branch_bias is not None:
+        branch = ops.bias_add(branch, branch_bias)
+      x = x + (branch if dropout is None else dropout(branch, deterministic)).astype(x.dtype)
+    cfg = self.config
+    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
+                        bias_init=encoder.bias_init((self.axis_name,)), use_fast_variance=False, name="LayerNorm")(x)
+
+
 def flax_layer_norm(config, name, axis_name="embed"):
-  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (axis_name,)),
-                      bias_init=encoder.bias_init((axis_name,)), use_fast_variance=False, name=name)
+  return FlaxLayerNorm(config, axis_name, name=name)
 
 
 def jax_activation(name):
