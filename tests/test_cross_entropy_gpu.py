@@ -15,13 +15,13 @@ import pytest
 from bert_jax.models import cross_entropy_kernel
 from bert_jax.models.heads import PAD_LOGIT
 from bert_jax.train.objectives import cross_entropy_sums
-from test_ops import _logits_with_ties
+from test_ops import logits_with_ties
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton)")
 
 
 def _mlm_logits(rows: int, columns: int, vocab: int):
-  logits, targets = _logits_with_ties((rows, columns), jax.random.key(rows))
+  logits, targets = logits_with_ties((rows, columns), jax.random.key(rows))
   targets = jnp.minimum(targets, vocab - 1).at[::2].set(jnp.argmax(logits[::2, :vocab], axis=-1))
   return logits.at[:, vocab:].set(PAD_LOGIT), targets
 

@@ -159,7 +159,7 @@ def test_cross_entropy_gradient_matches_autodiff(dtype):
   _close(ours[1], expected[1], rtol=1e-5, atol=1e-4)
 
 
-def _logits_with_ties(shape, key, dtype=jnp.bfloat16):
+def logits_with_ties(shape, key, dtype=jnp.bfloat16):
   """Random logits with, in row 1, the maximum twice (first index 7) and every row's target drawn at random."""
   keys = jax.random.split(key, 2)
   logits = (4.0 * jax.random.normal(keys[0], shape)).astype(dtype)
@@ -171,7 +171,7 @@ def _logits_with_ties(shape, key, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("columns", [4096, 4352, 30522, 30592])  # 4352: 17 chunks, one split; 30522: overlap
 def test_cross_entropy_kernel_statistics_match_xla(columns):
   """The kernel's log-sum-exp to float32 rounding, the target's logit and the first argmax (ties) exactly."""
-  logits, targets = _logits_with_ties((4, 4, columns), jax.random.key(5))
+  logits, targets = logits_with_ties((4, 4, columns), jax.random.key(5))
   log_z, target_logit, argmax = cross_entropy_kernel.row_statistics(logits, targets)
   logits32 = logits.astype(jnp.float32)
   _close(log_z, jax.nn.logsumexp(logits32, axis=-1), rtol=2e-6, atol=0)
@@ -193,7 +193,7 @@ def test_cross_entropy_kernel_leaves_narrow_rows_and_odd_row_counts_to_xla():
 def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
   """Loss, count and gradients through `implementation="pallas"` against "xla": per row shard on a data x fsdp
   mesh; on a mesh splitting the vocabulary (tensor 2) the kernel steps aside and XLA reduces across shards."""
-  logits, targets = _logits_with_ties((16, 4, 4096), jax.random.key(6))
+  logits, targets = logits_with_ties((16, 4, 4096), jax.random.key(6))
   targets = targets.at[:, ::2].set(jnp.argmax(logits, axis=-1)[:, ::2])  # half the predictions right
   weights = (jax.random.uniform(jax.random.key(7), (16, 4)) > 0.3).astype(jnp.float32)
 
