@@ -49,7 +49,8 @@ from bert_jax.models import dropout, ffn_kernel, layer_norm_kernel
 Array = jax.Array
 
 
-def _use_kernel(implementation: str) -> bool:
+def use_kernel(implementation: str) -> bool:
+  """Whether an "auto" / "xla" / "pallas" implementation choice runs the Pallas kernel here ("auto": on GPU)."""
   return implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu")
 
 
@@ -98,7 +99,7 @@ def _layer_norm_fwd(x, scale, bias, epsilon, dtype, implementation="auto"):
 def _layer_norm_bwd(epsilon, dtype, implementation, residuals, dy):
   del epsilon, dtype
   x, mean, rstd, scale, bias = residuals
-  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if _use_kernel(implementation) else None
+  kernel = layer_norm_kernel.layer_norm_backward(x, dy, mean, rstd, scale) if use_kernel(implementation) else None
   if kernel is not None:
     dx, dscale, dbias = kernel
     return dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
@@ -151,7 +152,7 @@ def _add_layer_norm_fwd(x, branch, branch_bias, scale, bias, seeds, rate, epsilo
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"add_layer_norm: dropout rate {rate} not in [0, 1)")
   fused = None
-  if _use_kernel(implementation):
+  if use_kernel(implementation):
     fused = layer_norm_kernel.add_layer_norm_forward(x, branch, scale, bias, seeds, rate, epsilon, dtype,
                                                      branch_bias)
   if fused is not None:
@@ -167,7 +168,7 @@ def _add_layer_norm_fwd(x, branch, branch_bias, scale, bias, seeds, rate, epsilo
 def _add_layer_norm_bwd(rate, epsilon, dtype, implementation, residuals, dy):
   total, mean, rstd, scale, bias, seeds, branch_bias = residuals
   kernel = None
-  if _use_kernel(implementation):
+  if use_kernel(implementation):
     kernel = layer_norm_kernel.add_layer_norm_backward(total, dy, mean, rstd, scale, seeds, rate,
                                                        branch_sums=branch_bias is not None)
   if kernel is not None:

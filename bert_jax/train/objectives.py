@@ -33,7 +33,7 @@ import optax
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
 from bert_jax.models import (ElectraModel, ModelConfig, PretrainingModel, cross_entropy_kernel,
-                             electra_generator_config)
+                             electra_generator_config, ops)
 
 OBJECTIVES = ("mlm+nsp", "mlm+sop", "mlm", "mlm+sbo", "ltr", "rtd")
 # The example format each objective's sentence head needs.
@@ -64,7 +64,7 @@ def cross_entropy_sums(logits: Array, targets: Array, weights: Array,
 
 def _row_statistics(logits: Array, targets: Array, implementation: str) -> tuple[Array, Array, Array]:
   """(log-sum-exp, target logit, first argmax) of each row of logits, the first two in float32."""
-  if implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu"):
+  if ops.use_kernel(implementation):
     statistics = cross_entropy_kernel.row_statistics(logits, targets)
     if statistics is not None:
       return statistics
