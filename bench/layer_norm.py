@@ -16,9 +16,8 @@ Three tables, one line per [rows, features] input, ms per call:
   * forward of that residual: XLA's form of `ops.add_layer_norm` and
     `layer_norm_kernel.add_layer_norm_forward`, with the floor of reading x and
     the branch and writing the sum and y once.
-Each backward kernel is timed for every (block_rows, step_rows, num_warps,
-prefetch) ("Nr/Ss/Ww", "+p" with the next step's loads issued first), the
-forward for every (block_rows, num_warps) ("Nr/Ww").
+Each backward kernel is timed for every (block_rows, step_rows, num_warps)
+("Nr/Ss/Ww"), the forward for every (block_rows, num_warps) ("Nr/Ww").
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ def inputs(rows: int, features: int, dtype=jnp.bfloat16):
   return x, dy, mean, rstd, scale
 
 
-def time_backward(rows: int, features: int, launch: tuple[int, int, int, int] | None, iters: int) -> float:
-  """ms per backward call; launch (block_rows, step_rows, num_warps, prefetch), None: the XLA form."""
+def time_backward(rows: int, features: int, launch: tuple[int, int, int] | None, iters: int) -> float:
+  """ms per backward call; launch (block_rows, step_rows, num_warps), None: the XLA form."""
   x, dy, mean, rstd, scale = inputs(rows, features)
   if launch is None:
     bias = jnp.zeros_like(scale)
@@ -61,11 +60,11 @@ def time_backward(rows: int, features: int, launch: tuple[int, int, int, int] | 
   return time_ms(fn, x, dy, mean, rstd, scale, iters=iters)
 
 
-def _launch_kwargs(launch: tuple[int, int, int, int]) -> dict[str, int]:
-  return dict(zip(("block_rows", "step_rows", "num_warps", "prefetch"), launch))
+def _launch_kwargs(launch: tuple[int, int, int]) -> dict[str, int]:
+  return dict(zip(("block_rows", "step_rows", "num_warps"), launch))
 
 
-def time_residual_backward(rows: int, features: int, launch: tuple[int, int, int, int] | str | None, iters: int
+def time_residual_backward(rows: int, features: int, launch: tuple[int, int, int] | str | None, iters: int
                            ) -> float:
   """ms per post-LN residual backward call (dx, dbranch, dscale, dbias, dbranch_bias); launch None: the XLA
   form, "split": the plain backward kernel at its default launch and XLA's dropout backward and bias sum."""
@@ -86,9 +85,9 @@ def time_residual_backward(rows: int, features: int, launch: tuple[int, int, int
   return time_ms(fn, dy, *residuals, iters=iters)
 
 
-def time_forward(rows: int, features: int, launch: tuple[int, int, int, int] | None, iters: int) -> float:
+def time_forward(rows: int, features: int, launch: tuple[int, int, int] | None, iters: int) -> float:
   """ms per residual LayerNorm forward call (y, the sum and the statistics, with the branch's bias); launch
-  (block_rows, 0, num_warps, 0), None: the XLA form."""
+  (block_rows, 0, num_warps), None: the XLA form."""
   x, branch, _, _, scale = inputs(rows, features)
   bias, seeds = jnp.zeros_like(scale), jnp.asarray([1, 2], jnp.int32)
   if launch is None:
@@ -106,8 +105,6 @@ def main() -> None:
   parser.add_argument("--blocks", default="8,16,32,64", help="block_rows values")
   parser.add_argument("--step-rows", default="1,2", help="the backward kernels' rows per loop step")
   parser.add_argument("--warps", default="1,2,4,8", help="num_warps values")
-  parser.add_argument("--prefetch", default="0", help="the backward kernels' prefetch values (0, 1: each loop step "
-                      "issues the next one's loads first)")
   parser.add_argument("--passes", default="backward,residual,forward")
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the floor column (H100: ~3.0)")
@@ -118,11 +115,10 @@ def main() -> None:
                                 "residual": (time_residual_backward, 4, [None, "split"]),
                                 "forward": (time_forward, 4, [None])}[part]
     steps = [0] if part == "forward" else numbers(args.step_rows)
-    prefetch = [0] if part == "forward" else numbers(args.prefetch)
-    launches = baselines + list(itertools.product(numbers(args.blocks), steps, numbers(args.warps), prefetch))
+    launches = baselines + list(itertools.product(numbers(args.blocks), steps, numbers(args.warps)))
     header = ["rows x features", "floor"] + [
         {None: "xla", "split": "split"}.get(l) if not isinstance(l, tuple) else
-        (f"{l[0]}r/{l[2]}w" if not l[1] else f"{l[0]}r/{l[1]}s/{l[2]}w") + ("+p" if l[3] else "") for l in launches]
+        f"{l[0]}r/{l[2]}w" if not l[1] else f"{l[0]}r/{l[1]}s/{l[2]}w" for l in launches]
     width = max(len(h) for h in header) + 1
     print(f"\nLayerNorm {part}, ms per call ({jax.devices()[0].device_kind})")
     print("".join(h.rjust(width) for h in header), flush=True)

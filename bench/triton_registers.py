@@ -2,7 +2,6 @@
 
   python bench/triton_registers.py                             # B=256 L=128, 12 heads x 64, dropout 0.1
   python bench/triton_registers.py --shape 64x512 --layer-norm # also the LayerNorm kernels (rows B*L)
-  python bench/triton_registers.py --layer-norm --prefetch      # their backward with the next step's loads first
   python bench/triton_registers.py --dump /tmp/kernels         # keep each kernel's TTIR, PTX and ptxas log
   python bench/triton_registers.py --cross-entropy              # also the MLM loss's row statistics (4864 x 30592)
 
@@ -134,7 +133,7 @@ def kernel_calls(args) -> list[tuple[str | None, object, tuple]]:
       step_rows, num_warps = layer_norm_kernel.backward_launch(features, branch_sums)
       return lambda *a: layer_norm_kernel._backward_2d(  # noqa: SLF001
           *a, rate=rate, branch_sums=branch_sums, interpret=False, block_rows=layer_norm_kernel.BLOCK_ROWS,
-          step_rows=step_rows, num_warps=num_warps, prefetch=args.prefetch)
+          step_rows=step_rows, num_warps=num_warps)
 
     calls += [("add_layer_norm_forward", forward, (meta, x, x, vector, vector, vector)),
               ("add_layer_norm_backward", backward(args.dropout, True), (meta, x, x, stats, stats, vector)),
@@ -154,7 +153,6 @@ def main():
   parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--packed", action="store_true", help="flash kernels with the per-pair pack-id compare")
   parser.add_argument("--layer-norm", action="store_true", help="also the LayerNorm kernels")
-  parser.add_argument("--prefetch", action="store_true", help="the LayerNorm backward kernels with prefetch=True")
   parser.add_argument("--cross-entropy", action="store_true", help="also the MLM loss's row statistics kernel")
   parser.add_argument("--mlm-logits", default="4864x30592", help="ROWSxVOCAB of --cross-entropy")
   parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200, sm_90a)")

@@ -40,18 +40,17 @@ def test_flash_attention_forward_and_backward_lower(packed, bias):
   assert text.count("triton") >= 3  # the forward, dQ and dK/dV kernels
 
 
-@pytest.mark.parametrize("rate, branch_sums, prefetch", [(0.0, False, False), (0.1, True, False), (0.0, True, False),
-                                                      (0.1, True, True)])
-def test_layer_norm_kernels_lower(rate, branch_sums, prefetch):
+@pytest.mark.parametrize("rate, branch_sums", [(0.0, False), (0.1, True), (0.0, True)])
+def test_layer_norm_kernels_lower(rate, branch_sums):
   """Both kernels, as `ops.layer_norm` (the plain backward) and the post-LN residual (with and without the
-  dropout mask, with the branch bias) call them; the backward also with `prefetch`."""
+  dropout mask, with the branch bias) call them."""
   rows, features = 4096, 768
   x, stats, vector = shape((rows, features), jnp.bfloat16), shape((rows,), jnp.float32), shape((features,), jnp.float32)
   meta = shape((3,), jnp.int32)
   step_rows, num_warps = layer_norm_kernel.backward_launch(features, branch_sums)
   backward = lambda *a: layer_norm_kernel._backward_2d(  # noqa: E731, SLF001
       *a, rate=rate, branch_sums=branch_sums, interpret=False, block_rows=layer_norm_kernel.BLOCK_ROWS,
-      step_rows=step_rows, num_warps=num_warps, prefetch=prefetch)
+      step_rows=step_rows, num_warps=num_warps)
   assert "triton" in lower_for_cuda(backward, meta, x, x, stats, stats, vector)
   forward = lambda meta, x, branch, scale, bias, branch_bias: layer_norm_kernel._forward_2d(  # noqa: E731, SLF001
       meta, x, branch, scale, bias, branch_bias, rate=rate, epsilon=1e-12, dtype=jnp.bfloat16, interpret=False,

@@ -316,23 +316,6 @@ def test_add_layer_norm_backward_kernel_hashes_the_forward_mask():
   assert layer_norm_kernel.add_layer_norm_backward(x, dy, mean, rstd, scale, seeds, 0.25, False)[4] is None
 
 
-@pytest.mark.parametrize("step_rows", [1, 2])
-def test_layer_norm_backward_prefetch_is_the_same_arithmetic(step_rows):
-  """`prefetch` (each loop step issues the next one's loads first) changes when rows are loaded, not what is
-  computed: the plain and residual backward kernels give the same bits (the interpreter)."""
-  from bert_jax.models import layer_norm_kernel
-  x, dy, scale, _ = layer_norm_inputs((4, 32, 256), jnp.bfloat16)
-  x32 = x.astype(jnp.float32)
-  mean = jnp.mean(x32, -1, keepdims=True)
-  rstd = jax.lax.rsqrt(jnp.var(x32, -1, keepdims=True) + 1e-12)
-  seeds = jnp.asarray([3, -77], jnp.int32)
-  for run in (functools.partial(layer_norm_kernel.layer_norm_backward, x, dy, mean, rstd, scale),
-              functools.partial(layer_norm_kernel.add_layer_norm_backward, x, dy, mean, rstd, scale, seeds, 0.25,
-                                True)):
-    for a, b in zip(run(step_rows=step_rows, prefetch=False), run(step_rows=step_rows, prefetch=True)):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_add_layer_norm_kernels_per_shard_equal_unsharded():
   """Under a 4-way batch mesh each device hashes its own rows with their global indices, in both kernels: the same
   mask; the branch bias's partial sums are added across shards."""

@@ -66,9 +66,6 @@ Array = jax.Array
 BLOCK_ROWS = 32
 STEP_ROWS = 2
 CHUNK = 128
-# Whether the backward kernel's loop steps issue the next step's loads before computing their own (offline,
-# Triton 3.8: registers a thread at BERT-Base's width in bench/NOTES.md, session 22). Not yet timed on a GPU.
-PREFETCH = False
 # The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches on an H100
 # (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138). A row
 # loop like the backward's was slower at all nine launches tried (16-64 rows a program, 1-2 a step; session 18).
@@ -125,12 +122,10 @@ def _dropout(values: Array, rows: Array, first_col: int, features: int, seed0: A
 
 
 def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, features: int, block_rows: int,
-            step_rows: int, chunk: int, rate: float, branch_sums: bool, prefetch: bool):
+            step_rows: int, chunk: int, rate: float, branch_sums: bool):
   """The backward over `block_rows` rows, `step_rows` at a time in a loop: each step loads its rows once (every
   column chunk), reduces them along the features, writes dx and adds dy * xhat and dy into column accumulators
-  of the step's shape, reduced across rows once at the end (no cross-thread column reduction per step). With
-  `prefetch`, each step first issues the next step's loads (carried to it in registers), so that they are in
-  flight while this step computes and stores.
+  of the step's shape, reduced across rows once at the end (no cross-thread column reduction per step).
 
   The post-LN residual's backward (`add_layer_norm_backward`) adds: with `rate` > 0, the branch's gradient
   dx * dropout multiplier (the mask hashed from `meta_ref`'s seeds and the global element index, as the forward
@@ -144,20 +139,12 @@ def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, f
   first_row = meta_ref[2] + pl.program_id(0) * block_rows
   seed0, seed1 = meta_ref[0], meta_ref[1]
 
-  def step_slice(i):  # i: the loop's index, or a static step (prefetch's first load and last step)
-    return pl.ds(i * step_rows if isinstance(i, int) else pl.multiple_of(i * step_rows, step_rows), step_rows)
-
-  def load(i):
-    rows = step_slice(i)
-    return (mean_ref[rows], rstd_ref[rows], tuple(dy_ref[rows, cols] for cols in chunks),
-            tuple(x_ref[rows, cols] for cols in chunks))
-
-  def compute(i, loaded, accumulators):
-    rows = step_slice(i)
-    mean, rstd, dys, xs = loaded
-    mean, rstd = mean[:, None], rstd[:, None]
-    dys = [dy.astype(jnp.float32) for dy in dys]
-    xhats = [(x.astype(jnp.float32) - mean) * rstd for x in xs]
+  def step(i, accumulators):
+    rows = pl.ds(pl.multiple_of(i * step_rows, step_rows), step_rows)
+    mean = mean_ref[rows][:, None]
+    rstd = rstd_ref[rows][:, None]
+    dys = [dy_ref[rows, cols].astype(jnp.float32) for cols in chunks]
+    xhats = [(x_ref[rows, cols].astype(jnp.float32) - mean) * rstd for cols in chunks]
     gs = [dy * scale for dy, scale in zip(dys, scales)]
     mean_g = (sum(jnp.sum(g, axis=1) for g in gs) / features)[:, None]
     mean_gx = (sum(jnp.sum(g * xhat, axis=1) for g, xhat in zip(gs, xhats)) / features)[:, None]
@@ -178,27 +165,15 @@ def _kernel(meta_ref, x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, *out_refs, f
             tuple(a + dy for a, dy in zip(dbias, dys)), dbranch_bias)
 
   zeros = tuple(jnp.zeros((step_rows, chunk), jnp.float32) for _ in chunks)
-  accumulators = (zeros, zeros, zeros if branch_sums else ())
-  steps = block_rows // step_rows
-  if prefetch:
-    def prefetching_step(i, carry):
-      accumulators, loaded = carry
-      following = load(i + 1)
-      return compute(i, loaded, accumulators), following
-
-    accumulators, loaded = jax.lax.fori_loop(0, steps - 1, prefetching_step, (accumulators, load(0)))
-    accumulators = compute(steps - 1, loaded, accumulators)
-  else:
-    accumulators = jax.lax.fori_loop(0, steps, lambda i, a: compute(i, load(i), a), accumulators)
-  dscale, dbias, dbranch_bias = accumulators
+  dscale, dbias, dbranch_bias = jax.lax.fori_loop(0, block_rows // step_rows, step,
+                                                  (zeros, zeros, zeros if branch_sums else ()))
   for k, accumulator in enumerate((dscale, dbias) + ((dbranch_bias,) if branch_sums else ())):
     for c in range(len(chunks)):
       sums_ref[pl.ds(k * features + c * chunk, chunk)] = jnp.sum(accumulator[c], axis=0)
 
 
 def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *, rate: float,
-                 branch_sums: bool, interpret: bool, block_rows: int, step_rows: int, num_warps: int,
-                 prefetch: bool = False) -> list[Array]:
+                 branch_sums: bool, interpret: bool, block_rows: int, step_rows: int, num_warps: int) -> list[Array]:
   """[R, E] x and dy, [R] statistics -> dx [R, E], (with `rate` > 0) the branch gradient [R, E], and partial
   sums [R / block_rows, n * E] of dy * xhat, dy and (with `branch_sums`) the branch gradient, side by side in one
   array: XLA adds the programs' partial sums of all n in one reduction (H100, session 19: these reductions took
@@ -220,7 +195,7 @@ def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, sca
   out_specs = [row_block] + [row_block] * (rate > 0) + [partial]
   return pl.pallas_call(
       functools.partial(_kernel, features=features, block_rows=block_rows, step_rows=step_rows, chunk=chunk,
-                        rate=rate, branch_sums=branch_sums, prefetch=prefetch and block_rows > step_rows),
+                        rate=rate, branch_sums=branch_sums),
       grid=(blocks,),
       in_specs=[pl.BlockSpec((3,), lambda i: (0,)), row_block, row_block, stats, stats,
                 pl.BlockSpec((features,), lambda i: (0,))],
@@ -233,8 +208,8 @@ def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, sca
 
 
 def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds: Array | None, rate: float,
-              branch_sums: bool, block_rows: int, step_rows: int | None, num_warps: int | None,
-              prefetch: bool) -> list[Array] | None:
+              branch_sums: bool, block_rows: int, step_rows: int | None, num_warps: int | None
+              ) -> list[Array] | None:
   """`_backward_2d` on [..., E] arrays, per row shard under a mesh; the partial sums added. None where the kernel
   does not apply."""
   features = x.shape[-1]
@@ -250,7 +225,7 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
     return tuple(_backward_2d(_meta(seeds, row_axes, rows), x, dy, mean, rstd, scale, rate=rate,
                               branch_sums=branch_sums, interpret=jax.default_backend() != "gpu",
                               block_rows=block_rows, step_rows=step_rows or default_step_rows,
-                              num_warps=num_warps or default_warps, prefetch=prefetch))
+                              num_warps=num_warps or default_warps))
 
   run = sharding_lib.per_row_shard(run, mesh, row_axes, "rrvvpp", "r" * (full_outputs + 1))
   seeds = jnp.zeros((2,), jnp.int32) if seeds is None else seeds
@@ -261,24 +236,24 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
 
 
 def layer_norm_backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *,
-                        block_rows: int = BLOCK_ROWS, step_rows: int | None = None, num_warps: int | None = None,
-                        prefetch: bool = PREFETCH) -> tuple[Array, Array, Array] | None:
+                        block_rows: int = BLOCK_ROWS, step_rows: int | None = None, num_warps: int | None = None
+                        ) -> tuple[Array, Array, Array] | None:
   """(dx, dscale, dbias) of LayerNorm over the last axis; x, dy [..., E], mean and rstd [..., 1] float32.
 
   dscale and dbias are float32 sums over every row. None where the kernel
   does not apply: a width that is not a multiple of CHUNK, or rows (per shard,
   under a mesh) that are not a multiple of `block_rows`; the caller then uses
-  the XLA form. `block_rows`, `step_rows`, `num_warps` (None:
-  `backward_launch`'s) and `prefetch` (each loop step issues the next one's
-  loads first) are the launch parameters (`bench/layer_norm.py` sweeps them).
+  the XLA form. `block_rows`, `step_rows` and `num_warps` (None:
+  `backward_launch`'s) are the launch parameters (`bench/layer_norm.py` sweeps
+  them).
   """
-  outputs = _backward(x, dy, mean, rstd, scale, None, 0.0, False, block_rows, step_rows, num_warps, prefetch)
+  outputs = _backward(x, dy, mean, rstd, scale, None, 0.0, False, block_rows, step_rows, num_warps)
   return None if outputs is None else tuple(outputs)
 
 
 def add_layer_norm_backward(total: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds: Array,
                             rate: float, branch_sums: bool, *, block_rows: int = BLOCK_ROWS,
-                            step_rows: int | None = None, num_warps: int | None = None, prefetch: bool = PREFETCH
+                            step_rows: int | None = None, num_warps: int | None = None
                             ) -> tuple[Array, Array, Array, Array, Array | None] | None:
   """The backward of the post-LN residual y = LayerNorm(total), total = x + dropout(branch (+ its bias)):
   (dtotal, dbranch, dscale, dbias, dbranch_bias) from one kernel.
@@ -288,8 +263,7 @@ def add_layer_norm_backward(total: Array, dy: Array, mean: Array, rstd: Array, s
   column sums with `branch_sums`, else None. None where the kernel does not apply; the launch parameters: as
   `layer_norm_backward`'s.
   """
-  outputs = _backward(total, dy, mean, rstd, scale, seeds, rate, branch_sums, block_rows, step_rows, num_warps,
-                      prefetch)
+  outputs = _backward(total, dy, mean, rstd, scale, seeds, rate, branch_sums, block_rows, step_rows, num_warps)
   if outputs is None:
     return None
   if rate == 0:
