@@ -97,28 +97,36 @@ def peak_memory_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
-def idle_summary(kernels: list[dict[str, Any]], steps: int) -> str:
-  """How long the device sat idle between kernels: the traced span less the union of the kernels' intervals.
+def idle_summary(kernels: list[dict[str, Any]], steps: int, largest: int = 6) -> list[str]:
+  """How long the device sat idle between kernels: the traced span less the union of the kernels' intervals,
+  then the largest gaps' total by the kernels either side of them.
 
   Inside a CUDA-graph command buffer each kernel's launch waits for the one before it, so this is mostly
   the launch latency between dependent kernels (and any gap between steps), which only fewer kernels reduce.
   """
-  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)
+  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e["name"]) for e in kernels)
   if not spans:
-    return "no device kernels traced"
-  busy, gaps, (start, end) = 0.0, [], spans[0]
-  for lo, hi in spans[1:]:
+    return ["no device kernels traced"]
+  busy, gaps, (start, end, last) = 0.0, [], spans[0]
+  by_neighbours: collections.Counter = collections.Counter()
+  for lo, hi, name in spans[1:]:
     if lo > end:
       busy += end - start
       gaps.append(lo - end)
+      by_neighbours[(last[:40], name[:40])] += lo - end
       start, end = lo, hi
-    else:
-      end = max(end, hi)
+    elif hi > end:
+      end = hi
+    if hi >= end:
+      last = name
   busy += end - start
   span = end - spans[0][0]
   median = float(np.median(gaps)) if gaps else 0.0
-  return (f"device span {span / steps / 1e3:.2f} ms/step: busy {busy / steps / 1e3:.2f}, idle "
-          f"{(span - busy) / steps / 1e3:.2f} in {len(gaps) / steps:g} gaps/step (median {median:.1f} us)")
+  lines = [f"device span {span / steps / 1e3:.2f} ms/step: busy {busy / steps / 1e3:.2f}, idle "
+           f"{(span - busy) / steps / 1e3:.2f} in {len(gaps) / steps:g} gaps/step (median {median:.1f} us)"]
+  for (before, after), us in by_neighbours.most_common(largest):
+    lines.append(f"  idle {us / steps / 1e3:.3f} ms/step between {before} and {after}")
+  return lines
 
 
 def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) -> list[str]:
@@ -150,7 +158,7 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
       calls[event["name"]] += 1
   total_us = sum(totals.values())
   lines = [f"device time {total_us / steps / 1e3:.2f} ms/step over {steps} traced steps ({path.parent.name})"]
-  lines.append(idle_summary([e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids], steps))
+  lines += idle_summary([e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids], steps)
   for op, us in totals.most_common(top):
     lines.append(f"{us / steps / 1e3:8.3f} ms {100 * us / total_us:5.1f}%  {op:28.28s} {op_names.get(op, '')[-110:]}")
   lines.append("by kernel (ms/step, share, calls/step, kernel, JAX source of the fusion of that name):")
@@ -293,8 +301,11 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
     with gzip.open(pathlib.Path(profile_dir) / "train_step.hlo.txt.gz", "wt") as handle:
       handle.write(hlo_text)
     profile = profile_summary(profile_dir, hlo_text, steps=traced)
+    intervals = np.diff([start] + finished.times) * 1e3
     profile.insert(1, f"host wall time of the traced steps {traced_s * 1e3:.2f} ms/step (timed loop: "
-                      f"{seconds * 1e3:.2f}, steady: {steady * 1e3 if steady else float('nan'):.2f})")
+                      f"{seconds * 1e3:.2f}, steady: {steady * 1e3 if steady else float('nan'):.2f}; the timed "
+                      f"loop's completions after its start, then after each other: "
+                      f"{' '.join(f'{t:.1f}' for t in intervals)} ms)")
   if iterator is not None:
     iterator.close()
 
