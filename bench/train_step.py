@@ -280,9 +280,11 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
   tokens = 0
   finished = CompletionTimes()
   start = time.perf_counter()
+  dispatched = []
   for index in range(steps):
     batch, real = next_batch(index)
     state, metrics = compiled(state, batch)
+    dispatched.append(time.perf_counter())
     finished.watch(metrics)
     tokens += real
   loss = float(metrics["loss"])  # Waits for the last step.
@@ -305,7 +307,8 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
     profile.insert(1, f"host wall time of the traced steps {traced_s * 1e3:.2f} ms/step (timed loop: "
                       f"{seconds * 1e3:.2f}, steady: {steady * 1e3 if steady else float('nan'):.2f}; the timed "
                       f"loop's completions after its start, then after each other: "
-                      f"{' '.join(f'{t:.1f}' for t in intervals)} ms)")
+                      f"{' '.join(f'{t:.1f}' for t in intervals)} ms; its calls returned after "
+                      f"{' '.join(f'{t:.1f}' for t in np.diff([start] + dispatched) * 1e3)} ms)")
   if iterator is not None:
     iterator.close()
 
