@@ -153,6 +153,31 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path)
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(params))
 
 
+def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
+  """A log step's metrics are read once the following step is on its way (the device stays busy); evaluation,
+  checkpoints and the last step read them at once. The logged steps are the same."""
+  from bert_jax.train import metrics as metrics_lib
+  dispatched, fetched_at = [0], []
+  make_train_step = trainer.make_train_step
+
+  def counting_make_train_step(*args, **kwargs):
+    step = make_train_step(*args, **kwargs)
+
+    def counted(state, batch):
+      dispatched[0] += 1
+      return step(state, batch)
+    return counted
+
+  to_python = metrics_lib.to_python
+  monkeypatch.setattr(trainer, "make_train_step", counting_make_train_step)
+  monkeypatch.setattr(metrics_lib, "to_python", lambda m: fetched_at.append(dispatched[0]) or to_python(m))
+  result = trainer.train_and_evaluate(tiny_config(prepared, steps=9, log_every=2, checkpoint_every=6, eval_every=0),
+                                      tmp_path)
+  assert [h["step"] for h in result["history"]] == [2, 4, 6, 8, 9]
+  # Steps 1-2 read when step 3 was dispatched, 3-4 at 5, 5-6 at once (checkpoint), 7-8 at 9, then 9 (last).
+  assert fetched_at == [3, 3, 5, 5, 6, 6, 9, 9, 9], fetched_at
+
+
 def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slices(tmp_path, monkeypatch):
   """Checkpointer's Orbax array handler: replica-parallel writes only for slices of MIN_REPLICA_SLICE_BYTES or
   more (a compiled slice per shape and device made first saves of small states slow); both kinds read back."""
