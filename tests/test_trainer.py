@@ -153,6 +153,23 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path)
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(params))
 
 
+def test_pending_metrics_reads_a_log_step_at_the_next_add():
+  from bert_jax.train import metrics as metrics_lib
+  reads = []
+  pending = metrics_lib.PendingMetrics(lambda step, fetched: reads.append((step, [m["loss"] for m in fetched])))
+  for step in (1, 2):
+    pending.add({"loss": np.float32(step)})
+  pending.log_next(2)
+  assert reads == []  # not yet: step 3 is not dispatched
+  pending.add({"loss": np.float32(3)})
+  assert reads == [(2, [1.0, 2.0])]
+  pending.log_next(3)
+  pending.flush(3)  # at once (evaluation, checkpoint, last step); the log step is done with
+  pending.flush(3)
+  pending.add({"loss": np.float32(4)})
+  assert reads == [(2, [1.0, 2.0]), (3, [3.0])]
+
+
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
   """A log step's metrics are read once the following step is on its way (the device stays busy); evaluation,
   checkpoints and the last step read them at once. The logged steps are the same."""

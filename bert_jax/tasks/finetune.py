@@ -388,27 +388,25 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   num_rows = len(run.train_features["input_ids"])
   selection_split = task.eval_splits[0]
   history: list[dict[str, Any]] = []
-  pending: list[dict[str, jax.Array]] = []
   selected: dict[str, Any] | None = None
   evaluations_since_best = 0
   train_seconds = eval_seconds = 0.0
   step, stopped_early = 0, False
 
-  def flush() -> None:
-    if not pending:
-      return
-    fetched = [metrics_lib.to_python(m) for m in pending]
-    pending.clear()
-    if any(m["nonfinite"] for m in fetched):
-      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients before step {step}; "
+  def read_metrics(logged_step: int, fetched: list[dict[str, float]]) -> None:
+    bad = [logged_step - len(fetched) + i + 1 for i, m in enumerate(fetched) if m["nonfinite"]]
+    if bad:
+      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients at step {bad[0]}; "
                                "try a lower config.optim.lr or more warmup")
     averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "nonfinite"}
-    writer.write(step, averaged, prefix="train/")
+    writer.write(logged_step, averaged, prefix="train/")
+
+  pending = metrics_lib.PendingMetrics(read_metrics)  # a log step's metrics read after the next dispatch
 
   def evaluate(epoch: float) -> bool:
     """Scores dev, updates the selection; returns True when early stopping says stop."""
     nonlocal selected, evaluations_since_best, train_seconds, eval_seconds
-    flush()
+    pending.flush(step)
     jax.block_until_ready(state.params)
     started = time.perf_counter()
     train_seconds += started - clock[0]
@@ -437,10 +435,10 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
       state, step_metrics = run.train_step(state, run.train_batches(run.train_features,
                                                                     order[start:start + run.train_batches.batch_size],
                                                                     seed))
-      pending.append(step_metrics)
       step += 1
+      pending.add(step_metrics)
       if step % config.train.log_every == 0:
-        flush()
+        pending.log_next(step)
       epoch_end = batch_index == run.steps_per_epoch - 1
       due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
       if due and evaluate(epoch + (batch_index + 1) / run.steps_per_epoch):

@@ -282,18 +282,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
           f"{total_steps}\n  workdir={workdir.absolute()}", flush=True)
 
   history, eval_results, last_train = [], {}, {}
-  pending: list[dict[str, jax.Array]] = []
   progress = _progress_bar(primary, start_step, total_steps)
   preempted = False
   step = start_step
 
-  def flush_pending(current_step: int) -> None:
-    """Fetches the metrics of the steps since the last flush; stops on a non-finite loss."""
+  def read_metrics(current_step: int, fetched: list[dict[str, float]]) -> None:
+    """Logs the metrics of the steps up to `current_step`; stops on a non-finite loss."""
     nonlocal last_train
-    if not pending:
-      return
-    fetched = [metrics_lib.to_python(m) for m in pending]
-    pending.clear()
     bad = [current_step - len(fetched) + i + 1 for i, m in enumerate(fetched) if m["nonfinite"]]
     if bad:
       good = checkpointer.steps()
@@ -311,39 +306,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     if progress is not None:
       progress.set_postfix(_postfix(averaged), refresh=False)
 
-  # A log step's metrics are fetched once the next step is dispatched, so the device is never idle while the
-  # host waits for them: a step dispatched to an idle GPU starts ~11 ms later at BERT-base seq 128 (~25 ms at
-  # BERT-large; H200, XLA's CUDA-graph command buffers: the host's work for a call; bench/NOTES.md, session 23).
-  # Evaluation, checkpoints and the last step need the state and flush at once.
-  log_due = None
+  # A log step's metrics are read once the next step is dispatched (`PendingMetrics`); evaluation, checkpoints
+  # and the last step need the state and read them at once.
+  pending = metrics_lib.PendingMetrics(read_metrics)
   with _Preemption() as preemption:
     try:
       while step < total_steps:
         batch = sharding_lib.global_batch(next(train_iter), mesh)
         state, step_metrics = train_step(state, batch)
         step += 1
-        if log_due is not None:
-          flush_pending(log_due)
-          log_due = None
-        pending.append(step_metrics)
+        pending.add(step_metrics)
         if progress is not None:
           progress.update(1)
         last = step == total_steps
-        if last:
-          flush_pending(step)
-        elif step % config.train.log_every == 0:
-          log_due = step
+        if step % config.train.log_every == 0:
+          pending.log_next(step)
         if config.train.eval_every and (step % config.train.eval_every == 0 or last):
-          flush_pending(step)
-          log_due = None
+          pending.flush(step)
           eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
           writer.write(step, eval_results, prefix="eval/")
           if primary:
             _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
         preempted = preemption.should_stop(step)
         if preempted or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0) or last:
-          flush_pending(step)
-          log_due = None
+          pending.flush(step)
           checkpointer.save(step, state, train_iter.get_state(), {"step": step}, force=True)
         if preempted:
           _print_line(progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
