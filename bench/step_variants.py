@@ -15,7 +15,8 @@ time, one per GPU, each pinned to its share of the cores (as
 `pretrain_vs_reference.py --parallel`). A flag this XLA does not know fails
 its child, which is a row of the table, not an error. The loss after the
 timed steps is printed to show that a variant changed only the speed (bf16
-noise aside). The table is printed last and written under --out-dir.
+noise aside); "first step ms" is the time from the timed loop's start to its
+first step's completion (a step and the wait before an idle device starts it). The table is printed last and written under --out-dir.
 
 XLA flags are version-dependent: the defaults below are code-generation flags
 of the XLA in jax 0.11 that the GPU machine runs, plus this codebase's own
@@ -81,12 +82,15 @@ def table(runs: list[tuple[str, str, dict]]) -> str:
     if "error" in result:
       error = " ".join(result["error"])
       error = error.split("] ", 1)[-1]  # Drop a glog prefix ("F1126 10:03:46.697 ... file.cc:234] ").
-      rows.append((name, options or "-", "failed: " + error[:100], "-", "-", "-", "-", "-"))
+      rows.append((name, options or "-", "failed: " + error[:100], "-", "-", "-", "-", "-", "-"))
       continue
     change = f"{100 * (result['step_s'] / reference - 1):+.1f}%" if reference else "-"
-    rows.append((name, options or "-", f"{1e3 * result['step_s']:.2f}", change, f"{result['seq_per_s']:,.0f}",
+    first = result.get("first_step_s")
+    rows.append((name, options or "-", f"{1e3 * result['step_s']:.2f}", change,
+                 "-" if first is None else f"{1e3 * first:.1f}", f"{result['seq_per_s']:,.0f}",
                  f"{result['compile_s']:.1f}", gib(result.get("peak_bytes")), f"{result['loss']:.4f}"))
-  header = ("variant", "options", "step ms", "vs baseline", "seq/s", "compile s", "peak GiB", "loss")
+  header = ("variant", "options", "step ms", "vs baseline", "first step ms", "seq/s", "compile s", "peak GiB",
+            "loss")
   return render(header, rows)
 
 
