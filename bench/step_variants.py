@@ -16,7 +16,8 @@ time, one per GPU, each pinned to its share of the cores (as
 its child, which is a row of the table, not an error. The loss after the
 timed steps is printed to show that a variant changed only the speed (bf16
 noise aside); "first step ms" is the time from the timed loop's start to its
-first step's completion (a step and the wait before an idle device starts it). The table is printed last and written under --out-dir.
+first step's completion (a step and the wait before an idle device starts
+it). The table is printed last and written under --out-dir.
 
 XLA flags are version-dependent: the defaults below are code-generation flags
 of the XLA in jax 0.11 that the GPU machine runs, plus this codebase's own
