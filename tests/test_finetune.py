@@ -208,6 +208,15 @@ def test_regression_from_a_finetuned_run_reuses_the_pooler(classification_run, t
   assert _selected(results, "pearson")[0] > 60.0
 
 
+def test_non_finite_loss_stops_naming_the_step(tiny_model, tmp_path):
+  """An exploding learning rate makes the loss non-finite within a few steps; the run stops at the next log
+  step, naming the first bad step."""
+  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
+  with pytest.raises(FloatingPointError, match=r"seed 1: non-finite loss or gradients at step \d+; try a lower"):
+    _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run", "--config.optim.lr=1e30",
+              "--config.optim.warmup_proportion=0.0", "--config.train.epochs=1")
+
+
 def test_span_extraction_beats_chance(tiny_model, tmp_path):
   data = _squad(tmp_path / "squad", np.random.default_rng(2))
   results = _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, tmp_path / "run",
