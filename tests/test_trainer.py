@@ -156,18 +156,23 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path)
 def test_pending_metrics_reads_a_log_step_at_the_next_add():
   from bert_jax.train import metrics as metrics_lib
   reads = []
-  pending = metrics_lib.PendingMetrics(lambda step, fetched: reads.append((step, [m["loss"] for m in fetched])))
+  pending = metrics_lib.PendingMetrics(lambda step, averaged, nonfinite: reads.append((step, averaged, nonfinite)))
   for step in (1, 2):
-    pending.add({"loss": np.float32(step)})
+    pending.add({"loss": np.float32(step), "nonfinite": np.int32(0)})
   pending.log_next(2)
   assert reads == []  # not yet: step 3 is not dispatched
-  pending.add({"loss": np.float32(3)})
-  assert reads == [(2, [1.0, 2.0])]
+  pending.add({"loss": np.float32(3), "nonfinite": np.int32(0)})
+  assert reads == [(2, {"loss": 1.5}, None)]
   pending.log_next(3)
   pending.flush(3)  # at once (evaluation, checkpoint, last step); the log step is done with
   pending.flush(3)
-  pending.add({"loss": np.float32(4)})
-  assert reads == [(2, [1.0, 2.0]), (3, [3.0])]
+  pending.add({"loss": np.float32(4), "nonfinite": np.int32(0)})
+  assert reads == [(2, {"loss": 1.5}, None), (3, {"loss": 3.0}, None)]
+  for step in (5, 6):
+    pending.add({"loss": np.float32(np.nan), "nonfinite": np.int32(1)})
+  pending.flush(6)  # steps 4-6: the first non-finite one is 5
+  step, averaged, (bad_step, bad) = reads[-1]
+  assert step == 6 and bad_step == 5 and np.isnan(bad["loss"]) and np.isnan(averaged["loss"])
 
 
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):

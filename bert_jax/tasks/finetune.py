@@ -393,12 +393,10 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   train_seconds = eval_seconds = 0.0
   step, stopped_early = 0, False
 
-  def read_metrics(logged_step: int, fetched: list[dict[str, float]]) -> None:
-    bad = [logged_step - len(fetched) + i + 1 for i, m in enumerate(fetched) if m["nonfinite"]]
-    if bad:
-      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients at step {bad[0]}; "
+  def read_metrics(logged_step: int, averaged: dict[str, float], nonfinite) -> None:
+    if nonfinite is not None:
+      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients at step {nonfinite[0]}; "
                                "try a lower config.optim.lr or more warmup")
-    averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "nonfinite"}
     writer.write(logged_step, averaged, prefix="train/")
 
   pending = metrics_lib.PendingMetrics(read_metrics)  # a log step's metrics read after the next dispatch

@@ -42,11 +42,12 @@ class PendingMetrics:
   work queued while the host waits for them. A step dispatched to an idle GPU starts ~11 ms later at BERT-base
   seq 128, ~25 ms at BERT-large (H200, XLA's CUDA-graph command buffers; bench/NOTES.md, session 23).
   `flush` reads them at once, where the loop needs the state anyway (evaluation, checkpoints, the last step).
-  Each read calls `on_read(step, metrics)` with the step being logged and the per-step dicts since the last
-  read, oldest first.
+  Each read calls `on_read(step, averaged, nonfinite)`: the step being logged; each metric's mean over the
+  steps read since the last read (the "nonfinite" flag left out); and (step, its metrics) of the first of those
+  steps whose "nonfinite" flag is set, or None.
   """
 
-  def __init__(self, on_read: Callable[[int, list[dict[str, float]]], None]):
+  def __init__(self, on_read: Callable[[int, dict[str, float], tuple[int, dict[str, float]] | None], None]):
     self._on_read = on_read
     self._pending: list[Mapping[str, Any]] = []
     self._log_step: int | None = None
@@ -64,7 +65,10 @@ class PendingMetrics:
     if self._pending:
       fetched = [to_python(m) for m in self._pending]
       self._pending.clear()
-      self._on_read(step, fetched)
+      first = step - len(fetched) + 1  # the steps read are first, ..., step
+      nonfinite = next(((first + i, m) for i, m in enumerate(fetched) if m["nonfinite"]), None)
+      averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "nonfinite"}
+      self._on_read(step, averaged, nonfinite)
 
 
 class MetricWriter:

@@ -286,19 +286,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   preempted = False
   step = start_step
 
-  def read_metrics(current_step: int, fetched: list[dict[str, float]]) -> None:
+  def read_metrics(current_step: int, averaged: dict[str, float], nonfinite) -> None:
     """Logs the metrics of the steps up to `current_step`; stops on a non-finite loss."""
     nonlocal last_train
-    bad = [current_step - len(fetched) + i + 1 for i, m in enumerate(fetched) if m["nonfinite"]]
-    if bad:
+    if nonfinite is not None:
+      bad_step, bad = nonfinite
       good = checkpointer.steps()
       raise NonFiniteLossError(
-          f"non-finite loss or gradients at step {bad[0]} (loss={fetched[bad[0] - current_step - 1]['loss']}); "
+          f"non-finite loss or gradients at step {bad_step} (loss={bad['loss']}); "
           f"the update was not applied and the run stops. Last good checkpoint: "
           f"{good[-1] if good else 'none'} in {checkpointer.directory}. Try a lower config.optim.lr, "
           f"a longer warmup or config.optim.clip_norm.")
-    averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
-    averaged.pop("nonfinite")
     averaged.update(throughput.update(current_step))
     last_train = averaged
     history.append({"step": current_step, **averaged})
