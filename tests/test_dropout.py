@@ -42,6 +42,15 @@ def test_attention_mask_statistics():
   assert abs(_z(even.size, ((1 - even) * (1 - odd)).mean(), 0.01)) < 5
 
 
+def test_attention_mask_rows_at_query_positions_are_the_full_masks_rows():
+  """`keep_mask(..., query_positions)` (the sparse last block's queries) hashes the full self-attention's rows."""
+  seeds = dropout.dropout_seeds(jax.random.key(3))
+  full = np.asarray(flash_attention.keep_mask(seeds, 3, 2, 48, 48, 0.2))
+  positions = np.asarray([[5, 0, 47], [9, 9, 1], [30, 2, 3]], np.int32)
+  rows = np.asarray(flash_attention.keep_mask(seeds, 3, 2, 48, 48, 0.2, jnp.asarray(positions)))
+  np.testing.assert_array_equal(rows, np.take_along_axis(full, positions[:, None, :, None], axis=2))
+
+
 def test_dropout_module_scales_and_varies_per_call():
   class Twice(nn.Module):
     @nn.compact

@@ -358,3 +358,71 @@ def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding
   for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(ours[1])):
     np.testing.assert_allclose(a, leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
   assert float(jnp.max(jnp.abs(nn.unbox(ours[1])["params"]["ffn"]["wo"]["bias"]))) > 0
+
+
+def _sparse_vs_full(cfg, model_kwargs, ids, positions, rngs=None, **call_kwargs):
+  """(outputs, gradients) of the pre-training model with and without `sparse_last_layer`, same parameters."""
+  results = []
+  for sparse in (True, False):
+    model = PretrainingModel(cfg.replace(sparse_last_layer=sparse), **model_kwargs)
+    params = model.init(jax.random.key(0), ids, positions, **call_kwargs)
+
+    def loss(params, model=model):
+      out = model.apply(params, ids, positions, rngs=rngs, deterministic=rngs is None, **call_kwargs)
+      logits = {k: v for k, v in out.items() if k.endswith("_logits")}
+      return sum(jnp.sum(jnp.sin(v.astype(jnp.float32))) for v in logits.values()), out
+
+    results.append(jax.value_and_grad(loss, has_aux=True)(params))
+  return results
+
+
+@pytest.mark.parametrize("overrides,packed", [
+    ({}, False), ({"norm": "pre", "position_embedding": "rotary"}, True), ({"num_shared_groups": 1}, False),
+    ({"remat": "full", "causal": True}, True), ({"attention_dropout": 0.3}, True)])
+def test_sparse_last_layer_equals_the_full_model(overrides, packed):
+  """`sparse_last_layer`: the last block computes only the heads' rows (MLM, [CLS], span boundaries); every head's
+  logits and every gradient are the full model's (float32; attention dropout on draws the same masks)."""
+  cfg = tiny(hidden_size=64, intermediate_size=128, dtype="float32", **overrides)
+  rng = np.random.default_rng(4)
+  ids = jnp.asarray(rng.integers(5, 97, (2, 32)), jnp.int32)
+  positions = jnp.asarray([[3, 7, 30, 0], [1, 12, 13, 0]], jnp.int32)
+  pack = jnp.asarray([[1] * 20 + [2] * 12, [1] * 24 + [0] * 8], jnp.int32)
+  kwargs = dict(pack_ids=pack, packed=packed, cls_positions=jnp.asarray([[0, 20], [0, 0]], jnp.int32),
+                sbo_left=positions - 1, sbo_right=positions + 1, sbo_offsets=jnp.ones_like(positions))
+  rngs = {"dropout": jax.random.key(7)} if overrides.get("attention_dropout") else None
+  (sparse, sparse_grads), (full, full_grads) = _sparse_vs_full(
+      cfg, dict(sentence_head=True, span_boundary_head=True), ids, positions, rngs, **kwargs)
+  assert "hidden" not in sparse[1] and "hidden" in full[1]
+  for name in ("mlm_logits", "sentence_logits", "sbo_logits"):
+    np.testing.assert_allclose(sparse[1][name], full[1][name], rtol=1e-5, atol=1e-5, err_msg=name)
+  full_leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(full_grads)))
+  for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(sparse_grads)):
+    np.testing.assert_allclose(a, full_leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_sparse_last_layer_only_where_the_rows_are_at_most_half_the_sequence():
+  from bert_jax.models.model import head_rows
+  cfg = tiny(sparse_last_layer=True)
+  mlm, cls = jnp.asarray([[5, 2, 9]]), jnp.asarray([[0]])
+  rows, in_rows = head_rows(cfg, 8, {"mlm": mlm, "cls": cls})
+  np.testing.assert_array_equal(rows, [[5, 2, 9, 0]])
+  np.testing.assert_array_equal(in_rows["mlm"], [[0, 1, 2]])
+  np.testing.assert_array_equal(in_rows["cls"], [[3]])
+  assert head_rows(cfg, 7, {"mlm": mlm, "cls": cls})[0] is None       # 4 rows of 7: every position
+  assert head_rows(cfg.replace(sparse_last_layer=False), 8, {"mlm": mlm})[0] is None
+
+
+def test_sparse_last_layer_electra_generator():
+  """ELECTRA's generator reads only the masked positions; its sparse last block gives the same logits and
+  replacements (argmax sampling)."""
+  disc = tiny(embedding_size=16, dtype="float32")
+  ids = jnp.asarray(np.random.default_rng(5).integers(5, 97, (2, 16)).astype(np.int32))
+  positions = jnp.array([[1, 3], [2, 0]])
+  outs = []
+  for sparse in (True, False):
+    d = disc.replace(sparse_last_layer=sparse)
+    model = ElectraModel(d, electra_generator_config(d, 0.5))
+    params = model.init({"params": jax.random.key(0), "sample": jax.random.key(1)}, ids, positions, ids)
+    outs.append(model.apply(params, ids, positions, ids, sample=False))
+  np.testing.assert_allclose(outs[0]["mlm_logits"], outs[1]["mlm_logits"], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(outs[0]["corrupted_ids"], outs[1]["corrupted_ids"])

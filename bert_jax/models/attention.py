@@ -105,12 +105,19 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
   return "xla"
 
 
-def attention_mask(pack_ids: jax.Array, causal: bool) -> jax.Array:
-  """Boolean [B, 1, L, L] mask: same packed example, key not padding, (causal)."""
-  same_example = (pack_ids[:, :, None] == pack_ids[:, None, :]) & (pack_ids[:, None, :] > 0)
+def attention_mask(pack_ids: jax.Array, causal: bool, query_positions: jax.Array | None = None) -> jax.Array:
+  """Boolean [B, 1, L, L] mask: same packed example, key not padding, (causal).
+
+  query_positions: [B, Q], the mask's rows at these queries only ([B, 1, Q, L]).
+  """
+  length = pack_ids.shape[1]
+  if query_positions is None:
+    query_pack_ids, query_positions = pack_ids, jnp.arange(length, dtype=jnp.int32)[None]
+  else:
+    query_pack_ids = jnp.take_along_axis(pack_ids, query_positions, axis=1)
+  same_example = (query_pack_ids[:, :, None] == pack_ids[:, None, :]) & (pack_ids[:, None, :] > 0)
   if causal:
-    length = pack_ids.shape[1]
-    same_example &= jnp.tril(jnp.ones((length, length), dtype=bool))
+    same_example &= jnp.arange(length)[None, None, :] <= query_positions[:, :, None]
   return same_example[:, None]
 
 
@@ -127,11 +134,13 @@ def dot_product_attention(
     dropout_rng: jax.Array | None = None,
     dropout_seed: int = 0,
     return_probs: bool = False,
+    query_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Multi-head scaled dot-product attention.
 
   Args:
-    query_blhd, key_blhd, value_blhd: [batch, length, heads, head_dim].
+    query_blhd, key_blhd, value_blhd: [batch, length, heads, head_dim] ([batch, Q, heads, head_dim] queries
+      with `query_positions`).
     pack_ids: [batch, length] int, 0 for padding, else the packed example id.
       None means no padding.
     packed: whether rows may hold several examples (needs the block mask).
@@ -144,6 +153,9 @@ def dot_product_attention(
       distinct per call site of one program, see the module docstring).
     return_probs: also return the [batch, heads, length, length] float32
       probabilities (XLA path only).
+    query_positions: [batch, Q] int: the queries are the self-attention's rows at these positions of the
+      key sequence (masks and dropout are those rows' of the full self-attention). Always the XLA path: it
+      serves a few rows a sequence (`ModelConfig.sparse_last_layer`).
 
   Returns:
     ([batch, length, heads, head_dim] output in the query dtype, probs or None).
@@ -151,7 +163,9 @@ def dot_product_attention(
   head_dim = query_blhd.shape[-1]
   dropout_active = dropout_rng is not None and dropout_rate > 0.0
   impl = resolve_implementation(implementation, dtype=query_blhd.dtype, head_dim=head_dim,
-                                dropout_active=dropout_active, return_probs=return_probs, length=query_blhd.shape[1])
+                                dropout_active=dropout_active, return_probs=return_probs, length=key_blhd.shape[1])
+  if query_positions is not None:
+    impl = "xla"
   if impl == "flash":
     if query_blhd.shape != key_blhd.shape:
       raise ValueError(f"flash attention is self-attention: query {query_blhd.shape} and key {key_blhd.shape} "
@@ -178,7 +192,9 @@ def dot_product_attention(
   logits_bhqk = jnp.einsum("bqhd,bkhd->bhqk", query_blhd * jnp.asarray(scale, query_blhd.dtype), key_blhd,
                            preferred_element_type=jnp.float32)
   if pack_ids is not None:
-    mask = attention_mask(pack_ids, causal)
+    mask = attention_mask(pack_ids, causal, query_positions)
+  elif causal and query_positions is not None:
+    mask = attention_mask(jnp.ones(key_blhd.shape[:2], jnp.int32), causal, query_positions)
   elif causal:
     length = query_blhd.shape[1]
     mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
@@ -194,7 +210,7 @@ def dot_product_attention(
   if dropout_active:
     batch, heads, q_len, k_len = weights.shape
     keep = flash_attention.keep_mask(flash_attention.dropout_seeds(dropout_rng), batch, heads, q_len, k_len,
-                                     dropout_rate)
+                                     dropout_rate, query_positions)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value_blhd.dtype), value_blhd)
   return out, (probs_bhqk if return_probs else None)

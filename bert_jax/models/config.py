@@ -88,6 +88,16 @@ class ModelConfig:
       1 (default): exactly vocab_size logits. The pre-training configs
       (`config_lib.model_section`) set 128: -0.6 ms of a 43.8 ms BERT-base
       seq-128 step on an H100 (bench/NOTES.md, session 15).
+    sparse_last_layer: pre-training: the last transformer block computes only
+      the rows its heads read (the MLM, [CLS] and span-boundary positions):
+      its queries, output projection, LayerNorms and feed-forward run on
+      those rows, its keys and values on every position. The same loss and
+      gradients to rounding (the rows' own hidden dropout masks are drawn
+      for the smaller array, so differ from a full block's; attention
+      dropout's are the same); the model's "hidden" output is then absent.
+      Applies when the rows are at most half the sequence (not LTR's every
+      position). The pre-training configs (`config_lib.model_section`) set
+      it.
   """
 
   vocab_size: int = 30522
@@ -119,6 +129,7 @@ class ModelConfig:
   cross_entropy_impl: str = "auto"
   remat: str = "none"
   vocab_pad_multiple: int = 1
+  sparse_last_layer: bool = False
 
   def __post_init__(self):
     def fail(field, why):

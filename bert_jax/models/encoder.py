@@ -129,6 +129,11 @@ def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None
   return Projection(config, (features,), axes, name=name)
 
 
+def gather_positions(hidden_ble: Array, positions_bm: Array) -> Array:
+  """[B, L, H] gathered at [B, M] positions -> [B, M, H]."""
+  return jnp.take_along_axis(hidden_ble, positions_bm[..., None].astype(jnp.int32), axis=1)
+
+
 def rotary_embedding(x_blhd: Array, position_ids_bl: Array, base: float) -> Array:
   """Rotates pairs of features (first half, second half) by position-dependent angles."""
   half = x_blhd.shape[-1] // 2
@@ -220,7 +225,11 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
-               deterministic: bool, return_probs: bool, layer: int = 0) -> tuple[Array, Array | None]:
+               deterministic: bool, return_probs: bool, layer: int = 0,
+               query_positions_bq: Array | None = None) -> tuple[Array, Array | None]:
+    """The attention output [B, L, E] (post-LN: and the deferred bias), probabilities or None; with
+    `query_positions_bq` [B, Q], only the rows at those positions ([B, Q, E]): queries there, keys and values
+    at every position, through the XLA path (`dot_product_attention`)."""
     cfg = self.config
     heads, head_dim = cfg.num_heads, cfg.head_dim
 
@@ -235,7 +244,7 @@ class SelfAttention(nn.Module):
     options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=impl,
                    dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
                    dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
-    if impl == "flash" and cfg.position_embedding != "rotary":
+    if impl == "flash" and cfg.position_embedding != "rotary" and query_positions_bq is None:
       # One [E, H * 3 * D] GEMM in the flash kernels' layout, which they read in place (`self_attention`);
       # its backward is one GEMM too. Three [E, E] GEMMs ran at ~35% of an H100's peak (bench/NOTES.md).
       weights = {n: projection(x_ble, weights_only=True) for n, projection in projections.items()}
@@ -248,16 +257,21 @@ class SelfAttention(nn.Module):
       # The bias is added by `self_attention`: the flash kernels sum its gradient as they write d(qkv).
       out_blhd, probs = self_attention(qkv_blh3d, bias_h3d=bias, **options)
     else:
-      q_blhd, v_blhd = (projections[n](x_ble) for n in ("query", "value"))
+      position_ids_bq, x_bqe = position_ids_bl, x_ble
+      if query_positions_bq is not None:
+        position_ids_bq = jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1)
+        x_bqe = gather_positions(x_ble, query_positions_bq)
+      q_blhd, v_blhd = projections["query"](x_bqe), projections["value"](x_ble)
       # The key bias only matters where rotary positions rotate it (`flash_attention.add_qkv_bias`).
       k_blhd = projections["key"](x_ble, train_bias=cfg.position_embedding == "rotary")
       if cfg.position_embedding == "rotary":
-        q_blhd = rotary_embedding(q_blhd, position_ids_bl, cfg.rotary_base)
+        q_blhd = rotary_embedding(q_blhd, position_ids_bq, cfg.rotary_base)
         k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
       q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
       k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
       v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
-      out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, **options)
+      out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, query_positions=query_positions_bq,
+                                              **options)
     output = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")
     return output(out_blhd, add_bias=not self.defer_output_bias), probs
 
@@ -308,23 +322,28 @@ class TransformerBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
-               deterministic: bool = True, return_probs: bool = False, layer: int = 0) -> tuple[Array, Array | None]:
+               deterministic: bool = True, return_probs: bool = False, layer: int = 0,
+               output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
+    """The block's output [B, L, E] and attention probabilities or None. With `output_positions_bk` [B, K], the
+    output at those positions only ([B, K, E]): every row-wise part of the block runs on those K rows, the
+    keys and values on all L (`SelfAttention`'s `query_positions_bq`)."""
     cfg = self.config
     dropout = Dropout(cfg.hidden_dropout)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
     post = cfg.norm != "pre"
     attention = SelfAttention(cfg, defer_output_bias=post, name="attention")
     ffn = FeedForward(cfg, defer_output_bias=post, name="ffn")
+    rows = (lambda x: x) if output_positions_bk is None else (lambda x: gather_positions(x, output_positions_bk))
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
-                                  return_probs, layer)
-      x_ble = x_ble + dropout(attn_ble, deterministic=deterministic)
+                                  return_probs, layer, output_positions_bk)
+      x_ble = rows(x_ble) + dropout(attn_ble, deterministic=deterministic)
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
       (attn_ble, attn_bias), probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic,
-                                               return_probs, layer)
+                                               return_probs, layer, output_positions_bk)
       # LayerNorm(x + dropout(attn + its output bias))
-      x_ble = attention_norm(x_ble, attn_ble, dropout, deterministic, attn_bias)
+      x_ble = attention_norm(rows(x_ble), attn_ble, dropout, deterministic, attn_bias)
       ffn_ble, ffn_bias = ffn(x_ble)
       x_ble = ffn_norm(x_ble, ffn_ble, dropout, deterministic, ffn_bias)
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
@@ -334,7 +353,7 @@ def _remat(block_cls, policy: str):
   if policy == "none":
     return block_cls
   checkpoint_policy = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  # Arguments 4..7 (packed, deterministic, return_probs, layer) are Python values.
+  # Arguments 4..7 (packed, deterministic, return_probs, layer) are Python values; 8 (output positions) an array.
   return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6, 7))
 
 
@@ -364,7 +383,8 @@ class Encoder(nn.Module):
 
   def __call__(self, input_ids: Array, segment_ids: Array | None = None, position_ids: Array | None = None,
                pack_ids: Array | None = None, *, packed: bool = False, deterministic: bool = True,
-               output_hidden_states: bool = False, output_attentions: bool = False) -> dict[str, Any]:
+               output_hidden_states: bool = False, output_attentions: bool = False,
+               output_positions: Array | None = None) -> dict[str, Any]:
     """Encodes a batch.
 
     Args:
@@ -380,10 +400,14 @@ class Encoder(nn.Module):
         block's output (L + 1 arrays, as Hugging Face does).
       output_attentions: also return each block's attention probabilities
         (forces the XLA attention path).
+      output_positions: [B, K] int: the last block computes only the rows at
+        these positions (its keys and values at every position), and "hidden"
+        is [B, K, H] (`ModelConfig.sparse_last_layer`). None: every position.
 
     Returns:
       dict with "hidden" [B, L, H], and optionally "hidden_states" (tuple) and
-      "attentions" (tuple of [B, heads, L, L]).
+      "attentions" (tuple of [B, heads, L, L]); the last block's are [B, K, H]
+      and [B, heads, K, L] with `output_positions`.
     """
     cfg = self.config
     batch, length = input_ids.shape
@@ -397,7 +421,9 @@ class Encoder(nn.Module):
     hidden_states, attentions = [x_ble], []
     for layer in range(cfg.num_layers):
       block = self.blocks[layer * len(self.blocks) // cfg.num_layers]
-      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions, layer)
+      last = layer == cfg.num_layers - 1
+      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions, layer,
+                           output_positions if last else None)
       hidden_states.append(x_ble)
       attentions.append(probs)
     if cfg.norm == "pre":

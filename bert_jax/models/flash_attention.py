@@ -112,14 +112,25 @@ def _keep(row_keys: Array, first_col: Array | int, num_cols: int, rate: float) -
   return halves.reshape(row_keys.shape[0], num_cols) < keep_threshold16(rate)
 
 
-def keep_mask(seeds: Array, batch: int, heads: int, q_len: int, k_len: int, rate: float) -> Array:
+def keep_mask(seeds: Array, batch: int, heads: int, q_len: int, k_len: int, rate: float,
+              query_positions: Array | None = None) -> Array:
   """The [batch, heads, q_len, k_len] boolean keep mask of attention dropout.
 
   Element (b, h, q, k) is kept iff half k % 2 of hash(seeds, (b * heads + h) * q_len + q, k // 2) falls
   under (1 - rate) of the 16-bit range: i.i.d. Bernoulli(1 - rate) for practical purposes (tests check the
   keep rate and the independence of neighbours along every axis, the two halves of a pair included).
+
+  query_positions: [batch, Q] int, the mask's rows at these queries of a self-attention over k_len positions
+  ([batch, heads, Q, k_len], row q of it row query_positions[b, q] of the full mask; q_len is ignored).
   """
-  keys = _row_keys(element_index((batch, heads, q_len)).reshape(-1), seeds[0], seeds[1])
+  if query_positions is not None:
+    heads_bh1 = jnp.arange(heads, dtype=jnp.int32)[None, :, None]
+    rows = (jnp.arange(batch, dtype=jnp.int32)[:, None, None] * heads + heads_bh1) * k_len
+    rows = rows + query_positions.astype(jnp.int32)[:, None, :]
+    q_len = query_positions.shape[1]
+  else:
+    rows = element_index((batch, heads, q_len))
+  keys = _row_keys(rows.reshape(-1), seeds[0], seeds[1])
   padded = k_len + k_len % 2
   keep = _keep(keys, 0, padded, rate)[:, :k_len]
   return keep.reshape(batch, heads, q_len, k_len)

@@ -15,17 +15,12 @@ import jax.numpy as jnp
 from bert_jax.models import ops
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.dropout import Dropout
-from bert_jax.models.encoder import activation, bias_init, dense, layer_norm
+from bert_jax.models.encoder import activation, bias_init, dense, gather_positions, layer_norm
 
 Array = jax.Array
 
 # The logit of the vocabulary's padding columns (`ModelConfig.vocab_pad_multiple`): exp(-1e9 - max) is 0 in float32.
 PAD_LOGIT = -1e9
-
-
-def gather_positions(hidden_ble: Array, positions_bm: Array) -> Array:
-  """[B, L, H] gathered at [B, M] positions -> [B, M, H]."""
-  return jnp.take_along_axis(hidden_ble, positions_bm[..., None].astype(jnp.int32), axis=1)
 
 
 class VocabTransform(nn.Module):

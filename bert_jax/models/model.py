@@ -26,6 +26,24 @@ Array = jax.Array
 TASK_KINDS = ("classification", "regression", "span", "multiple_choice", "tagging")
 
 
+def head_rows(config: ModelConfig, length: int, positions: dict[str, Array]) -> tuple[Array | None, dict[str, Array]]:
+  """The rows the last block computes under `config.sparse_last_layer`, and each head's positions in them.
+
+  positions: per head, [B, M_i] positions in the sequence. Returns (the encoder's `output_positions` [B, sum M_i],
+  the heads' positions in its output: consecutive slices), or (None, `positions`) where every position is
+  computed: the option is off, or the rows would be more than half the sequence.
+  """
+  widths = [p.shape[1] for p in positions.values()]
+  if not config.sparse_last_layer or 2 * sum(widths) > length:
+    return None, positions
+  rows = jnp.concatenate([p.astype(jnp.int32) for p in positions.values()], axis=1)
+  rows = jnp.where(rows < 0, rows + length, rows)  # as the heads' gathers read a negative position
+  starts = [sum(widths[:i]) for i in range(len(widths))]
+  in_rows = {name: jnp.broadcast_to(jnp.arange(start, start + width, dtype=jnp.int32), p.shape)
+             for (name, p), start, width in zip(positions.items(), starts, widths)}
+  return rows, in_rows
+
+
 class PretrainingModel(nn.Module):
   """Encoder with the MLM head and, by flag, a sentence (NSP/SOP) head and an SBO head.
 
@@ -50,14 +68,24 @@ class PretrainingModel(nn.Module):
                cls_positions: Array | None = None, sbo_left: Array | None = None, sbo_right: Array | None = None,
                sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True) -> dict[str, Array]:
     """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,2]?, "sbo_logits" [B,M,V]?}, V
-    the config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it)."""
-    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, packed=packed,
-                          deterministic=deterministic)["hidden"]
-    outputs = {"hidden": hidden, "mlm_logits": self.mlm(hidden, mlm_positions, self.encoder.attend)}
+    the config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it); no "hidden" where the
+    last block computes only the heads' rows (`ModelConfig.sparse_last_layer`, `head_rows`)."""
+    positions = {"mlm": mlm_positions}
     if self.sentence_head:
-      outputs["sentence_logits"] = self.sentence(hidden, cls_positions, deterministic)
+      positions["cls"] = cls_positions if cls_positions is not None else jnp.zeros_like(mlm_positions[:, :1])
     if self.span_boundary_head:
-      outputs["sbo_logits"] = self.sbo(hidden, sbo_left, sbo_right, sbo_offsets, self.encoder.attend)
+      positions.update(sbo_left=sbo_left, sbo_right=sbo_right)
+    output_positions, positions = head_rows(self.config, input_ids.shape[1], positions)
+    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, packed=packed, deterministic=deterministic,
+                          output_positions=output_positions)["hidden"]
+    outputs = {"mlm_logits": self.mlm(hidden, positions["mlm"], self.encoder.attend)}
+    if output_positions is None:
+      outputs["hidden"] = hidden
+    if self.sentence_head:
+      outputs["sentence_logits"] = self.sentence(hidden, positions["cls"], deterministic)
+    if self.span_boundary_head:
+      outputs["sbo_logits"] = self.sbo(hidden, positions["sbo_left"], positions["sbo_right"], sbo_offsets,
+                                       self.encoder.attend)
     return outputs
 
 
@@ -100,8 +128,9 @@ class ElectraModel(nn.Module):
     """
     kwargs = dict(segment_ids=segment_ids, position_ids=position_ids, pack_ids=pack_ids, packed=packed,
                   deterministic=deterministic)
-    gen_hidden = self.generator(input_ids, **kwargs)["hidden"]
-    mlm_logits = self.generator_mlm(gen_hidden, mlm_positions, self.embeddings.attend)
+    output_positions, positions = head_rows(self.generator_config, input_ids.shape[1], {"mlm": mlm_positions})
+    gen_hidden = self.generator(input_ids, output_positions=output_positions, **kwargs)["hidden"]
+    mlm_logits = self.generator_mlm(gen_hidden, positions["mlm"], self.embeddings.attend)
     # The vocabulary's own logits (`vocab_pad_multiple` pads them): the samples do not depend on the padding.
     logits = jax.lax.stop_gradient(mlm_logits[..., :self.generator_config.vocab_size].astype(jnp.float32))
     if sample:
