@@ -17,7 +17,8 @@ def get_config(arg=None):
   args = parse_arg(arg, steps=800, size="tiny")
   config = pretrain_defaults()
   config.objective = "mlm+nsp"
-  config.model = model_section("bert", args.size, max_position_embeddings=64)
+  # float32 compute: a CPU has no bf16 arithmetic to gain from (the pre-training configs' default is bfloat16).
+  config.model = model_section("bert", args.size, max_position_embeddings=64, dtype="float32")
   config.data.builtin = True
   config.data.builtin_vocab_size = 4000
   config.data.format = "segment_pair"

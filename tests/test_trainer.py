@@ -47,7 +47,7 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
   config = config_lib.pretrain_defaults()
   config.objective = objective
   config.model = config_lib.model_section("bert", "tiny", num_layers=2, hidden_size=64, num_heads=2,
-                                          intermediate_size=128, max_position_embeddings=64)
+                                          intermediate_size=128, max_position_embeddings=64, dtype="float32")
   if objective == "rtd":
     config.model.embedding_size = 64
     config.model.generator_fraction = 0.5

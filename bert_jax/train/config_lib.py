@@ -165,6 +165,13 @@ def model_section(family: str, size: str, **fixed: Any) -> ml_collections.Config
   # Pre-training's MLM/SBO logits padded to a multiple of 128 (`ModelConfig.vocab_pad_multiple`; the parameters
   # are unchanged): -0.6 ms of a 43.8 ms BERT-base seq-128 step on an H100 (bench/NOTES.md, session 15).
   section.vocab_pad_multiple = 128
+  # bf16 compute, float32 parameters and optimizer state: what the pre-training recipes run on GPUs and TPUs
+  # (`--config.model.dtype=float32` for float32 compute; the CPU demo sets it). A float32 BERT-base seq-128 step
+  # ran at 2.6x the bf16 one's time on an H200 (bench/NOTES.md, session 24).
+  section.dtype = "bfloat16"
+  # Pre-training's last block at the heads' rows only (`ModelConfig.sparse_last_layer`; the same loss and
+  # gradients to rounding).
+  section.sparse_last_layer = True
   for key, value in fixed.items():
     if key not in section:
       raise ConfigError(f"unknown model field {key!r}")
@@ -194,6 +201,7 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       packing=False,
       max_packs=8,
       prefetch=2,
+      workers=0,                              # 1: the training batches built in a worker process (pipeline.py)
   ))
   config.optim = ml_collections.ConfigDict(dict(
       name="adamw", lr=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0,
