@@ -34,7 +34,6 @@ from typing import Any, Iterator
 
 import grain
 import numpy as np
-from absl import flags as absl_flags
 from grain import experimental as grain_experimental
 
 from bert_jax.data import formats
@@ -139,14 +138,13 @@ class PretrainingIterator:
   """
 
   def __init__(self, corpus: prepare.PreparedCorpus, config: formats.FormatConfig, iterator: grain.DatasetIterator,
-               global_batch_size: int, identity: dict[str, Any], workers: int = 0):
+               global_batch_size: int, identity: dict[str, Any]):
     self.corpus = corpus
     self.config = config
     self.specials = corpus.manifest["tokenizer"]["special_ids"]
     self.global_batch_size = global_batch_size
     self._iterator = iterator
     self._identity = identity
-    self._workers = workers
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return self
@@ -155,7 +153,7 @@ class PretrainingIterator:
     return next(self._iterator)
 
   def close(self) -> None:
-    """Stops the prefetch thread or the worker process."""
+    """Stops the prefetch thread."""
     self._iterator.close()
 
   def __enter__(self) -> "PretrainingIterator":
@@ -165,31 +163,22 @@ class PretrainingIterator:
     self.close()
 
   def get_state(self) -> dict:
-    """A JSON-serialisable dict: the position in the stream plus what the stream is (the same with or without
-    a worker process, so a run may resume with another `workers`)."""
-    state = self._iterator.get_state()
-    if self._workers:  # Grain's one-worker interleave around the position of the batches consumed
-      state = state["iterators_in_use_states"][0]
-    return {"grain": json.loads(json.dumps(state)), "pipeline": self._identity}
+    """A JSON-serialisable dict: the position in the stream plus what the stream is."""
+    return {"grain": json.loads(json.dumps(self._iterator.get_state())), "pipeline": self._identity}
 
   def set_state(self, state: dict) -> None:
     """Continues from `state` (from `get_state` of an iterator over the same data and settings)."""
     if state["pipeline"] != self._identity:
       raise ValueError(f"iterator state is for another pipeline:\n saved   {state['pipeline']}\n current "
                        f"{self._identity}")
-    position = state["grain"]
-    if self._workers:
-      wrapped = self._iterator.get_state()
-      wrapped["iterators_in_use_states"][0] = position
-      position = wrapped
-    self._iterator.set_state(position)
+    self._iterator.set_state(state["grain"])
 
 
 def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train", example_format: str,
                          seq_len: int, batch_size: int, seed: int, short_seq_prob: float = 0.1,
                          random_next_prob: float = 0.5, packing: bool = False, max_packs: int = 8,
                          process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
-                         prefetch: int = 2, block_documents: int = 512, workers: int = 0) -> PretrainingIterator:
+                         prefetch: int = 2, block_documents: int = 512) -> PretrainingIterator:
   """The pretraining input pipeline over a prepared directory.
 
   Args:
@@ -205,13 +194,9 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
     process_index, process_count: this process and how many read the data
       (`jax.process_index()`, `jax.process_count()`).
     num_epochs: passes over the split; None repeats forever for 'train'.
-    prefetch: batches prepared ahead in a background thread, or by the worker process (0: none; at least 1 with
-      `workers`).
+    prefetch: batches prepared ahead in a background thread (0: none).
     block_documents: documents planned and shuffled together; larger mixes
       examples better, costs more memory and latency per block.
-    workers: 0 builds the batches in this process (a prefetch thread); 1 in a worker process (Grain's
-      `mp_prefetch`), which takes the batching's Python work off this process's interpreter lock: the batches
-      and their order are the same. (More workers would each take a slice of the blocks, another order.)
 
   Returns:
     A `PretrainingIterator` of dicts of numpy arrays with `batch_size` rows.
@@ -237,16 +222,9 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
   dataset = dataset.batch(global_batch_size, drop_remainder=train, batch_fn=list)
   dataset = dataset.map(_MaterialiseOwnRows(corpus, config, specials, global_batch_size, process_index,
                                             process_count, padding_id_base=split_sentences))
-  if workers not in (0, 1):
-    raise ValueError(f"workers={workers}: expected 0 (batches built in this process) or 1 (in a worker process)")
-  if workers:
-    if not absl_flags.FLAGS.is_parsed():  # Grain's workers read its absl flags; a program without absl has none
-      absl_flags.FLAGS.mark_as_parsed()
-    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=1,
-                                                               per_worker_buffer_size=max(1, prefetch)))
-  elif prefetch > 0:
+  if prefetch > 0:
     dataset = grain_experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)
   identity = {"prepared": corpus.manifest["tokenizer"]["fingerprint"], "totals": corpus.manifest["totals"],
               "split": split, "config": dataclasses.asdict(config), "seed": seed,
               "global_batch_size": global_batch_size, "block_documents": block_documents, "num_epochs": num_epochs}
-  return PretrainingIterator(corpus, config, iter(dataset), global_batch_size, identity, workers)
+  return PretrainingIterator(corpus, config, iter(dataset), global_batch_size, identity)

@@ -322,10 +322,6 @@ class PreparedCorpus:
     self._shard_token_starts = np.cumsum([0] + [s["tokens"] for s in manifest["shards"]]).tolist()
     self.eval_documents = np.load(self.directory / EVAL_DOCUMENTS)
 
-  def __reduce__(self):
-    """Pickles as its directory (a worker process maps the files itself; `pipeline`'s `workers`)."""
-    return PreparedCorpus, (str(self.directory),)
-
   @property
   def num_documents(self) -> int:
     return len(self.document_starts) - 1

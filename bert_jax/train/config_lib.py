@@ -201,7 +201,6 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       packing=False,
       max_packs=8,
       prefetch=2,
-      workers=0,                              # 1: the training batches built in a worker process (pipeline.py)
   ))
   config.optim = ml_collections.ConfigDict(dict(
       name="adamw", lr=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0,

@@ -123,15 +123,13 @@ def _dummy_batch(rows: int, seq_len: int, packs: int) -> dict[str, jax.Array]:
 
 
 def _iterator(config, prepared_dir, split: str, batch_rows: int, num_epochs=None):
-  """The split's batches; the training stream in `config.data.workers` worker processes (evaluation's short
-  passes in this one)."""
   data = config.data
   return pipeline.pretraining_iterator(
       prepared_dir, split=split, example_format=data.format, seq_len=data.seq_len,
       batch_size=batch_rows // jax.process_count(), seed=config.seed, short_seq_prob=data.short_seq_prob,
       random_next_prob=data.random_next_prob, packing=data.packing, max_packs=data.max_packs,
       process_index=jax.process_index(), process_count=jax.process_count(), num_epochs=num_epochs,
-      prefetch=data.prefetch, workers=data.workers if split == "train" else 0)
+      prefetch=data.prefetch)
 
 
 def _environment() -> dict[str, Any]:
