@@ -211,3 +211,55 @@ def test_bad_configs_fail_loudly():
     formats.FormatConfig("nsp", seq_len=128)
   with pytest.raises(ValueError, match="too short"):
     formats.FormatConfig("segment_pair", seq_len=4)
+
+
+def _reference_rows(corpus, rows, config, specials):
+  """`build_rows`' sequence fields row by row from the Example definition: [CLS] A [SEP] (B [SEP]) per example,
+  the ranges of a segment joined by [SEP]."""
+  length = config.seq_len
+  fields = {k: np.full((len(rows), length), v, np.int32) for k, v in
+            (("input_ids", specials["pad"]), ("segment_ids", 0), ("position_ids", 0), ("pack_ids", 0),
+             ("word_starts", 0), ("special_mask", 1))}
+  for r, row in enumerate(rows):
+    column = 0
+    for pack, example in enumerate(row):
+      tokens = [(specials["cls"], 1, 0, 1)]
+      for segment, ranges in ((0, example.segment_a), (1, example.segment_b)):
+        for start, end in ranges:
+          tokens += [(int(t), int(w), segment, 0) for t, w in zip(corpus.tokens(start, end),
+                                                                   corpus.word_starts(start, end))]
+          tokens.append((specials["sep"], 1, segment, 1))
+      for position, (token, word_start, segment, special) in enumerate(tokens):
+        for key, value in (("input_ids", token), ("segment_ids", segment), ("position_ids", position),
+                           ("pack_ids", pack + 1), ("word_starts", word_start), ("special_mask", special)):
+          fields[key][r, column + position] = value
+      column += len(tokens)
+  return fields
+
+
+@pytest.mark.parametrize("example_format,packing", [("segment_pair", False), ("sop", True), ("full_sentences", True),
+                                                    ("doc_sentences", False), ("single", True)])
+def test_build_rows_equals_the_row_by_row_reference_across_shards(tmp_path, minilm_dir, example_format, packing):
+  """`build_rows` writes a batch at once (one gather a shard): every field equals the row-by-row reference, on a
+  corpus cut into many shards (ranges in several shards in one batch)."""
+  rng = np.random.default_rng(3)
+  text = "\n\n".join("\n".join(" ".join(rng.choice(WORDS, size=rng.integers(2, 15))) + " ."
+                               for _ in range(rng.integers(1, 12))) for _ in range(60))
+  (tmp_path / "corpus.txt").write_text(text + "\n")
+  tokenizer = tokenizers.load_tokenizer(minilm_dir / "vocab.txt")
+  prepare.prepare_corpus([str(tmp_path / "corpus.txt")], tokenizer, tmp_path / "prepared", num_workers=0,
+                         shard_tokens=500, chunk_documents=4, log=lambda *_: None)
+  sharded = prepare.open_prepared(tmp_path / "prepared")
+  assert len(sharded.manifest["shards"]) > 3
+  config = formats.FormatConfig(example_format, seq_len=64, short_seq_prob=0.5, packing=packing, max_packs=3)
+  rows = formats.pack_examples(plan(sharded, config), config)[:40] + [[]]
+  batch = formats.build_rows(sharded, rows, config, tokenizer.special_ids, np.arange(len(rows)),
+                             np.zeros(len(rows)))
+  batch_lib.validate_batch(batch)
+  for key, expected in _reference_rows(sharded, rows, config, tokenizer.special_ids).items():
+    np.testing.assert_array_equal(batch[key], expected, err_msg=key)
+  for r, row in enumerate(rows):
+    starts = np.cumsum([0] + [e.length for e in row])[:-1]
+    assert batch["cls_positions"][r, :len(row)].tolist() == starts.tolist()
+    assert batch["sentence_labels"][r, :len(row)].tolist() == [e.label for e in row]
+    assert batch["sentence_weights"][r].tolist() == [1.0] * len(row) + [0.0] * (config.packs_per_row - len(row))

@@ -297,17 +297,14 @@ def pack_examples(examples: Sequence[Example], config: FormatConfig) -> list[lis
   return rows
 
 
-def _segment_pieces(corpus: prepare.PreparedCorpus, ranges: Sequence[tuple[int, int]], segment_id: int,
-                    specials: dict[str, int], pieces: list):
-  """Appends (tokens, word_starts, segment, is_special) pieces of one segment and its closing [SEP]s."""
-  for start, end in ranges:
-    pieces.append((corpus.tokens(start, end), corpus.word_starts(start, end), segment_id, 0))
-    pieces.append((np.array([specials["sep"]], np.int32), np.ones(1, np.uint8), segment_id, 1))
-
-
 def build_rows(corpus: prepare.PreparedCorpus, rows: Sequence[Sequence[Example]], config: FormatConfig,
                specials: dict[str, int], example_ids: np.ndarray, epochs: np.ndarray) -> dict[str, np.ndarray]:
   """Materialises planned rows into a batch following `bert_jax.data.batch`.
+
+  A row is [CLS] A [SEP] (B [SEP]) per example, the ranges of a segment joined by [SEP]. One Python pass lists
+  the batch's pieces (a corpus range or one special token); numpy then writes every field of the batch at once
+  and reads the corpus with one gather a shard (numpy calls row by row took two thirds of the host's batching
+  time at BERT-base seq 128, bench/NOTES.md session 24).
 
   Args:
     corpus: the prepared corpus the ranges point into.
@@ -335,29 +332,64 @@ def build_rows(corpus: prepare.PreparedCorpus, rows: Sequence[Sequence[Example]]
       "example_ids": np.asarray(example_ids, np.int32),
       "epoch": np.asarray(epochs, np.int32),
   }
-  cls_piece = (np.array([specials["cls"]], np.int32), np.ones(1, np.uint8), 0, 1)
+  cls, sep = specials["cls"], specials["sep"]
+  # Per piece (a corpus range or one special token), in row-major order: its length, segment, pack (1-based),
+  # position in its example, and the corpus start of a range or -1 - the id of a special token.
+  pieces, used_per_row, pack_rows, pack_indices, pack_starts, labels = [], [], [], [], [], []
   for row_index, row in enumerate(rows):
-    pieces, example_lengths = [], []
+    used = 0
     for pack_index, example in enumerate(row):
-      count_before = len(pieces)
-      pieces.append(cls_piece)
-      _segment_pieces(corpus, example.segment_a, 0, specials, pieces)
-      _segment_pieces(corpus, example.segment_b, 1, specials, pieces)
-      example_lengths.append(sum(len(p[0]) for p in pieces[count_before:]))
-      batch["sentence_labels"][row_index, pack_index] = example.label
-      batch["sentence_weights"][row_index, pack_index] = 1.0
-    if not pieces:
-      continue
-    piece_lengths = [len(p[0]) for p in pieces]
-    used = sum(piece_lengths)
+      pack = pack_index + 1
+      pieces.append((1, 0, pack, 0, -1 - cls))
+      position = 1
+      for segment, ranges in ((0, example.segment_a), (1, example.segment_b)):
+        for start, end in ranges:
+          pieces.append((end - start, segment, pack, position, start))
+          pieces.append((1, segment, pack, position + end - start, -1 - sep))
+          position += end - start + 1
+      pack_rows.append(row_index), pack_indices.append(pack_index), pack_starts.append(used)
+      labels.append(example.label)
+      used += position
     if used > length:
       raise ValueError(f"row {row_index} has {used} tokens, more than seq_len {length}; a plan is wrong")
-    batch["input_ids"][row_index, :used] = np.concatenate([p[0] for p in pieces])
-    batch["word_starts"][row_index, :used] = np.concatenate([p[1] for p in pieces])
-    batch["segment_ids"][row_index, :used] = np.repeat([p[2] for p in pieces], piece_lengths)
-    batch["special_mask"][row_index, :used] = np.repeat([p[3] for p in pieces], piece_lengths)
-    example_starts = np.cumsum([0] + example_lengths[:-1])
-    batch["pack_ids"][row_index, :used] = np.repeat(np.arange(1, len(row) + 1), example_lengths)
-    batch["position_ids"][row_index, :used] = np.arange(used) - np.repeat(example_starts, example_lengths)
-    batch["cls_positions"][row_index, :len(row)] = example_starts
+    used_per_row.append(used)
+  batch["cls_positions"][pack_rows, pack_indices] = pack_starts
+  batch["sentence_labels"][pack_rows, pack_indices] = labels
+  batch["sentence_weights"][pack_rows, pack_indices] = 1.0
+  if not pieces:
+    return batch
+  sizes, segments, packs, positions, sources = np.array(pieces, np.int64).T
+  # The pieces fill each row from column 0 in order, so the tokens in piece order are the rows' used prefixes in
+  # row-major order: boolean-mask writes.
+  filled = np.arange(length) < np.array(used_per_row)[:, None]
+  offsets = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+  ranges = sources >= 0
+  special = np.repeat(~ranges, sizes)
+  input_ids, word_starts = np.empty(len(special), np.int32), np.ones(len(special), np.int32)
+  input_ids[special] = -1 - sources[~ranges]
+  input_ids[~special], word_starts[~special] = corpus.gather(sources[ranges].tolist(), sizes[ranges].tolist())
+  batch["input_ids"][filled] = input_ids
+  batch["word_starts"][filled] = word_starts
+  batch["special_mask"][filled] = special
+  batch["segment_ids"][filled] = np.repeat(segments, sizes)
+  batch["pack_ids"][filled] = np.repeat(packs, sizes)
+  batch["position_ids"][filled] = np.repeat(positions, sizes) + offsets
+  return batch
+  row_, column_, length_, segment_, pack_, pack_start_, source_ = (np.asarray(f, np.int64) for f in piece_fields)
+  # One entry per token: its piece and its offset inside the piece.
+  piece = np.repeat(np.arange(len(length_)), length_)
+  offset = np.arange(len(piece)) - np.repeat(np.cumsum(length_) - length_, length_)
+  rows_t, columns_t = row_[piece], column_[piece] + offset
+  source_t = source_[piece]
+  special = source_t < 0
+  tokens, word_starts = corpus.gather(np.where(special, 0, source_t + offset), ~special)
+  batch["input_ids"][rows_t, columns_t] = np.where(special, -1 - source_t, tokens)
+  batch["word_starts"][rows_t, columns_t] = np.where(special, 1, word_starts)
+  batch["segment_ids"][rows_t, columns_t] = segment_[piece]
+  batch["special_mask"][rows_t, columns_t] = special
+  batch["pack_ids"][rows_t, columns_t] = pack_[piece]
+  batch["position_ids"][rows_t, columns_t] = columns_t - pack_start_[piece]
+  batch["cls_positions"][pack_rows, pack_indices] = pack_starts
+  batch["sentence_labels"][pack_rows, pack_indices] = labels
+  batch["sentence_weights"][pack_rows, pack_indices] = 1.0
   return batch
