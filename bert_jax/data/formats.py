@@ -303,7 +303,7 @@ def build_rows(corpus: prepare.PreparedCorpus, rows: Sequence[Sequence[Example]]
 
   A row is [CLS] A [SEP] (B [SEP]) per example, the ranges of a segment joined by [SEP]. One Python pass lists
   the batch's pieces (a corpus range or one special token); numpy then writes every field of the batch at once
-  and reads the corpus with one gather a shard (numpy calls row by row took two thirds of the host's batching
+  and reads the corpus ranges with one concatenate (numpy calls row by row took two thirds of the host's batching
   time at BERT-base seq 128, bench/NOTES.md session 24).
 
   Args:
@@ -374,22 +374,4 @@ def build_rows(corpus: prepare.PreparedCorpus, rows: Sequence[Sequence[Example]]
   batch["segment_ids"][filled] = np.repeat(segments, sizes)
   batch["pack_ids"][filled] = np.repeat(packs, sizes)
   batch["position_ids"][filled] = np.repeat(positions, sizes) + offsets
-  return batch
-  row_, column_, length_, segment_, pack_, pack_start_, source_ = (np.asarray(f, np.int64) for f in piece_fields)
-  # One entry per token: its piece and its offset inside the piece.
-  piece = np.repeat(np.arange(len(length_)), length_)
-  offset = np.arange(len(piece)) - np.repeat(np.cumsum(length_) - length_, length_)
-  rows_t, columns_t = row_[piece], column_[piece] + offset
-  source_t = source_[piece]
-  special = source_t < 0
-  tokens, word_starts = corpus.gather(np.where(special, 0, source_t + offset), ~special)
-  batch["input_ids"][rows_t, columns_t] = np.where(special, -1 - source_t, tokens)
-  batch["word_starts"][rows_t, columns_t] = np.where(special, 1, word_starts)
-  batch["segment_ids"][rows_t, columns_t] = segment_[piece]
-  batch["special_mask"][rows_t, columns_t] = special
-  batch["pack_ids"][rows_t, columns_t] = pack_[piece]
-  batch["position_ids"][rows_t, columns_t] = columns_t - pack_start_[piece]
-  batch["cls_positions"][pack_rows, pack_indices] = pack_starts
-  batch["sentence_labels"][pack_rows, pack_indices] = labels
-  batch["sentence_weights"][pack_rows, pack_indices] = 1.0
   return batch
