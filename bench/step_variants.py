@@ -53,6 +53,8 @@ DEFAULT_VARIANTS = {
     "dot-merger-32m": "--xla_gpu_dot_merger_threshold_mb=32",
     "dot-merger-4g": "--xla_gpu_dot_merger_threshold_mb=4096",
     "layer-norm-xla": "--config.model.layer_norm_impl=xla",  # the default on GPU is the Pallas kernel
+    # Every row of the last block, as before session 24 (the pre-training configs compute only the heads' rows).
+    "full-last-layer": "--config.model.sparse_last_layer=False",
     # cuDNN's own attention dropout (opt-in; needs cuDNN out of command buffers, models/attention.py).
     "cudnn-dropout": "--config.model.attention_impl=cudnn --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
                      "CUSTOM_CALL",
