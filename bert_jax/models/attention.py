@@ -193,11 +193,8 @@ def dot_product_attention(
                            preferred_element_type=jnp.float32)
   if pack_ids is not None:
     mask = attention_mask(pack_ids, causal, query_positions)
-  elif causal and query_positions is not None:
+  elif causal:  # no padding: every key is real
     mask = attention_mask(jnp.ones(key_blhd.shape[:2], jnp.int32), causal, query_positions)
-  elif causal:
-    length = query_blhd.shape[1]
-    mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
   else:
     mask = None
   if mask is not None:

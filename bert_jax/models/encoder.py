@@ -257,14 +257,13 @@ class SelfAttention(nn.Module):
       # The bias is added by `self_attention`: the flash kernels sum its gradient as they write d(qkv).
       out_blhd, probs = self_attention(qkv_blh3d, bias_h3d=bias, **options)
     else:
-      position_ids_bq, x_bqe = position_ids_bl, x_ble
-      if query_positions_bq is not None:
-        position_ids_bq = jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1)
-        x_bqe = gather_positions(x_ble, query_positions_bq)
+      x_bqe = x_ble if query_positions_bq is None else gather_positions(x_ble, query_positions_bq)
       q_blhd, v_blhd = projections["query"](x_bqe), projections["value"](x_ble)
       # The key bias only matters where rotary positions rotate it (`flash_attention.add_qkv_bias`).
       k_blhd = projections["key"](x_ble, train_bias=cfg.position_embedding == "rotary")
       if cfg.position_embedding == "rotary":
+        position_ids_bq = (position_ids_bl if query_positions_bq is None
+                           else jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1))
         q_blhd = rotary_embedding(q_blhd, position_ids_bq, cfg.rotary_base)
         k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
       q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
