@@ -1,6 +1,7 @@
 """End-to-end pre-training on CPU: every objective learns, exact resume, NaN stop, checkpoints (corrupt, replica
 slices), config errors."""
 
+import gc
 import json
 import logging
 import os
@@ -177,9 +178,10 @@ def test_pending_metrics_reads_a_log_step_at_the_next_add():
 
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
   """A log step's metrics are read once the following step is on its way (the device stays busy); evaluation,
-  checkpoints and the last step read them at once. The logged steps are the same."""
+  checkpoints and the last step read them at once. The logged steps are the same. From the second step on, the
+  setup's objects are frozen out of full garbage collections, and returned to the collector at the end."""
   from bert_jax.train import metrics as metrics_lib
-  dispatched, fetched_at = [0], []
+  dispatched, fetched_at, frozen = [0], [], []
   make_train_step = trainer.make_train_step
 
   def counting_make_train_step(*args, **kwargs):
@@ -187,6 +189,7 @@ def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp
 
     def counted(state, batch):
       dispatched[0] += 1
+      frozen.append(gc.get_freeze_count() > 0)
       return step(state, batch)
     return counted
 
@@ -198,6 +201,21 @@ def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp
   assert [h["step"] for h in result["history"]] == [2, 4, 6, 8, 9]
   # Steps 1-2 read when step 3 was dispatched, 3-4 at 5, 5-6 at once (checkpoint), 7-8 at 9, then 9 (last).
   assert fetched_at == [3, 3, 5, 5, 6, 6, 9, 9, 9], fetched_at
+  assert frozen == [False] + [True] * 8 and gc.get_freeze_count() == 0
+
+
+def test_frozen_setup_freezes_once_and_returns_the_objects_on_exit():
+  from bert_jax.train import heap
+  with pytest.raises(RuntimeError), heap.frozen_setup() as freeze:
+    assert gc.get_freeze_count() == 0
+    freeze()
+    count = gc.get_freeze_count()
+    assert count > 0
+    later = [[] for _ in range(10)]  # noqa: F841  (tracked by the collector; a second call freezes nothing)
+    freeze()
+    assert gc.get_freeze_count() == count
+    raise RuntimeError("the loop failed")
+  assert gc.get_freeze_count() == 0
 
 
 def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slices(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import config_lib, metrics as metrics_lib, optim
+from bert_jax.train import config_lib, heap, metrics as metrics_lib, optim
 from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
 
 log = logging.getLogger(__name__)
@@ -427,23 +427,24 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
     return bool(patience) and evaluations_since_best >= patience
 
   clock = [time.perf_counter()]
-  for epoch in range(config.train.epochs):
-    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-    for batch_index, start in enumerate(range(0, num_rows, run.train_batches.batch_size)):
-      state, step_metrics = run.train_step(state, run.train_batches(run.train_features,
-                                                                    order[start:start + run.train_batches.batch_size],
-                                                                    seed))
-      step += 1
-      pending.add(step_metrics)
-      if step % config.train.log_every == 0:
-        pending.log_next(step)
-      epoch_end = batch_index == run.steps_per_epoch - 1
-      due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
-      if due and evaluate(epoch + (batch_index + 1) / run.steps_per_epoch):
-        stopped_early = step < total_steps
+  with heap.frozen_setup() as freeze_setup:  # no full garbage collections of the setup (`heap`)
+    for epoch in range(config.train.epochs):
+      order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+      for batch_index, start in enumerate(range(0, num_rows, run.train_batches.batch_size)):
+        rows = order[start:start + run.train_batches.batch_size]
+        state, step_metrics = run.train_step(state, run.train_batches(run.train_features, rows, seed))
+        freeze_setup()
+        step += 1
+        pending.add(step_metrics)
+        if step % config.train.log_every == 0:
+          pending.log_next(step)
+        epoch_end = batch_index == run.steps_per_epoch - 1
+        due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
+        if due and evaluate(epoch + (batch_index + 1) / run.steps_per_epoch):
+          stopped_early = step < total_steps
+          break
+      if stopped_early:
         break
-    if stopped_early:
-      break
   if checkpointer is not None:
     checkpointer.close()
   writer.close()

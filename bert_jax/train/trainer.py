@@ -31,7 +31,7 @@ from bert_jax.models import ModelConfig, model_config
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import config_lib, metrics as metrics_lib, objectives, optim
+from bert_jax.train import config_lib, heap, metrics as metrics_lib, objectives, optim
 from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -307,11 +307,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # A log step's metrics are read once the next step is dispatched (`PendingMetrics`); evaluation, checkpoints
   # and the last step need the state and read them at once.
   pending = metrics_lib.PendingMetrics(read_metrics)
-  with _Preemption() as preemption:
+  # Full garbage collections of the setup's objects would stall dispatch every ~100 steps (`heap`).
+  with _Preemption() as preemption, heap.frozen_setup() as freeze_setup:
     try:
       while step < total_steps:
         batch = sharding_lib.global_batch(next(train_iter), mesh)
         state, step_metrics = train_step(state, batch)
+        freeze_setup()
         step += 1
         pending.add(step_metrics)
         if progress is not None:
