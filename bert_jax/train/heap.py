@@ -21,8 +21,9 @@ from typing import Callable, Iterator
 @contextlib.contextmanager
 def frozen_setup() -> Iterator[Callable[[], None]]:
   """Yields `freeze()`: the first call collects once and freezes every live object; later calls do nothing.
-  On exit the frozen objects return to the collector (`gc.unfreeze()`), so what the loop dropped, cycles
-  included, is freed by the next full collection (a fine-tuning sweep runs one loop per seed in one process)."""
+  On exit the frozen objects return to the collector (`gc.unfreeze()`, which also returns anything another library
+  froze), so what the loop dropped, cycles included, is freed by the next full collection (a fine-tuning sweep
+  runs one loop per seed in one process)."""
   frozen = False
 
   def freeze() -> None:
