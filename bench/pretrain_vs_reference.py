@@ -187,7 +187,10 @@ def largest_batches(size: str, seq: int, budget_gib: float, searches: dict[str, 
     results = pool.map(jobs)
     if first_results is None:
       first_results, results = results[:len(first)], results[len(first):]
+      for result in first_results:  # Printed as they come, so a run cut short keeps what it measured.
+        print(json.dumps({"first_job": result}), flush=True)
     for (remat, batch), result in zip(tried, results):
+      print(json.dumps({"largest_try": {"remat": remat, "batch": batch, "result": result}}), flush=True)
       entry = found[remat]
       if "error" in result:
         entry["failed"].append((batch, " ".join(result["error"])[:160]))
