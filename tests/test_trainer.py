@@ -205,7 +205,7 @@ def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp
   assert frozen == [False] + [True] * 8 and gc.get_freeze_count() == 0
 
 
-def test_frozen_setup_freezes_once_and_returns_the_objects_on_exit():
+def test_frozen_setup_freezes_once_a_phase_and_returns_the_objects_on_exit():
   from bert_jax.train import heap
   before = gc.get_freeze_count()  # another library may have frozen objects (gc.unfreeze returns those too)
   with pytest.raises(RuntimeError), heap.frozen_setup() as freeze:
@@ -215,6 +215,8 @@ def test_frozen_setup_freezes_once_and_returns_the_objects_on_exit():
     later = [[] for _ in range(10)]  # noqa: F841  (tracked by the collector; a second call freezes nothing)
     freeze()
     assert gc.get_freeze_count() == count
+    freeze("evaluation")  # a new phase (the first evaluation's compilation) freezes what came since
+    assert gc.get_freeze_count() >= count + 10
     raise RuntimeError("the loop failed")
   assert gc.get_freeze_count() == 0
 

@@ -440,9 +440,12 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
           pending.log_next(step)
         epoch_end = batch_index == run.steps_per_epoch - 1
         due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
-        if due and evaluate(epoch + (batch_index + 1) / run.steps_per_epoch):
-          stopped_early = step < total_steps
-          break
+        if due:
+          stop = evaluate(epoch + (batch_index + 1) / run.steps_per_epoch)
+          freeze_setup("evaluation")  # the predict step's compilation
+          if stop:
+            stopped_early = step < total_steps
+            break
       if stopped_early:
         break
   if checkpointer is not None:

@@ -8,7 +8,7 @@ dispatching thread waits, the device runs out of queued steps, and those 10-step
 seq/s against ~6,800 (300 steps: 6,305 seq/s overall). `gc.freeze()` after the first step (compiled by then)
 moves those objects to a generation the collector never walks: the loop's full collections then took
 1.7-4.2 ms and the run 6,795 seq/s (bench/NOTES.md, session 25). Both the pre-training and the fine-tuning
-loop use it.
+loop use it, and freeze once more after their first evaluation (its compiled step and caches).
 """
 
 from __future__ import annotations
@@ -19,19 +19,20 @@ from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def frozen_setup() -> Iterator[Callable[[], None]]:
-  """Yields `freeze()`: the first call collects once and freezes every live object; later calls do nothing.
+def frozen_setup() -> Iterator[Callable[..., None]]:
+  """Yields `freeze(phase="step")`: the first call for a phase collects once and freezes every live object; later
+  calls for that phase do nothing. A loop freezes after its first step ("step") and again after its first
+  evaluation ("evaluation"), whose compilation adds ~25,000 objects at BERT-base (bench/NOTES.md, session 25).
   On exit the frozen objects return to the collector (`gc.unfreeze()`, which also returns anything another library
   froze), so what the loop dropped, cycles included, is freed by the next full collection (a fine-tuning sweep
   runs one loop per seed in one process)."""
-  frozen = False
+  frozen: set[str] = set()
 
-  def freeze() -> None:
-    nonlocal frozen
-    if not frozen:
+  def freeze(phase: str = "step") -> None:
+    if phase not in frozen:
       gc.collect()
       gc.freeze()
-      frozen = True
+      frozen.add(phase)
 
   try:
     yield freeze

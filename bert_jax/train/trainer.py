@@ -325,6 +325,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
           pending.flush(step)
           eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
           writer.write(step, eval_results, prefix="eval/")
+          freeze_setup("evaluation")
           if primary:
             _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
         preempted = preemption.should_stop(step)
