@@ -22,7 +22,8 @@ from typing import Callable, Iterator
 def frozen_setup() -> Iterator[Callable[..., None]]:
   """Yields `freeze(phase="step")`: the first call for a phase collects once and freezes every live object; later
   calls for that phase do nothing. A loop freezes after its first step ("step") and again after its first
-  evaluation ("evaluation"), whose compilation adds ~25,000 objects at BERT-base (bench/NOTES.md, session 25).
+  evaluation ("evaluation"), whose compilation adds ~55,000 objects at BERT-base on an H200 (bench/NOTES.md,
+  session 26: the loop's later full collections 17-26 ms without the second freeze, 1.7-4.1 ms with it).
   On exit the frozen objects return to the collector (`gc.unfreeze()`, which also returns anything another library
   froze), so what the loop dropped, cycles included, is freed by the next full collection (a fine-tuning sweep
   runs one loop per seed in one process)."""
