@@ -128,3 +128,48 @@ check_overrides() {
     fi
   done
 }
+
+# parse_options SPEC ARGS...: the scripts' shared argument loop. SPEC is a space-separated list of
+# options: FLAG= takes a value, FLAG alone is a switch set to the flag itself; each sets the variable
+# named after the flag (--num-processes -> num_processes) or, written FLAG=VAR or FLAG=VAR= , VAR.
+# -h/--help prints $USAGE, --dry-run sets DRY_RUN=1; --config.* overrides and other words are
+# collected in order in the array `positional`.
+parse_options() {
+  local _spec=" $1 " _entry _var
+  shift
+  positional=()
+  while (( $# )); do
+    case "$1" in
+      -h|--help) echo "$USAGE"; exit 0 ;;
+      --dry-run) DRY_RUN=1; shift ;;
+      --config.*) positional+=("$1"); shift ;;
+      -*)
+        _entry="$(option_entry "$_spec" "$1")" || die "unknown option '$1'"
+        _var="${_entry#*=}"
+        _var="${_var%=}"
+        if [[ "$_entry" == *= ]]; then
+          require_value "$@"
+          printf -v "$_var" '%s' "$2"
+          shift 2
+        else
+          printf -v "$_var" '%s' "$1"
+          shift
+        fi ;;
+      *) positional+=("$1"); shift ;;
+    esac
+  done
+}
+
+# option_entry SPEC FLAG: FLAG's entry of SPEC as "FLAG=VAR" (a switch) or "FLAG=VAR=" (takes a value).
+option_entry() {
+  local word default="${2#--}"
+  default="${default//-/_}"
+  for word in $1; do
+    case "$word" in
+      "$2") echo "$2=$default" ; return 0 ;;
+      "$2=") echo "$2=$default=" ; return 0 ;;
+      "$2="*) echo "$word"; return 0 ;;
+    esac
+  done
+  return 1
+}

@@ -13,16 +13,7 @@ Runs: \$PYTHON -m bert_jax.cli pretrain --config CONFIG --workdir WORKDIR [overr
 (PYTHON defaults to python3)."
 USAGE_HINT="Run 'launch/local.sh --help' for usage."
 
-positional=()
-while (( $# )); do
-  case "$1" in
-    -h|--help) echo "$USAGE"; exit 0 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    --config.*) positional+=("$1"); shift ;;
-    -*) die "unknown option '$1'" ;;
-    *) positional+=("$1"); shift ;;
-  esac
-done
+parse_options "" "$@"
 run_arguments "${positional[@]}"
 
 say "pretraining $config on this host (all local devices), workdir $workdir"

@@ -146,26 +146,28 @@ def embedding_rules(path: Path) -> list[Rule]:
   return tables + _norm("embeddings.LayerNorm", path + ("norm",))
 
 
-def _bert_block_rules(hf: str, path: Path) -> list[Rule]:
-  rules = []
-  for projection in ("query", "key", "value"):
-    rules += _linear(f"{hf}.attention.self.{projection}", path + ("attention", projection), "heads_in")
-  rules += _linear(f"{hf}.attention.output.dense", path + ("attention", "output"), "heads_out")
-  rules += _norm(f"{hf}.attention.output.LayerNorm", path + ("attention_norm",))
-  rules += _linear(f"{hf}.intermediate.dense", path + ("ffn", "wi"))
-  rules += _linear(f"{hf}.output.dense", path + ("ffn", "wo"))
-  return rules + _norm(f"{hf}.output.LayerNorm", path + ("ffn_norm",))
+# Hugging Face's name of each part of one transformer block, relative to the block's prefix, per naming scheme
+# (BERT, RoBERTa and ELECTRA share BERT's).
+_BLOCK_NAMES = {
+    "bert": {"qkv": "attention.self", "attention_output": "attention.output.dense",
+             "attention_norm": "attention.output.LayerNorm", "wi": "intermediate.dense", "wo": "output.dense",
+             "ffn_norm": "output.LayerNorm"},
+    "albert": {"qkv": "attention", "attention_output": "attention.dense", "attention_norm": "attention.LayerNorm",
+               "wi": "ffn", "wo": "ffn_output", "ffn_norm": "full_layer_layer_norm"},
+}
 
 
-def _albert_block_rules(hf: str, path: Path) -> list[Rule]:
+def _block_rules(scheme: str, hf: str, path: Path) -> list[Rule]:
+  """One transformer block: Hugging Face prefix `hf` (names from `_BLOCK_NAMES[scheme]`) <-> our `Block` at `path`."""
+  names = _BLOCK_NAMES[scheme]
   rules = []
   for projection in ("query", "key", "value"):
-    rules += _linear(f"{hf}.attention.{projection}", path + ("attention", projection), "heads_in")
-  rules += _linear(f"{hf}.attention.dense", path + ("attention", "output"), "heads_out")
-  rules += _norm(f"{hf}.attention.LayerNorm", path + ("attention_norm",))
-  rules += _linear(f"{hf}.ffn", path + ("ffn", "wi"))
-  rules += _linear(f"{hf}.ffn_output", path + ("ffn", "wo"))
-  return rules + _norm(f"{hf}.full_layer_layer_norm", path + ("ffn_norm",))
+    rules += _linear(f"{hf}.{names['qkv']}.{projection}", path + ("attention", projection), "heads_in")
+  rules += _linear(f"{hf}.{names['attention_output']}", path + ("attention", "output"), "heads_out")
+  rules += _norm(f"{hf}.{names['attention_norm']}", path + ("attention_norm",))
+  rules += _linear(f"{hf}.{names['wi']}", path + ("ffn", "wi"))
+  rules += _linear(f"{hf}.{names['wo']}", path + ("ffn", "wo"))
+  return rules + _norm(f"{hf}.{names['ffn_norm']}", path + ("ffn_norm",))
 
 
 def encoder_body_rules(family: str, config: ModelConfig, path: Path) -> list[Rule]:
@@ -174,12 +176,13 @@ def encoder_body_rules(family: str, config: ModelConfig, path: Path) -> list[Rul
   if family == "albert":
     rules += _linear("encoder.embedding_hidden_mapping_in", path + ("embedding_projection",))
     for group in range(config.num_shared_groups or config.num_layers):
-      rules += _albert_block_rules(f"encoder.albert_layer_groups.{group}.albert_layers.0", path + (f"block_{group}",))
+      hf = f"encoder.albert_layer_groups.{group}.albert_layers.0"
+      rules += _block_rules("albert", hf, path + (f"block_{group}",))
     return rules
   if config.embed_dim != config.hidden_size:
     rules += _linear("embeddings_project", path + ("embedding_projection",))
   for layer in range(config.num_layers):
-    rules += _bert_block_rules(f"encoder.layer.{layer}", path + (f"block_{layer}",))
+    rules += _block_rules("bert", f"encoder.layer.{layer}", path + (f"block_{layer}",))
   return rules
 
 

@@ -303,8 +303,8 @@ def build_rows(corpus: prepare.PreparedCorpus, rows: Sequence[Sequence[Example]]
 
   A row is [CLS] A [SEP] (B [SEP]) per example, the ranges of a segment joined by [SEP]. One Python pass lists
   the batch's pieces (a corpus range or one special token); numpy then writes every field of the batch at once
-  and reads the corpus ranges with one concatenate (numpy calls row by row took two thirds of the host's batching
-  time at BERT-base seq 128, bench/NOTES.md session 24).
+  and reads the corpus ranges with one concatenate (numpy calls row by row took most of the host's batching time;
+  docs/performance.md).
 
   Args:
     corpus: the prepared corpus the ranges point into.

@@ -311,7 +311,7 @@ class PreparedCorpus:
     token_base = sentence_base = 0
     for shard in manifest["shards"]:
       load = lambda key, name=shard["name"]: np.load(self.directory / f"{name}.{key}.npy", mmap_mode="r")
-      # Plain-array views of the maps: a memmap's slicing costs ~3 us of Python, and `gather` slices often.
+      # Plain-array views of the maps: a memmap's slicing goes through its Python subclass, and `gather` slices often.
       self._tokens.append(load("tokens").view(np.ndarray))
       self._word_starts.append(load("word_starts").view(np.ndarray))
       sentence_starts.append(np.asarray(load("sentence_offsets")[1:]) + token_base)

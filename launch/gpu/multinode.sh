@@ -24,27 +24,12 @@ coordinator=""
 num_processes=""
 process_id=""
 local_device_ids=""
+nvls_off=""
+parse_options "--coordinator= --num-processes= --process-id= --local-device-ids= --nvls-off" "$@"
 nvls_env=()
-positional=()
-while (( $# )); do
-  case "$1" in
-    -h|--help) echo "$USAGE"; exit 0 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    --nvls-off) nvls_env=(NCCL_NVLS_ENABLE=0); shift ;;
-    --coordinator|--num-processes|--process-id|--local-device-ids)
-      require_value "$@"
-      case "$1" in
-        --coordinator) coordinator="$2" ;;
-        --num-processes) num_processes="$2" ;;
-        --process-id) process_id="$2" ;;
-        --local-device-ids) local_device_ids="$2" ;;
-      esac
-      shift 2 ;;
-    --config.*) positional+=("$1"); shift ;;
-    -*) die "unknown option '$1'" ;;
-    *) positional+=("$1"); shift ;;
-  esac
-done
+if [[ -n "$nvls_off" ]]; then
+  nvls_env=(NCCL_NVLS_ENABLE=0)
+fi
 require "$coordinator" "--coordinator HOST:PORT"
 require "$num_processes" "--num-processes"
 require "$process_id" "--process-id"

@@ -61,32 +61,8 @@ ref=""
 python_version="3.11"
 worker="0"
 lines="100"
-positional=()
-while (( $# )); do
-  case "$1" in
-    -h|--help) echo "$USAGE"; exit 0 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    --spot|--preemptible) provisioning="$1"; shift ;;
-    --name|--zone|--project|--accelerator-type|--version|--repo|--ref|--python|--worker|--lines)
-      require_value "$@"
-      case "$1" in
-        --name) name="$2" ;;
-        --zone) zone="$2" ;;
-        --project) project="$2" ;;
-        --accelerator-type) accelerator_type="$2" ;;
-        --version) version="$2" ;;
-        --repo) repo="$2" ;;
-        --ref) ref="$2" ;;
-        --python) python_version="$2" ;;
-        --worker) worker="$2" ;;
-        --lines) lines="$2" ;;
-      esac
-      shift 2 ;;
-    --config.*) positional+=("$1"); shift ;;
-    -*) die "unknown option '$1'" ;;
-    *) positional+=("$1"); shift ;;
-  esac
-done
+parse_options "--name= --zone= --project= --accelerator-type= --version= --repo= --ref= --python=python_version=
+               --worker= --lines= --spot=provisioning --preemptible=provisioning" "$@"
 
 require "$name" "--name (or \$BERT_JAX_TPU_NAME)"
 require "$zone" "--zone (or \$BERT_JAX_TPU_ZONE)"
