@@ -29,7 +29,7 @@ SUBCOMMANDS = {
 
 def pretrain_main(argv: list[str]) -> int:
   """bert-jax pretrain --config FILE[:ARG] [--config.KEY=VALUE ...] --workdir DIR."""
-  parser = argparse.ArgumentParser(prog="bert-jax pretrain", description=pretrain_main.__doc__)
+  parser = argparse.ArgumentParser(prog="bert-jax pretrain", description=pretrain_main.__doc__, allow_abbrev=False)
   parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
   parser.add_argument("--workdir", required=True, help="run directory; an existing one is resumed")
   args, rest = parser.parse_known_args(argv)

@@ -44,3 +44,12 @@ def minilm_dir():
   if not (path / "model.safetensors").exists():
     pytest.skip("MiniLM weights missing")
   return path
+
+
+@pytest.fixture
+def gcs_bucket():
+  """`gs://` URL of an empty bucket on a local Cloud Storage emulator (see tests/gcs_emulator.py); skips without it."""
+  import gcs_emulator
+
+  with gcs_emulator.gcs_bucket_url() as url:
+    yield url

@@ -294,3 +294,23 @@ def test_electra_warns_when_generator_embeddings_differ(tmp_path):
   discriminator, generator = hf_model("electra"), hf_model("electra", "generator", seed=1, **GENERATOR)
   with pytest.warns(UserWarning, match="generator embeddings"):
     load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"), save_hf(generator, tmp_path / "gen"))
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path, minilm_dir, capsys):
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  for name in ("config.json", "vocab.txt"):
+    (hf_dir / name).write_bytes((minilm_dir / name).read_bytes())
+  with open(minilm_dir / "model.safetensors", "rb") as f:
+    (hf_dir / "model.safetensors").write_bytes(f.read(1 << 20))
+  assert convert_main(["--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")]) == 1
+  error = capsys.readouterr().err.strip()
+  assert "\n" not in error and error.startswith(f"bert-jax convert: {hf_dir / 'model.safetensors'} is truncated")
+  assert not (tmp_path / "ours").exists()
+
+  # Our own format, as fine-tuning's init loads it.
+  assert convert_main(["--from-hf", str(minilm_dir), "--out", str(tmp_path / "ours")]) == 0
+  params_file = tmp_path / "ours" / "params.safetensors"
+  params_file.write_bytes(params_file.read_bytes()[:4096])
+  with pytest.raises(CheckpointError, match=rf"{params_file} is truncated or not a safetensors file"):
+    load_pretrained(tmp_path / "ours")

@@ -79,6 +79,14 @@ def test_bad_rte_files_name_file_and_line(tmp_path, content, message):
     get_task("glue/rte").load(tmp_path, "train")
 
 
+def test_a_byte_that_is_not_utf8_names_file_line_and_column(tmp_path):
+  path = tmp_path / "SST-2" / "dev.tsv"
+  path.parent.mkdir(parents=True)
+  path.write_bytes("sentence\tlabel\nfine\t1\ncaf\u00e9 ok\t0\n".encode("utf-8") + "na\u00efve\t1\n".encode("latin-1"))
+  with pytest.raises(ValueError, match=r"SST-2[/\\]dev\.tsv:4: byte 0xef at column 3 is not UTF-8; convert"):
+    get_task("glue/sst2").load(tmp_path, "dev")
+
+
 def test_bad_cola_and_stsb_rows(tmp_path):
   _write(tmp_path / "CoLA" / "dev.tsv", "gj04\t1\t\tGood.\ngj04\t2\t*\tBad.\n")
   with pytest.raises(ValueError, match=r"dev\.tsv:2: label '2'"):

@@ -231,3 +231,18 @@ def test_read_errors_name_file_and_question(tmp_path):
   with pytest.raises(ValueError, match="use squad/v2.0"):
     get_task("squad/v1.1").load(tmp_path, "dev")
   assert read_squad(v2)[0].is_impossible
+
+
+def test_truncated_json_and_missing_fields_name_the_file(tmp_path):
+  good = {"version": "1.1", "data": [{"title": "t", "paragraphs": [
+      {"context": "a short context", "qas": [{"id": "q1", "question": "?", "answers": [{"text": "short"}]}]}]}]}
+  path = tmp_path / "dev-v1.1.json"
+  path.write_text(json.dumps(good, indent=1)[:90])
+  with pytest.raises(ValueError, match=rf"{path}:\d+: not valid JSON \(.* at column \d+\); the file may be truncated"):
+    read_squad(path)
+  path.write_text(json.dumps(good))
+  with pytest.raises(ValueError, match=rf"{path}: an answer of question q1 has no 'answer_start' field"):
+    read_squad(path)
+  path.write_text(json.dumps({"data": [{"title": "t"}]}))
+  with pytest.raises(ValueError, match=rf"{path}: data\[0\] has no 'paragraphs' field"):
+    read_squad(path)

@@ -89,3 +89,18 @@ def test_drop_rows_after_keeps_the_steps_a_checkpoint_holds(tmp_path):
   assert workdir_lib.drop_rows_after(path, 20) == 3
   assert [json.loads(line).get("step") for line in path.read_text().splitlines()] == [10, 20, None]
   assert workdir_lib.drop_rows_after(path, 20) == 0
+
+
+def test_lock_and_metrics_rows_on_cloud_storage(gcs_bucket):
+  workdir = f"{gcs_bucket}/run"
+  lock = workdir_lib.WorkdirLock.acquire(workdir, settle=0.1)
+  try:
+    with pytest.raises(workdir_lib.WorkdirBusyError, match="is in use by another run"):
+      workdir_lib.WorkdirLock.acquire(workdir, settle=0.1)
+  finally:
+    lock.release()
+  workdir_lib.WorkdirLock.acquire(workdir, settle=0.1).release()
+  path = workdir_lib.epath.Path(workdir) / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+  assert workdir_lib.drop_rows_after(path, 1) == 2
+  assert path.read_text() == '{"step": 1}\n'

@@ -122,7 +122,7 @@ def _parse_layers(text: str, num_layers: int) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="bert-jax features", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   parser.add_argument("--model", required=True, help="model directory: ours or a Hugging Face checkpoint")
   parser.add_argument("--input", required=True, help="text file: a sentence, or two separated by a tab, per line")
   parser.add_argument("--layers", default="-1,-2,-3,-4", help="comma-separated layer indices (-1 = last)")

@@ -94,7 +94,7 @@ def load_model(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any], T
 
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="bert-jax fill-mask", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   parser.add_argument("--model", required=True, help="run directory or converted model directory")
   parser.add_argument("--top-k", type=int, default=5)
   parser.add_argument("texts", nargs="+", help="sentences containing [MASK]")

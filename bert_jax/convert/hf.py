@@ -30,7 +30,7 @@ __all__ = ["CheckpointError", "Pretrained", "load_hf_checkpoint", "save_hf_check
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="bert-jax convert", description=__doc__.split("\n\nThe functions")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--from-hf", metavar="DIR", help="Hugging Face checkpoint directory to import")
   source.add_argument("--to-hf", metavar="DIR", help="model directory (ours or Hugging Face) to export")

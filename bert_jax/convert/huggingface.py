@@ -202,8 +202,17 @@ def read_state_dict(directory: pathlib.Path) -> dict[str, np.ndarray]:
                           "pytorch_model.bin")
   tensors = {}
   for file in files:
-    tensors.update({name: _as_float32(array) for name, array in safetensors.numpy.load_file(file).items()})
+    tensors.update({name: _as_float32(array) for name, array in read_safetensors(file).items()})
   return tensors
+
+
+def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """The tensors of one safetensors file; a truncated or damaged file raises a CheckpointError naming it."""
+  try:
+    return safetensors.numpy.load_file(path)
+  except safetensors.SafetensorError as error:
+    raise CheckpointError(f"{path} is truncated or not a safetensors file ({error}); download or convert the "
+                          f"checkpoint again") from None
 
 
 def _read_torch_bin(path: pathlib.Path) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import safetensors.numpy
 
 from bert_jax.convert.huggingface import (TOKENIZER_FILES, CheckpointError, copy_tokenizer_files, load_hf_checkpoint,
-                                          read_hf_config)
+                                          read_hf_config, read_safetensors)
 from bert_jax.convert.params import (EXTRA_MODULES, Params, build_model, flatten_params, model_kind, param_shapes,
                                      shape_problems, unflatten_params)
 from bert_jax.models import ModelConfig
@@ -134,7 +134,7 @@ def _load_ours(directory: pathlib.Path) -> tuple[str, ModelConfig, Params, dict[
   extras: dict[str, Any] = {"architecture": description.get("source")}
   if description.get("generator_config"):
     extras["generator_config"] = _config_from_fields(description["generator_config"], where)
-  flat = safetensors.numpy.load_file(directory / PARAMS_FILE)
+  flat = read_safetensors(directory / PARAMS_FILE)
   params = unflatten_params({key: value for key, value in flat.items() if not key.startswith(_EXTRAS_PREFIX)})
   extra_trees = unflatten_params({key[len(_EXTRAS_PREFIX):]: value for key, value in flat.items()
                                   if key.startswith(_EXTRAS_PREFIX)})

@@ -18,6 +18,13 @@ them and the train split is the rest.
 
 Running again with the same inputs, tokenizer and options does nothing;
 a different tokenizer against an existing manifest is refused.
+
+DIR may be local or on Cloud Storage (`gs://bucket/prepared`, through
+`etils.epath`). Shards are written to a staging folder (beside DIR, or a local
+temporary folder for a remote DIR) and moved into DIR only once complete, the
+manifest last, so a failed run leaves an earlier prepared corpus in DIR as it
+was. A non-empty DIR that holds no prepared corpus is refused unless forced,
+and files that prepare did not write are never deleted.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import bisect
 import dataclasses
 import functools
+import io
 import itertools
 import json
 import multiprocessing
@@ -33,9 +41,11 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 import time
 from typing import Iterable, Iterator, Sequence
 
+from etils import epath
 import numpy as np
 
 from bert_jax.data import text as text_lib
@@ -46,6 +56,11 @@ TOKENIZER_DIR = "tokenizer"
 EVAL_DOCUMENTS = "eval_documents.npy"
 SHARD_ARRAYS = ("tokens", "word_starts", "sentence_offsets", "document_offsets")
 LONG_SENTENCE_POLICIES = ("split", "truncate")
+SHARD_DTYPES = {"tokens": np.int32, "word_starts": np.uint8, "sentence_offsets": np.int64,
+                "document_offsets": np.int64}
+_STAGING_MARKER = ".bert_jax_preparing"
+# Written into --out while a corpus moves in: the names it may hold, so a rerun after a crash there may replace them.
+_INSTALLING = "manifest.json.installing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,22 +194,134 @@ def _choose_eval_documents(num_documents: int, options: PrepareOptions) -> np.nd
   return np.sort(rng.choice(num_documents, size=count, replace=False)).astype(np.int64)
 
 
-def _read_manifest(out_dir: pathlib.Path) -> dict | None:
+def _is_remote(path: epath.Path) -> bool:
+  return "://" in os.fspath(path)
+
+
+def _as_path(path: str | os.PathLike) -> epath.Path:
+  """`path` as an epath.Path, refusing a URL that `pathlib.Path` has collapsed (gs:/bucket) into a local name."""
+  text = os.fspath(path)
+  if text.startswith(("gs:/", "s3:/")) and "://" not in text:
+    raise ValueError(f"{text} looks like a Cloud Storage URL that lost a slash (pathlib.Path does that); pass the "
+                     f"URL as a string, {text.replace(':/', '://', 1)}")
+  return epath.Path(text)
+
+
+def _read_manifest(out_dir: epath.Path) -> dict | None:
   path = out_dir / MANIFEST
-  return json.loads(path.read_text()) if path.exists() else None
+  if not path.exists():
+    return None
+  try:
+    manifest = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise ValueError(f"{path} is not a readable manifest ({error}); prepare the corpus again into a new --out") \
+        from None
+  if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+    raise ValueError(f"{path} is not a bert_jax prepared-corpus manifest (no 'shards' list)")
+  return manifest
+
+
+def _corpus_names(manifest: dict) -> set[str]:
+  """The file and folder names a prepared corpus consists of (what prepare may replace)."""
+  names = {MANIFEST, EVAL_DOCUMENTS, manifest.get("tokenizer", {}).get("path", TOKENIZER_DIR)}
+  names.update(f"{shard['name']}.{key}.npy" for shard in manifest["shards"] for key in SHARD_ARRAYS)
+  return _plain_names(names)
+
+
+def _plain_names(names) -> set[str]:
+  """Only names of entries directly inside the folder: prepare deletes what it owns."""
+  return {name for name in names if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+          and "\\" not in name}
+
+
+def _owned_names(out_dir: epath.Path, existing: dict | None) -> set[str]:
+  """Names in `out_dir` that an earlier prepare wrote (a finished corpus, or one a crash left half moved in)."""
+  names = _corpus_names(existing) if existing else set()
+  if (out_dir / _INSTALLING).exists():
+    names.update(_plain_names(json.loads((out_dir / _INSTALLING).read_text())))
+    names.add(_INSTALLING)
+  return names
+
+
+def _check_out_dir(out_dir: epath.Path, existing: dict | None, force: bool) -> None:
+  """Refuses an --out that is a file, or a non-empty folder that is not a prepared corpus (unless forced)."""
+  if out_dir.exists() and not out_dir.is_dir():
+    raise ValueError(f"--out {out_dir} is a file; give a directory (new, empty, or an earlier prepared corpus)")
+  if existing is not None or not out_dir.exists():
+    return
+  owned = _owned_names(out_dir, None)
+  present = sorted(path.name for path in out_dir.iterdir() if path.name not in owned)
+  if present and not force:
+    raise ValueError(f"--out {out_dir} is not empty ({', '.join(present[:5])}{', ...' if len(present) > 5 else ''}) "
+                     f"and holds no prepared corpus ({MANIFEST}); give a new or empty directory, or --force to "
+                     f"write beside those files")
+  clashes = [name for name in present
+             if name in (MANIFEST, EVAL_DOCUMENTS, TOKENIZER_DIR) or name.startswith("shard-")]
+  if clashes:
+    raise ValueError(f"--out {out_dir} holds {', '.join(clashes)}, which prepare would overwrite but did not write; "
+                     f"move them elsewhere or give another --out")
+
+
+def _staging_dir(out_dir: epath.Path) -> pathlib.Path:
+  """An empty local folder to prepare into: beside a local --out (same file system, so moves are renames)."""
+  if _is_remote(out_dir):
+    return pathlib.Path(tempfile.mkdtemp(prefix="bert_jax_prepare-"))
+  out_dir = pathlib.Path(out_dir)
+  staging = out_dir.parent / f".{out_dir.name}.preparing"
+  if (staging / _STAGING_MARKER).exists():
+    shutil.rmtree(staging)  # left by a killed run
+  elif staging.exists():
+    raise ValueError(f"{staging} exists and was not made by prepare; move it away (prepare stages --out there)")
+  staging.mkdir(parents=True)
+  (staging / _STAGING_MARKER).touch()
+  return staging
+
+
+def _move(source: pathlib.Path, target: epath.Path) -> None:
+  """Moves a staged file or folder to `target` (a rename when local, an upload when remote)."""
+  if not _is_remote(target):
+    os.replace(source, target)
+    return
+  files = [source] if source.is_file() else sorted(path for path in source.rglob("*") if path.is_file())
+  for path in files:
+    destination = target if path == source else target / path.relative_to(source).as_posix()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "rb") as reader, destination.open("wb") as writer:
+      shutil.copyfileobj(reader, writer, 1 << 24)
+
+
+def _install(staging: pathlib.Path, out_dir: epath.Path, old_names: set[str]) -> None:
+  """Moves a complete staged corpus into `out_dir`, replacing only the files of the earlier corpus there."""
+  out_dir.mkdir(parents=True, exist_ok=True)
+  new_names = {path.name for path in staging.iterdir()} - {MANIFEST, _STAGING_MARKER}
+  (out_dir / _INSTALLING).write_text(json.dumps(sorted(old_names | new_names | {MANIFEST})))
+  if (out_dir / MANIFEST).exists():
+    # Without its manifest a half-replaced folder reads as unprepared, never as a mix of two corpora.
+    (out_dir / MANIFEST).unlink()
+  for name in sorted(old_names - {MANIFEST, _INSTALLING}):
+    old = out_dir / name
+    if old.is_dir():
+      old.rmtree()
+    elif old.exists() and name not in new_names:
+      old.unlink()
+  for name in sorted(new_names):
+    _move(staging / name, out_dir / name)
+  _move(staging / MANIFEST, out_dir / MANIFEST)
+  (out_dir / _INSTALLING).unlink()
 
 
 def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str | os.PathLike,
                    out_dir: str | os.PathLike, *, eval_fraction: float = 0.0, eval_documents: int | None = None,
                    seed: int = 0, num_workers: int | None = None, max_sentence_tokens: int = 510,
                    long_sentences: str = "split", shard_tokens: int = 1 << 26, chunk_documents: int = 256,
-                   log=print) -> dict:
+                   force: bool = False, log=print) -> dict:
   """Tokenises `inputs` into shards under `out_dir` and returns the manifest.
 
   Args:
     inputs: text / JSON-lines files (optionally .gz) or `tfds:NAME[:SPLIT]`.
     tokenizer: a Tokenizer, or a path `load_tokenizer` understands.
-    out_dir: output directory (created).
+    out_dir: output directory, local or `gs://` (created); see the module docstring for what happens to
+      what is already there.
     eval_fraction: fraction of documents held out for evaluation.
     eval_documents: a count of held-out documents instead (wins over the fraction).
     seed: draws the held-out documents.
@@ -202,21 +329,25 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
       this process.
     max_sentence_tokens, long_sentences, shard_tokens: see `PrepareOptions`.
     chunk_documents: documents sent to a worker at a time.
+    force: write into a non-empty `out_dir` that holds no prepared corpus
+      (files with the names prepare writes are still refused).
     log: where progress lines go.
 
   Raises:
-    ValueError: the directory was prepared with another tokenizer.
+    ValueError: the directory was prepared with another tokenizer, is a file,
+      is not empty without `force`, or an input is unreadable.
   """
   if long_sentences not in LONG_SENTENCE_POLICIES:
     raise ValueError(f"long_sentences must be one of {LONG_SENTENCE_POLICIES}, got {long_sentences!r}")
   if not isinstance(tokenizer, tokenizers.Tokenizer):
     tokenizer = tokenizers.load_tokenizer(tokenizer)
   options = PrepareOptions(max_sentence_tokens, long_sentences, eval_fraction, eval_documents, seed, shard_tokens)
-  out_dir = pathlib.Path(out_dir)
+  out_dir = _as_path(out_dir)
   fingerprint = tokenizer.fingerprint()
   input_fingerprints = [text_lib.input_fingerprint(spec) for spec in inputs]
 
-  existing = _read_manifest(out_dir)
+  existing = _read_manifest(out_dir) if out_dir.is_dir() else None
+  _check_out_dir(out_dir, existing, force)
   if existing is not None:
     if existing["tokenizer"]["fingerprint"] != fingerprint:
       raise ValueError(
@@ -226,21 +357,34 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
       log(f"{out_dir} is already prepared from these inputs with this tokenizer ({fingerprint}); nothing to do")
       return existing
     log(f"inputs or options differ from {out_dir / MANIFEST}; preparing again")
-    for stale in out_dir.glob("shard-*.npy"):
-      stale.unlink()
-    (out_dir / MANIFEST).unlink()
 
-  out_dir.mkdir(parents=True, exist_ok=True)
+  staging = _staging_dir(out_dir)
+  try:
+    manifest, report = _prepare_into(staging, inputs, tokenizer, options, input_fingerprints, num_workers,
+                                     chunk_documents)
+    _install(staging, out_dir, _owned_names(out_dir, existing))
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  totals, seconds = manifest["totals"], manifest["seconds"]
+  log(f"prepared {totals['documents']:,} documents, {totals['sentences']:,} sentences, {totals['tokens']:,} tokens "
+      f"in {len(manifest['shards'])} shards ({manifest['splits']['eval']['documents']:,} documents held out) in "
+      f"{seconds:.1f}s -> {out_dir}")
+  log(report.summary())
+  return manifest
+
+
+def _prepare_into(out_dir: pathlib.Path, inputs: Sequence[str], tokenizer: tokenizers.Tokenizer,
+                  options: PrepareOptions, input_fingerprints: list[dict], num_workers: int | None,
+                  chunk_documents: int) -> tuple[dict, text_lib.InputReport]:
+  """Writes the whole corpus into the local folder `out_dir`, the manifest last; returns it and the input report."""
+  fingerprint = tokenizer.fingerprint()
   tokenizer_dir = out_dir / TOKENIZER_DIR
-  if tokenizer_dir.exists():
-    shutil.rmtree(tokenizer_dir)
   tokenizer.save(tokenizer_dir)
-
   started = time.perf_counter()
   report = text_lib.InputReport()
   documents = itertools.chain.from_iterable(text_lib.iter_documents(spec, report) for spec in inputs)
   chunks = _chunked(documents, chunk_documents)
-  writer = _ShardWriter(out_dir, shard_tokens)
+  writer = _ShardWriter(out_dir, options.shard_tokens)
   num_workers = os.cpu_count() if num_workers is None else num_workers
   if num_workers <= 1:
     tokenised = (_tokenise_chunk(chunk, options, tokenizer) for chunk in chunks)
@@ -272,13 +416,8 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
       "report": report.to_json(),
       "seconds": round(seconds, 2),
   }
-  temporary = out_dir / (MANIFEST + ".tmp")
-  temporary.write_text(json.dumps(manifest, indent=1))
-  temporary.replace(out_dir / MANIFEST)  # the manifest appears only once everything else is written
-  log(f"prepared {totals['documents']:,} documents, {totals['sentences']:,} sentences, {totals['tokens']:,} tokens "
-      f"in {len(writer.shards)} shards ({len(eval_ids):,} documents held out) in {seconds:.1f}s -> {out_dir}")
-  log(report.summary())
-  return manifest
+  (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+  return manifest, report
 
 
 def _collect(tokenised: Iterable[_TokenisedChunk], writer: _ShardWriter, report: text_lib.InputReport) -> None:
@@ -289,7 +428,7 @@ def _collect(tokenised: Iterable[_TokenisedChunk], writer: _ShardWriter, report:
 
 
 class PreparedCorpus:
-  """Memory-mapped read access to a prepared directory.
+  """Read access to a prepared directory (local shards memory-mapped, `gs://` ones read into memory).
 
   Tokens are addressed in one global token space (shards laid end to end),
   sentences and documents by global index.
@@ -301,7 +440,7 @@ class PreparedCorpus:
   """
 
   def __init__(self, directory: str | os.PathLike):
-    self.directory = pathlib.Path(directory)
+    self.directory = _as_path(directory)
     manifest = _read_manifest(self.directory)
     if manifest is None:
       raise FileNotFoundError(f"{self.directory} has no {MANIFEST}; run `bert-jax prepare` first")
@@ -310,10 +449,9 @@ class PreparedCorpus:
     sentence_starts, document_starts = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)]
     token_base = sentence_base = 0
     for shard in manifest["shards"]:
-      load = lambda key, name=shard["name"]: np.load(self.directory / f"{name}.{key}.npy", mmap_mode="r")
-      # Plain-array views of the maps: a memmap's slicing goes through its Python subclass, and `gather` slices often.
-      self._tokens.append(load("tokens").view(np.ndarray))
-      self._word_starts.append(load("word_starts").view(np.ndarray))
+      load = lambda key, name=shard["name"]: self._load_array(f"{name}.{key}.npy", SHARD_DTYPES[key])
+      self._tokens.append(load("tokens"))
+      self._word_starts.append(load("word_starts"))
       sentence_starts.append(np.asarray(load("sentence_offsets")[1:]) + token_base)
       document_starts.append(np.asarray(load("document_offsets")[1:]) + sentence_base)
       token_base += shard["tokens"]
@@ -321,7 +459,32 @@ class PreparedCorpus:
     self.sentence_starts = np.concatenate(sentence_starts)
     self.document_starts = np.concatenate(document_starts)
     self._shard_token_starts = np.cumsum([0] + [s["tokens"] for s in manifest["shards"]]).tolist()
-    self.eval_documents = np.load(self.directory / EVAL_DOCUMENTS)
+    self.eval_documents = np.asarray(self._load_array(EVAL_DOCUMENTS, np.int64))
+
+  def _load_array(self, name: str, dtype) -> np.ndarray:
+    """One array of the corpus: memory-mapped when local, read into memory when remote.
+
+    Remote shards are read whole rather than cached on local disk: example
+    building reads tokens at random, which a remote file serves slowly, and a
+    host's memory holds its corpus (int32 ids plus a flag byte, 5 bytes a token).
+    """
+    path = self.directory / name
+    try:
+      if _is_remote(path):
+        array = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
+      else:
+        # Plain-array views of the maps: a memmap's slicing goes through its Python subclass, and `gather` slices often.
+        array = np.load(os.fspath(path), mmap_mode="r", allow_pickle=False).view(np.ndarray)
+    except FileNotFoundError:
+      raise FileNotFoundError(f"{path} is missing from the prepared corpus; run `bert-jax prepare` again into a "
+                              f"new --out") from None
+    except (ValueError, OSError, EOFError) as error:
+      raise ValueError(f"{path} is not a readable numeric array ({error}); run `bert-jax prepare` again into a new "
+                       f"--out") from None
+    if array.dtype != dtype or array.ndim != 1:
+      raise ValueError(f"{path} holds {array.dtype} {list(array.shape)}, not the {np.dtype(dtype)} vector prepare "
+                       f"writes; run `bert-jax prepare` again into a new --out")
+    return array
 
   @property
   def num_documents(self) -> int:
@@ -377,7 +540,14 @@ class PreparedCorpus:
     return [np.asarray(self.tokens(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
   def load_tokenizer(self) -> tokenizers.Tokenizer:
-    return tokenizers.load_tokenizer(self.directory / self.manifest["tokenizer"]["path"])
+    """The corpus' tokenizer (a remote one is copied to a local temporary folder first)."""
+    path = self.directory / self.manifest["tokenizer"]["path"]
+    if not _is_remote(path):
+      return tokenizers.load_tokenizer(os.fspath(path))
+    with tempfile.TemporaryDirectory() as local:
+      for file in path.iterdir():
+        (pathlib.Path(local) / file.name).write_bytes(file.read_bytes())
+      return tokenizers.load_tokenizer(local)
 
 
 def open_prepared(directory: str | os.PathLike) -> PreparedCorpus:
@@ -394,9 +564,11 @@ def _sentences_for_training(inputs: Sequence[str]) -> Iterator[str]:
 
 def main(argv: list[str]) -> int:
   """`bert-jax prepare`: see the module docstring; returns the exit status."""
-  parser = argparse.ArgumentParser(prog="bert-jax prepare", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="bert-jax prepare", description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--input", nargs="+", required=True, help="text/JSON-lines files (.gz ok) or tfds:NAME[:SPLIT]")
-  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--out", required=True, help="output directory, local or gs://")
+  parser.add_argument("--force", action="store_true",
+                      help="write into a non-empty --out that holds no prepared corpus (its files are kept)")
   parser.add_argument("--tokenizer", help="tokenizer file or directory (vocab.txt, tokenizer.json, *.model, ...)")
   parser.add_argument("--train-tokenizer", choices=tokenizers.TOKENIZER_KINDS,
                       help="train a tokenizer of this kind on the inputs instead of --tokenizer")
@@ -413,26 +585,29 @@ def main(argv: list[str]) -> int:
   if (args.tokenizer is None) == (args.train_tokenizer is None):
     parser.error("give exactly one of --tokenizer and --train-tokenizer")
 
-  if args.train_tokenizer:
-    # Reuse the tokenizer a previous run trained (training again would give
-    # the same vocabulary, at the cost of the training).
-    out_tokenizer = pathlib.Path(args.out) / TOKENIZER_DIR
-    if _read_manifest(pathlib.Path(args.out)) is not None:
-      tokenizer = tokenizers.load_tokenizer(out_tokenizer)
-      print(f"using the tokenizer already trained in {out_tokenizer}")
-    else:
-      print(f"training a {args.train_tokenizer} tokenizer with {args.vocab_size} ids on {args.input}")
-      tokenizer = tokenizers.train_tokenizer(args.train_tokenizer, _sentences_for_training(args.input),
-                                             args.vocab_size, out_tokenizer,
-                                             lowercase=not args.cased)
-  else:
-    tokenizer = tokenizers.load_tokenizer(args.tokenizer)
   try:
-    prepare_corpus(args.input, tokenizer, args.out, eval_fraction=args.eval_fraction,
-                   eval_documents=args.eval_documents, seed=args.seed, num_workers=args.num_workers,
-                   max_sentence_tokens=args.max_sentence_tokens, long_sentences=args.long_sentences,
-                   shard_tokens=args.shard_tokens)
+    with tempfile.TemporaryDirectory() as scratch:
+      tokenizer = _main_tokenizer(args, pathlib.Path(scratch))
+      prepare_corpus(args.input, tokenizer, args.out, eval_fraction=args.eval_fraction,
+                     eval_documents=args.eval_documents, seed=args.seed, num_workers=args.num_workers,
+                     max_sentence_tokens=args.max_sentence_tokens, long_sentences=args.long_sentences,
+                     shard_tokens=args.shard_tokens, force=args.force)
   except (ValueError, FileNotFoundError, ImportError) as error:
-    print(f"error: {error}", file=sys.stderr)
+    print(f"bert-jax prepare: error: {error}", file=sys.stderr)
     return 1
   return 0
+
+
+def _main_tokenizer(args: argparse.Namespace, scratch: pathlib.Path) -> tokenizers.Tokenizer:
+  """The tokenizer `main` prepares with: loaded, reused from an earlier run in --out, or trained into `scratch`."""
+  if not args.train_tokenizer:
+    return tokenizers.load_tokenizer(args.tokenizer)
+  out_dir = epath.Path(args.out)
+  if out_dir.is_dir() and _read_manifest(out_dir) is not None:
+    # Training again would give the same vocabulary, at the cost of the training.
+    print(f"using the tokenizer already trained in {out_dir / TOKENIZER_DIR}")
+    return open_prepared(out_dir).load_tokenizer()
+  print(f"training a {args.train_tokenizer} tokenizer with {args.vocab_size} ids on {args.input}")
+  # Trained into scratch space: --out receives it with the shards, only once those are complete.
+  return tokenizers.train_tokenizer(args.train_tokenizer, _sentences_for_training(args.input), args.vocab_size,
+                                    scratch / TOKENIZER_DIR, lowercase=not args.cased)

@@ -15,6 +15,8 @@ each kind:
 
   invalid_utf8     line kept, undecodable bytes replaced by U+FFFD
   binary_junk      line dropped (a NUL byte, or over 10% control/U+FFFD chars)
+                   (a file whose lines are mostly either stops the run: it is
+                   binary or not UTF-8, and would leave little of itself)
   bad_json         JSON-lines line dropped (not JSON, or no string `text`)
   empty_documents  document dropped (nothing left after cleaning/tokenising)
   empty_sentences  sentence dropped (tokenises to nothing)
@@ -31,11 +33,15 @@ import json
 import os
 import pathlib
 import re
+import zlib
 from typing import Iterator
 
 TFDS_PREFIX = "tfds:"
 _MAX_EXAMPLES_PER_KIND = 20
 _JUNK_FRACTION = 0.1
+# A file is refused once over half of its first `_UNREADABLE_CHECK_LINES` lines (or of all of them) are unreadable.
+_UNREADABLE_FRACTION = 0.5
+_UNREADABLE_CHECK_LINES = 1000
 _CONTROL_OR_REPLACEMENT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ufffd]")
 # A sentence ends at '.', '!' or '?' (plus closing quotes/brackets) followed by
 # whitespace and then an upper-case letter, a digit or an opening quote/bracket.
@@ -99,17 +105,54 @@ def is_binary_junk(line: str) -> bool:
   return len(_CONTROL_OR_REPLACEMENT.findall(line)) > _JUNK_FRACTION * max(len(line), 1)
 
 
-def _decode_line(raw: bytes, source: str, line_number: int, report: InputReport) -> str | None:
-  """UTF-8 text of one raw line, or None when it is junk (both counted in `report`)."""
-  try:
-    line = raw.decode("utf-8")
-  except UnicodeDecodeError as error:
-    line = raw.decode("utf-8", errors="replace")
-    report.add("invalid_utf8", source, line_number, f"{error.reason} at byte {error.start}")
-  if is_binary_junk(line):
-    report.add("binary_junk", source, line_number, repr(line[:40]))
-    return None
-  return line.strip()
+class _LineReader:
+  """Numbered, decoded lines of a text file (optionally .gz), refusing a truncated, binary or non-UTF-8 file.
+
+  Yields (line number, stripped text); junk lines are counted in `report` and skipped.
+  """
+
+  def __init__(self, path: pathlib.Path, report: InputReport):
+    self.path = path
+    self.report = report
+    self.lines = 0
+    self.unreadable = 0
+
+  def __iter__(self) -> Iterator[tuple[int, str]]:
+    source = str(self.path)
+    line_number = 0
+    try:
+      with _open_binary(self.path) as stream:
+        for line_number, raw in enumerate(stream, start=1):
+          line = self._decode(raw, source, line_number)
+          if line_number == _UNREADABLE_CHECK_LINES:
+            self._check()
+          if line is not None:
+            yield line_number, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+      raise ValueError(f"{source}: truncated or corrupt gzip data after line {line_number} ({error}); "
+                       f"download or compress the file again (`gzip -t {source}` checks it)") from None
+    self._check()
+
+  def _decode(self, raw: bytes, source: str, line_number: int) -> str | None:
+    """UTF-8 text of one raw line, or None when it is junk (both counted in `report`)."""
+    if raw.strip():
+      self.lines += 1
+    try:
+      line, undecodable = raw.decode("utf-8"), False
+    except UnicodeDecodeError as error:
+      line, undecodable = raw.decode("utf-8", errors="replace"), True
+      self.report.add("invalid_utf8", source, line_number, f"{error.reason} at byte {error.start}")
+    junk = is_binary_junk(line)
+    if junk:
+      self.report.add("binary_junk", source, line_number, repr(line[:40]))
+    self.unreadable += junk or undecodable
+    return None if junk else line.strip()
+
+  def _check(self) -> None:
+    if self.unreadable > _UNREADABLE_FRACTION * max(self.lines, 1):
+      raise ValueError(
+          f"{self.path}: {self.unreadable} of its first {self.lines} non-blank lines are not UTF-8 text (binary, "
+          f"or another encoding such as Latin-1); convert it (e.g. `iconv -f latin1 -t utf-8`) or leave it out")
 
 
 def _open_binary(path: pathlib.Path):
@@ -124,40 +167,34 @@ def _is_json_lines(path: pathlib.Path) -> bool:
 def _read_sentence_per_line(path: pathlib.Path, report: InputReport) -> Iterator[Document]:
   source = str(path)
   sentences, lines = [], []
-  with _open_binary(path) as stream:
-    for line_number, raw in enumerate(stream, start=1):
-      line = _decode_line(raw, source, line_number, report)
-      if line is None:
-        continue
-      if line:
-        sentences.append(line)
-        lines.append(line_number)
-      elif sentences:
-        yield Document(sentences, source, lines)
-        sentences, lines = [], []
+  for line_number, line in _LineReader(path, report):
+    if line:
+      sentences.append(line)
+      lines.append(line_number)
+    elif sentences:
+      yield Document(sentences, source, lines)
+      sentences, lines = [], []
   if sentences:
     yield Document(sentences, source, lines)
 
 
 def _read_json_lines(path: pathlib.Path, report: InputReport) -> Iterator[Document]:
   source = str(path)
-  with _open_binary(path) as stream:
-    for line_number, raw in enumerate(stream, start=1):
-      line = _decode_line(raw, source, line_number, report)
-      if not line:
-        continue
-      try:
-        text = json.loads(line).get("text")
-      except (json.JSONDecodeError, AttributeError):
-        text = None
-      if not isinstance(text, str):
-        report.add("bad_json", source, line_number, "not a JSON object with a string 'text' field")
-        continue
-      sentences = split_sentences(text)
-      if not sentences:
-        report.add("empty_documents", source, line_number, "no text")
-        continue
-      yield Document(sentences, source, [line_number] * len(sentences))
+  for line_number, line in _LineReader(path, report):
+    if not line:
+      continue
+    try:
+      text = json.loads(line).get("text")
+    except (json.JSONDecodeError, AttributeError):
+      text = None
+    if not isinstance(text, str):
+      report.add("bad_json", source, line_number, "not a JSON object with a string 'text' field")
+      continue
+    sentences = split_sentences(text)
+    if not sentences:
+      report.add("empty_documents", source, line_number, "no text")
+      continue
+    yield Document(sentences, source, [line_number] * len(sentences))
 
 
 def _read_tfds(spec: str, report: InputReport) -> Iterator[Document]:

@@ -52,6 +52,7 @@ All metrics are reported on the 0-100 scale of the papers' tables
 from __future__ import annotations
 
 import abc
+import codecs
 import dataclasses
 import pathlib
 from typing import Any, Literal, Protocol, Sequence
@@ -290,3 +291,17 @@ def data_error(path: str | pathlib.Path, line: int | None, message: str) -> Valu
   """A ValueError that names the file (and line) where the data is wrong."""
   where = f"{path}:{line}" if line is not None else str(path)
   return ValueError(f"{where}: {message}")
+
+
+def read_utf8(path: str | pathlib.Path, strip_bom: bool = False) -> str:
+  """The text of a UTF-8 file; a byte that is not UTF-8 raises a ValueError naming its line and column."""
+  data = pathlib.Path(path).read_bytes()
+  if strip_bom:
+    data = data.removeprefix(codecs.BOM_UTF8)
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as error:
+    line_start = data.rfind(b"\n", 0, error.start) + 1
+    raise data_error(path, data.count(b"\n", 0, error.start) + 1,
+                     f"byte 0x{data[error.start]:02x} at column {error.start - line_start + 1} is not UTF-8; "
+                     f"convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None

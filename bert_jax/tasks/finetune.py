@@ -674,7 +674,7 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
 
 def main(argv: list[str]) -> int:
   """bert-jax finetune --config FILE[:ARG] --workdir DIR [--config.KEY=VALUE ...]."""
-  parser = argparse.ArgumentParser(prog="bert-jax finetune", description=main.__doc__)
+  parser = argparse.ArgumentParser(prog="bert-jax finetune", description=main.__doc__, allow_abbrev=False)
   parser.add_argument("--config", required=True, help="configs/finetune/NAME.py[:arg]")
   parser.add_argument("--workdir", required=True, help="run directory (finished seeds are not trained again)")
   args, rest = parser.parse_known_args(argv)
@@ -694,7 +694,7 @@ def main(argv: list[str]) -> int:
 
 def evaluate_main(argv: list[str]) -> int:
   """bert-jax evaluate --workdir DIR [--split dev|test] [--seed S] [--data-dir DIR]."""
-  parser = argparse.ArgumentParser(prog="bert-jax evaluate", description=evaluate_main.__doc__)
+  parser = argparse.ArgumentParser(prog="bert-jax evaluate", description=evaluate_main.__doc__, allow_abbrev=False)
   parser.add_argument("--workdir", required=True, help="a finished fine-tuning run")
   parser.add_argument("--split", default="dev", choices=("dev", "test"))
   parser.add_argument("--seed", type=int, action="append", help="seed to score (repeatable; default all)")

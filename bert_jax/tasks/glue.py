@@ -10,6 +10,7 @@ quoting (csv.QUOTE_NONE), because some fields start with a `"`.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import pathlib
 from typing import Any, Sequence
@@ -18,7 +19,7 @@ import numpy as np
 
 from bert_jax.tasks import metrics
 from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_outputs, data_error,
-                                 encode_segments)
+                                 encode_segments, read_utf8)
 
 STSB_SCORE_RANGE = (0.0, 5.0)
 
@@ -159,9 +160,9 @@ def read_glue_tsv(spec: GlueSpec, path: str | pathlib.Path, labelled: bool) -> l
   path = pathlib.Path(path)
   columns = spec.labelled if labelled else spec.unlabelled
   split = path.stem
-  # utf-8-sig drops the BOM that MRPC's files start with; newline="\n" keeps a
+  # strip_bom drops the BOM that MRPC's files start with; newline="\n" keeps a
   # stray "\r" inside a field from splitting the row.
-  with open(path, encoding="utf-8-sig", newline="\n") as f:
+  with io.StringIO(read_utf8(path, strip_bom=True), newline="\n") as f:
     lines = [line.rstrip("\n").removesuffix("\r") for line in f]
   if not lines:
     raise data_error(path, None, "file is empty")

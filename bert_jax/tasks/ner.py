@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import pathlib
 from typing import Sequence
 
 import numpy as np
 
-from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error
+from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, read_utf8
 
 ENTITY_TYPES = ("LOC", "MISC", "ORG", "PER")
 TAGS = ("O",) + tuple(f"{prefix}-{kind}" for prefix in ("B", "I") for kind in ENTITY_TYPES)
@@ -65,7 +66,7 @@ def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[Tag
       words.clear()
       sentence_tags.clear()
 
-  with open(path, encoding="utf-8") as f:
+  with io.StringIO(read_utf8(path), newline=None) as f:
     for line_number, line in enumerate(f, start=1):
       fields = line.split()
       if not fields:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error
+from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, read_utf8
 
 VERSIONS = ("1.1", "2.0")
 _PUNCTUATION = frozenset(string.punctuation)
@@ -79,32 +79,47 @@ def read_squad(source: str | pathlib.Path | dict[str, Any]) -> list[SquadExample
   """Reads SQuAD JSON (v1.1 or v2.0) from a file or an already-loaded dict.
 
   Raises:
-    ValueError: naming the file and question when an answerable question has
+    ValueError: naming the file (and line, or question) when the file is not
+      JSON (e.g. truncated), a field is missing, an answerable question has
       no answers or an answer's start is outside its paragraph.
   """
   if isinstance(source, dict):
     data, where = source, "<squad dict>"
   else:
     where = str(source)
-    with open(source, encoding="utf-8") as f:
-      data = json.load(f)
-  if "data" not in data:
-    raise data_error(where, None, "not SQuAD JSON: no top-level 'data'")
+    try:
+      data = json.loads(read_utf8(source))
+    except json.JSONDecodeError as error:
+      raise data_error(where, error.lineno, f"not valid JSON ({error.msg} at column {error.colno}); the file may be "
+                       f"truncated: download it again") from None
+  if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+    raise data_error(where, None, "not SQuAD JSON: no top-level 'data' list")
   examples = []
-  for article in data["data"]:
-    for paragraph in article["paragraphs"]:
-      context = paragraph["context"]
-      for qa in paragraph["qas"]:
+  for article_index, article in enumerate(data["data"]):
+    for paragraph in _field(article, "paragraphs", where, f"data[{article_index}]"):
+      context = _field(paragraph, "context", where, f"a paragraph of data[{article_index}]")
+      for qa in _field(paragraph, "qas", where, f"a paragraph of data[{article_index}]"):
+        qid = _field(qa, "id", where, f"a question of data[{article_index}]")
         is_impossible = bool(qa.get("is_impossible", False))
-        answers = () if is_impossible else tuple((a["text"], int(a["answer_start"])) for a in qa["answers"])
+        answers = () if is_impossible else tuple(
+            (_field(a, "text", where, f"an answer of question {qid}"),
+             int(_field(a, "answer_start", where, f"an answer of question {qid}")))
+            for a in _field(qa, "answers", where, f"question {qid}"))
         if not is_impossible and not answers:
           raise data_error(where, None, f"question {qa['id']} has no answers and is not marked impossible")
         for text, start in answers:
           if not 0 <= start <= len(context) - len(text):
             raise data_error(where, None, f"question {qa['id']}: answer start {start} is outside the context")
-        examples.append(SquadExample(qa["id"], article.get("title", ""), qa["question"], context,
-                                     answers, is_impossible))
+        examples.append(SquadExample(qid, article.get("title", ""), _field(qa, "question", where, f"question {qid}"),
+                                     context, answers, is_impossible))
   return examples
+
+
+def _field(record: Any, key: str, where: str, what: str) -> Any:
+  """record[key], or a ValueError naming the file and the record that lacks it."""
+  if not isinstance(record, dict) or key not in record:
+    raise data_error(where, None, f"{what} has no {key!r} field; is this SQuAD v1.1/v2.0 JSON?")
+  return record[key]
 
 
 def split_squad_by_article(data: dict[str, Any], eval_fraction: float = 0.25,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import pathlib
 from typing import Sequence
 
 import numpy as np
 
 from bert_jax.tasks import metrics
-from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, encode_segments
+from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, encode_segments, read_utf8
 
 NUM_CHOICES = 4
 ENDING_COLUMNS = tuple(f"ending{i}" for i in range(NUM_CHOICES))
@@ -52,7 +53,7 @@ def read_swag_csv(path: str | pathlib.Path) -> list[MultipleChoiceExample]:
       outside 0..3.
   """
   path = pathlib.Path(path)
-  with open(path, encoding="utf-8", newline="") as f:
+  with io.StringIO(read_utf8(path), newline="") as f:
     reader = csv.reader(f)
     header = next(reader, None)
     if header is None:

@@ -82,7 +82,7 @@ def run_sweep(spec: str, workdir: str | pathlib.Path, base_overrides: list[str] 
 
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="bert-jax sweep", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   parser.add_argument("--config", required=True, help="configs/NAME.py[:arg] defining get_sweep")
   parser.add_argument("--workdir", required=True)
   args, rest = parser.parse_known_args(argv)

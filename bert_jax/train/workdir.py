@@ -243,7 +243,15 @@ def drop_rows_after(path: str | os.PathLike, step: int) -> int:
       kept.append(line)
   removed = len(lines) - len(kept)
   if removed:
-    temporary = path.parent / (path.name + ".tmp")
-    temporary.write_text("".join(kept))
-    temporary.replace(path)
+    _write_atomic(path, "".join(kept))
   return removed
+
+
+def _write_atomic(path: epath.Path, text: str) -> None:
+  """Replaces `path`'s contents at once: an object store's write already is; a local file goes through a rename."""
+  if not _is_local(path):
+    path.write_text(text)
+    return
+  temporary = path.parent / (path.name + ".tmp")
+  temporary.write_text(text)
+  temporary.replace(path)
