@@ -125,3 +125,40 @@ def test_state_from_another_pipeline_is_refused(prepared_dir):
     state = iterator.get_state()
   with make(prepared_dir, seq_len=64) as other, pytest.raises(ValueError, match="another pipeline"):
     other.set_state(state)
+
+
+def _epoch_plans(prepared_dir, epochs, duplicates=None, block_documents=8):
+  """[epoch] -> the row plans (examples, example id, epoch field) of that pass over the train split, in order."""
+  corpus = prepare.open_prepared(prepared_dir)
+  config = pipeline.formats.FormatConfig("segment_pair", 48)
+  blocks = pipeline._EpochBlocks(corpus, corpus.split_documents("train"), block_documents, seed=1, shuffle=True)
+  to_rows = pipeline._BlockToRows(corpus, blocks, config, seed=1, shuffle=True, duplicates=duplicates)
+  per_epoch = blocks.blocks_per_epoch
+  return [[plan for block in range(epoch * per_epoch, (epoch + 1) * per_epoch) for plan in to_rows.flat_map(block)]
+          for epoch in range(epochs)]
+
+
+def test_static_copies_keep_their_examples_and_identity(prepared_dir):
+  # BERT's static masking with dupe factor 2: epochs 0 and 2 train on copy 0, epochs 1 and 3 on copy 1. The
+  # masking key is (seed, example id, epoch field), so an equal plan means an equal row and an equal mask.
+  epochs = _epoch_plans(prepared_dir, 4, duplicates=2)
+  for copy in (0, 1):
+    assert sorted(epochs[copy], key=repr) == sorted(epochs[copy + 2], key=repr)
+    assert epochs[copy] != epochs[copy + 2]  # Only the order of the blocks changes between passes over a copy.
+    assert {plan.epoch for plan in epochs[copy]} == {copy}
+  # The two copies are built independently (other pairs, other segment lengths).
+  first, second = ({plan.examples for plan in epochs[copy]} for copy in (0, 1))
+  assert len(first & second) < len(first) / 2
+
+
+def test_dynamic_epochs_give_recurring_rows_a_new_identity(prepared_dir):
+  epochs = _epoch_plans(prepared_dir, 2)
+  identity = [{plan.examples: (plan.example_id, plan.epoch) for plan in plans} for plans in epochs]
+  recurring = set(identity[0]) & set(identity[1])
+  assert recurring  # Short documents make the same row in both epochs ...
+  assert all(identity[0][row] != identity[1][row] for row in recurring)  # ... masked with another key.
+
+
+def test_duplicates_must_be_a_positive_int(prepared_dir):
+  with pytest.raises(ValueError, match="masking.dupe_factor"):
+    make(prepared_dir, duplicates=0)

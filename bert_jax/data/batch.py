@@ -29,7 +29,7 @@ examples per row, 1 when packing is off):
   sentence_weights float32 [B, P] 1 for a real packed example, else 0.
   example_ids      int32 [B]     a unique id of the row within its epoch
                                  (global across hosts), used in the mask key.
-  epoch            int32 [B]     epoch the row was drawn in (dynamic masking).
+  epoch            int32 [B]     the epoch the row was drawn in (or, for static examples, its copy).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Masked-LM corruption on device: token, whole-word, n-gram and span masking.
 
 `mask_batch` runs inside the jitted train step. Every row is masked with its
-own key, `fold_in(fold_in(key, example_id), epoch)` (epoch 0 for static
-masking), so a row gets the same mask whatever its position in the batch, the
-batch size, the device count or the sharding; dynamic masking is free and
-exactly reproducible.
+own key, `fold_in(fold_in(key, example_id), epoch)`, so a row gets the same
+mask whatever its position in the batch, the batch size, the device count or
+the sharding; dynamic masking is free and exactly reproducible. Static
+masking is the input pipeline's business: with static examples its `epoch`
+field names the copy of the examples (`pipeline.pretraining_iterator`'s
+`duplicates`), so each copy keeps one mask.
 
 How positions are chosen (per row; a row has `n` maskable tokens, i.e. tokens
 that are neither special nor padding):
@@ -68,8 +70,11 @@ class MaskingConfig:
       SpanBERT code (mean 3.8 words for p=0.2, max 10).
     max_predictions: M, the static number of prediction slots per row; the
       budget never exceeds it.
-    dynamic: False gives static masking: the epoch does not enter the key, so
-      a row gets the same mask every epoch.
+    dynamic: True draws a new mask (and new examples) every epoch. False gives
+      BERT's static masking: the examples are built `dupe_factor` ways once,
+      each copy with its own mask, and epoch e trains on copy e mod dupe_factor
+      (the trainer passes it to the input pipeline as `duplicates`).
+    dupe_factor: the number of static copies (BERT: 10); unused when dynamic.
   """
 
   rate: float = 0.15
@@ -81,6 +86,7 @@ class MaskingConfig:
   span_max_len: int = 10
   max_predictions: int = 20
   dynamic: bool = True
+  dupe_factor: int = 10
 
   def __post_init__(self):
     if not 0.0 < self.rate <= 1.0:
@@ -94,7 +100,7 @@ class MaskingConfig:
           f"{self.mask_token_prob} + {self.random_token_prob}")
     if self.granularity not in GRANULARITIES:
       raise ValueError(f"MaskingConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-    for name in ("max_ngram", "span_max_len", "max_predictions"):
+    for name in ("max_ngram", "span_max_len", "max_predictions", "dupe_factor"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"MaskingConfig.{name} must be an int >= 1, got {value!r}")
@@ -306,7 +312,7 @@ def mask_batch(key: jax.Array, batch: dict[str, jax.Array], config: MaskingConfi
   """
 
   def row_key(example_id, epoch):
-    return jax.random.fold_in(jax.random.fold_in(key, example_id), epoch if config.dynamic else 0)
+    return jax.random.fold_in(jax.random.fold_in(key, example_id), epoch)
 
   row_keys = jax.vmap(row_key)(batch["example_ids"], batch["epoch"])
   mask_row = functools.partial(_mask_row, config=config, mask_id=mask_id, vocab_size=vocab_size)

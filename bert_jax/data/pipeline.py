@@ -22,6 +22,15 @@ document order before its block, plus its index within the block. A block
 never has more rows than sentences, so ids are unique within an epoch and the
 same on every process. The eval pass pads its last global batch with empty
 rows (all padding, zero weights) whose ids lie past the split's sentences.
+
+Static examples (`duplicates=D`, BERT's static masking with its dupe factor):
+the examples are built D ways once and then kept. Epoch e trains on copy
+d = e mod D: the document order, the examples and their ids are those of
+copy d, and a row's `epoch` field is d, so the masking key
+(seed, example id, epoch) gives every copy its own mask and that mask every
+time the copy comes back. Only the order in which the blocks are visited is
+drawn anew each epoch. Without `duplicates` every epoch builds new examples
+and the `epoch` field counts epochs (dynamic masking).
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ class _RowPlan:
   """One row of the global stream: its examples and identity."""
   examples: tuple[formats.Example, ...]
   example_id: int
-  epoch: int
+  epoch: int  # The copy of the examples under `duplicates`, else the epoch; the masking key's last part.
 
 
 class _EpochBlocks:
@@ -84,15 +93,28 @@ class _BlockToRows(grain_experimental.FlatMapTransform):
   max_fan_out = 1 << 31
 
   def __init__(self, corpus: prepare.PreparedCorpus, blocks: _EpochBlocks, config: formats.FormatConfig,
-               seed: int, shuffle: bool):
+               seed: int, shuffle: bool, duplicates: int | None = None):
     self.corpus = corpus
     self.blocks = blocks
     self.config = config
     self.seed = seed
     self.shuffle = shuffle
+    self.duplicates = duplicates
+    self._visits: tuple[int, np.ndarray] | None = None
+
+  def _block(self, epoch: int, position: int) -> int:
+    """The block visited at `position` of `epoch`: in order, or, for static copies, in an order drawn per epoch."""
+    if self.duplicates is None or not self.shuffle:
+      return position
+    if self._visits is None or self._visits[0] != epoch:
+      self._visits = epoch, np.random.default_rng([self.seed, epoch, 2]).permutation(self.blocks.blocks_per_epoch)
+    return int(self._visits[1][position])
 
   def flat_map(self, global_block: int) -> list[_RowPlan]:
-    epoch, block = divmod(int(global_block), self.blocks.blocks_per_epoch)
+    epoch, position = divmod(int(global_block), self.blocks.blocks_per_epoch)
+    block = self._block(epoch, position)
+    if self.duplicates is not None:
+      epoch %= self.duplicates  # The copy this epoch trains on names the examples.
     documents, sentences_before = self.blocks.order(epoch)
     size = self.blocks.block_documents
     rng = np.random.default_rng([self.seed, epoch, block, 1])
@@ -178,7 +200,8 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
                          seq_len: int, batch_size: int, seed: int, short_seq_prob: float = 0.1,
                          random_next_prob: float = 0.5, packing: bool = False, max_packs: int = 8,
                          process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
-                         prefetch: int = 2, block_documents: int = 512) -> PretrainingIterator:
+                         prefetch: int = 2, block_documents: int = 512,
+                         duplicates: int | None = None) -> PretrainingIterator:
   """The pretraining input pipeline over a prepared directory.
 
   Args:
@@ -197,12 +220,17 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
     prefetch: batches prepared ahead in a background thread (0: none).
     block_documents: documents planned and shuffled together; larger mixes
       examples better, costs more memory and latency per block.
+    duplicates: None (new examples every epoch: dynamic masking) or D >= 1
+      (static examples: D copies built once, epoch e trains on copy e mod D;
+      BERT's static masking with dupe factor D).
 
   Returns:
     A `PretrainingIterator` of dicts of numpy arrays with `batch_size` rows.
   """
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+  if duplicates is not None and (isinstance(duplicates, bool) or not isinstance(duplicates, int) or duplicates < 1):
+    raise ValueError(f"duplicates must be None or an int >= 1 (masking.dupe_factor), got {duplicates!r}")
   config = formats.FormatConfig(example_format, seq_len, short_seq_prob, random_next_prob, packing, max_packs)
   corpus = prepare.open_prepared(prepared_dir)
   documents = corpus.split_documents(split)
@@ -218,7 +246,7 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
 
   dataset = grain.MapDataset.range(blocks.blocks_per_epoch * num_epochs).to_iter_dataset(
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  dataset = grain_experimental.FlatMapIterDataset(dataset, _BlockToRows(corpus, blocks, config, seed, train))
+  dataset = grain_experimental.FlatMapIterDataset(dataset, _BlockToRows(corpus, blocks, config, seed, train, duplicates))
   dataset = dataset.batch(global_batch_size, drop_remainder=train, batch_fn=list)
   dataset = dataset.map(_MaterialiseOwnRows(corpus, config, specials, global_batch_size, process_index,
                                             process_count, padding_id_base=split_sentences))
@@ -227,4 +255,6 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
   identity = {"prepared": corpus.manifest["tokenizer"]["fingerprint"], "totals": corpus.manifest["totals"],
               "split": split, "config": dataclasses.asdict(config), "seed": seed,
               "global_batch_size": global_batch_size, "block_documents": block_documents, "num_epochs": num_epochs}
+  if duplicates is not None:  # Only when set, so the state of a run saved before the field existed still loads.
+    identity["duplicates"] = duplicates
   return PretrainingIterator(corpus, config, iter(dataset), global_batch_size, identity)
