@@ -3,6 +3,7 @@
 import csv
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -97,6 +98,7 @@ def test_sweep_pretrains_finetunes_scores_and_renders(swept, capsys):
     assert sst2["min"] <= sst2["median"] <= sst2["max"] and 0 <= sst2["median"] <= 100
   assert by_name["MLM+NSP"]["pretrain"]["eval"]["sentence_accuracy"] >= 0
   assert (workdir / "rows" / "MLM" / "state" / "finetune_sst2_lr0.003_seed2.json").exists()
+  assert (workdir / "rows" / "MLM" / "finetune" / "sst2" / "lr0.003" / "seed_2" / "result.json").exists()
 
   assert table.main([str(workdir)]) == 0
   markdown = (workdir / "table.md").read_text()
@@ -127,71 +129,95 @@ def test_a_failing_row_is_recorded_and_the_others_go_on(swept):
 
 
 class Killed(BaseException):
-  """A kill between two fine-tuning runs (BaseException: no row-level handler records it as a failure)."""
+  """A kill (BaseException: no row-level handler records it as a failure)."""
 
 
-def test_a_killed_sweep_resumes_and_gives_the_same_table(setup, swept, monkeypatch):
-  spec, data_dirs, root = setup
-  workdir = root / "killed"
-  from bert_jax.tasks import finetune as finetune_lib
+def _fake_phases(monkeypatch, log, kill_at=None):
+  """Pre-training and fine-tuning stand-ins that record their calls and can be killed at the n-th call."""
+
+  def pretrain(config, row_dir):
+    if (row_dir / "state" / "pretrain.json").exists():  # As the real phase: a recorded pre-training is kept.
+      return json.loads((row_dir / "state" / "pretrain.json").read_text())
+    log.append(("pretrain", row_dir.name))
+    if len(log) == kill_at:
+      raise Killed()
+    state = {"objective": config.objective, "eval": {"mlm_perplexity": 4.0 + len(row_dir.name)}}
+    ablation._write_json(row_dir / "state" / "pretrain.json", state)
+    return state
+
+  def finetune(config, directory):
+    log.append(("finetune", directory.name))
+    if len(log) == kill_at:
+      raise Killed()
+    row_name = directory.parent.parent.parent.name
+    return {"seeds": [{"seed": seed, "selected": {"metrics": {"dev": {"accuracy": 50.0 + seed + len(row_name)}}}}
+                      for seed in config.seeds]}
+
+  monkeypatch.setattr(ablation, "pretrain_phase", pretrain)
+  return finetune
+
+
+def test_a_killed_sweep_resumes_where_it_stopped(setup, tmp_path, monkeypatch):
+  spec, data_dirs, _ = setup
+  tab = ablation.load_table(spec)
+  log = []
+  with pytest.raises(Killed):  # Killed in the second seed of the last row.
+    ablation.run_sweep(tab, tmp_path / "killed", data_dirs, finetune=_fake_phases(monkeypatch, log, kill_at=6))
+  lr = ("finetune", "lr0.003")
+  assert log == [("pretrain", "MLM+NSP"), lr, ("pretrain", "broken"), lr, ("pretrain", "MLM"), lr]
+  log.clear()
+  resumed = ablation.run_sweep(tab, tmp_path / "killed", data_dirs, finetune=_fake_phases(monkeypatch, log))
+  assert log == [lr]  # Nothing recorded runs again.
+  log.clear()
+  whole = ablation.run_sweep(tab, tmp_path / "whole", data_dirs, finetune=_fake_phases(monkeypatch, log))
+  assert [row["tasks"] for row in resumed["rows"]] == [row["tasks"] for row in whole["rows"]]
+  assert _main_table(table.render_markdown(resumed)) == _main_table(table.render_markdown(whole))
+
+
+def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
+  """What a kill in the last row's second seed leaves, resumed: that seed alone runs again, the table is the same."""
+  spec, data_dirs, _ = setup
+  workdir = swept[1]
+  reference = _main_table((workdir / "table.md").read_text())
+  (workdir / "rows" / "MLM" / "row.json").unlink()
+  (workdir / "rows" / "MLM" / "state" / "finetune_sst2_lr0.003_seed2.json").unlink()
+  shutil.rmtree(workdir / "rows" / "MLM" / "finetune" / "sst2" / "lr0.003" / "seed_2")
+  seed_1 = workdir / "rows" / "MLM" / "finetune" / "sst2" / "lr0.003" / "seed_1" / "result.json"
+  seed_1_written = seed_1.stat().st_mtime_ns
   calls = []
 
-  def finetune_then_kill(config, directory):
-    calls.append(directory)
-    if len(calls) == 3:  # Row MLM+NSP done; killed in the middle of row MLM's suite.
-      raise Killed()
-    return finetune_lib.finetune(config, directory)
-
-  tab = ablation.load_table(spec)
-  with pytest.raises(Killed):
-    ablation.run_sweep(tab, workdir, data_dirs, finetune=finetune_then_kill)
-  assert (workdir / "rows" / "MLM" / "state" / "pretrain.json").exists()
-  assert not (workdir / "rows" / "MLM" / "row.json").exists()
-  resumed = []
-
   def counting(config, directory):
-    resumed.append(directory)
-    return finetune_lib.finetune(config, directory)
+    from bert_jax.tasks import finetune as finetune_lib
 
-  ablation.run_sweep(tab, workdir, data_dirs, finetune=counting)
-  assert len(resumed) == 2  # Only the MLM row's two seeds; nothing recorded runs again.
+    results = finetune_lib.finetune(config, directory)
+    calls.append(sorted(path.name for path in directory.glob("seed_*")))
+    return results
+
+  results = ablation.run_sweep(ablation.load_table(spec), workdir, data_dirs, indices=[2], finetune=counting)
+  assert calls == [["seed_1", "seed_2"]] and results["rows"][2]["status"] == "done"
+  assert seed_1.stat().st_mtime_ns == seed_1_written  # Seed 1's result was reused, not trained again.
   table.render(workdir)
-  reference = _main_table((swept[1] / "table.md").read_text())
   assert _main_table((workdir / "table.md").read_text()) == reference
 
 
-def test_row_subsets_and_collect_only(setup, tmp_path):
+def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
   spec, data_dirs, _ = setup
   tab = ablation.load_table(spec)
-  calls = []
-
-  def fake_finetune(config, directory):
-    calls.append((config.optim.lr, tuple(config.seeds)))
-    return {"summary": {"dev": {"accuracy": {"median": 50.0 + config.seeds[0]}}}}
-
-  monkeypatch_pretrain = {}
-
-  def fake_pretrain(config, row_dir):
-    monkeypatch_pretrain[row_dir.name] = config.objective
-    return {}
-
-  original = ablation.pretrain_phase
-  ablation.pretrain_phase = fake_pretrain
-  try:
-    ablation.run_sweep(tab, tmp_path, data_dirs, indices=[2], finetune=fake_finetune)
-  finally:
-    ablation.pretrain_phase = original
-  assert monkeypatch_pretrain == {"MLM": "mlm"} and calls == [(3e-3, (1,)), (3e-3, (2,))]
+  log = []
+  ablation.run_sweep(tab, tmp_path, data_dirs, indices=[2], finetune=_fake_phases(monkeypatch, log))
+  assert log == [("pretrain", "MLM"), ("finetune", "lr0.003")]
   results = ablation.collect(tmp_path)
   assert [row["status"] for row in results["rows"]] == ["not run", "not run", "done"]
-  assert results["rows"][2]["tasks"]["sst2"]["median"] == 51.5
+  assert results["rows"][2]["tasks"]["sst2"]["median"] == 51.5 + 3
   assert ablation.main(["--workdir", str(tmp_path), "--collect"]) == 0
+  assert "1/3 rows done" in capsys.readouterr().out
   with pytest.raises(ValueError, match="out of range"):
     ablation.run_sweep(tab, tmp_path, data_dirs, indices=[5])
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0,2", "--data-dir", "glue"]) == 2
 
 
 def test_suite_picks_the_best_learning_rate_by_median():
-  summary = suite.summarize({1e-5: [80.0, 90.0, 70.0], 2e-5: [85.0, 84.0, 10.0]})
+  summary = suite.summarize({1e-5: [80.0, 90.0, 70.0], 2e-5: [95.0, 79.0, 10.0]})
   assert summary["best_lr"] == 1e-5 and summary["median"] == 80.0 and summary["min"] == 70.0
   assert suite.summarize({1.0: [5.0], 2.0: [4.0]}, higher_is_better=False)["best_lr"] == 2.0
   tiny = suite.scaled(suite.Suite(tasks=("mnli_m", "squad1.1_f1")), "tiny")

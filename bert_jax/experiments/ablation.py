@@ -11,9 +11,9 @@ downstream suite, `bert_jax.experiments.suite.Suite`) and `PUBLISHED` (the
 paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
 
   pretrain/            `train_and_evaluate` (resumes from its checkpoints)
-  finetune/<task>/lr<lr>_seed<s>/   one `finetune` per learning rate and seed,
-                       from the row's final pre-training checkpoint
-  state/*.json         one file per finished phase, task, lr and seed: a killed
+  finetune/<task>/lr<lr>/   one `finetune` per learning rate over the suite's
+                       seeds, from the row's final pre-training checkpoint
+  state/*.json         one file per finished phase and task/lr/seed: a killed
                        sweep run again skips what is recorded there
   row.json             done, or failed with the phase and error
 
@@ -227,14 +227,14 @@ def pretrain_phase(config, row_dir: pathlib.Path) -> dict[str, Any]:
   return state
 
 
-def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, seed: int, model_dir: pathlib.Path,
+def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, model_dir: pathlib.Path,
                     data_dirs: dict[str, str]):
   suite = table.suite
   if task.data not in data_dirs:
     raise ValueError(f"task {task.name} reads {task.data} data: give --data-dir {task.data}=PATH")
   recipe = {"train.epochs": suite.epochs, "max_len": suite.max_len, "train.batch_size": suite.batch_size}
   overrides = [f"init.model={model_dir}", f"data_dir={data_dirs[task.data]}", f"optim.lr={lr}",
-               f"seeds=({seed},)", *(f"{key}={value}" for key, value in recipe.items() if value is not None),
+               f"seeds={tuple(suite.seeds)}", *(f"{key}={value}" for key, value in recipe.items() if value is not None),
                "train.save_checkpoint=False", *suite.overrides,
                *(f"{key}={value}" for key, value in row.finetune.items())]
   return config_lib.load_config(str(CONFIGS / task.config), overrides)
@@ -242,7 +242,12 @@ def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, see
 
 def finetune_phase(table: Table, row: Row, row_dir: pathlib.Path, data_dirs: dict[str, str],
                    finetune: Callable | None = None) -> None:
-  """Fine-tunes every (task, lr, seed) of the suite not yet recorded, from the row's pre-training workdir."""
+  """Fine-tunes every (task, lr) of the suite over its seeds, from the row's pre-training workdir.
+
+  One `finetune` call per (task, lr) runs the seeds in turn (compiling once); it skips the seeds whose
+  result it already holds, so a kill between seeds loses only the seed in progress. A state file per seed
+  records the score.
+  """
   if finetune is None:
     from bert_jax.tasks.finetune import finetune
   errors = []
@@ -250,16 +255,16 @@ def finetune_phase(table: Table, row: Row, row_dir: pathlib.Path, data_dirs: dic
     task = suite_lib.TASKS[task_name]
     try:
       for lr in table.suite.lrs:
-        for seed in table.suite.seeds:
-          state_file = _finetune_state(row_dir, task_name, lr, seed)
-          if state_file.exists():
-            continue
-          config = finetune_config(table, row, task, lr, seed, row_dir / "pretrain", data_dirs)
-          started = time.perf_counter()
-          results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}_seed{seed}")
-          score = results["summary"][task.split][task.metric]["median"]
-          _write_json(state_file, {"task": task_name, "lr": lr, "seed": seed, "metric": task.metric,
-                                   "split": task.split, "score": score, "wall_seconds": time.perf_counter() - started})
+        if all(_finetune_state(row_dir, task_name, lr, seed).exists() for seed in table.suite.seeds):
+          continue
+        config = finetune_config(table, row, task, lr, row_dir / "pretrain", data_dirs)
+        started = time.perf_counter()
+        results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}")
+        for seed_result in results["seeds"]:
+          _write_json(_finetune_state(row_dir, task_name, lr, seed_result["seed"]),
+                      {"task": task_name, "lr": lr, "seed": seed_result["seed"], "metric": task.metric,
+                       "split": task.split, "score": seed_result["selected"]["metrics"][task.split][task.metric],
+                       "call_wall_seconds": time.perf_counter() - started})
     except Exception as error:  # One task's failure leaves the row's other tasks to run.
       traceback.print_exc()
       errors.append(f"{task_name}: {type(error).__name__}: {error}")

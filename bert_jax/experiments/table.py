@@ -222,7 +222,7 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
         paper_y.append(published[row["name"]][task])
     bars = axis.bar(xs, heights, width, yerr=[low, high], capsize=3, label=f"{row['name']} (ours)")
     if paper_x:
-      axis.scatter(paper_x, paper_y, marker="_", s=200, color=bars.patches[0].get_facecolor() if bars.patches
+      axis.scatter(paper_x, paper_y, marker="D", s=40, color=bars.patches[0].get_facecolor() if bars.patches
                    else None, edgecolors="black", label=f"{row['name']} (published)")
   axis.set_xticks(range(len(tasks)))
   axis.set_xticklabels([names.get(task, task) for task in tasks], rotation=20)
