@@ -112,7 +112,12 @@ def render_markdown(results: dict[str, Any]) -> str:
     for column in cols:
       mine = ours(row, column)
       digits = _digits(column)
-      cells.append("" if mine is None else f"{_number(mine['median'], digits)} ± {_number(mine['std'], digits)}")
+      if mine is None:
+        cells.append("")
+      elif column in INTRINSIC:  # One pre-training run: no spread over seeds.
+        cells.append(_number(mine["median"], digits))
+      else:
+        cells.append(f"{_number(mine['median'], digits)} ± {_number(mine['std'], digits)}")
       cells.append(_number(paper.get(column), digits))
     lines.append("| " + " | ".join(cells) + " |")
   order = ["published ordering reproduced", ""]
@@ -189,7 +194,7 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
     pretrain = row.get("pretrain") or {}
     per_step = (pretrain.get("batch_size") or 0) * (pretrain.get("seq_len") or 0)
     xs = [step * per_step for step, _ in curve] if per_step else [step for step, _ in curve]
-    axis.plot(xs, [loss for _, loss in curve], label=row["name"])
+    axis.plot(xs, [loss for _, loss in curve], marker="o" if len(curve) < 20 else None, label=row["name"])
     drawn += 1
   axis.set_xlabel("tokens seen (batch x sequence length x steps)")
   axis.set_ylabel("pre-training loss (train, all objectives)")
@@ -220,15 +225,18 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
       if published.get(row["name"], {}).get(task) is not None:
         paper_x.append(x)
         paper_y.append(published[row["name"]][task])
-    bars = axis.bar(xs, heights, width, yerr=[low, high], capsize=3, label=f"{row['name']} (ours)")
+    color = f"C{index % 10}"  # One colour per row, its published markers included.
+    if xs:
+      axis.bar(xs, heights, width, yerr=[low, high], capsize=3, color=color, label=f"{row['name']} (ours)")
     if paper_x:
-      axis.scatter(paper_x, paper_y, marker="D", s=40, color=bars.patches[0].get_facecolor() if bars.patches
-                   else None, edgecolors="black", label=f"{row['name']} (published)")
+      axis.scatter(paper_x, paper_y, marker="D", s=40, color=color, edgecolors="black", zorder=3,
+                   label=f"{row['name']} (published)")
   axis.set_xticks(range(len(tasks)))
   axis.set_xticklabels([names.get(task, task) for task in tasks], rotation=20)
   axis.set_ylabel("dev score (median over seeds; whiskers: min-max)")
   axis.set_title(f"Downstream scores per row\n{title}", fontsize=10)
-  axis.legend(fontsize=7, ncol=2)
+  if axis.get_legend_handles_labels()[0]:
+    axis.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18))
   axis.grid(axis="y", alpha=0.3)
   figure.tight_layout()
   written.append(out / "downstream.png")
