@@ -287,6 +287,7 @@ def run_row(table: Table, index: int, workdir: pathlib.Path, data_dirs: dict[str
   row = table.rows[index]
   row_dir = workdir / "rows" / row.slug
   row_dir.mkdir(parents=True, exist_ok=True)
+  (row_dir / "row.json").unlink(missing_ok=True)  # Until this run ends the row is in progress, not failed.
   phase = "config"
   try:
     config = row_config(table, row)

@@ -77,7 +77,7 @@ class Suite:
   max_len: int | None = None
   batch_size: int | None = None
   overrides: tuple[str, ...] = ()
-  tiny_task: str = "sst2"
+  tiny_task: str = "rte"
 
   def __post_init__(self):
     unknown = [name for name in (*self.tasks, self.tiny_task) if name not in TASKS]
