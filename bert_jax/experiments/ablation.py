@@ -222,7 +222,8 @@ def pretrain_phase(config, row_dir: pathlib.Path) -> dict[str, Any]:
            "epochs": tokens / corpus_tokens if corpus_tokens else None,
            "wall_seconds": time.perf_counter() - started, "device": _device(),
            "num_params": int(result.get("num_params", 0)), "perplexity": evaluation.get("mlm_perplexity"),
-           "eval": evaluation, "objective": config.objective, "batch_size": config.train.batch_size, "seq_len": config.data.seq_len}
+           "eval": evaluation, "objective": config.objective, "batch_size": config.train.batch_size,
+           "seq_len": config.data.seq_len}
   _write_json(state_file, state)
   return state
 

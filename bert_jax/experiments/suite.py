@@ -27,32 +27,36 @@ class Task:
     metric: the metric of `split` reported (the task's `summary` key).
     split: the evaluation split read.
     data: which `--data-dir KIND=PATH` root the task reads ("glue", "squad", "conll2003", "race").
+    label: the column's heading where a table's PUBLISHED names none.
   """
   name: str
   config: str
   metric: str
   split: str = "dev"
   data: str = "glue"
+  label: str = ""
 
 
 GLUE = {
-    "mnli_m": Task("mnli_m", "finetune/glue.py:task=mnli", "accuracy", "dev_matched"),
-    "qnli": Task("qnli", "finetune/glue.py:task=qnli", "accuracy"),
-    "qqp": Task("qqp", "finetune/glue.py:task=qqp", "accuracy"),
-    "mrpc": Task("mrpc", "finetune/glue.py:task=mrpc", "accuracy"),
-    "sst2": Task("sst2", "finetune/glue.py:task=sst2", "accuracy"),
-    "cola": Task("cola", "finetune/glue.py:task=cola", "mcc"),
-    "stsb": Task("stsb", "finetune/glue.py:task=stsb", "spearman"),
-    "rte": Task("rte", "finetune/glue.py:task=rte", "accuracy"),
+    "mnli_m": Task("mnli_m", "finetune/glue.py:task=mnli", "accuracy", "dev_matched", label="MNLI-m (Acc)"),
+    "qnli": Task("qnli", "finetune/glue.py:task=qnli", "accuracy", label="QNLI (Acc)"),
+    "qqp": Task("qqp", "finetune/glue.py:task=qqp", "accuracy", label="QQP (Acc)"),
+    "mrpc": Task("mrpc", "finetune/glue.py:task=mrpc", "accuracy", label="MRPC (Acc)"),
+    "sst2": Task("sst2", "finetune/glue.py:task=sst2", "accuracy", label="SST-2 (Acc)"),
+    "cola": Task("cola", "finetune/glue.py:task=cola", "mcc", label="CoLA (MCC)"),
+    "stsb": Task("stsb", "finetune/glue.py:task=stsb", "spearman", label="STS-B (Spearman)"),
+    "rte": Task("rte", "finetune/glue.py:task=rte", "accuracy", label="RTE (Acc)"),
 }
 SQUAD = {
-    "squad1.1_f1": Task("squad1.1_f1", "finetune/squad.py:version=1.1", "f1", data="squad"),
-    "squad2.0_f1": Task("squad2.0_f1", "finetune/squad.py:version=2.0", "best_f1", data="squad"),
+    "squad1.1_f1": Task("squad1.1_f1", "finetune/squad.py:version=1.1", "f1", data="squad",
+                        label="SQuAD 1.1 (F1)"),
+    "squad2.0_f1": Task("squad2.0_f1", "finetune/squad.py:version=2.0", "best_f1", data="squad",
+                        label="SQuAD 2.0 (F1)"),
 }
 OTHER = {
-    "conll2003_f1": Task("conll2003_f1", "finetune/ner.py", "f1", data="conll2003"),
-    # RACE has no task in bert_jax/tasks yet: its rows fail with that error until one is added.
-    "race": Task("race", "finetune/race.py", "accuracy", data="race"),
+    "conll2003_f1": Task("conll2003_f1", "finetune/ner.py", "f1", data="conll2003", label="CoNLL-2003 NER (F1)"),
+    # RACE has no task in bert_jax/tasks yet: this column fails with that error (a row's other tasks still run).
+    "race": Task("race", "finetune/race.py", "accuracy", data="race", label="RACE (Acc)"),
 }
 TASKS = {**GLUE, **SQUAD, **OTHER}
 
@@ -93,7 +97,7 @@ def scaled(suite: Suite, scale: str) -> Suite:
     return suite
   if scale == "gpu":
     return dataclasses.replace(suite, seeds=suite.seeds[:3])
-  return dataclasses.replace(suite, tasks=(suite.tiny_task,), seeds=(1, 2), lrs=(3e-3,), epochs=2, max_len=64,
+  return dataclasses.replace(suite, tasks=(suite.tiny_task,), seeds=(1, 2), lrs=(3e-3,), epochs=1, max_len=64,
                              batch_size=16, overrides=(*suite.overrides, "train.eval_batch_size=32"))
 
 

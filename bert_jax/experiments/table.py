@@ -74,6 +74,12 @@ def ordering(results: dict[str, Any], column: str) -> tuple[int, int] | None:
   return (agree, total) if total else None
 
 
+def _label(column: str) -> str:
+  from bert_jax.experiments.suite import TASKS
+
+  return TASKS[column].label if column in TASKS and TASKS[column].label else column
+
+
 def _number(value: float | None, digits: int = 1) -> str:
   return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
@@ -103,7 +109,7 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"- published numbers: {published.get('source', 'none given')}", ""]
   header = ["row", "status"]
   for column in cols:
-    label = names.get(column, column)
+    label = names.get(column) or _label(column)
     header += [f"{label} ours", f"{label} paper"]
   lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for row in results["rows"]:
@@ -232,7 +238,7 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
       axis.scatter(paper_x, paper_y, marker="D", s=40, color=color, edgecolors="black", zorder=3,
                    label=f"{row['name']} (published)")
   axis.set_xticks(range(len(tasks)))
-  axis.set_xticklabels([names.get(task, task) for task in tasks], rotation=20)
+  axis.set_xticklabels([names.get(task) or _label(task) for task in tasks], rotation=20)
   axis.set_ylabel("dev score (median over seeds; whiskers: min-max)")
   axis.set_title(f"Downstream scores per row\n{title}", fontsize=10)
   if axis.get_legend_handles_labels()[0]:

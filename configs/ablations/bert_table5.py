@@ -13,7 +13,7 @@ from bert_jax.experiments import ablation, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("mnli_m", "qnli", "mrpc", "sst2", "squad1.1_f1"), seeds=(1, 2, 3, 4, 5),
-                    lrs=(5e-5, 4e-5, 3e-5, 2e-5))
+                    lrs=(5e-5, 4e-5, 3e-5, 2e-5), tiny_task="mrpc")
 
 _COLUMNS = ("mnli_m", "qnli", "mrpc", "sst2", "squad1.1_f1")
 PUBLISHED = {

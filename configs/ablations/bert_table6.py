@@ -12,7 +12,8 @@
 from bert_jax.experiments import ablation, suite
 from bert_jax.train.config_lib import parse_arg
 
-SUITE = suite.Suite(tasks=("mnli_m", "mrpc", "sst2"), seeds=(1, 2, 3, 4, 5), lrs=(5e-5, 4e-5, 3e-5, 2e-5))
+SUITE = suite.Suite(tasks=("mnli_m", "mrpc", "sst2"), seeds=(1, 2, 3, 4, 5), lrs=(5e-5, 4e-5, 3e-5, 2e-5),
+                    tiny_task="mrpc")
 
 SIZES = ((3, 768, 12), (6, 768, 3), (6, 768, 12), (12, 768, 12), (12, 1024, 16), (24, 1024, 16))
 _COLUMNS = ("mlm_ppl", "mnli_m", "mrpc", "sst2")
