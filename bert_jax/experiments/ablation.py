@@ -1,4 +1,4 @@
-"""Run a paper's ablation table end to end: pre-train every row, fine-tune the downstream suite, score, collect.
+r"""Run a paper's ablation table end to end: pre-train every row, fine-tune the downstream suite, score, collect.
 
   bert-jax sweep --config configs/ablations/bert_table5.py:scale=gpu --workdir runs/bert_table5 \
       --data-dir glue=data/glue --data-dir squad=data/squad --config.data.prepared=data/wiki --parallel 8
@@ -16,6 +16,12 @@ paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
   state/*.json         one file per finished phase and task/lr/seed: a killed
                        sweep run again skips what is recorded there
   row.json             done, or failed with the phase and error
+
+A cluster runs one row per job, all into one shared workdir, then collects:
+
+  sbatch --array=0-3 --gres=gpu:1 --wrap "bert-jax sweep --config ... --workdir /shared/runs/t5 \
+      --row-index \$SLURM_ARRAY_TASK_ID --data-dir glue=/shared/data/glue"
+  bert-jax sweep --workdir /shared/runs/t5 --collect && bert-jax table /shared/runs/t5
 
 A failing row is recorded and the other rows go on. `--parallel N` runs rows
 as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES);
