@@ -307,3 +307,17 @@ def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):
   assert out.returncode == 1, out.stdout + out.stderr
   assert "0/3 rows done; failed: ['broken']" in out.stdout
   assert json.loads((tmp_path / "rows" / "broken" / "row.json").read_text())["phase"] == "pretrain"
+
+
+def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_path, monkeypatch):
+  spec, _, _ = setup
+  seen = []
+  monkeypatch.setattr(ablation, "run_row", lambda table, index, *args, **kwargs: seen.append(table.suite) or {
+      "status": "done"})
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte",
+                        "--seeds", "3,4,5", "--lrs", "1e-4"]) == 0
+  assert seen[0].tasks == ("mrpc", "rte") and seen[0].seeds == (3, 4, 5) and seen[0].lrs == (1e-4,)
+  assert list(ablation.collect(tmp_path)["suite"]["seeds"]) == [3, 4, 5]
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
+  gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
+  assert gpu.tasks == ("mrpc", "sst2") and gpu.seeds == (1, 2, 3) and gpu.lrs == (3e-5,)

@@ -316,7 +316,8 @@ def run_row(table: Table, index: int, workdir: pathlib.Path, data_dirs: dict[str
 
 def _write_sweep_file(table: Table, workdir: pathlib.Path, data_dirs: dict[str, str]) -> None:
   _write_json(workdir / "sweep.json", {"config": table.spec, "overrides": list(table.base_overrides),
-                                       "data_dirs": data_dirs, "rows": [row.name for row in table.rows]})
+                                       "data_dirs": data_dirs, "rows": [row.name for row in table.rows],
+                                       "suite": dataclasses.asdict(table.suite)})
 
 
 def run_sweep(table: Table, workdir: str | pathlib.Path, data_dirs: dict[str, str] | None = None,
@@ -371,6 +372,9 @@ def collect(workdir: str | pathlib.Path) -> dict[str, Any]:
     raise FileNotFoundError(f"{workdir} has no sweep.json: run `bert-jax sweep --config ... --workdir {workdir}` "
                             "first")
   table = load_table(sweep["config"], sweep["overrides"])
+  if "suite" in sweep:  # The suite the sweep ran, command-line changes included.
+    table = dataclasses.replace(table, suite=suite_lib.Suite(
+        **{key: tuple(value) if isinstance(value, list) else value for key, value in sweep["suite"].items()}))
   higher = table.published.get("higher_is_better", {})
   rows = []
   for row in table.rows:
@@ -404,6 +408,22 @@ def _parse_rows(text: str) -> list[int]:
     raise argparse.ArgumentTypeError(f"--rows expects comma-separated row indices like 0,2, got {text!r}") from None
 
 
+def _suite_from_args(suite: suite_lib.Suite, args: argparse.Namespace) -> suite_lib.Suite:
+  """The config's suite with the command line's --tasks, --seeds and --lrs in place of its own."""
+  changes = {}
+  try:
+    if args.tasks:
+      changes["tasks"] = tuple(task for task in args.tasks.split(",") if task)
+    if args.seeds:
+      changes["seeds"] = tuple(int(seed) for seed in args.seeds.split(",") if seed)
+    if args.lrs:
+      changes["lrs"] = tuple(float(lr) for lr in args.lrs.split(",") if lr)
+  except ValueError:
+    raise ValueError(f"--seeds takes integers and --lrs numbers, comma-separated; got --seeds={args.seeds} "
+                     f"--lrs={args.lrs}") from None
+  return dataclasses.replace(suite, **changes)
+
+
 def _parse_data_dirs(items: Sequence[str]) -> dict[str, str]:
   out = {}
   for item in items:
@@ -429,6 +449,10 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--parallel", type=int, default=1,
                       help="run rows as N subprocesses side by side, one per local accelerator")
   parser.add_argument("--collect", action="store_true", help="only build WORKDIR/results.json from finished rows")
+  parser.add_argument("--tasks", help="comma-separated downstream tasks replacing the suite's, e.g. mnli_m,sst2 "
+                                      f"(known: {','.join(suite_lib.TASKS)})")
+  parser.add_argument("--seeds", help="comma-separated fine-tuning seeds replacing the suite's, e.g. 1,2,3")
+  parser.add_argument("--lrs", help="comma-separated fine-tuning learning rates replacing the suite's grid")
   args, rest = parser.parse_known_args(argv)
   unknown = [a for a in rest if not a.startswith("--config.")]
   if unknown:
@@ -441,9 +465,11 @@ def main(argv: list[str]) -> int:
       if not args.config:
         parser.error("--config is required (unless --collect)")
       table = load_table(args.config, rest)
+      table = dataclasses.replace(table, suite=_suite_from_args(table.suite, args))
       data_dirs = _parse_data_dirs(args.data_dir)
       indices = [args.row_index] if args.row_index is not None else args.rows
-      child_args = [f"--data-dir={item}" for item in args.data_dir]
+      child_args = [f"--data-dir={item}" for item in args.data_dir] + [
+          f"--{name}={value}" for name in ("tasks", "seeds", "lrs") if (value := getattr(args, name))]
       results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args)
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as error:
     print(f"bert-jax sweep: {error}")

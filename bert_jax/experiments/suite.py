@@ -1,8 +1,9 @@
 """The downstream suite of an ablation table: which tasks, seeds, learning-rate grid, epochs and max length.
 
 Each table config (`configs/ablations/*.py`) holds a `SUITE` with its paper's
-protocol; `scaled(SUITE, scale)` gives the budget of a scale ("paper", "gpu",
-"tiny"). For every task the runner fine-tunes each (learning rate, seed) from
+protocol; `scaled(SUITE, scale)` gives the budget of a scale ("paper": the protocol;
+"gpu": the table's small GLUE tasks, 3 seeds, one learning rate; "tiny": one
+small task, 2 seeds, one epoch). For every task the runner fine-tunes each (learning rate, seed) from
 the row's final pre-training checkpoint; `summarize` picks the learning rate
 with the best dev median over seeds and reports that learning rate's median
 with its spread (std, min, max) over the seeds.
@@ -15,6 +16,8 @@ import statistics
 from typing import Any, Mapping, Sequence
 
 SCALES = ("paper", "gpu", "tiny")
+# The tasks a `scale=gpu` row fine-tunes: GLUE's with at most ~70k training rows.
+GPU_TASKS = ("sst2", "mrpc", "cola", "stsb", "rte")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,9 @@ def scaled(suite: Suite, scale: str) -> Suite:
   if scale == "paper":
     return suite
   if scale == "gpu":
-    return dataclasses.replace(suite, seeds=suite.seeds[:3])
+    # About ten minutes a row on one GPU with pre-training: the small tasks, three seeds, one learning rate.
+    small = tuple(task for task in suite.tasks if task in GPU_TASKS) or (suite.tiny_task,)
+    return dataclasses.replace(suite, tasks=small, seeds=suite.seeds[:3], lrs=(suite.lrs[len(suite.lrs) // 2],))
   return dataclasses.replace(suite, tasks=(suite.tiny_task,), seeds=(1, 2), lrs=(3e-3,), epochs=1, max_len=64,
                              batch_size=16, overrides=(*suite.overrides, "train.eval_batch_size=32"))
 
