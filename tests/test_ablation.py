@@ -321,3 +321,21 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
   assert gpu.tasks == ("mrpc", "sst2") and gpu.seeds == (1, 2, 3) and gpu.lrs == (3e-5,)
+
+
+def test_a_finetuning_configs_sweep_runs_each_row_as_one_finetune(tmp_path):
+  calls = []
+
+  def fake_finetune(config, directory):
+    calls.append(config.optim.lr)
+    return {"task": config.task, "summary": {"dev": {"accuracy": {
+        "mean": config.optim.lr * 1e6, "median": config.optim.lr * 1e6, "std": 0.0, "min": 1.0, "max": 99.0,
+        "values": [config.optim.lr * 1e6]}}}}
+
+  tab = ablation.load_table(str(REPO / "configs/finetune/glue.py:task=rte"))
+  results = ablation.run_sweep(tab, tmp_path, finetune=fake_finetune)
+  assert calls == [5e-5, 3e-5, 2e-5] and [row["status"] for row in results["rows"]] == ["done"] * 3
+  assert results["rows"][0]["name"] == "optim.lr=5e-05"
+  assert results["rows"][1]["tasks"]["dev/accuracy"]["median"] == pytest.approx(30.0)
+  table.render(tmp_path)
+  assert "| optim.lr=2e-05 | done | 20.0 ± 0.0 |" in (tmp_path / "table.md").read_text()

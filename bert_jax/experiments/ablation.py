@@ -279,6 +279,16 @@ def finetune_phase(table: Table, row: Row, row_dir: pathlib.Path, data_dirs: dic
     raise RuntimeError("; ".join(errors))
 
 
+def _finetune_row(config, row_dir: pathlib.Path, finetune: Callable | None) -> None:
+  """A fine-tuning row: one `finetune` over the config's seeds; its summary is the row's state."""
+  if (row_dir / "state" / "finetune.json").exists():
+    return
+  if finetune is None:
+    from bert_jax.tasks.finetune import finetune
+  results = finetune(config, row_dir / "finetune")
+  _write_json(row_dir / "state" / "finetune.json", {"task": results.get("task"), "summary": results["summary"]})
+
+
 def _check_finetune_overrides(row: Row) -> None:
   """Fails before pre-training when a row's fine-tuning overrides name keys no fine-tuning config has."""
   from bert_jax.tasks.finetune import finetune_defaults
@@ -299,6 +309,12 @@ def run_row(table: Table, index: int, workdir: pathlib.Path, data_dirs: dict[str
   try:
     config = row_config(table, row)
     _check_finetune_overrides(row)
+    if "task" in config:  # A fine-tuning config's sweep (its learning-rate grid, say): each row is one `finetune`.
+      phase = "finetune"
+      _finetune_row(config, row_dir, finetune)
+      status = {"name": row.name, "status": "done"}
+      _write_json(row_dir / "row.json", status)
+      return status
     phase = "pretrain"
     pretrain_phase(config, row_dir)
     phase = "finetune"
@@ -392,6 +408,10 @@ def collect(workdir: str | pathlib.Path) -> dict[str, Any]:
         tasks[task_name] = {"metric": suite_lib.TASKS[task_name].metric,
                             "seeds_done": sum(len(v) for v in scores.values()),
                             **suite_lib.summarize(scores, higher.get(task_name, True))}
+    own = _read_json(row_dir / "state" / "finetune.json")
+    for split, metrics in (own or {}).get("summary", {}).items():
+      for metric, stats in metrics.items():
+        tasks[f"{split}/{metric}"] = {"metric": metric, "seeds_done": len(stats["values"]), **stats}
     rows.append({"name": row.name, "slug": row.slug, "overrides": row.overrides, "finetune": row.finetune,
                  "status": status.get("status"), "phase": status.get("phase"), "error": status.get("error"),
                  "pretrain": _read_json(row_dir / "state" / "pretrain.json"), "tasks": tasks})

@@ -35,9 +35,12 @@ _SENTENCE_OBJECTIVE = {"nsp_acc": "mlm+nsp", "sop_acc": "mlm+sop"}
 
 
 def columns(results: dict[str, Any]) -> list[str]:
-  """The published columns in the paper's order, then any suite task the paper has no column for."""
-  published = list(results["published"].get("columns", {}))
-  return published + [task for task in results["suite"]["tasks"] if task not in published]
+  """The published columns in the paper's order, then any other task a row was scored on."""
+  out = list(results["published"].get("columns", {}))
+  for task in [*results["suite"]["tasks"], *(task for row in results["rows"] for task in row["tasks"])]:
+    if task not in out:
+      out.append(task)
+  return out
 
 
 def ours(row: dict[str, Any], column: str) -> dict[str, float] | None:
