@@ -109,7 +109,7 @@ def test_sweep_pretrains_finetunes_scores_and_renders(swept, capsys):
   assert "| MLM+NSP | done | " in markdown and "| 5.00 | " in markdown
   assert "published ordering reproduced" in markdown
   ordering_line = next(line for line in markdown.splitlines() if line.startswith("| published ordering"))
-  assert ordering_line.count("(1/1 pairs)") + ordering_line.count("(0/1 pairs)") == 2
+  assert ordering_line.count("(1/1 pairs") + ordering_line.count("(0/1 pairs") == 2
   with open(workdir / "table.csv") as handle:
     rows = list(csv.DictReader(handle))
   assert [row["row"] for row in rows][:3] == ["MLM+NSP", "broken", "MLM"]
@@ -339,3 +339,18 @@ def test_a_finetuning_configs_sweep_runs_each_row_as_one_finetune(tmp_path):
   assert results["rows"][1]["tasks"]["dev/accuracy"]["median"] == pytest.approx(30.0)
   table.render(tmp_path)
   assert "| optim.lr=2e-05 | done | 20.0 ± 0.0 |" in (tmp_path / "table.md").read_text()
+
+
+def test_ordering_counts_the_pairs_of_rows_ordered_as_published():
+  def results(*ours):
+    rows = [{"name": f"r{i}", "tasks": {"a": {"median": value, "std": 0.0, "min": value, "max": value}},
+             "pretrain": {"eval": {"mlm_perplexity": value}}} for i, value in enumerate(ours)]
+    published = {"columns": {"a": "A", "mlm_ppl": "ppl"}, "higher_is_better": {"a": True, "mlm_ppl": False},
+                 "rows": {"r0": {"a": 3.0, "mlm_ppl": 3.0}, "r1": {"a": 2.0, "mlm_ppl": 2.0}, "r2": {"a": 1.0}}}
+    return {"published": published, "rows": rows, "suite": {"tasks": ["a"]}}
+
+  assert table.ordering(results(30.0, 20.0, 10.0), "a") == (3, 3, 0)
+  assert table.ordering(results(30.0, 10.0, 20.0), "a") == (2, 3, 0)
+  assert table.ordering(results(5.0, 5.0, 5.0), "a") == (0, 3, 3)
+  assert table.ordering(results(30.0, 20.0, 10.0), "mlm_ppl") == (1, 1, 0)  # r2 has no published perplexity.
+  assert table._ordering_cell(None) == "n/a" and table._ordering_cell((2, 3, 1)) == "no (2/3 pairs, 1 tied)"

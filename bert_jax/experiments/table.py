@@ -57,8 +57,11 @@ def ours(row: dict[str, Any], column: str) -> dict[str, float] | None:
   return row["tasks"].get(column)
 
 
-def ordering(results: dict[str, Any], column: str) -> tuple[int, int] | None:
-  """(pairs ordered as published, pairs the paper orders) over rows with both numbers; None without pairs."""
+def ordering(results: dict[str, Any], column: str) -> tuple[int, int, int] | None:
+  """(pairs ordered as published, pairs the paper orders, of those tied in ours) over rows with both numbers.
+
+  None when no pair of rows has two different published numbers.
+  """
   published_rows = results["published"].get("rows", {})
   points = []
   for row in results["rows"]:
@@ -66,7 +69,7 @@ def ordering(results: dict[str, Any], column: str) -> tuple[int, int] | None:
     mine = ours(row, column)
     if paper is not None and mine is not None:
       points.append((paper, mine["median"]))
-  agree = total = 0
+  agree = total = tied = 0
   for i in range(len(points)):
     for j in range(i + 1, len(points)):
       (paper_i, mine_i), (paper_j, mine_j) = points[i], points[j]
@@ -74,7 +77,8 @@ def ordering(results: dict[str, Any], column: str) -> tuple[int, int] | None:
         continue
       total += 1
       agree += (paper_i - paper_j) * (mine_i - mine_j) > 0
-  return (agree, total) if total else None
+      tied += mine_i == mine_j
+  return (agree, total, tied) if total else None
 
 
 def _label(column: str) -> str:
@@ -91,11 +95,11 @@ def _digits(column: str) -> int:
   return 2 if column == "mlm_ppl" else 1
 
 
-def _ordering_cell(result: tuple[int, int] | None) -> str:
+def _ordering_cell(result: tuple[int, int, int] | None) -> str:
   if result is None:
     return "n/a"
-  agree, total = result
-  return f"{'yes' if agree == total else 'no'} ({agree}/{total} pairs)"
+  agree, total, tied = result
+  return f"{'yes' if agree == total else 'no'} ({agree}/{total} pairs" + (f", {tied} tied)" if tied else ")")
 
 
 def render_markdown(results: dict[str, Any]) -> str:
