@@ -195,7 +195,8 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  title = f"{results['published'].get('table', 'Sweep')} — {results['published'].get('paper', results['config'])}"
+  paper = results["published"].get("paper", results["config"]).split(":")[0]  # "Authors year, NAME".
+  title = f"{results['published'].get('table', 'Sweep')} — {paper}"
   title = title if len(title) < 90 else title[:87] + "..."
   written = []
   figure, axis = plt.subplots(figsize=(8, 5))
