@@ -85,6 +85,7 @@ def _main_table(markdown: str) -> str:
   return markdown.split("## Runs")[0]
 
 
+@pytest.mark.slow
 def test_sweep_pretrains_finetunes_scores_and_renders(swept, capsys):
   results, workdir = swept
   by_name = {row["name"]: row for row in results["rows"]}
@@ -120,6 +121,7 @@ def test_sweep_pretrains_finetunes_scores_and_renders(swept, capsys):
   assert "Written:" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_failing_row_is_recorded_and_the_others_go_on(swept):
   results, workdir = swept
   broken = results["rows"][1]
@@ -176,6 +178,7 @@ def test_a_killed_sweep_resumes_where_it_stopped(setup, tmp_path, monkeypatch):
   assert _main_table(table.render_markdown(resumed)) == _main_table(table.render_markdown(whole))
 
 
+@pytest.mark.slow
 def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
   """What a kill in the last row's second seed leaves, resumed: that seed alone runs again, the table is the same."""
   spec, data_dirs, _ = setup
