@@ -280,7 +280,8 @@ def test_config_errors_name_the_key(prepared, tmp_path):
 
 def test_every_shipped_config_loads():
   for path in sorted((REPO / "configs").rglob("*.py")):
-    if path.name.startswith("_"):
+    # Table configs' rows have names and may name missing capabilities: tests/test_ablation.py checks them.
+    if path.name.startswith("_") or path.parent.name == "ablations":
       continue
     module = config_lib._load_module(path)
     config = config_lib.load_config(str(path))

@@ -1,0 +1,1 @@
+"""Experiments: ablation-table sweeps (pre-train, fine-tune, score), their downstream suites and rendering."""

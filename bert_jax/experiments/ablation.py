@@ -1,0 +1,505 @@
+r"""Run a paper's ablation table end to end: pre-train every row, fine-tune the downstream suite, score, collect.
+
+  bert-jax sweep --config configs/ablations/bert_table5.py:scale=gpu --workdir runs/bert_table5 \
+      --data-dir glue=data/glue --data-dir squad=data/squad --config.data.prepared=data/wiki --parallel 8
+  bert-jax table runs/bert_table5
+
+The config file gives `get_config(arg)` (the base pre-training config),
+`get_sweep(arg)` (the rows: `{"name": ..., "overrides": {key: value},
+"finetune": {key: value}}`, or plain override dicts), `get_suite(arg)` (the
+downstream suite, `bert_jax.experiments.suite.Suite`) and `PUBLISHED` (the
+paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
+
+  pretrain/            `train_and_evaluate` (resumes from its checkpoints)
+  finetune/<task>/lr<lr>/   one `finetune` per learning rate over the suite's
+                       seeds, from the row's final pre-training checkpoint
+  state/*.json         one file per finished phase and task/lr/seed: a killed
+                       sweep run again skips what is recorded there
+  row.json             done, or failed with the phase and error
+
+A cluster runs one row per job, all into one shared workdir, then collects:
+
+  sbatch --array=0-3 --gres=gpu:1 --wrap "bert-jax sweep --config ... --workdir /shared/runs/t5 \
+      --row-index \$SLURM_ARRAY_TASK_ID --data-dir glue=/shared/data/glue"
+  bert-jax sweep --workdir /shared/runs/t5 --collect && bert-jax table /shared/runs/t5
+
+A failing row is recorded and the other rows go on. `--parallel N` runs rows
+as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES);
+`--rows 0,2` or `--row-index I` runs a subset (one job of a SLURM array or
+one TPU slice per row, all writing into one shared workdir). Each run ends by
+collecting `WORKDIR/results.json` from whatever rows have finished; `--collect`
+only collects.
+
+Recorded per row: tokens seen (batch x sequence length x steps: positions fed,
+padding included), epochs over the corpus's training tokens, the wall time of
+the pre-training call that finished it, the device, the held-out MLM perplexity
+and every task's best-lr median over seeds with its spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from bert_jax.experiments import suite as suite_lib
+from bert_jax.train import config_lib
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One table row: its display name, pre-training overrides and fine-tuning overrides."""
+  name: str
+  overrides: dict[str, Any]
+  finetune: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def slug(self) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", self.name).strip("_") or "row"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  spec: str
+  base_overrides: tuple[str, ...]
+  rows: tuple[Row, ...]
+  suite: suite_lib.Suite
+  published: dict[str, Any]
+
+
+def _row_from(entry: dict[str, Any]) -> Row:
+  if "overrides" in entry or "name" in entry:
+    unknown = set(entry) - {"name", "overrides", "finetune"}
+    if unknown:
+      raise config_lib.ConfigError(f"sweep row {entry.get('name')!r}: unknown fields {sorted(unknown)}; "
+                                   "a row has name, overrides and finetune")
+    return Row(entry["name"], dict(entry.get("overrides", {})), dict(entry.get("finetune", {})))
+  text = ",".join(f"{k}={v}" for k, v in entry.items()) or "base"
+  return Row(text, dict(entry))
+
+
+def load_table(spec: str, base_overrides: Sequence[str] = ()) -> Table:
+  """Reads a table config `path.py[:arg]`: its rows, suite and published numbers."""
+  path, arg = config_lib.resolve_config_path(spec)
+  module = config_lib._load_module(path)
+  if not hasattr(module, "get_sweep"):
+    raise config_lib.ConfigError(f"{path} defines no get_sweep(arg): it is not a sweep config")
+  rows = tuple(_row_from(entry) for entry in module.get_sweep(arg))
+  slugs = [row.slug for row in rows]
+  if len(set(slugs)) != len(slugs):
+    raise config_lib.ConfigError(f"{path}: two sweep rows share a name: {[row.name for row in rows]}")
+  suite = module.get_suite(arg) if hasattr(module, "get_suite") else suite_lib.Suite(tasks=())
+  published = getattr(module, "PUBLISHED", {})
+  return Table(spec, tuple(base_overrides), rows, suite, published)
+
+
+def row_config(table: Table, row: Row):
+  """The row's pre-training config: the file's config, the command line's overrides, then the row's."""
+  config = config_lib.load_config(table.spec, list(table.base_overrides))
+  for key, value in row.overrides.items():
+    config_lib.set_by_path(config, key, str(value))
+  return config
+
+
+SCALES = suite_lib.SCALES
+
+
+def base_config(recipe: str, scale: str):
+  """A paper recipe (`configs/<recipe>`, e.g. "bert.py:size=base") at an ablation scale.
+
+  paper: the recipe unchanged. gpu: a BERT-Small-sized encoder (4 layers, width 512, bf16) for 8k steps of
+  256 x 128 tokens, one H200 per row. tiny: a 2-layer, width-64 float32 encoder for 40 steps of 16 x 64
+  tokens on the built-in corpus, under a minute a row on a 2-core CPU. A row's overrides apply on top.
+  """
+  if scale not in SCALES:
+    raise config_lib.ConfigError(f"scale must be one of {SCALES}, got {scale!r}")
+  config = config_lib.load_config(str(CONFIGS / recipe))
+  if scale == "paper":
+    return config
+  model, train, optim = config.model, config.train, config.optim
+  if scale == "gpu":
+    model.num_layers, model.hidden_size, model.num_heads, model.intermediate_size = 4, 512, 8, 2048
+    model.max_position_embeddings = 512
+    if model.family in ("albert", "electra"):
+      model.embedding_size = 128
+    config.data.seq_len, config.masking.max_predictions = 128, 20
+    train.batch_size, train.steps, train.log_every, train.eval_every = 256, 8000, 100, 8000
+    train.eval_batches, train.checkpoint_every = 50, 2000
+    optim.warmup_steps, optim.end_lr = 800, 0.0
+    optim.lr = 2e-3 if optim.name == "lamb" else 5e-4
+    return config
+  model.num_layers, model.hidden_size, model.num_heads, model.intermediate_size = 2, 64, 2, 128
+  # Room for RoBERTa's position offset at 64 tokens.
+  model.max_position_embeddings, model.dtype = 128, "float32"
+  if model.family in ("albert", "electra"):
+    model.embedding_size = 64
+  config.data.builtin, config.data.builtin_vocab_size = True, 2000
+  config.data.seq_len, config.masking.max_predictions = 64, 10
+  train.batch_size, train.steps, train.log_every, train.eval_every = 16, 40, 5, 40
+  train.eval_batches, train.checkpoint_every = 4, 40
+  optim.lr, optim.warmup_steps, optim.end_lr = 2e-3, 5, 0.0
+  return config
+
+
+# State files ----------------------------------------------------------------------------------------------------
+
+def _write_json(path: pathlib.Path, value: Any) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  temporary.write_text(json.dumps(value, indent=2, default=str))
+  temporary.replace(path)  # Atomic: a kill never leaves half a state file.
+
+
+def _read_json(path: pathlib.Path) -> Any:
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def _finetune_state(row_dir: pathlib.Path, task: str, lr: float, seed: int) -> pathlib.Path:
+  return row_dir / "state" / f"finetune_{task}_lr{lr:g}_seed{seed}.json"
+
+
+# Phases ---------------------------------------------------------------------------------------------------------
+
+def _device() -> str:
+  import jax
+
+  devices = jax.devices()
+  return f"{len(devices)} x {devices[0].device_kind}"
+
+
+def _last_eval(metrics_file: pathlib.Path) -> dict[str, float]:
+  """The last eval row of a metrics.jsonl (a finished run resumed again logs none)."""
+  last = {}
+  if metrics_file.exists():
+    for line in metrics_file.read_text().splitlines():
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      evals = {k.removeprefix("eval/"): v for k, v in row.items() if k.startswith("eval/")}
+      if evals:
+        last = evals
+  return last
+
+
+def _train_tokens(prepared_dir: str) -> int | None:
+  """Tokens of the corpus's training documents (held-out documents excluded)."""
+  try:
+    import numpy as np
+
+    from bert_jax.data.prepare import open_prepared
+
+    corpus = open_prepared(prepared_dir)
+    total = int(corpus.sentence_starts[-1])
+    held = np.asarray(corpus.eval_documents, np.int64)
+    first = corpus.sentence_starts[corpus.document_starts[held]]
+    last = corpus.sentence_starts[corpus.document_starts[held + 1]]
+    return total - int(np.sum(last - first))
+  except (OSError, ValueError, KeyError, IndexError):
+    return None
+
+
+def pretrain_phase(config, row_dir: pathlib.Path) -> dict[str, Any]:
+  """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time, device, perplexity."""
+  state_file = row_dir / "state" / "pretrain.json"
+  state = _read_json(state_file)
+  if state is not None:
+    return state
+  from bert_jax.train import trainer
+
+  started = time.perf_counter()
+  result = trainer.train_and_evaluate(config, row_dir / "pretrain")
+  if result.get("preempted"):
+    raise InterruptedError(f"pre-training of {row_dir.name} was stopped at step {result['step']}")
+  evaluation = dict(result.get("eval") or {}) or _last_eval(row_dir / "pretrain" / "metrics.jsonl")
+  tokens = int(result["step"]) * config.train.batch_size * config.data.seq_len
+  corpus_tokens = _train_tokens(result["prepared_dir"])
+  state = {"step": int(result["step"]), "tokens_seen": tokens, "corpus_train_tokens": corpus_tokens,
+           "epochs": tokens / corpus_tokens if corpus_tokens else None,
+           "wall_seconds": time.perf_counter() - started, "device": _device(),
+           "num_params": int(result.get("num_params", 0)), "perplexity": evaluation.get("mlm_perplexity"),
+           "eval": evaluation, "objective": config.objective, "batch_size": config.train.batch_size,
+           "seq_len": config.data.seq_len}
+  _write_json(state_file, state)
+  return state
+
+
+def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, model_dir: pathlib.Path,
+                    data_dirs: dict[str, str]):
+  suite = table.suite
+  if task.data not in data_dirs:
+    raise ValueError(f"task {task.name} reads {task.data} data: give --data-dir {task.data}=PATH")
+  recipe = {"train.epochs": suite.epochs, "max_len": suite.max_len, "train.batch_size": suite.batch_size}
+  overrides = [f"init.model={model_dir}", f"data_dir={data_dirs[task.data]}", f"optim.lr={lr}",
+               f"seeds={tuple(suite.seeds)}", *(f"{key}={value}" for key, value in recipe.items() if value is not None),
+               "train.save_checkpoint=False", *suite.overrides,
+               *(f"{key}={value}" for key, value in row.finetune.items())]
+  return config_lib.load_config(str(CONFIGS / task.config), overrides)
+
+
+def finetune_phase(table: Table, row: Row, row_dir: pathlib.Path, data_dirs: dict[str, str],
+                   finetune: Callable | None = None) -> None:
+  """Fine-tunes every (task, lr) of the suite over its seeds, from the row's pre-training workdir.
+
+  One `finetune` call per (task, lr) runs the seeds in turn (compiling once); it skips the seeds whose
+  result it already holds, so a kill between seeds loses only the seed in progress. A state file per seed
+  records the score.
+  """
+  if finetune is None:
+    from bert_jax.tasks.finetune import finetune
+  errors = []
+  for task_name in table.suite.tasks:
+    task = suite_lib.TASKS[task_name]
+    try:
+      for lr in table.suite.lrs:
+        if all(_finetune_state(row_dir, task_name, lr, seed).exists() for seed in table.suite.seeds):
+          continue
+        config = finetune_config(table, row, task, lr, row_dir / "pretrain", data_dirs)
+        started = time.perf_counter()
+        results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}")
+        for seed_result in results["seeds"]:
+          _write_json(_finetune_state(row_dir, task_name, lr, seed_result["seed"]),
+                      {"task": task_name, "lr": lr, "seed": seed_result["seed"], "metric": task.metric,
+                       "split": task.split, "score": seed_result["selected"]["metrics"][task.split][task.metric],
+                       "call_wall_seconds": time.perf_counter() - started})
+    except Exception as error:  # One task's failure leaves the row's other tasks to run.
+      traceback.print_exc()
+      errors.append(f"{task_name}: {type(error).__name__}: {error}")
+  if errors:
+    raise RuntimeError("; ".join(errors))
+
+
+def _finetune_row(config, row_dir: pathlib.Path, finetune: Callable | None) -> None:
+  """A fine-tuning row: one `finetune` over the config's seeds; its summary is the row's state."""
+  if (row_dir / "state" / "finetune.json").exists():
+    return
+  if finetune is None:
+    from bert_jax.tasks.finetune import finetune
+  results = finetune(config, row_dir / "finetune")
+  _write_json(row_dir / "state" / "finetune.json", {"task": results.get("task"), "summary": results["summary"]})
+
+
+def _check_finetune_overrides(row: Row) -> None:
+  """Fails before pre-training when a row's fine-tuning overrides name keys no fine-tuning config has."""
+  from bert_jax.tasks.finetune import finetune_defaults
+
+  probe = finetune_defaults()
+  probe.lock()
+  config_lib.apply_overrides(probe, [f"{key}={value}" for key, value in row.finetune.items()])
+
+
+def run_row(table: Table, index: int, workdir: pathlib.Path, data_dirs: dict[str, str],
+            finetune: Callable | None = None) -> dict[str, Any]:
+  """Runs (or resumes) one row; an error is recorded in row.json and returned, not raised."""
+  row = table.rows[index]
+  row_dir = workdir / "rows" / row.slug
+  row_dir.mkdir(parents=True, exist_ok=True)
+  (row_dir / "row.json").unlink(missing_ok=True)  # Until this run ends the row is in progress, not failed.
+  phase = "config"
+  try:
+    config = row_config(table, row)
+    _check_finetune_overrides(row)
+    if "task" in config:  # A fine-tuning config's sweep (its learning-rate grid, say): each row is one `finetune`.
+      phase = "finetune"
+      _finetune_row(config, row_dir, finetune)
+      status = {"name": row.name, "status": "done"}
+      _write_json(row_dir / "row.json", status)
+      return status
+    phase = "pretrain"
+    pretrain_phase(config, row_dir)
+    phase = "finetune"
+    finetune_phase(table, row, row_dir, data_dirs, finetune)
+    status = {"name": row.name, "status": "done"}
+  except Exception as error:  # A failing row is recorded; the sweep goes on with the others.
+    traceback.print_exc()
+    status = {"name": row.name, "status": "failed", "phase": phase,
+              "error": f"{type(error).__name__}: {error}".strip()}
+  _write_json(row_dir / "row.json", status)
+  return status
+
+
+# The sweep ------------------------------------------------------------------------------------------------------
+
+def _write_sweep_file(table: Table, workdir: pathlib.Path, data_dirs: dict[str, str]) -> None:
+  _write_json(workdir / "sweep.json", {"config": table.spec, "overrides": list(table.base_overrides),
+                                       "data_dirs": data_dirs, "rows": [row.name for row in table.rows],
+                                       "suite": dataclasses.asdict(table.suite)})
+
+
+def run_sweep(table: Table, workdir: str | pathlib.Path, data_dirs: dict[str, str] | None = None,
+              indices: Sequence[int] | None = None, parallel: int = 1, finetune: Callable | None = None,
+              child_args: Sequence[str] = ()) -> dict[str, Any]:
+  """Runs the rows `indices` (default all), in this process or as `parallel` subprocesses; returns the collection."""
+  workdir = pathlib.Path(workdir)
+  data_dirs = dict(data_dirs or {})
+  indices = list(range(len(table.rows))) if indices is None else list(indices)
+  bad = [i for i in indices if not 0 <= i < len(table.rows)]
+  if bad:
+    raise ValueError(f"row indices {bad} out of range: the sweep has {len(table.rows)} rows (0..{len(table.rows) - 1})")
+  _write_sweep_file(table, workdir, data_dirs)
+  if parallel <= 1:
+    for index in indices:
+      status = run_row(table, index, workdir, data_dirs, finetune)
+      print(f"row {index} ({table.rows[index].name}): {status['status']}"
+            + (f" in {status['phase']}: {status['error']}" if status["status"] == "failed" else ""), flush=True)
+  else:
+    _run_subprocesses(table, workdir, indices, parallel, child_args)
+  return collect(workdir)
+
+
+def _run_subprocesses(table: Table, workdir: pathlib.Path, indices: list[int], parallel: int,
+                      child_args: Sequence[str]) -> None:
+  """One subprocess per row, at most `parallel` at once, each on its own accelerator."""
+  pending, running, free = list(indices), {}, list(range(parallel))
+  while pending or running:
+    while pending and free:
+      index, slot = pending.pop(0), free.pop(0)
+      log = workdir / "rows" / table.rows[index].slug / "log.txt"
+      log.parent.mkdir(parents=True, exist_ok=True)
+      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot))
+      command = [sys.executable, "-m", "bert_jax.experiments.ablation", "--config", table.spec, "--workdir",
+                 str(workdir), "--row-index", str(index), *child_args,
+                 *("--config." + o.removeprefix("--").removeprefix("config.") for o in table.base_overrides)]
+      with open(log, "a") as out:
+        running[subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)] = (index, slot)
+      print(f"row {index} ({table.rows[index].name}) started on accelerator {slot}; log: {log}", flush=True)
+    time.sleep(1.0)
+    for process in [p for p in running if p.poll() is not None]:
+      index, slot = running.pop(process)
+      free.append(slot)
+      print(f"row {index} ({table.rows[index].name}) exited with status {process.returncode}", flush=True)
+
+
+def collect(workdir: str | pathlib.Path) -> dict[str, Any]:
+  """Builds WORKDIR/results.json from whatever rows have recorded state; returns it."""
+  workdir = pathlib.Path(workdir)
+  sweep = _read_json(workdir / "sweep.json")
+  if sweep is None:
+    raise FileNotFoundError(f"{workdir} has no sweep.json: run `bert-jax sweep --config ... --workdir {workdir}` "
+                            "first")
+  table = load_table(sweep["config"], sweep["overrides"])
+  if "suite" in sweep:  # The suite the sweep ran, command-line changes included.
+    table = dataclasses.replace(table, suite=suite_lib.Suite(
+        **{key: tuple(value) if isinstance(value, list) else value for key, value in sweep["suite"].items()}))
+  higher = table.published.get("higher_is_better", {})
+  rows = []
+  for row in table.rows:
+    row_dir = workdir / "rows" / row.slug
+    status = _read_json(row_dir / "row.json") or {"status": "not run" if not row_dir.exists() else "incomplete"}
+    tasks = {}
+    for task_name in table.suite.tasks:
+      scores = {}
+      for lr in table.suite.lrs:
+        values = [state["score"] for seed in table.suite.seeds
+                  if (state := _read_json(_finetune_state(row_dir, task_name, lr, seed))) is not None]
+        if values:
+          scores[lr] = values
+      if scores:
+        tasks[task_name] = {"metric": suite_lib.TASKS[task_name].metric,
+                            "seeds_done": sum(len(v) for v in scores.values()),
+                            **suite_lib.summarize(scores, higher.get(task_name, True))}
+    own = _read_json(row_dir / "state" / "finetune.json")
+    for split, metrics in (own or {}).get("summary", {}).items():
+      for metric, stats in metrics.items():
+        tasks[f"{split}/{metric}"] = {"metric": metric, "seeds_done": len(stats["values"]), **stats}
+    rows.append({"name": row.name, "slug": row.slug, "overrides": row.overrides, "finetune": row.finetune,
+                 "status": status.get("status"), "phase": status.get("phase"), "error": status.get("error"),
+                 "pretrain": _read_json(row_dir / "state" / "pretrain.json"), "tasks": tasks})
+  results = {"config": table.spec, "overrides": list(table.base_overrides),
+             "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows}
+  _write_json(workdir / "results.json", results)
+  return results
+
+
+def _parse_rows(text: str) -> list[int]:
+  try:
+    return [int(part) for part in text.split(",") if part.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--rows expects comma-separated row indices like 0,2, got {text!r}") from None
+
+
+def _suite_from_args(suite: suite_lib.Suite, args: argparse.Namespace) -> suite_lib.Suite:
+  """The config's suite with the command line's --tasks, --seeds and --lrs in place of its own."""
+  changes = {}
+  try:
+    if args.tasks:
+      changes["tasks"] = tuple(task for task in args.tasks.split(",") if task)
+    if args.seeds:
+      changes["seeds"] = tuple(int(seed) for seed in args.seeds.split(",") if seed)
+    if args.lrs:
+      changes["lrs"] = tuple(float(lr) for lr in args.lrs.split(",") if lr)
+  except ValueError:
+    raise ValueError(f"--seeds takes integers and --lrs numbers, comma-separated; got --seeds={args.seeds} "
+                     f"--lrs={args.lrs}") from None
+  return dataclasses.replace(suite, **changes)
+
+
+def _parse_data_dirs(items: Sequence[str]) -> dict[str, str]:
+  out = {}
+  for item in items:
+    kind, sep, path = item.partition("=")
+    if not sep or not kind or not path:
+      raise ValueError(f"--data-dir {item!r}: expected KIND=PATH, e.g. glue=data/glue")
+    out[kind] = path
+  return out
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(prog="bert-jax sweep", description=__doc__, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", help="table config configs/ablations/NAME.py[:arg] (get_config, get_sweep, "
+                                       "get_suite, PUBLISHED); read from WORKDIR/sweep.json with --collect")
+  parser.add_argument("--workdir", required=True, help="the sweep's directory (shared by every row's job)")
+  parser.add_argument("--data-dir", action="append", default=[], metavar="KIND=PATH",
+                      help="root of a downstream task's data: glue=DIR (GLUE folders), squad=DIR, conll2003=DIR; "
+                           "repeatable")
+  subset = parser.add_mutually_exclusive_group()
+  subset.add_argument("--rows", type=_parse_rows, help="comma-separated row indices to run, e.g. 0,2")
+  subset.add_argument("--row-index", type=int, help="run this one row (for a SLURM array task or one TPU slice)")
+  parser.add_argument("--parallel", type=int, default=1,
+                      help="run rows as N subprocesses side by side, one per local accelerator")
+  parser.add_argument("--collect", action="store_true", help="only build WORKDIR/results.json from finished rows")
+  parser.add_argument("--tasks", help="comma-separated downstream tasks replacing the suite's, e.g. mnli_m,sst2 "
+                                      f"(known: {','.join(suite_lib.TASKS)})")
+  parser.add_argument("--seeds", help="comma-separated fine-tuning seeds replacing the suite's, e.g. 1,2,3")
+  parser.add_argument("--lrs", help="comma-separated fine-tuning learning rates replacing the suite's grid")
+  args, rest = parser.parse_known_args(argv)
+  unknown = [a for a in rest if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognised arguments {unknown}")
+  workdir = pathlib.Path(args.workdir)
+  try:
+    if args.collect:
+      results = collect(workdir)
+    else:
+      if not args.config:
+        parser.error("--config is required (unless --collect)")
+      table = load_table(args.config, rest)
+      table = dataclasses.replace(table, suite=_suite_from_args(table.suite, args))
+      data_dirs = _parse_data_dirs(args.data_dir)
+      indices = [args.row_index] if args.row_index is not None else args.rows
+      child_args = [f"--data-dir={item}" for item in args.data_dir] + [
+          f"--{name}={value}" for name in ("tasks", "seeds", "lrs") if (value := getattr(args, name))]
+      results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args)
+  except (config_lib.ConfigError, ValueError, FileNotFoundError) as error:
+    print(f"bert-jax sweep: {error}")
+    return 2
+  done = sum(row["status"] == "done" for row in results["rows"])
+  failed = [row["name"] for row in results["rows"] if row["status"] == "failed"]
+  print(f"{done}/{len(results['rows'])} rows done" + (f"; failed: {failed}" if failed else "")
+        + f"\nResults: {workdir / 'results.json'}; render with `bert-jax table {workdir}`")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,296 @@
+"""`bert-jax table WORKDIR`: a sweep's paper-style table, ours beside the published numbers, and its figures.
+
+  bert-jax table runs/bert_table5            # writes runs/bert_table5/table.{md,csv}, *.png
+
+Reads WORKDIR/results.json (collected anew from the rows' state files, so a
+sweep still running or partly failed renders what has finished) and writes:
+
+  table.md             one row per paper row: for every column ours (median
+                       over seeds at the best learning rate, ± std) and the
+                       paper's; a last row saying per column whether the
+                       published ordering of the rows is reproduced (every
+                       pair of rows the paper orders, ordered the same way);
+                       then each row's tokens seen, epochs, wall time, device
+                       and error
+  table.csv            the same numbers, one column per value
+  pretrain_loss.png    every row's pre-training loss against tokens seen
+  downstream.png       every task's score per row, bars at the median with
+                       min-max whiskers over seeds, the published numbers as
+                       markers
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+from typing import Any, Sequence
+
+# Columns read from the pre-training evaluation: our name -> (eval key, scale to the paper's units).
+INTRINSIC = {"mlm_ppl": ("mlm_perplexity", 1.0), "mlm_acc": ("mlm_accuracy", 100.0),
+             "nsp_acc": ("sentence_accuracy", 100.0), "sop_acc": ("sentence_accuracy", 100.0)}
+_SENTENCE_OBJECTIVE = {"nsp_acc": "mlm+nsp", "sop_acc": "mlm+sop"}
+
+
+def columns(results: dict[str, Any]) -> list[str]:
+  """The published columns in the paper's order, then any other task a row was scored on."""
+  out = list(results["published"].get("columns", {}))
+  for task in [*results["suite"]["tasks"], *(task for row in results["rows"] for task in row["tasks"])]:
+    if task not in out:
+      out.append(task)
+  return out
+
+
+def ours(row: dict[str, Any], column: str) -> dict[str, float] | None:
+  """{median, std, min, max} of our value of `column` for `row`, or None when it was not measured."""
+  if column in INTRINSIC:
+    pretrain = row.get("pretrain") or {}
+    key, scale = INTRINSIC[column]
+    if column in _SENTENCE_OBJECTIVE and pretrain.get("objective") != _SENTENCE_OBJECTIVE[column]:
+      return None
+    value = (pretrain.get("eval") or {}).get(key)
+    if value is None:
+      return None
+    return {"median": value * scale, "std": 0.0, "min": value * scale, "max": value * scale}
+  return row["tasks"].get(column)
+
+
+def ordering(results: dict[str, Any], column: str) -> tuple[int, int, int] | None:
+  """(pairs ordered as published, pairs the paper orders, of those tied in ours) over rows with both numbers.
+
+  None when no pair of rows has two different published numbers.
+  """
+  published_rows = results["published"].get("rows", {})
+  points = []
+  for row in results["rows"]:
+    paper = published_rows.get(row["name"], {}).get(column)
+    mine = ours(row, column)
+    if paper is not None and mine is not None:
+      points.append((paper, mine["median"]))
+  agree = total = tied = 0
+  for i in range(len(points)):
+    for j in range(i + 1, len(points)):
+      (paper_i, mine_i), (paper_j, mine_j) = points[i], points[j]
+      if paper_i == paper_j:
+        continue
+      total += 1
+      agree += (paper_i - paper_j) * (mine_i - mine_j) > 0
+      tied += mine_i == mine_j
+  return (agree, total, tied) if total else None
+
+
+def _label(column: str) -> str:
+  from bert_jax.experiments.suite import TASKS
+
+  return TASKS[column].label if column in TASKS and TASKS[column].label else column
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+  return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _digits(column: str) -> int:
+  return 2 if column == "mlm_ppl" else 1
+
+
+def _ordering_cell(result: tuple[int, int, int] | None) -> str:
+  if result is None:
+    return "n/a"
+  agree, total, tied = result
+  return f"{'yes' if agree == total else 'no'} ({agree}/{total} pairs" + (f", {tied} tied)" if tied else ")")
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+  published = results["published"]
+  names = published.get("columns", {})
+  cols = columns(results)
+  suite = results["suite"]
+  lines = [f"# {published.get('table', 'Sweep')}: {published.get('paper', results['config'])}", "",
+           f"- config: `{results['config']}`" + (f" with {' '.join(results['overrides'])}"
+                                                   if results["overrides"] else ""),
+           f"- downstream: {', '.join(suite['tasks']) or 'none'}; seeds {tuple(suite['seeds'])}; "
+           f"learning rates {tuple(suite['lrs'])}; ours = median over seeds at the learning rate with the best "
+           "dev median, ± std over those seeds",
+           f"- published numbers: {published.get('source', 'none given')}", ""]
+  header = ["row", "status"]
+  for column in cols:
+    label = names.get(column) or _label(column)
+    header += [f"{label} ours", f"{label} paper"]
+  lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for row in results["rows"]:
+    cells = [row["name"], row["status"] or ""]
+    paper = published.get("rows", {}).get(row["name"], {})
+    for column in cols:
+      mine = ours(row, column)
+      digits = _digits(column)
+      if mine is None:
+        cells.append("")
+      elif column in INTRINSIC:  # One pre-training run: no spread over seeds.
+        cells.append(_number(mine["median"], digits))
+      else:
+        cells.append(f"{_number(mine['median'], digits)} ± {_number(mine['std'], digits)}")
+      cells.append(_number(paper.get(column), digits))
+    lines.append("| " + " | ".join(cells) + " |")
+  order = ["published ordering reproduced", ""]
+  for column in cols:
+    order += [_ordering_cell(ordering(results, column)), ""]
+  lines.append("| " + " | ".join(order) + " |")
+  lines += ["", "## Runs", "", "| row | tokens seen | epochs | pre-training wall (s) | device | params | error |",
+            "|---|---|---|---|---|---|---|"]
+  for row in results["rows"]:
+    pretrain = row.get("pretrain") or {}
+    error = (f"{row.get('phase')}: {row['error']}" if row.get("error") else "").replace("|", "/").replace("\n", " ")
+    lines.append(f"| {row['name']} | {pretrain.get('tokens_seen', '')} | {_number(pretrain.get('epochs'), 2)} | "
+                 f"{_number(pretrain.get('wall_seconds'))} | {pretrain.get('device', '')} | "
+                 f"{pretrain.get('num_params', '')} | {error} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_csv(results: dict[str, Any], path: pathlib.Path) -> None:
+  cols = columns(results)
+  header = ["row", "status"]
+  for column in cols:
+    header += [f"{column}_median", f"{column}_std", f"{column}_min", f"{column}_max", f"{column}_best_lr",
+               f"{column}_published"]
+  header += ["tokens_seen", "epochs", "pretrain_wall_seconds", "device", "error"]
+  published = results["published"].get("rows", {})
+  with open(path, "w", newline="") as handle:
+    writer = csv.writer(handle)
+    writer.writerow(header)
+    for row in results["rows"]:
+      pretrain = row.get("pretrain") or {}
+      values = [row["name"], row["status"]]
+      for column in cols:
+        mine = ours(row, column) or {}
+        values += [mine.get("median"), mine.get("std"), mine.get("min"), mine.get("max"), mine.get("best_lr"),
+                   published.get(row["name"], {}).get(column)]
+      values += [pretrain.get("tokens_seen"), pretrain.get("epochs"), pretrain.get("wall_seconds"),
+                 pretrain.get("device"), row.get("error")]
+      writer.writerow(["" if value is None else value for value in values])
+    order = ["published ordering reproduced", ""]
+    for column in cols:
+      order += [_ordering_cell(ordering(results, column)), "", "", "", "", ""]
+    writer.writerow(order + [""] * 5)
+
+
+def _loss_curve(metrics_file: pathlib.Path) -> list[tuple[int, float]]:
+  """(step, train loss) of a metrics.jsonl, a resumed run's repeated steps drawn once (the later kept)."""
+  points: dict[int, float] = {}
+  if metrics_file.exists():
+    for line in metrics_file.read_text().splitlines():
+      try:
+        row = json.loads(line)
+      except ValueError:  # A line cut by a kill.
+        continue
+      if "train/loss" in row:
+        points[int(row["step"])] = float(row["train/loss"])
+  return sorted(points.items())
+
+
+def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> list[pathlib.Path]:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  paper = results["published"].get("paper", results["config"]).split(":")[0]  # "Authors year, NAME".
+  title = f"{results['published'].get('table', 'Sweep')} — {paper}"
+  title = title if len(title) < 90 else title[:87] + "..."
+  written = []
+  figure, axis = plt.subplots(figsize=(8, 5))
+  drawn = 0
+  for row in results["rows"]:
+    curve = _loss_curve(workdir / "rows" / row["slug"] / "pretrain" / "metrics.jsonl")
+    if not curve:
+      continue
+    pretrain = row.get("pretrain") or {}
+    per_step = (pretrain.get("batch_size") or 0) * (pretrain.get("seq_len") or 0)
+    xs = [step * per_step for step, _ in curve] if per_step else [step for step, _ in curve]
+    axis.plot(xs, [loss for _, loss in curve], marker="o" if len(curve) < 20 else None, label=row["name"])
+    drawn += 1
+  axis.set_xlabel("tokens seen (batch x sequence length x steps)")
+  axis.set_ylabel("pre-training loss (train, all objectives)")
+  axis.set_title(f"Pre-training loss per row\n{title}", fontsize=10)
+  if drawn:
+    axis.legend(fontsize=8)
+  axis.grid(alpha=0.3)
+  figure.tight_layout()
+  written.append(out / "pretrain_loss.png")
+  figure.savefig(written[-1], dpi=120)
+  plt.close(figure)
+
+  tasks = [column for column in columns(results) if column not in INTRINSIC]
+  names = results["published"].get("columns", {})
+  published = results["published"].get("rows", {})
+  figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(tasks) + 2), 5))
+  width = 0.8 / max(1, len(results["rows"]))
+  for index, row in enumerate(results["rows"]):
+    xs, heights, low, high, paper_x, paper_y = [], [], [], [], [], []
+    for position, task in enumerate(tasks):
+      x = position - 0.4 + width * (index + 0.5)
+      mine = row["tasks"].get(task)
+      if mine is not None:
+        xs.append(x)
+        heights.append(mine["median"])
+        low.append(mine["median"] - mine["min"])
+        high.append(mine["max"] - mine["median"])
+      if published.get(row["name"], {}).get(task) is not None:
+        paper_x.append(x)
+        paper_y.append(published[row["name"]][task])
+    color = f"C{index % 10}"  # One colour per row, its published markers included.
+    if xs:
+      axis.bar(xs, heights, width, yerr=[low, high], capsize=3, color=color, label=f"{row['name']} (ours)")
+    if paper_x:
+      axis.scatter(paper_x, paper_y, marker="D", s=40, color=color, edgecolors="black", zorder=3,
+                   label=f"{row['name']} (published)")
+  axis.set_xticks(range(len(tasks)))
+  axis.set_xticklabels([names.get(task) or _label(task) for task in tasks], rotation=20)
+  axis.set_ylabel("dev score (median over seeds; whiskers: min-max)")
+  axis.set_title(f"Downstream scores per row\n{title}", fontsize=10)
+  if axis.get_legend_handles_labels()[0]:
+    axis.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+  axis.grid(axis="y", alpha=0.3)
+  figure.tight_layout()
+  written.append(out / "downstream.png")
+  figure.savefig(written[-1], dpi=120)
+  plt.close(figure)
+  return written
+
+
+def render(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> dict[str, pathlib.Path]:
+  """Collects WORKDIR's results and writes table.md, table.csv and the figures into `out` (default WORKDIR)."""
+  from bert_jax.experiments import ablation
+
+  workdir = pathlib.Path(workdir)
+  out = pathlib.Path(out) if out else workdir
+  out.mkdir(parents=True, exist_ok=True)
+  results = ablation.collect(workdir)
+  (out / "table.md").write_text(render_markdown(results))
+  write_csv(results, out / "table.csv")
+  figures = plot(results, workdir, out)
+  return {"markdown": out / "table.md", "csv": out / "table.csv",
+          **{path.stem: path for path in figures}}
+
+
+def main(argv: Sequence[str]) -> int:
+  parser = argparse.ArgumentParser(prog="bert-jax table", description=__doc__, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("workdir", help="the workdir of a `bert-jax sweep` run")
+  parser.add_argument("--out", help="directory for table.md, table.csv and the PNGs (default: WORKDIR)")
+  args = parser.parse_args(list(argv))
+  try:
+    paths = render(args.workdir, args.out)
+  except FileNotFoundError as error:
+    print(f"bert-jax table: {error}")
+    return 2
+  print(paths["markdown"].read_text())
+  print("Written: " + ", ".join(str(path) for path in paths.values()))
+  return 0
+
+
+if __name__ == "__main__":
+  import sys
+
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,49 @@
+"""ALBERT Table 3 (Lan et al. 2020): the vocabulary embedding size E, not-shared and all-shared ALBERT-base.
+
+  bert-jax sweep --config configs/ablations/albert_embedding.py:scale=gpu --workdir runs/albert_embedding \
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --data-dir race=data/race
+  bert-jax table runs/albert_embedding
+
+At scale=tiny (width 64) E=64/128/256/768 become 8/16/32/64. Arguments: scale.
+"""
+
+from bert_jax.experiments import ablation, suite
+from bert_jax.train.config_lib import parse_arg
+
+SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "sst2", "race"), seeds=(1, 2, 3, 4, 5),
+                    lrs=(5e-5, 3e-5, 2e-5))
+
+EMBEDDING_SIZES = (64, 128, 256, 768)
+_TINY_E = {64: 8, 128: 16, 256: 32, 768: 64}
+SHARING = (("not-shared", 0), ("all-shared", 1))
+_COLUMNS = ("squad1.1_f1", "squad2.0_f1", "mnli_m", "sst2", "race")
+
+
+def row_name(sharing: str, embedding: int) -> str:
+  return f"{sharing} E={embedding}"
+
+
+PUBLISHED = {
+    "paper": "Lan et al. 2020, ALBERT: A Lite BERT for Self-supervised Learning of Language Representations",
+    "table": "Table 3",
+    "source": "not in shared/seeds: copy the rows from the paper's Table 3 (dev set)",
+    "columns": {"squad1.1_f1": "SQuAD1.1 (F1)", "squad2.0_f1": "SQuAD2.0 (F1)", "mnli_m": "MNLI", "sst2": "SST-2",
+                "race": "RACE"},
+    "higher_is_better": {column: True for column in _COLUMNS},
+    "rows": {row_name(s, e): {} for s, _ in SHARING for e in EMBEDDING_SIZES},
+}
+
+
+def get_config(arg=None):
+  return ablation.base_config("albert.py:size=base", parse_arg(arg, scale="tiny").scale)
+
+
+def get_sweep(arg=None):
+  tiny = parse_arg(arg, scale="tiny").scale == "tiny"
+  return [{"name": row_name(s, e),
+           "overrides": {"model.embedding_size": _TINY_E[e] if tiny else e, "model.num_shared_groups": groups}}
+          for s, groups in SHARING for e in EMBEDDING_SIZES]
+
+
+def get_suite(arg=None):
+  return suite.scaled(SUITE, parse_arg(arg, scale="tiny").scale)

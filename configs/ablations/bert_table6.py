@@ -1,0 +1,51 @@
+"""BERT Table 6 (Devlin et al. 2019): ablation over model size (#L layers, #H hidden, #A heads).
+
+  bert-jax sweep --config configs/ablations/bert_table6.py:scale=gpu --workdir runs/bert_table6 \
+      --config.data.prepared=data/wiki --data-dir glue=data/glue
+  bert-jax table runs/bert_table6
+
+"LM (ppl)" is the masked-LM perplexity of held-out data (the pre-training evaluation). Arguments: scale
+(tiny|gpu|paper); at scale=tiny every #H is divided by 16 (head size 4) so the six rows run on a CPU, with
+#L and #A as the paper's.
+"""
+
+from bert_jax.experiments import ablation, suite
+from bert_jax.train.config_lib import parse_arg
+
+SUITE = suite.Suite(tasks=("mnli_m", "mrpc", "sst2"), seeds=(1, 2, 3, 4, 5), lrs=(5e-5, 4e-5, 3e-5, 2e-5),
+                    tiny_task="mrpc")
+
+SIZES = ((3, 768, 12), (6, 768, 3), (6, 768, 12), (12, 768, 12), (12, 1024, 16), (24, 1024, 16))
+_COLUMNS = ("mlm_ppl", "mnli_m", "mrpc", "sst2")
+_NUMBERS = ((5.84, 77.9, 79.8, 88.4), (5.24, 80.6, 82.2, 90.7), (4.68, 81.9, 84.8, 91.3),
+            (3.99, 84.4, 86.7, 92.9), (3.54, 85.7, 86.9, 93.3), (3.23, 86.6, 87.8, 93.7))
+
+
+def row_name(layers: int, hidden: int, heads: int) -> str:
+  return f"L={layers} H={hidden} A={heads}"
+
+
+PUBLISHED = {
+    "paper": "Devlin et al. 2019, BERT: Pre-training of Deep Bidirectional Transformers for Language Understanding",
+    "table": "Table 6",
+    "source": "shared/seeds (lecture notes quoting the paper's Table 6); dev set accuracy",
+    "columns": {"mlm_ppl": "LM (ppl)", "mnli_m": "MNLI-m", "mrpc": "MRPC", "sst2": "SST-2"},
+    "higher_is_better": {"mlm_ppl": False, "mnli_m": True, "mrpc": True, "sst2": True},
+    "rows": {row_name(*size): dict(zip(_COLUMNS, numbers)) for size, numbers in zip(SIZES, _NUMBERS)},
+}
+
+
+def get_config(arg=None):
+  return ablation.base_config("bert.py:size=base,phase=1", parse_arg(arg, scale="tiny").scale)
+
+
+def get_sweep(arg=None):
+  divisor = 16 if parse_arg(arg, scale="tiny").scale == "tiny" else 1
+  return [{"name": row_name(layers, hidden, heads),
+           "overrides": {"model.num_layers": layers, "model.hidden_size": hidden // divisor,
+                         "model.num_heads": heads, "model.intermediate_size": 4 * hidden // divisor}}
+          for layers, hidden, heads in SIZES]
+
+
+def get_suite(arg=None):
+  return suite.scaled(SUITE, parse_arg(arg, scale="tiny").scale)

@@ -1,0 +1,45 @@
+"""ELECTRA vs masked-LM pre-training at equal compute (Clark et al. 2020, Table 1's small models).
+
+  bert-jax sweep --config configs/ablations/electra_compute.py:scale=gpu --workdir runs/electra_compute \
+      --config.data.prepared=data/wiki --data-dir glue=data/glue
+  bert-jax table runs/electra_compute
+
+Both rows share ELECTRA-Small's encoder and recipe. The MLM row trains for more steps, so that its
+pre-training compute matches ELECTRA's generator + discriminator: a generator of width fraction g at the
+same depth costs about g^2 of a discriminator step, so MLM runs (1 + g^2) x the steps. Columns: the GLUE dev
+tasks. Arguments: scale.
+"""
+
+from bert_jax.experiments import ablation, suite
+from bert_jax.train.config_lib import parse_arg
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli_m", "qnli", "rte")
+SUITE = suite.Suite(tasks=GLUE_TASKS, seeds=(1, 2, 3, 4, 5), lrs=(3e-4, 1e-4, 5e-5))
+
+PUBLISHED = {
+    "paper": "Clark et al. 2020, ELECTRA: Pre-training Text Encoders as Discriminators Rather Than Generators",
+    "table": "Table 1 (small models)",
+    "source": "not in shared/seeds: copy the rows from the paper's Table 1 (GLUE dev)",
+    "columns": {"cola": "CoLA", "sst2": "SST", "mrpc": "MRPC", "stsb": "STS", "qqp": "QQP", "mnli_m": "MNLI",
+                "qnli": "QNLI", "rte": "RTE"},
+    "higher_is_better": {task: True for task in GLUE_TASKS},
+    "rows": {"BERT-Small (MLM)": {}, "ELECTRA-Small": {}},
+}
+
+
+def get_config(arg=None):
+  return ablation.base_config("electra.py:size=small", parse_arg(arg, scale="tiny").scale)
+
+
+def get_sweep(arg=None):
+  config = get_config(arg)
+  fraction = config.model.generator_fraction
+  mlm_steps = int(round(config.train.steps * (1 + fraction ** 2)))
+  return [{"name": "BERT-Small (MLM)", "overrides": {"objective": "mlm", "train.steps": mlm_steps,
+                                                     "train.eval_every": mlm_steps,
+                                                     "train.checkpoint_every": mlm_steps}},
+          {"name": "ELECTRA-Small", "overrides": {"objective": "rtd"}}]
+
+
+def get_suite(arg=None):
+  return suite.scaled(SUITE, parse_arg(arg, scale="tiny").scale)

@@ -1,0 +1,40 @@
+"""ELECTRA's generator size (Clark et al. 2020, Figure 3 left): GLUE against the generator's width fraction.
+
+  bert-jax sweep --config configs/ablations/electra_generator.py:scale=gpu --workdir runs/electra_generator \
+      --config.data.prepared=data/wiki --data-dir glue=data/glue
+  bert-jax table runs/electra_generator
+
+The generator keeps the discriminator's depth and shares its embeddings; its hidden size is the fraction of
+the discriminator's. Arguments: scale.
+"""
+
+from bert_jax.experiments import ablation, suite
+from bert_jax.train.config_lib import parse_arg
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli_m", "qnli", "rte")
+SUITE = suite.Suite(tasks=GLUE_TASKS, seeds=(1, 2, 3, 4, 5), lrs=(3e-4, 1e-4, 5e-5))
+FRACTIONS = ((0.25, "1/4"), (0.5, "1/2"), (0.75, "3/4"), (1.0, "1"))
+
+PUBLISHED = {
+    "paper": "Clark et al. 2020, ELECTRA: Pre-training Text Encoders as Discriminators Rather Than Generators",
+    "table": "Figure 3 (left)",
+    "source": "a figure, not in shared/seeds: read the points off the paper's Figure 3",
+    "columns": {"cola": "CoLA", "sst2": "SST", "mrpc": "MRPC", "stsb": "STS", "qqp": "QQP", "mnli_m": "MNLI",
+                "qnli": "QNLI", "rte": "RTE"},
+    "higher_is_better": {task: True for task in GLUE_TASKS},
+    "rows": {f"generator {label} of the discriminator": {} for _, label in FRACTIONS},
+}
+
+
+def get_config(arg=None):
+  return ablation.base_config("electra.py:size=base", parse_arg(arg, scale="tiny").scale)
+
+
+def get_sweep(arg=None):
+  del arg
+  return [{"name": f"generator {label} of the discriminator", "overrides": {"model.generator_fraction": fraction}}
+          for fraction, label in FRACTIONS]
+
+
+def get_suite(arg=None):
+  return suite.scaled(SUITE, parse_arg(arg, scale="tiny").scale)

@@ -1,0 +1,46 @@
+"""ELECTRA's efficiency analysis (Clark et al. 2020, Table 5): where ELECTRA's gains come from.
+
+  bert-jax sweep --config configs/ablations/electra_variants.py:scale=gpu --workdir runs/electra_variants \
+      --config.data.prepared=data/wiki --data-dir glue=data/glue
+  bert-jax table runs/electra_variants
+
+BERT: masked LM. ELECTRA 15%: the discriminator's loss on the 15% masked-out positions only. Replace MLM:
+masked positions get a generator's sample instead of [MASK], and the model predicts the original token there.
+All-Tokens MLM: Replace MLM predicting the identity of every token. ELECTRA: replaced-token detection on all
+tokens. Arguments: scale.
+"""
+
+from bert_jax.experiments import ablation, suite
+from bert_jax.train.config_lib import parse_arg
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli_m", "qnli", "rte")
+SUITE = suite.Suite(tasks=GLUE_TASKS, seeds=(1, 2, 3, 4, 5), lrs=(3e-4, 1e-4, 5e-5))
+
+PUBLISHED = {
+    "paper": "Clark et al. 2020, ELECTRA: Pre-training Text Encoders as Discriminators Rather Than Generators",
+    "table": "Table 5",
+    "source": "not in shared/seeds: copy the rows from the paper's Table 5 (GLUE dev)",
+    "columns": {"cola": "CoLA", "sst2": "SST", "mrpc": "MRPC", "stsb": "STS", "qqp": "QQP", "mnli_m": "MNLI",
+                "qnli": "QNLI", "rte": "RTE"},
+    "higher_is_better": {task: True for task in GLUE_TASKS},
+    "rows": {"BERT": {}, "ELECTRA 15%": {}, "Replace MLM": {}, "All-Tokens MLM": {}, "ELECTRA": {}},
+}
+
+
+def get_config(arg=None):
+  return ablation.base_config("electra.py:size=base", parse_arg(arg, scale="tiny").scale)
+
+
+def get_sweep(arg=None):
+  del arg
+  # Missing capabilities: the discriminator loss on masked positions only (loss.rtd_positions), and the
+  # "replace_mlm" / "all_tokens_mlm" objectives (generator samples as corruption, MLM output on the positions).
+  return [{"name": "BERT", "overrides": {"objective": "mlm"}},
+          {"name": "ELECTRA 15%", "overrides": {"objective": "rtd", "loss.rtd_positions": "masked"}},
+          {"name": "Replace MLM", "overrides": {"objective": "replace_mlm"}},
+          {"name": "All-Tokens MLM", "overrides": {"objective": "all_tokens_mlm"}},
+          {"name": "ELECTRA", "overrides": {"objective": "rtd"}}]
+
+
+def get_suite(arg=None):
+  return suite.scaled(SUITE, parse_arg(arg, scale="tiny").scale)

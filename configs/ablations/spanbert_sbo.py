@@ -1,0 +1,40 @@
+"""SpanBERT Table 7 (Joshi et al. 2020): auxiliary objectives with geometric span masking.
+
+  bert-jax sweep --config configs/ablations/spanbert_sbo.py:scale=gpu --workdir runs/spanbert_sbo \
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad
+  bert-jax table runs/spanbert_sbo
+
+Span Masking (2seq) + NSP: segment pairs with NSP; Span Masking (1seq): single sequences, no auxiliary
+loss; Span Masking (1seq) + SBO: single sequences with the span boundary objective. Arguments: scale.
+"""
+
+from bert_jax.experiments import ablation, suite
+from bert_jax.train.config_lib import parse_arg
+
+SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "qnli"), seeds=(1, 2, 3, 4, 5),
+                    lrs=(5e-5, 3e-5, 2e-5))
+_COLUMNS = ("squad1.1_f1", "squad2.0_f1", "mnli_m", "qnli")
+
+PUBLISHED = {
+    "paper": "Joshi et al. 2020, SpanBERT: Improving Pre-training by Representing and Predicting Spans",
+    "table": "Table 7",
+    "source": "not in shared/seeds: copy the rows from the paper's Table 7 (dev set)",
+    "columns": {"squad1.1_f1": "SQuAD 1.1 (F1)", "squad2.0_f1": "SQuAD 2.0 (F1)", "mnli_m": "MNLI-m", "qnli": "QNLI"},
+    "higher_is_better": {column: True for column in _COLUMNS},
+    "rows": {"Span Masking (2seq) + NSP": {}, "Span Masking (1seq)": {}, "Span Masking (1seq) + SBO": {}},
+}
+
+
+def get_config(arg=None):
+  return ablation.base_config("spanbert.py:size=base", parse_arg(arg, scale="tiny").scale)
+
+
+def get_sweep(arg=None):
+  del arg
+  return [{"name": "Span Masking (2seq) + NSP", "overrides": {"objective": "mlm+nsp", "data.format": "segment_pair"}},
+          {"name": "Span Masking (1seq)", "overrides": {"objective": "mlm", "data.format": "doc_sentences"}},
+          {"name": "Span Masking (1seq) + SBO", "overrides": {"objective": "mlm+sbo", "data.format": "doc_sentences"}}]
+
+
+def get_suite(arg=None):
+  return suite.scaled(SUITE, parse_arg(arg, scale="tiny").scale)

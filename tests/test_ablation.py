@@ -1,0 +1,359 @@
+"""Ablation tables end to end on CPU: pre-training, a one-task downstream suite, scoring and `bert-jax table`."""
+
+import csv
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bert_jax.experiments import ablation, suite, table
+from bert_jax.train import config_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Words the built-in corpus (Python's documentation) holds, so the tiny WordPiece vocabulary keeps them whole.
+WORDS = ["the", "function", "list", "file", "value", "object", "module", "string", "return", "class", "call",
+         "name", "type", "data", "line"]
+
+TABLE_CONFIG = '''
+from bert_jax.experiments import ablation, suite
+
+SUITE = suite.Suite(tasks=("sst2",), seeds=(1, 2), lrs=(3e-3,), epochs=1, max_len=32, batch_size=16,
+                    overrides=("train.eval_batch_size=32", "train.log_every=4"))
+PUBLISHED = {
+    "paper": "A test paper", "table": "Table T", "source": "made up for the test",
+    "columns": {"mlm_ppl": "LM (ppl)", "sst2": "SST-2"},
+    "higher_is_better": {"mlm_ppl": False, "sst2": True},
+    "rows": {"MLM+NSP": {"mlm_ppl": 5.0, "sst2": 92.0}, "broken": {}, "MLM": {"mlm_ppl": 6.0, "sst2": 91.0}},
+}
+
+
+def get_config(arg=None):
+  config = ablation.base_config("bert.py:size=base,phase=1", "tiny")
+  config.train.steps = config.train.eval_every = config.train.checkpoint_every = 8
+  config.train.log_every, config.train.eval_batches, config.optim.warmup_steps = 4, 2, 2
+  return config
+
+
+def get_sweep(arg=None):
+  return [{"name": "MLM+NSP", "overrides": {}},
+          {"name": "broken", "overrides": {"model.num_heads": 3}},  # 64 is not divisible by 3 heads.
+          {"name": "MLM", "overrides": {"objective": "mlm", "data.format": "full_sentences"}}]
+
+
+def get_suite(arg=None):
+  return SUITE
+'''
+
+
+def _glue_sst2(root: pathlib.Path) -> pathlib.Path:
+  """SST-2 layout; label 1 when the sentence holds 'good', 0 when it holds 'bad'."""
+  rng = np.random.default_rng(0)
+  directory = root / "SST-2"
+  directory.mkdir(parents=True)
+  for split, count in (("train", 96), ("dev", 32)):
+    rows = ["sentence\tlabel"]
+    for _ in range(count):
+      label = int(rng.integers(2))
+      words = [str(w) for w in rng.choice(WORDS, 5)]
+      words.insert(int(rng.integers(6)), "good" if label else "bad")
+      rows.append(f"{' '.join(words)}\t{label}")
+    (directory / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+  return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("ablation")
+  config_file = root / "table_t.py"
+  config_file.write_text(TABLE_CONFIG)
+  return str(config_file), {"glue": str(_glue_sst2(root / "glue"))}, root
+
+
+@pytest.fixture(scope="module")
+def swept(setup):
+  spec, data_dirs, root = setup
+  results = ablation.run_sweep(ablation.load_table(spec), root / "run", data_dirs)
+  return results, root / "run"
+
+
+def _main_table(markdown: str) -> str:
+  """The score table without the run facts (wall times differ between runs)."""
+  return markdown.split("## Runs")[0]
+
+
+@pytest.mark.slow
+def test_sweep_pretrains_finetunes_scores_and_renders(swept, capsys):
+  results, workdir = swept
+  by_name = {row["name"]: row for row in results["rows"]}
+  assert [row["name"] for row in results["rows"]] == ["MLM+NSP", "broken", "MLM"]
+  for name in ("MLM+NSP", "MLM"):
+    row = by_name[name]
+    assert row["status"] == "done", row
+    pretrain = row["pretrain"]
+    assert pretrain["step"] == 8 and pretrain["tokens_seen"] == 8 * 16 * 64
+    assert 0 < pretrain["epochs"] < 1 and pretrain["perplexity"] > 1 and "cpu" in pretrain["device"].lower()
+    sst2 = row["tasks"]["sst2"]
+    assert sst2["seeds_done"] == 2 and len(sst2["values"]) == 2 and sst2["best_lr"] == 3e-3
+    assert sst2["min"] <= sst2["median"] <= sst2["max"] and 0 <= sst2["median"] <= 100
+  assert by_name["MLM+NSP"]["pretrain"]["eval"]["sentence_accuracy"] >= 0
+  assert (workdir / "rows" / "MLM" / "state" / "finetune_sst2_lr0.003_seed2.json").exists()
+  assert (workdir / "rows" / "MLM" / "finetune" / "sst2" / "lr0.003" / "seed_2" / "result.json").exists()
+
+  assert table.main([str(workdir)]) == 0
+  markdown = (workdir / "table.md").read_text()
+  assert "# Table T: A test paper" in markdown
+  assert "| LM (ppl) ours | LM (ppl) paper | SST-2 ours | SST-2 paper |" in markdown
+  assert "| MLM+NSP | done | " in markdown and "| 5.00 | " in markdown
+  assert "published ordering reproduced" in markdown
+  ordering_line = next(line for line in markdown.splitlines() if line.startswith("| published ordering"))
+  assert ordering_line.count("(1/1 pairs") + ordering_line.count("(0/1 pairs") == 2
+  with open(workdir / "table.csv") as handle:
+    rows = list(csv.DictReader(handle))
+  assert [row["row"] for row in rows][:3] == ["MLM+NSP", "broken", "MLM"]
+  assert float(rows[0]["sst2_median"]) == results["rows"][0]["tasks"]["sst2"]["median"]
+  assert rows[0]["mlm_ppl_published"] == "5.0"
+  for figure in ("pretrain_loss.png", "downstream.png"):
+    assert (workdir / figure).stat().st_size > 10_000
+  assert "Written:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_failing_row_is_recorded_and_the_others_go_on(swept):
+  results, workdir = swept
+  broken = results["rows"][1]
+  assert broken["status"] == "failed" and broken["phase"] == "pretrain"
+  assert "num_heads" in broken["error"] or "divisible" in broken["error"]
+  assert results["rows"][2]["status"] == "done"  # The row after the failure ran.
+  assert json.loads((workdir / "rows" / "broken" / "row.json").read_text())["status"] == "failed"
+  assert "pretrain: " in (workdir / "table.md").read_text()
+
+
+class Killed(BaseException):
+  """A kill (BaseException: no row-level handler records it as a failure)."""
+
+
+def _fake_phases(monkeypatch, log, kill_at=None):
+  """Pre-training and fine-tuning stand-ins that record their calls and can be killed at the n-th call."""
+
+  def pretrain(config, row_dir):
+    if (row_dir / "state" / "pretrain.json").exists():  # As the real phase: a recorded pre-training is kept.
+      return json.loads((row_dir / "state" / "pretrain.json").read_text())
+    log.append(("pretrain", row_dir.name))
+    if len(log) == kill_at:
+      raise Killed()
+    state = {"objective": config.objective, "eval": {"mlm_perplexity": 4.0 + len(row_dir.name)}}
+    ablation._write_json(row_dir / "state" / "pretrain.json", state)
+    return state
+
+  def finetune(config, directory):
+    log.append(("finetune", directory.name))
+    if len(log) == kill_at:
+      raise Killed()
+    row_name = directory.parent.parent.parent.name
+    return {"seeds": [{"seed": seed, "selected": {"metrics": {"dev": {"accuracy": 50.0 + seed + len(row_name)}}}}
+                      for seed in config.seeds]}
+
+  monkeypatch.setattr(ablation, "pretrain_phase", pretrain)
+  return finetune
+
+
+def test_a_killed_sweep_resumes_where_it_stopped(setup, tmp_path, monkeypatch):
+  spec, data_dirs, _ = setup
+  tab = ablation.load_table(spec)
+  log = []
+  with pytest.raises(Killed):  # Killed in the second seed of the last row.
+    ablation.run_sweep(tab, tmp_path / "killed", data_dirs, finetune=_fake_phases(monkeypatch, log, kill_at=6))
+  lr = ("finetune", "lr0.003")
+  assert log == [("pretrain", "MLM+NSP"), lr, ("pretrain", "broken"), lr, ("pretrain", "MLM"), lr]
+  log.clear()
+  resumed = ablation.run_sweep(tab, tmp_path / "killed", data_dirs, finetune=_fake_phases(monkeypatch, log))
+  assert log == [lr]  # Nothing recorded runs again.
+  log.clear()
+  whole = ablation.run_sweep(tab, tmp_path / "whole", data_dirs, finetune=_fake_phases(monkeypatch, log))
+  assert [row["tasks"] for row in resumed["rows"]] == [row["tasks"] for row in whole["rows"]]
+  assert _main_table(table.render_markdown(resumed)) == _main_table(table.render_markdown(whole))
+
+
+@pytest.mark.slow
+def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
+  """What a kill in the last row's second seed leaves, resumed: that seed alone runs again, the table is the same."""
+  spec, data_dirs, _ = setup
+  workdir = swept[1]
+  reference = _main_table((workdir / "table.md").read_text())
+  (workdir / "rows" / "MLM" / "row.json").unlink()
+  (workdir / "rows" / "MLM" / "state" / "finetune_sst2_lr0.003_seed2.json").unlink()
+  shutil.rmtree(workdir / "rows" / "MLM" / "finetune" / "sst2" / "lr0.003" / "seed_2")
+  seed_1 = workdir / "rows" / "MLM" / "finetune" / "sst2" / "lr0.003" / "seed_1" / "result.json"
+  seed_1_written = seed_1.stat().st_mtime_ns
+  calls = []
+
+  def counting(config, directory):
+    from bert_jax.tasks import finetune as finetune_lib
+
+    results = finetune_lib.finetune(config, directory)
+    calls.append(sorted(path.name for path in directory.glob("seed_*")))
+    return results
+
+  results = ablation.run_sweep(ablation.load_table(spec), workdir, data_dirs, indices=[2], finetune=counting)
+  assert calls == [["seed_1", "seed_2"]] and results["rows"][2]["status"] == "done"
+  assert seed_1.stat().st_mtime_ns == seed_1_written  # Seed 1's result was reused, not trained again.
+  table.render(workdir)
+  assert _main_table((workdir / "table.md").read_text()) == reference
+
+
+def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
+  spec, data_dirs, _ = setup
+  tab = ablation.load_table(spec)
+  log = []
+  ablation.run_sweep(tab, tmp_path, data_dirs, indices=[2], finetune=_fake_phases(monkeypatch, log))
+  assert log == [("pretrain", "MLM"), ("finetune", "lr0.003")]
+  results = ablation.collect(tmp_path)
+  assert [row["status"] for row in results["rows"]] == ["not run", "not run", "done"]
+  assert results["rows"][2]["tasks"]["sst2"]["median"] == 51.5 + 3
+  assert ablation.main(["--workdir", str(tmp_path), "--collect"]) == 0
+  assert "1/3 rows done" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="out of range"):
+    ablation.run_sweep(tab, tmp_path, data_dirs, indices=[5])
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0,2", "--data-dir", "glue"]) == 2
+
+
+def test_suite_picks_the_best_learning_rate_by_median():
+  summary = suite.summarize({1e-5: [80.0, 90.0, 70.0], 2e-5: [95.0, 79.0, 10.0]})
+  assert summary["best_lr"] == 1e-5 and summary["median"] == 80.0 and summary["min"] == 70.0
+  assert suite.summarize({1.0: [5.0], 2.0: [4.0]}, higher_is_better=False)["best_lr"] == 2.0
+  tiny = suite.scaled(suite.Suite(tasks=("mnli_m", "squad1.1_f1")), "tiny")
+  assert tiny.tasks == ("rte",) and tiny.seeds == (1, 2)
+  with pytest.raises(ValueError, match="nope"):
+    suite.Suite(tasks=("nope",))
+
+
+TABLE_CONFIGS = sorted((REPO / "configs" / "ablations").glob("*.py"))
+EXPECTED = {"bert_table5", "bert_table6", "roberta_table1", "roberta_table2", "albert_sentence", "albert_sharing",
+            "albert_embedding", "electra_compute", "electra_generator", "electra_variants", "spanbert_masking",
+            "spanbert_sbo"}
+# Rows that name a config key the code lacks (a missing capability); every other row must load.
+MISSING = {"roberta_table1": {"static"}, "albert_sharing": {"E=768 shared-attention", "E=768 shared-FFN",
+                                                            "E=128 shared-attention", "E=128 shared-FFN"},
+           "electra_variants": {"ELECTRA 15%"}}
+
+
+def test_every_paper_table_has_a_config():
+  assert {path.stem for path in TABLE_CONFIGS} == EXPECTED
+
+
+@pytest.mark.parametrize("path", TABLE_CONFIGS, ids=lambda path: path.stem)
+@pytest.mark.parametrize("scale", ["tiny", "gpu", "paper"])
+def test_every_table_config_expands_to_its_papers_rows(path, scale):
+  tab = ablation.load_table(f"{path}:scale={scale}")
+  published = tab.published
+  assert published["paper"] and published["table"] and published["source"]
+  assert [row.name for row in tab.rows] == list(published["rows"])
+  assert set(published["higher_is_better"]) == set(published["columns"])
+  for name, numbers in published["rows"].items():
+    assert set(numbers) <= set(published["columns"]), name
+  for task in tab.suite.tasks:
+    assert task in suite.TASKS
+  assert set(tab.suite.tasks) <= set(published["columns"]) | {tab.suite.tiny_task}
+  if scale == "tiny":
+    assert tab.suite.tasks == (tab.suite.tiny_task,) and len(tab.suite.seeds) * len(tab.suite.lrs) <= 2
+  for row in tab.rows:
+    if row.name in MISSING.get(path.stem, set()):
+      with pytest.raises(config_lib.ConfigError):
+        ablation.row_config(tab, row)
+      continue
+    config = ablation.row_config(tab, row)
+    if scale == "tiny":
+      assert config.data.builtin and config.train.steps <= 100 and config.model.hidden_size <= 64
+
+
+def test_published_numbers_from_the_seeds():
+  t5 = ablation.load_table(str(REPO / "configs/ablations/bert_table5.py")).published
+  assert t5["rows"]["+ BiLSTM"] == {"mnli_m": 82.1, "qnli": 84.1, "mrpc": 75.7, "sst2": 91.6, "squad1.1_f1": 84.9}
+  t6 = ablation.load_table(str(REPO / "configs/ablations/bert_table6.py")).published
+  assert t6["rows"]["L=24 H=1024 A=16"]["mlm_ppl"] == 3.23 and not t6["higher_is_better"]["mlm_ppl"]
+  r2 = ablation.load_table(str(REPO / "configs/ablations/roberta_table2.py")).published
+  assert r2["rows"]["SENTENCE-PAIR"]["squad2.0_f1"] == 76.2
+
+
+def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tmp_path, monkeypatch):
+  spec, data_dirs, _ = setup
+  started = []
+
+  class FakeProcess:
+    def __init__(self, command, env, stdout, stderr):
+      started.append((command, env["CUDA_VISIBLE_DEVICES"]))
+      self.returncode = 0
+
+    def poll(self):
+      return 0
+
+  monkeypatch.setattr(ablation.subprocess, "Popen", FakeProcess)
+  monkeypatch.setattr(ablation.time, "sleep", lambda seconds: None)
+  tab = ablation.load_table(spec, ["--config.train.steps=4"])
+  results = ablation.run_sweep(tab, tmp_path, data_dirs, parallel=2, child_args=["--data-dir=glue=DATA"])
+  assert [device for _, device in started] == ["0", "1", "0"]  # The third row takes the first freed accelerator.
+  assert started[2][0][-6:] == ["--workdir", str(tmp_path), "--row-index", "2", "--data-dir=glue=DATA",
+                                "--config.train.steps=4"]
+  assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
+
+
+def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):
+  """`--row-index I` as a cluster job runs it: the row fails (3 heads do not divide width 64) and says so."""
+  spec, _, _ = setup
+  out = subprocess.run([sys.executable, "-m", "bert_jax.experiments.ablation", "--config", spec, "--workdir",
+                        str(tmp_path), "--row-index", "1", "--data-dir", "glue=unused"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert "0/3 rows done; failed: ['broken']" in out.stdout
+  assert json.loads((tmp_path / "rows" / "broken" / "row.json").read_text())["phase"] == "pretrain"
+
+
+def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_path, monkeypatch):
+  spec, _, _ = setup
+  seen = []
+  monkeypatch.setattr(ablation, "run_row", lambda table, index, *args, **kwargs: seen.append(table.suite) or {
+      "status": "done"})
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte",
+                        "--seeds", "3,4,5", "--lrs", "1e-4"]) == 0
+  assert seen[0].tasks == ("mrpc", "rte") and seen[0].seeds == (3, 4, 5) and seen[0].lrs == (1e-4,)
+  assert list(ablation.collect(tmp_path)["suite"]["seeds"]) == [3, 4, 5]
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
+  gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
+  assert gpu.tasks == ("mrpc", "sst2") and gpu.seeds == (1, 2, 3) and gpu.lrs == (3e-5,)
+
+
+def test_a_finetuning_configs_sweep_runs_each_row_as_one_finetune(tmp_path):
+  calls = []
+
+  def fake_finetune(config, directory):
+    calls.append(config.optim.lr)
+    return {"task": config.task, "summary": {"dev": {"accuracy": {
+        "mean": config.optim.lr * 1e6, "median": config.optim.lr * 1e6, "std": 0.0, "min": 1.0, "max": 99.0,
+        "values": [config.optim.lr * 1e6]}}}}
+
+  tab = ablation.load_table(str(REPO / "configs/finetune/glue.py:task=rte"))
+  results = ablation.run_sweep(tab, tmp_path, finetune=fake_finetune)
+  assert calls == [5e-5, 3e-5, 2e-5] and [row["status"] for row in results["rows"]] == ["done"] * 3
+  assert results["rows"][0]["name"] == "optim.lr=5e-05"
+  assert results["rows"][1]["tasks"]["dev/accuracy"]["median"] == pytest.approx(30.0)
+  table.render(tmp_path)
+  assert "| optim.lr=2e-05 | done | 20.0 ± 0.0 |" in (tmp_path / "table.md").read_text()
+
+
+def test_ordering_counts_the_pairs_of_rows_ordered_as_published():
+  def results(*ours):
+    rows = [{"name": f"r{i}", "tasks": {"a": {"median": value, "std": 0.0, "min": value, "max": value}},
+             "pretrain": {"eval": {"mlm_perplexity": value}}} for i, value in enumerate(ours)]
+    published = {"columns": {"a": "A", "mlm_ppl": "ppl"}, "higher_is_better": {"a": True, "mlm_ppl": False},
+                 "rows": {"r0": {"a": 3.0, "mlm_ppl": 3.0}, "r1": {"a": 2.0, "mlm_ppl": 2.0}, "r2": {"a": 1.0}}}
+    return {"published": published, "rows": rows, "suite": {"tasks": ["a"]}}
+
+  assert table.ordering(results(30.0, 20.0, 10.0), "a") == (3, 3, 0)
+  assert table.ordering(results(30.0, 10.0, 20.0), "a") == (2, 3, 0)
+  assert table.ordering(results(5.0, 5.0, 5.0), "a") == (0, 3, 3)
+  assert table.ordering(results(30.0, 20.0, 10.0), "mlm_ppl") == (1, 1, 0)  # r2 has no published perplexity.
+  assert table._ordering_cell(None) == "n/a" and table._ordering_cell((2, 3, 1)) == "no (2/3 pairs, 1 tied)"
