@@ -174,3 +174,67 @@ def row_statistics(logits: Array, targets: Array, *, block_rows: int = BLOCK_ROW
   call = sharding_lib.per_row_shard(call, mesh, row_axes, "rv", "vvv")
   outputs = call(logits.reshape(-1, columns), targets.reshape(-1).astype(jnp.int32))
   return tuple(a.reshape(lead) for a in outputs)
+
+
+def cross_entropy_sums(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
+  """Weighted sums of token cross-entropy and of correct argmax predictions (float32), with a one-pass backward.
+
+  The rows' statistics come from `row_statistics` on GPU where it applies, from XLA elsewhere (narrow rows, a
+  vocabulary split by the mesh, other backends).
+
+  Args:
+    logits: [..., V] in any float dtype (the arithmetic is float32).
+    targets: [...] int class ids.
+    weights: [...] per-token weights (0 for padding predictions).
+
+  Returns:
+    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
+  """
+  return weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32),
+                                jax.default_backend() == "gpu")
+
+
+def _row_statistics(logits: Array, targets: Array, kernel: bool) -> tuple[Array, Array, Array]:
+  """(log-sum-exp, target logit, first argmax) of each row of logits, the first two in float32."""
+  if kernel:
+    statistics = row_statistics(logits, targets)
+    if statistics is not None:
+      return statistics
+  logits32 = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits32, axis=-1)
+  target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
+  return log_z, target_logit, jnp.argmax(logits, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def weighted_cross_entropy(logits: Array, targets: Array, weights: Array, kernel: bool) -> tuple[Array, Array]:
+  """`cross_entropy_sums` of int32 targets and float32 weights; `kernel`: the rows' statistics from
+  `row_statistics` where it applies (off GPU in Pallas' interpreter, for tests)."""
+  return _weighted_cross_entropy_fwd(logits, targets, weights, kernel)[0]
+
+
+def _weighted_cross_entropy_fwd(logits, targets, weights, kernel):
+  log_z, target_logit, argmax = _row_statistics(logits, targets, kernel)
+  token_loss = log_z - target_logit
+  correct = (argmax == targets).astype(jnp.float32)
+  return ((jnp.sum(token_loss * weights), jnp.sum(correct * weights)),
+          (logits, targets, weights, log_z, token_loss, correct))
+
+
+def _weighted_cross_entropy_bwd(kernel, residuals, g):
+  """d/dlogits = g * weight * (softmax - one_hot(target)), written in one elementwise pass in the logits' dtype.
+
+  Autodiff of the forward gives a float32 [..., V] softmax plus a scatter-add for the target pick: for the sparse
+  MLM head a few [B * M, vocab] float32 arrays per step. The correct-prediction count has no gradient.
+  """
+  del kernel
+  logits, targets, weights, log_z, token_loss, correct = residuals
+  g_loss, g_correct = g
+  scale = (g_loss * weights)[..., None]
+  softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
+  one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+  dlogits = (scale * (softmax - one_hot)).astype(logits.dtype)
+  return dlogits, None, g_loss * token_loss + g_correct * correct
+
+
+weighted_cross_entropy.defvjp(_weighted_cross_entropy_fwd, _weighted_cross_entropy_bwd)

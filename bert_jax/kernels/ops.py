@@ -44,7 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.models import dropout, ffn_kernel, layer_norm_kernel
+from bert_jax.kernels import dropout
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import layer_norm as layer_norm_kernel
 
 Array = jax.Array
 

@@ -56,7 +56,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import flash_attention
+from bert_jax.kernels import flash_attention
 
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
 # Command buffers without cuDNN kernels: what cuDNN's attention dropout needs (see the module docstring).

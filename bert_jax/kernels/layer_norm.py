@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bert_jax.models.dropout import keep_index
+from bert_jax.kernels.dropout import keep_index
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array

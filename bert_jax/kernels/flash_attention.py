@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bert_jax.models.dropout import dropout_seeds, element_index, fmix32
+from bert_jax.kernels.dropout import dropout_seeds, element_index, fmix32
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
