@@ -22,7 +22,7 @@ if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
 variant = sys.argv.pop(1)
 root = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))
-from bert_jax.models import ffn_kernel  # noqa: E402
+from bert_jax.kernels import ffn as ffn_kernel  # noqa: E402
 
 ffn_kernel.FORWARD_SCHEDULE = "pingpong" if variant.startswith("pp") else "cooperative"
 ffn_kernel.BACKWARD_KERNEL = variant.endswith("bwd")

@@ -24,7 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import train_step  # noqa: E402
-from bert_jax.models import encoder, heads, ops  # noqa: E402
+from bert_jax.kernels import ops
+from bert_jax.models import encoder, heads  # noqa: E402
 from bert_jax.train import objectives  # noqa: E402
 
 CURRENT = {"layer_norm": encoder.layer_norm, "activation": encoder.activation, "ce": objectives.cross_entropy_sums}

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from bert_jax.data.batch import validate_batch  # noqa: E402
 from bert_jax.models import model_config  # noqa: E402
-from bert_jax.models.attention import resolve_implementation  # noqa: E402
+from bert_jax.kernels.attention import resolve_implementation  # noqa: E402
 from bert_jax.parallel import sharding as sharding_lib  # noqa: E402
 from bert_jax.train import config_lib, heap, objectives, optim  # noqa: E402
 from bert_jax.train.step import Partitioning, create_state, make_train_step  # noqa: E402

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import attention, flash_attention
-from bert_jax.models.attention import dot_product_attention
+from bert_jax.kernels import attention, flash_attention
+from bert_jax.kernels.attention import dot_product_attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (cuDNN)")
 

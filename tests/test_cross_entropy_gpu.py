@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import cross_entropy_kernel
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel
 from bert_jax.models.heads import PAD_LOGIT
 from bert_jax.train.objectives import cross_entropy_sums
 from test_ops import logits_with_ties

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import ffn_kernel, ops
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import ops
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.encoder import Encoder
 from bert_jax.parallel import sharding as sharding_lib

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import attention
-from bert_jax.models import flash_attention as fa
-from bert_jax.models.attention import dot_product_attention, self_attention
+from bert_jax.kernels import attention
+from bert_jax.kernels import flash_attention as fa
+from bert_jax.kernels.attention import dot_product_attention, self_attention
 from bert_jax.parallel.sharding import DEFAULT_RULES
 
 
@@ -118,7 +118,7 @@ def test_auto_picks_flash_for_training_and_cudnn_for_forward_only_passes(monkeyp
 def test_add_qkv_bias_trains_the_query_and_value_slots_only():
   """The fused bias's value is ops.bias_add's; its gradient is the float32 row sum of the query and value slots
   and exactly 0 in the key slot (a per-query shift of the scores: no effect on the output)."""
-  from bert_jax.models import ops
+  from bert_jax.kernels import ops
   heads, head_dim = 3, 8
   qkv = jax.random.normal(jax.random.key(0), (2, 5, heads * 3 * head_dim), jnp.bfloat16)
   bias = jax.random.normal(jax.random.key(1), (heads, 3, head_dim), jnp.float32)

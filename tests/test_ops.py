@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import cross_entropy_kernel, ops
-from bert_jax.models.encoder import LayerNorm
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel
+from bert_jax.kernels import ops
+from bert_jax.kernels.layers import LayerNorm
 from bert_jax.parallel.sharding import DEFAULT_RULES
 from bert_jax.train.objectives import cross_entropy_sums
 
@@ -80,7 +81,7 @@ def test_layer_norm_pallas_falls_back_to_xla_where_unsupported():
 
 def test_layer_norm_auto_is_the_xla_form_off_gpu(monkeypatch):
   """"auto" (the default) runs the kernel on GPU only; here, on CPU, it must not run the interpreter."""
-  from bert_jax.models import layer_norm_kernel
+  from bert_jax.kernels import layer_norm as layer_norm_kernel
   monkeypatch.setattr(layer_norm_kernel, "layer_norm_backward", lambda *a: pytest.fail("kernel used off GPU"))
   x, dy, scale, bias = layer_norm_inputs((64, 128), jnp.float32)
   for a, b in zip(layer_norm_grads("auto", x, dy, scale, bias), layer_norm_grads("xla", x, dy, scale, bias)):
@@ -258,7 +259,7 @@ def add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, ra
 def add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate, branch_bias=None):
   """The same from the ops apart, by autodiff: layer_norm(x + Dropout(bias_add(branch, branch_bias))) (the mask
   of `seeds`)."""
-  from bert_jax.models import dropout
+  from bert_jax.kernels import dropout
   def loss(x, branch, scale, bias, branch_bias):
     if branch_bias is not None:
       branch = ops.bias_add(branch, branch_bias)
@@ -299,7 +300,8 @@ def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, sh
 def test_add_layer_norm_backward_kernel_hashes_the_forward_mask():
   """The backward kernel's branch gradient: exactly dx times the forward's multiplier, element for element, and
   its column sums those of that array (the interpreter; bfloat16, rounded where XLA's form rounds)."""
-  from bert_jax.models import dropout, layer_norm_kernel
+  from bert_jax.kernels import dropout
+from bert_jax.kernels import layer_norm as layer_norm_kernel
   x, dy, scale, _ = layer_norm_inputs((4, 32, 256), jnp.bfloat16)
   x32 = x.astype(jnp.float32)
   mean = jnp.mean(x32, -1, keepdims=True)
@@ -339,7 +341,7 @@ def test_add_layer_norm_kernels_per_shard_equal_unsharded():
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_layer_norm_module_residual_form_draws_the_dropout_mask_of_the_dropout_module(implementation):
   """LayerNorm(x, branch, dropout) == LayerNorm(x + dropout(branch)): the same key, so the same mask."""
-  from bert_jax.models.dropout import Dropout
+  from bert_jax.kernels.dropout import Dropout
 
   class Residual(nn.Module):
     fused: bool

@@ -212,7 +212,7 @@ def test_sharded_steps_equal_single_device(mesh_sizes):
 def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch, mesh_sizes):
   """A 128-wide model (the kernel's chunk): the Pallas LayerNorm backward per batch shard (replicated over
   the tensor axis, as the activations are) equals the XLA form on one device."""
-  from bert_jax.models import layer_norm_kernel
+  from bert_jax.kernels import layer_norm as layer_norm_kernel
   traced = []
   kernel = layer_norm_kernel._backward_2d
   monkeypatch.setattr(layer_norm_kernel, "_backward_2d", lambda meta, x, *args, **kw: traced.append(x.shape) or

@@ -22,7 +22,6 @@ inside the LayerNorm kernel, whose backward pass sums the bias gradient beside t
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import flax.linen as nn
@@ -150,14 +149,8 @@ def embedding_lookup(table: Array, ids: Array, dtype) -> Array:
   return jnp.take(table, ids, axis=0).astype(dtype)
 
 
-def call_site_seed(path: tuple[str, ...], layer: int) -> int:
-  """A static 31-bit seed per attention call site: module path and layer index (ALBERT's shared blocks run one
-  module in several layers), so that two call sites of one program never share cuDNN's dropout mask."""
-  return zlib.crc32(f"{'/'.join(path)}#{layer}".encode()) & 0x7FFFFFFF
-
-
 def self_attention(module: nn.Module, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array,
-                   packed: bool, deterministic: bool, return_probs: bool, layer: int,
+                   packed: bool, deterministic: bool, return_probs: bool,
                    query_positions_bq: Array | None) -> tuple[Array | tuple[Array, Array], Array | None]:
   """`encoder.SelfAttention`'s computation, called from its compact `__call__` (`module`): the projections are
   its children "query", "key", "value" and "output". Post-LN the output is (output without its bias, that bias)
@@ -173,8 +166,7 @@ def self_attention(module: nn.Module, x_ble: Array, pack_ids_bl: Array | None, p
                                 dropout_active=dropout_rng is not None, return_probs=return_probs,
                                 length=x_ble.shape[1], training=not deterministic)
   options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=impl,
-                 dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
-                 dropout_seed=call_site_seed(module.scope.path, layer), return_probs=return_probs)
+                 dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng, return_probs=return_probs)
   if impl == "flash" and cfg.position_embedding != "rotary" and query_positions_bq is None:
     # One [E, H * 3 * D] GEMM in the flash kernels' layout, which they read in place; its backward is one GEMM too.
     weights = {n: projection(x_ble, weights_only=True) for n, projection in projections.items()}

@@ -180,7 +180,7 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
-               deterministic: bool, return_probs: bool, layer: int = 0,
+               deterministic: bool, return_probs: bool,
                query_positions_bq: Array | None = None) -> tuple[Array, Array | None]:
     """The attention output [B, L, E] and the probabilities [B, heads, L, L] (float32) or None.
 
@@ -191,7 +191,7 @@ class SelfAttention(nn.Module):
     cfg = self.config
     if fast := _fast(cfg):
       return fast.self_attention(self, x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
-                                 layer, query_positions_bq)
+                                 query_positions_bq)
     heads, head_dim = cfg.num_heads, cfg.head_dim
     projection = lambda name: nn.DenseGeneral(  # noqa: E731
         (heads, head_dim), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, name=name,
@@ -263,8 +263,7 @@ class TransformerBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
-               deterministic: bool = True, return_probs: bool = False, layer: int = 0,
-               output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
+               deterministic: bool = True, return_probs: bool = False, output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
     """The block's output [B, L, E] and attention probabilities or None. With `output_positions_bk` [B, K], the
     output at those positions only ([B, K, E]): every row-wise part of the block runs on those K rows, the
     keys and values on all L (`SelfAttention`'s `query_positions_bq`)."""
@@ -276,11 +275,11 @@ class TransformerBlock(nn.Module):
     rows = (lambda x: x) if output_positions_bk is None else (lambda x: gather_positions(x, output_positions_bk))
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
-                                  return_probs, layer, output_positions_bk)
+                                  return_probs, output_positions_bk)
       x_ble = rows(x_ble) + dropout(attn_ble, deterministic=deterministic)
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
-      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs, layer,
+      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
                                   output_positions_bk)
       x_ble = residual_layer_norm(cfg, attention_norm, rows(x_ble), attn_ble, dropout, deterministic)
       x_ble = residual_layer_norm(cfg, ffn_norm, x_ble, ffn(x_ble), dropout, deterministic)
@@ -291,8 +290,8 @@ def _remat(block_cls, policy: str):
   if policy == "none":
     return block_cls
   checkpoint_policy = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  # Arguments 4..7 (packed, deterministic, return_probs, layer) are Python values; 8 (output positions) an array.
-  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6, 7))
+  # Arguments 4..6 (packed, deterministic, return_probs) are Python values; 7 (output positions) an array.
+  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6))
 
 
 class Encoder(nn.Module):
@@ -360,7 +359,7 @@ class Encoder(nn.Module):
     for layer in range(cfg.num_layers):
       block = self.blocks[layer * len(self.blocks) // cfg.num_layers]
       last = layer == cfg.num_layers - 1
-      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions, layer,
+      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions,
                            output_positions if last else None)
       hidden_states.append(x_ble)
       attentions.append(probs)
