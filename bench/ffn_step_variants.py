@@ -7,7 +7,7 @@ VARIANT, then train_step's own arguments:
   fwd+bwd  cooperative forward, ping-pong backward (dh and the bias gradient): the default in sessions 13-14
   pp       ping-pong forward (`PINGPONG_FORWARD_TILES`), XLA backward
   pp+bwd   ping-pong forward and backward: the default since session 14
-For `ffn_impl="xla"` (no kernels) use train_step's `--config.model.ffn_impl=xla`. One variant per process:
+For the plain model (no kernels) use train_step's `--config.model.kernels=off`. One variant per process:
 the switches are read when the step is traced.
 """
 

@@ -170,12 +170,16 @@ def test_bias_gradient_is_summed_by_the_kernels(mesh_shape):
 
 
 @pytest.mark.parametrize("impl,position", [("flash", "learned"), ("xla", "learned"), ("xla", "rotary")])
-def test_key_bias_is_trained_only_where_it_changes_the_scores(impl, position):
-  """The encoder's key-bias gradient: exactly 0 with learned positions (fused flash projections or
-  separate ones), a real gradient with rotary positions (which rotate the bias by key position)."""
+def test_key_bias_is_trained_only_where_it_changes_the_scores(monkeypatch, impl, position):
+  """The encoder's key-bias gradient with kernels: exactly 0 with learned positions (fused flash projections, forced
+  here in Pallas' interpreter, or separate ones), a real gradient with rotary positions (which rotate the bias by
+  key position)."""
+  from bert_jax.kernels import layers
   from bert_jax.models import Encoder, ModelConfig
+  resolve = layers.resolve_implementation
+  monkeypatch.setattr(layers, "resolve_implementation", lambda _, **kw: resolve(impl, **kw))
   config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                       max_position_embeddings=32, attention_impl=impl, position_embedding=position,
+                       max_position_embeddings=32, position_embedding=position,
                        hidden_dropout=0.0, attention_dropout=0.0)
   model = Encoder(config)
   ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)

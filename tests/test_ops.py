@@ -10,9 +10,9 @@ import pytest
 
 from bert_jax.kernels import cross_entropy as cross_entropy_kernel
 from bert_jax.kernels import ops
+from bert_jax.kernels.cross_entropy import cross_entropy_sums
 from bert_jax.kernels.layers import LayerNorm
 from bert_jax.parallel.sharding import DEFAULT_RULES
-from bert_jax.train.objectives import cross_entropy_sums
 
 
 def _close(a, b, rtol, atol):
@@ -192,7 +192,7 @@ def test_cross_entropy_kernel_leaves_narrow_rows_and_odd_row_counts_to_xla():
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 4, 1), (2, 2, 2)])
 def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
-  """Loss, count and gradients through `implementation="pallas"` against "xla": per row shard on a data x fsdp
+  """Loss, count and gradients through the kernel against XLA's rows: per row shard on a data x fsdp
   mesh; on a mesh splitting the vocabulary (tensor 2) the kernel steps aside and XLA reduces across shards."""
   logits, targets = logits_with_ties((16, 4, 4096), jax.random.key(6))
   targets = targets.at[:, ::2].set(jnp.argmax(logits, axis=-1)[:, ::2])  # half the predictions right
@@ -200,8 +200,10 @@ def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
 
   def run(implementation):
     def loss_and_grads(logits, weights):
-      sums = cross_entropy_sums(logits, targets, weights, implementation)
-      grads = jax.grad(lambda l, w: cross_entropy_sums(l, targets, w, implementation)[0], argnums=(0, 1))
+      kernel = implementation == "pallas"
+      sums = cross_entropy_kernel.weighted_cross_entropy(logits, targets, weights, kernel)
+      grads = jax.grad(lambda l, w: cross_entropy_kernel.weighted_cross_entropy(l, targets, w, kernel)[0],
+                       argnums=(0, 1))
       return sums, grads(logits, weights)
     uses_kernel = "pallas_call" in str(jax.make_jaxpr(loss_and_grads)(logits, weights))
     assert uses_kernel == (implementation == "pallas" and mesh_shape != (2, 2, 2))
@@ -221,11 +223,6 @@ def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
   assert float(correct) == float(ref_correct) and float(correct) > 0
   np.testing.assert_array_equal(grads[0].astype(jnp.float32), ref_grads[0].astype(jnp.float32))
   _close(grads[1], ref_grads[1], rtol=1e-6, atol=1e-5)  # the token losses: log-sum-exps to float32 rounding
-
-
-def test_cross_entropy_implementation_typo_is_named():
-  with pytest.raises(ValueError, match="implementation='palas'"):
-    cross_entropy_sums(jnp.zeros((2, 4096)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)), "palas")
 
 
 def test_bias_add_sums_its_gradient_in_float32():
@@ -301,7 +298,7 @@ def test_add_layer_norm_backward_kernel_hashes_the_forward_mask():
   """The backward kernel's branch gradient: exactly dx times the forward's multiplier, element for element, and
   its column sums those of that array (the interpreter; bfloat16, rounded where XLA's form rounds)."""
   from bert_jax.kernels import dropout
-from bert_jax.kernels import layer_norm as layer_norm_kernel
+  from bert_jax.kernels import layer_norm as layer_norm_kernel
   x, dy, scale, _ = layer_norm_inputs((4, 32, 256), jnp.bfloat16)
   x32 = x.astype(jnp.float32)
   mean = jnp.mean(x32, -1, keepdims=True)
@@ -339,16 +336,18 @@ def test_add_layer_norm_kernels_per_shard_equal_unsharded():
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
-def test_layer_norm_module_residual_form_draws_the_dropout_mask_of_the_dropout_module(implementation):
+def test_layer_norm_module_residual_form_draws_the_dropout_mask_of_the_dropout_module(monkeypatch, implementation):
   """LayerNorm(x, branch, dropout) == LayerNorm(x + dropout(branch)): the same key, so the same mask."""
   from bert_jax.kernels.dropout import Dropout
+  if implementation == "pallas":
+    monkeypatch.setattr(ops, "use_kernel", lambda implementation: True)
 
   class Residual(nn.Module):
     fused: bool
 
     @nn.compact
     def __call__(self, x, branch):
-      norm, dropout = LayerNorm(1e-12, jnp.float32, jnp.float32, implementation=implementation), Dropout(0.3)
+      norm, dropout = LayerNorm(1e-12, jnp.float32, jnp.float32), Dropout(0.3)
       if self.fused:
         return norm(x, branch, dropout, deterministic=False)
       return norm(x + dropout(branch, deterministic=False))
