@@ -1,4 +1,4 @@
-"""`bench/train_step.py` with the FFN kernels' module switches set (`models/ffn_kernel.py`), on a Hopper GPU.
+"""`bench/train_step.py` with the FFN kernels' module switches set (`kernels/ffn.py`), on a Hopper GPU.
 
   python bench/ffn_step_variants.py fwd+bwd --size base --seq 128 --batch 256 --steps 20 --json
 

@@ -1,4 +1,4 @@
-"""Step time with and without the hand-written gradients of `models/ops.py` and the MLM cross-entropy, one process.
+"""Step time with and without the hand-written gradients of `kernels/ops.py` and the MLM cross-entropy, one process.
 
   python bench/ops_ablation.py                                   # BERT-Base seq 128 batch 256 (session-3 table)
   python bench/ops_ablation.py --size tiny --seq 64 --batch 8 --steps 2      # CPU smoke run

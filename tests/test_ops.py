@@ -1,4 +1,4 @@
-"""Hand-written gradients (`models/ops.py`, the MLM cross-entropy) against autodiff of the textbook forms."""
+"""Hand-written gradients (`kernels/ops.py`, the MLM cross-entropy) against autodiff of the textbook forms."""
 
 import functools
 

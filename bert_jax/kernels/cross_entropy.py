@@ -4,15 +4,14 @@ The MLM loss needs, for each predicted position's row of logits [V]: the
 log-sum-exp, the target's logit and (for the accuracy metric) the first index
 of the row's maximum. XLA reads the [rows, V] logits twice for them: once for
 the maximum fused with the argmax (a (value, index) reduction), once for the
-sum of exponentials; at BERT-Base seq 128 (4864 x 30592 bfloat16 logits, 298 MB)
-that was 0.257 + 0.114 ms of an H100 step (bench/NOTES.md, session 21), against
-~0.1 ms to read the logits once. XLA's own one-pass form (one variadic
-reduction with an online-softmax combiner) was slower still (0.468 ms): its
-emitter runs the combiner's two exponentials per element unvectorised.
+sum of exponentials (at BERT-Base seq 128, 4864 x 30592 bfloat16 logits). XLA's
+own one-pass form (one variadic reduction with an online-softmax combiner) was
+slower still: its emitter runs the combiner's two exponentials per element
+unvectorised.
 
 Here one kernel reads the logits once. Its grid is (row blocks of `block_rows`,
-`splits` of the columns): 608 row blocks alone would be ~1.2 waves of the
-H100's resident warps (one warp a row), so each block's columns are split
+`splits` of the columns): the row blocks alone would be about one wave of a
+large GPU's resident warps (one warp a row), so each block's columns are split
 over up to 8 programs, whose per-split statistics XLA combines ([8, rows],
 a few kB). A program walks its columns in chunks of `chunk`: per chunk it
 reduces each row to its maximum only; the sum of exp(x - running maximum)
@@ -26,11 +25,8 @@ differs, so the log-sum-exp agrees to rounding (GPU: within 1.1e-7 relative);
 the target's logit and the argmax (ties: the first index, as `jnp.argmax`) are
 exact.
 
-Measured on an H100 (bench/cross_entropy.py, session 22; ms per call with
-XLA's combination): 0.13 against XLA's 0.30 at 4864 x 30592 (the floor, one
-read at 3 TB/s, 0.099), 0.07 against 0.16 at 2432 x 30592; in the BERT-Base
-seq-128 step 0.142 ms for the kernel and ~0.008 for combining its splits,
-against 0.378 for XLA's reductions.
+It runs in under half the time of XLA's reductions, near one read of the
+logits (bench/cross_entropy.py; docs/performance.md).
 
 Under a mesh the kernel runs per shard of the rows (`jax.shard_map` over the
 rules' "batch" axes); where the rules split the vocabulary (tensor

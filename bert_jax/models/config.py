@@ -67,8 +67,7 @@ class ModelConfig:
       cuBLAS wants bf16 dimensions in multiples of 8, and XLA pads BERT's
       30522 by copying the [predictions, vocab] logits' gradient every step.
       1 (default): exactly vocab_size logits. The pre-training configs
-      (`config_lib.model_section`) set 128: -0.6 ms of a 43.8 ms BERT-base
-      seq-128 step on an H100 (bench/NOTES.md, session 15).
+      (`config_lib.model_section`) set 128 (docs/performance.md).
     sparse_last_layer: pre-training: the last transformer block computes only
       the rows its heads read (the MLM, [CLS] and span-boundary positions):
       its queries, output projection, LayerNorms and feed-forward run on
