@@ -186,8 +186,12 @@ def cross_entropy_sums(logits: Array, targets: Array, weights: Array) -> tuple[A
   Returns:
     (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
   """
-  return weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32),
-                                jax.default_backend() == "gpu")
+  return weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32), use_kernel())
+
+
+def use_kernel() -> bool:
+  """Whether `cross_entropy_sums` tries the kernel: on GPU (tests force it, to run it in Pallas' interpreter)."""
+  return jax.default_backend() == "gpu"
 
 
 def _row_statistics(logits: Array, targets: Array, kernel: bool) -> tuple[Array, Array, Array]:
