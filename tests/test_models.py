@@ -426,7 +426,9 @@ def test_plain_model_imports_no_kernels():
           "cfg = model_config('bert', 'L2-H64', vocab_size=50, kernels='off', max_position_embeddings=16)\n"
           "ids = jnp.ones((2, 8), jnp.int32)\n"
           "model = PretrainingModel(cfg)\n"
-          "v = model.init({'params': jax.random.key(0), 'dropout': jax.random.key(1)}, ids, ids[:, :2], deterministic=False)\n"
+          "rngs = {'params': jax.random.key(0), 'dropout': jax.random.key(1)}\n"
+          "v = model.init(rngs, ids, ids[:, :2], deterministic=False)\n"
           "model.apply(v, ids, ids[:, :2], deterministic=False, rngs={'dropout': jax.random.key(2)})\n"
           "assert not [m for m in sys.modules if m.startswith('bert_jax.kernels')], sorted(sys.modules)\n")
-  subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -263,7 +263,8 @@ class TransformerBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
-               deterministic: bool = True, return_probs: bool = False, output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
+               deterministic: bool = True, return_probs: bool = False,
+               output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
     """The block's output [B, L, E] and attention probabilities or None. With `output_positions_bk` [B, K], the
     output at those positions only ([B, K, E]): every row-wise part of the block runs on those K rows, the
     keys and values on all L (`SelfAttention`'s `query_positions_bq`)."""
