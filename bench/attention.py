@@ -34,8 +34,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bert_jax.models import flash_attention  # noqa: E402
-from bert_jax.models.attention import dot_product_attention, self_attention  # noqa: E402
+from bert_jax.kernels import flash_attention  # noqa: E402
+from bert_jax.kernels.attention import dot_product_attention, self_attention  # noqa: E402
 
 IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0),
          "mgpu-nomask": ("mgpu", 0.0)}

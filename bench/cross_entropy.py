@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from attention import time_ms  # noqa: E402
-from bert_jax.models import cross_entropy_kernel  # noqa: E402
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel  # noqa: E402
 from bert_jax.models.heads import PAD_LOGIT  # noqa: E402
 from bert_jax.train import objectives  # noqa: E402
 

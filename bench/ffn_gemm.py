@@ -1,4 +1,4 @@
-"""Times the FFN's GEMM-with-GELU kernel (`models/ffn_kernel.py`) against XLA's form, on a Hopper GPU.
+"""Times the FFN's GEMM-with-GELU kernel (`kernels/ffn.py`) against XLA's form, on a Hopper GPU.
 
   python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
   python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
@@ -43,7 +43,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from attention import time_ms  # noqa: E402
-from bert_jax.models import ffn_kernel, ops  # noqa: E402
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import ops  # noqa: E402
 from bert_jax.train import step as step_lib  # noqa: E402
 
 

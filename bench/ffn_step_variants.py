@@ -1,4 +1,4 @@
-"""`bench/train_step.py` with the FFN kernels' module switches set (`models/ffn_kernel.py`), on a Hopper GPU.
+"""`bench/train_step.py` with the FFN kernels' module switches set (`kernels/ffn.py`), on a Hopper GPU.
 
   python bench/ffn_step_variants.py fwd+bwd --size base --seq 128 --batch 256 --steps 20 --json
 
@@ -7,7 +7,7 @@ VARIANT, then train_step's own arguments:
   fwd+bwd  cooperative forward, ping-pong backward (dh and the bias gradient): the default in sessions 13-14
   pp       ping-pong forward (`PINGPONG_FORWARD_TILES`), XLA backward
   pp+bwd   ping-pong forward and backward: the default since session 14
-For `ffn_impl="xla"` (no kernels) use train_step's `--config.model.ffn_impl=xla`. One variant per process:
+For the plain model (no kernels) use train_step's `--config.model.kernels=off`. One variant per process:
 the switches are read when the step is traced.
 """
 
@@ -22,7 +22,7 @@ if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
 variant = sys.argv.pop(1)
 root = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))
-from bert_jax.models import ffn_kernel  # noqa: E402
+from bert_jax.kernels import ffn as ffn_kernel  # noqa: E402
 
 ffn_kernel.FORWARD_SCHEDULE = "pingpong" if variant.startswith("pp") else "cooperative"
 ffn_kernel.BACKWARD_KERNEL = variant.endswith("bwd")

@@ -29,7 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from attention import time_ms  # noqa: E402
-from bert_jax.models import ffn_kernel, ops  # noqa: E402
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import ops  # noqa: E402
 from bert_jax.train import step as step_lib  # noqa: E402
 
 

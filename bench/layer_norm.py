@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from attention import time_ms  # noqa: E402
-from bert_jax.models import dropout, layer_norm_kernel, ops  # noqa: E402
+from bert_jax.kernels import dropout, ops
+from bert_jax.kernels import layer_norm as layer_norm_kernel  # noqa: E402
 
 
 def inputs(rows: int, features: int, dtype=jnp.bfloat16):

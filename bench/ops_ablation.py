@@ -1,6 +1,6 @@
-"""Step time with and without the hand-written gradients of `models/ops.py` and the MLM cross-entropy, one process.
+"""Step time with and without the hand-written gradients of `kernels/ops.py` and the MLM cross-entropy, one process.
 
-  python bench/ops_ablation.py                                   # BERT-Base seq 128 batch 256 (session-3 table)
+  python bench/ops_ablation.py                                   # BERT-Base seq 128 batch 256
   python bench/ops_ablation.py --size tiny --seq 64 --batch 8 --steps 2      # CPU smoke run
 
 Builds the trainer's step four times (`train_step.measure`), each time putting
@@ -24,14 +24,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import train_step  # noqa: E402
-from bert_jax.models import encoder, heads, ops  # noqa: E402
+from bert_jax.kernels import layers, ops  # noqa: E402
+from bert_jax.models import encoder  # noqa: E402
 from bert_jax.train import objectives  # noqa: E402
 
-CURRENT = {"layer_norm": encoder.layer_norm, "activation": encoder.activation, "ce": objectives.cross_entropy_sums}
+CURRENT = {"layer_norm": layers.layer_norm, "activation": layers.activation, "ce": objectives.cross_entropy_sums}
 
 
 class FlaxLayerNorm(nn.Module):
-  """flax.linen.LayerNorm behind `encoder.LayerNorm`'s call: the post-LN residual x + dropout(branch + bias)
+  """flax.linen.LayerNorm behind `layers.LayerNorm`'s call: the post-LN residual x + dropout(branch + bias)
   computed apart, by XLA and autodiff, before it."""
 
   config: Any
@@ -58,8 +59,8 @@ def jax_activation(name):
           "relu": nn.relu}[name]
 
 
-def autodiff_cross_entropy(logits, targets, weights, implementation="xla"):
-  del implementation  # the textbook form: XLA's reductions, autodiff's gradient
+def autodiff_cross_entropy(logits, targets, weights):
+  """The textbook form: XLA's reductions, autodiff's gradient."""
   logits = logits.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
@@ -67,9 +68,9 @@ def autodiff_cross_entropy(logits, targets, weights, implementation="xla"):
 
 
 def use(layer_norm: bool, gelu: bool, cross_entropy: bool) -> None:
-  for module in (encoder, heads):
-    module.layer_norm = CURRENT["layer_norm"] if layer_norm else flax_layer_norm
-    module.activation = CURRENT["activation"] if gelu else jax_activation
+  # The model's seams look these up in `layers` at every call (ModelConfig.kernels="auto").
+  layers.layer_norm = CURRENT["layer_norm"] if layer_norm else flax_layer_norm
+  layers.activation = CURRENT["activation"] if gelu else jax_activation
   objectives.cross_entropy_sums = CURRENT["ce"] if cross_entropy else autodiff_cross_entropy
 
 

@@ -3,12 +3,12 @@
   python bench/step_variants.py                                     # base-128 b256, default variants, 1 GPU
   python bench/step_variants.py --parallel 4 --size large --seq 128 --batch 128
   python bench/step_variants.py --variant lt=--xla_gpu_enable_cublaslt=true --variant ...   # your own
-  python bench/step_variants.py --tiny --parallel 2 --variant ln=--config.model.layer_norm_impl=xla  # CPU
+  python bench/step_variants.py --tiny --parallel 2 --variant off=--config.model.kernels=off  # CPU
 
 Every variant is one `bench/train_step.py --json` process (the trainer's
 step on synthetic full rows); a variant is a list of options: `--xla_...`
 flags are appended to XLA_FLAGS, `--config.key=value` overrides go to the
-step's config (e.g. `--config.model.layer_norm_impl=xla`).
+step's config (e.g. `--config.model.kernels=off`).
 The baseline (no extra options) runs first and again last, so the table shows
 how far two identical runs drift; with --parallel N the variants run N at a
 time, one per GPU, each pinned to its share of the cores (as
@@ -52,12 +52,9 @@ DEFAULT_VARIANTS = {
     # merges all three.
     "dot-merger-32m": "--xla_gpu_dot_merger_threshold_mb=32",
     "dot-merger-4g": "--xla_gpu_dot_merger_threshold_mb=4096",
-    "layer-norm-xla": "--config.model.layer_norm_impl=xla",  # the default on GPU is the Pallas kernel
+    "kernels-off": "--config.model.kernels=off",  # the plain model: no hand-written kernel or custom gradient
     # Every row of the last block, as before session 24 (the pre-training configs compute only the heads' rows).
     "full-last-layer": "--config.model.sparse_last_layer=False",
-    # cuDNN's own attention dropout (opt-in; needs cuDNN out of command buffers, models/attention.py).
-    "cudnn-dropout": "--config.model.attention_impl=cudnn --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
-                     "CUSTOM_CALL",
 }
 BASELINE = "baseline"
 

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from bert_jax.data.batch import validate_batch  # noqa: E402
 from bert_jax.models import model_config  # noqa: E402
-from bert_jax.models.attention import resolve_implementation  # noqa: E402
+from bert_jax.kernels.attention import resolve_implementation  # noqa: E402
 from bert_jax.parallel import sharding as sharding_lib  # noqa: E402
 from bert_jax.train import config_lib, heap, objectives, optim  # noqa: E402
 from bert_jax.train.step import Partitioning, create_state, make_train_step  # noqa: E402
@@ -323,10 +323,9 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
   return {
       "family": config.model.family, "size": config.model.size, "objective": config.objective,
       "seq": seq_len, "batch": rows, "remat": model_cfg.remat, "attention_dropout": model_cfg.attention_dropout,
-      "attention_path": resolve_implementation(model_cfg.attention_impl, dtype=model_cfg.compute_dtype,
-                                               head_dim=model_cfg.head_dim,
-                                               dropout_active=model_cfg.attention_dropout > 0, return_probs=False,
-                                               length=seq_len, training=True),
+      "attention_path": "plain" if model_cfg.kernels == "off" else resolve_implementation(
+          "auto", dtype=model_cfg.compute_dtype, head_dim=model_cfg.head_dim,
+          dropout_active=model_cfg.attention_dropout > 0, return_probs=False, length=seq_len, training=True),
       "data": "synthetic" if data_dir is None else data_dir,
       "packing": bool(data.packing), "step_s": seconds, "steady_step_s": steady,
       "first_step_s": finished.times[0] - start if finished.times else None, "seq_per_s": rows / seconds,

@@ -40,7 +40,9 @@ from jax._src.interpreters import mlir  # noqa: E402
 from jax._src.lib import triton as jax_triton  # noqa: E402
 from jax._src.lib.mlir import ir  # noqa: E402
 
-from bert_jax.models import cross_entropy_kernel, flash_attention, layer_norm_kernel  # noqa: E402
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel
+from bert_jax.kernels import flash_attention
+from bert_jax.kernels import layer_norm as layer_norm_kernel  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -5,24 +5,20 @@ float32 XLA reference on the same inputs (relative error ||a - ref|| / ||ref||
 over the real query rows) and with each other, forward and gradients; with
 dropout all paths drop the same probabilities (one hash mask). `pytest -s`
 prints the figures. The flash kernels' sums of the fused bias's gradient
-against XLA's. Last, cuDNN's own dropout ("cudnn" asked for with attention
-dropout): its forward and backward kernels must drop the same probabilities
-(run with XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,
-as that path needs; skipped otherwise).
+against XLA's.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import attention, flash_attention
-from bert_jax.models.attention import dot_product_attention
+from bert_jax.kernels import attention, flash_attention
+from bert_jax.kernels.attention import dot_product_attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (cuDNN)")
 
@@ -93,60 +89,6 @@ def test_fused_attention_matches_xla_in_bf16(candidate, length, packed, dropout_
       assert rel < RELATIVE_TOLERANCE, (name, pair, rel)
     # The fused path is no further from float32 than XLA's own bf16 path is, give or take rounding.
     assert pairs["fused_vs_f32"][1] < 2 * pairs["xla_vs_f32"][1] + 1e-3, (name, pairs)
-
-
-def cudnn_dropout_keep(dropout_seeds: tuple[int, ...], batch: int = 4, heads: int = 4, length: int = 64,
-                       query: int = 5):
-  """cuDNN's dropout keep masks of one query row, read off exactly from the forward and the backward kernel.
-
-  With values v[key] = e_key (head size = length), the output row of `query` is
-  P[query, :] * keep / (1 - rate); with the output gradient 1 on that row only,
-  dv[key] = P[query, key] * keep / (1 - rate) * ones. Probabilities are near
-  uniform (small logits), so a zero is a dropped probability. One jitted
-  program runs one call per seed; returns a function that executes it and
-  returns [(forward keep, backward keep)] as [batch, heads, keys] booleans.
-  """
-  keys = jax.random.split(jax.random.key(0), 2)
-  q, k = ((0.1 * jax.random.normal(key, (batch, length, heads, length))).astype(jnp.bfloat16) for key in keys)
-  v = jnp.broadcast_to(jnp.eye(length, dtype=jnp.bfloat16)[None, :, None, :], (batch, length, heads, length))
-  dout = jnp.zeros((batch, length, heads, length), jnp.bfloat16).at[:, query].set(1)
-
-  @jax.jit
-  def run(v):
-    results = []
-    for seed in dropout_seeds:
-      attend = lambda v, seed=seed: dot_product_attention(q, k, v, pack_ids=None, implementation="cudnn",  # noqa: E731
-                                                          dropout_rate=0.1, dropout_rng=jax.random.key(1),
-                                                          dropout_seed=seed)[0]
-      out, pull = jax.vjp(attend, v)
-      results.append((out[:, query] != 0, pull(dout)[0][..., 0] != 0))
-    return results
-
-  return lambda: [(np.asarray(fwd), np.asarray(bwd).transpose(0, 2, 1)) for fwd, bwd in run(v)]
-
-
-def _command_buffers_without_cudnn() -> bool:
-  try:
-    attention.check_cudnn_dropout_flags(os.environ.get("XLA_FLAGS", ""))
-  except ValueError:
-    return False
-  return True
-
-
-@pytest.mark.skipif(not _command_buffers_without_cudnn(),
-                    reason=f"run with XLA_FLAGS={attention.CUDNN_DROPOUT_XLA_FLAG} (see attention.py)")
-def test_cudnn_dropout_forward_and_backward_drop_the_same_probabilities():
-  """What `attention.py` relies on when "cudnn" is asked for with attention dropout."""
-  execute = cudnn_dropout_keep((11, 12))
-  (fwd, bwd), (fwd_other_seed, _) = execute()
-  (fwd_again, bwd_again), _ = execute()
-  print(f"cuDNN dropout: keep rate {fwd.mean():.3f}; forward == backward: {np.array_equal(fwd, bwd)}")
-  np.testing.assert_array_equal(fwd, bwd)  # the backward kernel redraws the forward's mask
-  np.testing.assert_array_equal(fwd_again, bwd_again)
-  assert abs(fwd.mean() - 0.9) < 0.05, fwd.mean()
-  assert not np.array_equal(fwd, fwd_again)  # a new mask at every execution
-  assert not np.array_equal(fwd, fwd_other_seed)  # call sites with their own seeds draw their own masks
-  assert not np.array_equal(fwd[0], fwd[1]) and not np.array_equal(fwd[:, 0], fwd[:, 1])  # rows, heads
 
 
 @pytest.mark.parametrize("length,packed", [(128, False), (512, False), (128, True)])

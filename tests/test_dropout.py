@@ -1,4 +1,4 @@
-"""The hashed dropout masks (`bert_jax.models.dropout`, `flash_attention.keep_mask`): closed-form statistics."""
+"""The hashed dropout masks (`bert_jax.kernels.dropout`, `flash_attention.keep_mask`): closed-form statistics."""
 
 import flax.linen as nn
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import dropout, flash_attention
+from bert_jax.kernels import dropout, flash_attention
 
 
 def _z(count, mean, p):

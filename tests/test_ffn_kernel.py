@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import ffn_kernel, ops
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import ops
 from bert_jax.models.config import ModelConfig
 
 
@@ -79,9 +80,9 @@ def test_supported_shapes_and_dtype():
   assert not ffn_kernel.supported_pingpong(32768, 736, 3072, jnp.bfloat16)  # K not a multiple of 64
 
 
-def test_config_rejects_unknown_ffn_impl():
-  with pytest.raises(ValueError, match="ffn_impl"):
-    ModelConfig(ffn_impl="pallas")
+def test_config_rejects_unknown_kernels_setting():
+  with pytest.raises(ValueError, match="ModelConfig.kernels='pallas'"):
+    ModelConfig(kernels="pallas")
 
 
 def emulated_kernels(monkeypatch):
@@ -105,11 +106,11 @@ def emulated_kernels(monkeypatch):
   monkeypatch.setattr(ffn_kernel, "dgelu_matmul", dgelu_matmul)
 
 
-def encoder_value_and_grad(impl, ids, target, mesh=None):
+def encoder_value_and_grad(kernels, ids, target, mesh=None):
   from bert_jax.models.encoder import Encoder
   model = Encoder(ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
                               max_position_embeddings=64, dtype="bfloat16", hidden_dropout=0.0,
-                              attention_dropout=0.0, ffn_impl=impl))
+                              attention_dropout=0.0, kernels=kernels))
   params = model.init(jax.random.key(0), ids)
 
   def loss(params):  # a random projection: gradients of the activations' order, no LayerNorm-flattened loss
@@ -127,7 +128,8 @@ def encoder_value_and_grad(impl, ids, target, mesh=None):
 
 @pytest.mark.parametrize("sharded, save_derivative", [(False, False), (True, False), (False, True)])
 def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded, save_derivative):
-  """The FFN's kernel path (`ops.gelu_feed_forward` with both kernels, emulated) in an encoder against "xla":
+  """The FFN's kernel path (`ops.gelu_feed_forward` with both kernels, emulated) in an encoder against its XLA form
+  (the same model before the emulation, where the kernels do not apply):
   the custom VJP's wiring (dh and the bias gradient from `dgelu`), under a 4-way batch mesh the per-shard
   wrappers, whose column sums are added across shards, and with `SAVE_GELU_DERIVATIVE` GELU'(h) as the
   residual."""
@@ -135,7 +137,7 @@ def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded, save_der
   ids = jax.random.randint(jax.random.key(1), (16, 32), 5, 512)  # 128 rows per shard under the mesh: one tile
   target = jax.random.normal(jax.random.key(2), (16, 32, 256), jnp.float32)
   mesh = sharding_lib.create_mesh({"data": 4}, devices=jax.devices()[:4]) if sharded else None
-  (loss_x, grads_x), _ = encoder_value_and_grad("xla", ids, target, mesh)
+  (loss_x, grads_x), _ = encoder_value_and_grad("auto", ids, target, mesh)
   emulated_kernels(monkeypatch)
   monkeypatch.setattr(ffn_kernel, "SAVE_GELU_DERIVATIVE", save_derivative)
   assert ffn_kernel.applies_dgelu(jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 512), jnp.bfloat16))

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import ffn_kernel, ops
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import ops
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.encoder import Encoder
 from bert_jax.parallel import sharding as sharding_lib
@@ -100,8 +101,8 @@ def test_saved_gelu_derivative_forward_and_backward(schedule, shape):
 
 @pytest.mark.parametrize("save_derivative, sharded", [(False, False), (True, False), (True, True)])
 def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative, sharded):
-  """An encoder's loss and gradients with ffn_impl "auto" (the kernels on this GPU; with `save_derivative`,
-  GELU'(h) as the backward's residual) and "xla"; with `sharded`, both under a data-parallel mesh of every GPU
+  """An encoder's loss and gradients with the FFN kernels (on this GPU; with `save_derivative`, GELU'(h) as the
+  backward's residual) and without them (`ffn_kernel.applies` false: the kernels' XLA form); with `sharded`, both under a data-parallel mesh of every GPU
   here (the kernels per shard of the rows, `ffn_kernel._over_row_shards`; needs two GPUs or more).
 
   The loss is a random projection of the output, so that every gradient is of the order of the activations: a
@@ -126,7 +127,9 @@ def test_model_gradients_with_the_kernel_equal_xla(monkeypatch, save_derivative,
   params = None
   with context:
     for impl in ("auto", "xla"):
-      model = Encoder(ModelConfig(**kwargs, ffn_impl=impl))
+      if impl == "xla":
+        monkeypatch.setattr(ffn_kernel, "applies", lambda *args, **kw: False)
+      model = Encoder(ModelConfig(**kwargs))
       params = params or model.init(jax.random.key(0), ids)
 
       def loss(params):

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import attention
-from bert_jax.models import flash_attention as fa
-from bert_jax.models.attention import dot_product_attention, self_attention
+from bert_jax.kernels import attention
+from bert_jax.kernels import flash_attention as fa
+from bert_jax.kernels.attention import dot_product_attention, self_attention
 from bert_jax.parallel.sharding import DEFAULT_RULES
 
 
@@ -118,7 +118,7 @@ def test_auto_picks_flash_for_training_and_cudnn_for_forward_only_passes(monkeyp
 def test_add_qkv_bias_trains_the_query_and_value_slots_only():
   """The fused bias's value is ops.bias_add's; its gradient is the float32 row sum of the query and value slots
   and exactly 0 in the key slot (a per-query shift of the scores: no effect on the output)."""
-  from bert_jax.models import ops
+  from bert_jax.kernels import ops
   heads, head_dim = 3, 8
   qkv = jax.random.normal(jax.random.key(0), (2, 5, heads * 3 * head_dim), jnp.bfloat16)
   bias = jax.random.normal(jax.random.key(1), (heads, 3, head_dim), jnp.float32)
@@ -170,12 +170,16 @@ def test_bias_gradient_is_summed_by_the_kernels(mesh_shape):
 
 
 @pytest.mark.parametrize("impl,position", [("flash", "learned"), ("xla", "learned"), ("xla", "rotary")])
-def test_key_bias_is_trained_only_where_it_changes_the_scores(impl, position):
-  """The encoder's key-bias gradient: exactly 0 with learned positions (fused flash projections or
-  separate ones), a real gradient with rotary positions (which rotate the bias by key position)."""
+def test_key_bias_is_trained_only_where_it_changes_the_scores(monkeypatch, impl, position):
+  """The encoder's key-bias gradient with kernels: exactly 0 with learned positions (fused flash projections, forced
+  here in Pallas' interpreter, or separate ones), a real gradient with rotary positions (which rotate the bias by
+  key position)."""
+  from bert_jax.kernels import layers
   from bert_jax.models import Encoder, ModelConfig
+  resolve = layers.resolve_implementation
+  monkeypatch.setattr(layers, "resolve_implementation", lambda _, **kw: resolve(impl, **kw))
   config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                       max_position_embeddings=32, attention_impl=impl, position_embedding=position,
+                       max_position_embeddings=32, position_embedding=position,
                        hidden_dropout=0.0, attention_dropout=0.0)
   model = Encoder(config)
   ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)

@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bert_jax.models import cross_entropy_kernel, ffn_kernel, flash_attention, layer_norm_kernel
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import flash_attention
+from bert_jax.kernels import layer_norm as layer_norm_kernel
 
 shape = jax.ShapeDtypeStruct
 

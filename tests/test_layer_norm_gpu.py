@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import ops
+from bert_jax.kernels import ops
 from test_ops import add_layer_norm_outputs, layer_norm_grads, layer_norm_inputs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton)")

@@ -203,69 +203,13 @@ def test_finetune_heads(kind, shape):
   assert start.shape == end.shape == (ids.reshape(-1, 8).shape[0], 8)
 
 
-def _attention_seeds(monkeypatch, build_and_apply):
-  """The `dropout_seed` of every attention call of one forward pass."""
-  from bert_jax.models import encoder
-  seeds = []
-  attention = encoder.dot_product_attention
-  monkeypatch.setattr(encoder, "dot_product_attention",
-                      lambda *args, **kwargs: seeds.append(kwargs["dropout_seed"]) or attention(*args, **kwargs))
-  build_and_apply()
-  return seeds
-
-
-@pytest.mark.parametrize("overrides", [dict(num_layers=3), dict(num_layers=4, num_shared_groups=1),
-                                       dict(num_layers=3, remat="full")])
-def test_every_attention_call_site_has_its_own_cudnn_dropout_seed(monkeypatch, overrides):
-  """cuDNN's dropout draws one mask per static seed and execution: layers (ALBERT's shared ones too) differ."""
-  cfg = tiny(attention_dropout=0.1, **overrides)
-  ids = jnp.zeros((2, 8), jnp.int32)
-
-  def build_and_apply():
-    model = Encoder(cfg)
-    model.apply(model.init(jax.random.key(0), ids), ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
-
-  seeds = _attention_seeds(monkeypatch, build_and_apply)
-  layers = cfg.num_layers
-  assert len(seeds) == 2 * layers  # init and apply
-  assert len(set(seeds[layers:])) == layers and seeds[:layers] == seeds[layers:]  # distinct, and static
-
-
-def test_electra_generator_and_discriminator_attention_seeds_differ(monkeypatch):
-  disc = tiny(attention_dropout=0.1)
-  model = ElectraModel(disc, electra_generator_config(disc, 0.5))
-  ids = jnp.zeros((2, 8), jnp.int32)
-  positions = jnp.array([[1, 3], [2, 0]])
-  rngs = {"params": jax.random.key(0), "sample": jax.random.key(1), "dropout": jax.random.key(2)}
-  seeds = _attention_seeds(monkeypatch, lambda: model.init(rngs, ids, positions, ids, deterministic=False))
-  assert len(seeds) == 2 * disc.num_layers and len(set(seeds)) == len(seeds)
-
-
-def test_cudnn_attention_dropout_refuses_remat():
-  with pytest.raises(ValueError, match="ModelConfig.remat='full'.*recomputed forward"):
-    tiny(attention_impl="cudnn", attention_dropout=0.1, remat="full")
-  tiny(attention_impl="cudnn", attention_dropout=0.0, remat="full")
-  tiny(attention_impl="cudnn", attention_dropout=0.1)
-
-
-def test_cudnn_attention_dropout_needs_command_buffers_without_cudnn():
-  from bert_jax.models import attention
-  for flags in ("", "--xla_force_host_platform_device_count=8",
-                "--xla_gpu_enable_command_buffer=FUSION,CUDNN,CUBLAS"):
-    with pytest.raises(ValueError, match="xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"):
-      attention.check_cudnn_dropout_flags(flags)
-  for flags in (attention.CUDNN_DROPOUT_XLA_FLAG, "--xla_gpu_enable_command_buffer=", "--a=1 --xla_gpu_enable_"
-                "command_buffer=FUSION,CUDNN --xla_gpu_enable_command_buffer=FUSION"):
-    attention.check_cudnn_dropout_flags(flags)
-
-
 @pytest.mark.parametrize("features, axes, contract, reference", [
     ((24,), (None, "embed"), 1, lambda: nn.Dense(24)),
     ((4, 6), ("embed", "heads", "kv"), 1, lambda: nn.DenseGeneral((4, 6))),
     ((16,), ("heads", "kv", "embed"), 2, lambda: nn.DenseGeneral(16, axis=(-2, -1))),
 ])
 def test_projection_equals_flax_dense_with_the_same_parameters(features, axes, contract, reference):
-  from bert_jax.models.encoder import Projection
+  from bert_jax.kernels.layers import Projection
   config = model_config("bert", "tiny", dtype="float32")
   shape = (2, 5, 16) if contract == 1 else (2, 5, 4, 4)
   x = jax.random.normal(jax.random.key(0), shape)
@@ -280,18 +224,20 @@ def test_projection_equals_flax_dense_with_the_same_parameters(features, axes, c
 
 
 def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
-  """attention_impl="flash" computes Q/K/V as one fused GEMM read in place by the kernels (Pallas' interpreter on
-  CPU); "xla" projects them separately. Same parameters, same dropout masks: same outputs and gradients."""
-  from bert_jax.models import flash_attention
+  """Where the flash kernels apply (forced here: Pallas' interpreter on CPU), Q/K/V are one fused GEMM read in place
+  by the kernels; the XLA form projects them separately. Same parameters, same dropout masks: same outputs and
+  gradients."""
+  from bert_jax.kernels import flash_attention, layers
   fused_shapes = []
   fuse = flash_attention.fuse_qkv
   monkeypatch.setattr(flash_attention, "fuse_qkv", lambda *a: fused_shapes.append(a[0].shape) or fuse(*a))
+  resolve = layers.resolve_implementation
   ids = jnp.asarray(np.random.default_rng(3).integers(5, 97, (2, 16)), jnp.int32)
   pack = jnp.asarray([[1] * 16, [1] * 9 + [2] * 4 + [0] * 3], jnp.int32)
   results = []
   for impl in ("flash", "xla"):
-    cfg = tiny(hidden_size=64, num_heads=4, intermediate_size=128, attention_dropout=0.2, attention_impl=impl,
-               dtype="float32")
+    monkeypatch.setattr(layers, "resolve_implementation", lambda _, impl=impl, **kw: resolve(impl, **kw))
+    cfg = tiny(hidden_size=64, num_heads=4, intermediate_size=128, attention_dropout=0.2, dtype="float32")
     model = Encoder(cfg)
     params = model.init(jax.random.key(0), ids)
 
@@ -311,14 +257,17 @@ def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))  # float32 rounding
 
 
-@pytest.mark.parametrize("layer_norm_impl", ["xla", "pallas"])
+@pytest.mark.parametrize("layer_norm_kernel", [False, True])
 def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding_them_in_the_projections(
-    layer_norm_impl):
-  """The post-LN block hands its sublayers' output biases to the residual LayerNorms (`defer_output_bias`, so that
-  the backward kernel sums their gradients); the values and every gradient are those of the block that adds them in
-  the projections (float32, dropout on: the same masks)."""
-  from bert_jax.models.dropout import Dropout
+    monkeypatch, layer_norm_kernel):
+  """With kernels, the post-LN block hands its sublayers' output biases to the residual LayerNorms (so that the
+  backward kernel sums their gradients); the values and every gradient are those of the block that adds them to the
+  branches first (float32, dropout on: the same masks; the LayerNorm kernels in Pallas' interpreter or XLA)."""
+  from bert_jax.kernels import ops
+  from bert_jax.kernels.dropout import Dropout
   from bert_jax.models.encoder import FeedForward, SelfAttention, TransformerBlock, layer_norm
+  if layer_norm_kernel:
+    monkeypatch.setattr(ops, "use_kernel", lambda implementation: True)
 
   class BiasInProjections(nn.Module):
     config: object
@@ -329,12 +278,12 @@ def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding
       dropout = Dropout(cfg.hidden_dropout)
       attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
       attention, ffn = SelfAttention(cfg, name="attention"), FeedForward(cfg, name="ffn")
-      attn, _ = attention(x, None, position_ids, False, deterministic, False, 0)
-      x = attention_norm(x, attn, dropout, deterministic)
-      return ffn_norm(x, ffn(x), dropout, deterministic)
+      (attn, attn_bias), _ = attention(x, None, position_ids, False, deterministic, False)
+      x = attention_norm(x, attn + attn_bias, dropout, deterministic)
+      ffn_out, ffn_bias = ffn(x)
+      return ffn_norm(x, ffn_out + ffn_bias, dropout, deterministic)
 
-  cfg = tiny(hidden_size=128, intermediate_size=256, hidden_dropout=0.2, attention_dropout=0.1, dtype="float32",
-             layer_norm_impl=layer_norm_impl)
+  cfg = tiny(hidden_size=128, intermediate_size=256, hidden_dropout=0.2, attention_dropout=0.1, dtype="float32")
   x = jax.random.normal(jax.random.key(0), (2, 16, 128))
   positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
   block = TransformerBlock(cfg)
@@ -426,3 +375,60 @@ def test_sparse_last_layer_electra_generator():
     outs.append(model.apply(params, ids, positions, ids, sample=False))
   np.testing.assert_allclose(outs[0]["mlm_logits"], outs[1]["mlm_logits"], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(outs[0]["corrupted_ids"], outs[1]["corrupted_ids"])
+
+
+@pytest.mark.parametrize("overrides, packed", [
+    ({}, False), ({}, True), ({"norm": "pre"}, False), ({"causal": True}, True),
+    ({"position_embedding": "rotary", "ffn": "geglu"}, True), ({"sparse_last_layer": True}, False),
+    ({"embedding_size": 32, "num_shared_groups": 1, "num_layers": 3, "hidden_act": "gelu_tanh"}, False)])
+def test_kernels_auto_equals_the_plain_model(overrides, packed):
+  """`kernels="auto"` (here the kernels' XLA forms and custom gradients) against the plain Flax model ("off"): the
+  same parameter tree (names, shapes, logical axes), and with those parameters the same logits and gradients
+  (float32, dropout off)."""
+  cfg = tiny(hidden_size=64, num_heads=4, intermediate_size=128, hidden_dropout=0.0, attention_dropout=0.0,
+             dtype="float32", **overrides)
+  rng = np.random.default_rng(6)
+  ids = jnp.asarray(rng.integers(5, 97, (2, 16)), jnp.int32)
+  positions = jnp.asarray([[3, 7, 12], [1, 5, 9]], jnp.int32)
+  pack = jnp.asarray([[1] * 9 + [2] * 5 + [0] * 2, [1] * 16] if packed else [[1] * 13 + [0] * 3, [1] * 16], jnp.int32)
+  kwargs = dict(pack_ids=pack, packed=packed, cls_positions=jnp.asarray([[0, 9], [0, 0]], jnp.int32),
+                sbo_left=positions - 1, sbo_right=positions + 1, sbo_offsets=jnp.ones_like(positions))
+  models = {k: PretrainingModel(cfg.replace(kernels=k), span_boundary_head=True) for k in ("auto", "off")}
+  boxed = {k: m.init(jax.random.key(0), ids, positions, **kwargs) for k, m in models.items()}
+  axes = {k: jax.tree.map(lambda p: (p.value.shape, p.names), v, is_leaf=lambda p: isinstance(p, nn.Partitioned))
+          for k, v in boxed.items()}
+  assert axes["auto"] == axes["off"]
+  params = nn.unbox(boxed["off"])
+
+  def loss(params, model):
+    out = model.apply(params, ids, positions, **kwargs)
+    logits = [out[name].astype(jnp.float32) for name in ("mlm_logits", "sentence_logits", "sbo_logits")]
+    return sum(jnp.sum(jnp.sin(v[..., :97])) for v in logits), logits
+
+  (_, fast), fast_grads = jax.value_and_grad(loss, has_aux=True)(params, models["auto"])
+  (_, plain), plain_grads = jax.value_and_grad(loss, has_aux=True)(params, models["off"])
+  for a, b in zip(fast, plain):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(plain_grads))
+  plain_leaves = dict(jax.tree_util.tree_leaves_with_path(plain_grads))
+  for path, a in jax.tree_util.tree_leaves_with_path(fast_grads):
+    # The key bias's exact gradient is 0 (softmax ignores a per-query constant); the plain model's is rounding.
+    np.testing.assert_allclose(a, plain_leaves[path], rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_plain_model_imports_no_kernels():
+  """`kernels="off"` builds and runs the model without importing `bert_jax.kernels`."""
+  import os
+  import subprocess
+  import sys
+  code = ("import sys, jax, jax.numpy as jnp\n"
+          "from bert_jax.models import PretrainingModel, model_config\n"
+          "cfg = model_config('bert', 'L2-H64', vocab_size=50, kernels='off', max_position_embeddings=16)\n"
+          "ids = jnp.ones((2, 8), jnp.int32)\n"
+          "model = PretrainingModel(cfg)\n"
+          "rngs = {'params': jax.random.key(0), 'dropout': jax.random.key(1)}\n"
+          "v = model.init(rngs, ids, ids[:, :2], deterministic=False)\n"
+          "model.apply(v, ids, ids[:, :2], deterministic=False, rngs={'dropout': jax.random.key(2)})\n"
+          "assert not [m for m in sys.modules if m.startswith('bert_jax.kernels')], sorted(sys.modules)\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_train_step import build, synthetic_batch
 
-from bert_jax.models import ffn_kernel
+from bert_jax.kernels import ffn as ffn_kernel
 from bert_jax.parallel import sharding as sharding_lib
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""Hand-written gradients (`models/ops.py`, the MLM cross-entropy) against autodiff of the textbook forms."""
+"""Hand-written gradients (`kernels/ops.py`, the MLM cross-entropy) against autodiff of the textbook forms."""
 
 import functools
 
@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import cross_entropy_kernel, ops
-from bert_jax.models.encoder import LayerNorm
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel
+from bert_jax.kernels import ops
+from bert_jax.kernels.cross_entropy import cross_entropy_sums
+from bert_jax.kernels.layers import LayerNorm
 from bert_jax.parallel.sharding import DEFAULT_RULES
-from bert_jax.train.objectives import cross_entropy_sums
 
 
 def _close(a, b, rtol, atol):
@@ -80,7 +81,7 @@ def test_layer_norm_pallas_falls_back_to_xla_where_unsupported():
 
 def test_layer_norm_auto_is_the_xla_form_off_gpu(monkeypatch):
   """"auto" (the default) runs the kernel on GPU only; here, on CPU, it must not run the interpreter."""
-  from bert_jax.models import layer_norm_kernel
+  from bert_jax.kernels import layer_norm as layer_norm_kernel
   monkeypatch.setattr(layer_norm_kernel, "layer_norm_backward", lambda *a: pytest.fail("kernel used off GPU"))
   x, dy, scale, bias = layer_norm_inputs((64, 128), jnp.float32)
   for a, b in zip(layer_norm_grads("auto", x, dy, scale, bias), layer_norm_grads("xla", x, dy, scale, bias)):
@@ -191,7 +192,7 @@ def test_cross_entropy_kernel_leaves_narrow_rows_and_odd_row_counts_to_xla():
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 4, 1), (2, 2, 2)])
 def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
-  """Loss, count and gradients through `implementation="pallas"` against "xla": per row shard on a data x fsdp
+  """Loss, count and gradients through the kernel against XLA's rows: per row shard on a data x fsdp
   mesh; on a mesh splitting the vocabulary (tensor 2) the kernel steps aside and XLA reduces across shards."""
   logits, targets = logits_with_ties((16, 4, 4096), jax.random.key(6))
   targets = targets.at[:, ::2].set(jnp.argmax(logits, axis=-1)[:, ::2])  # half the predictions right
@@ -199,8 +200,10 @@ def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
 
   def run(implementation):
     def loss_and_grads(logits, weights):
-      sums = cross_entropy_sums(logits, targets, weights, implementation)
-      grads = jax.grad(lambda l, w: cross_entropy_sums(l, targets, w, implementation)[0], argnums=(0, 1))
+      kernel = implementation == "pallas"
+      sums = cross_entropy_kernel.weighted_cross_entropy(logits, targets, weights, kernel)
+      grads = jax.grad(lambda l, w: cross_entropy_kernel.weighted_cross_entropy(l, targets, w, kernel)[0],
+                       argnums=(0, 1))
       return sums, grads(logits, weights)
     uses_kernel = "pallas_call" in str(jax.make_jaxpr(loss_and_grads)(logits, weights))
     assert uses_kernel == (implementation == "pallas" and mesh_shape != (2, 2, 2))
@@ -220,11 +223,6 @@ def test_cross_entropy_sums_with_the_kernel_equal_xla(mesh_shape):
   assert float(correct) == float(ref_correct) and float(correct) > 0
   np.testing.assert_array_equal(grads[0].astype(jnp.float32), ref_grads[0].astype(jnp.float32))
   _close(grads[1], ref_grads[1], rtol=1e-6, atol=1e-5)  # the token losses: log-sum-exps to float32 rounding
-
-
-def test_cross_entropy_implementation_typo_is_named():
-  with pytest.raises(ValueError, match="implementation='palas'"):
-    cross_entropy_sums(jnp.zeros((2, 4096)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)), "palas")
 
 
 def test_bias_add_sums_its_gradient_in_float32():
@@ -258,7 +256,7 @@ def add_layer_norm_outputs(implementation, x, branch, dy, scale, bias, seeds, ra
 def add_layer_norm_reference(x, branch, dy, scale, bias, seeds, rate, branch_bias=None):
   """The same from the ops apart, by autodiff: layer_norm(x + Dropout(bias_add(branch, branch_bias))) (the mask
   of `seeds`)."""
-  from bert_jax.models import dropout
+  from bert_jax.kernels import dropout
   def loss(x, branch, scale, bias, branch_bias):
     if branch_bias is not None:
       branch = ops.bias_add(branch, branch_bias)
@@ -299,7 +297,8 @@ def test_add_layer_norm_equals_dropout_then_layer_norm(implementation, dtype, sh
 def test_add_layer_norm_backward_kernel_hashes_the_forward_mask():
   """The backward kernel's branch gradient: exactly dx times the forward's multiplier, element for element, and
   its column sums those of that array (the interpreter; bfloat16, rounded where XLA's form rounds)."""
-  from bert_jax.models import dropout, layer_norm_kernel
+  from bert_jax.kernels import dropout
+  from bert_jax.kernels import layer_norm as layer_norm_kernel
   x, dy, scale, _ = layer_norm_inputs((4, 32, 256), jnp.bfloat16)
   x32 = x.astype(jnp.float32)
   mean = jnp.mean(x32, -1, keepdims=True)
@@ -337,16 +336,18 @@ def test_add_layer_norm_kernels_per_shard_equal_unsharded():
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
-def test_layer_norm_module_residual_form_draws_the_dropout_mask_of_the_dropout_module(implementation):
+def test_layer_norm_module_residual_form_draws_the_dropout_mask_of_the_dropout_module(monkeypatch, implementation):
   """LayerNorm(x, branch, dropout) == LayerNorm(x + dropout(branch)): the same key, so the same mask."""
-  from bert_jax.models.dropout import Dropout
+  from bert_jax.kernels.dropout import Dropout
+  if implementation == "pallas":
+    monkeypatch.setattr(ops, "use_kernel", lambda implementation: True)
 
   class Residual(nn.Module):
     fused: bool
 
     @nn.compact
     def __call__(self, x, branch):
-      norm, dropout = LayerNorm(1e-12, jnp.float32, jnp.float32, implementation=implementation), Dropout(0.3)
+      norm, dropout = LayerNorm(1e-12, jnp.float32, jnp.float32), Dropout(0.3)
       if self.fused:
         return norm(x, branch, dropout, deterministic=False)
       return norm(x + dropout(branch, deterministic=False))

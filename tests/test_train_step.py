@@ -124,31 +124,32 @@ def test_padded_vocabulary_losses_and_gradients_equal_the_exact_ones():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
 
 
-def test_cross_entropy_kernel_losses_and_gradients_equal_xla():
-  """`cross_entropy_impl="pallas"` (Pallas' interpreter here): the MLM and SBO losses' statistics from the kernel,
-  over a vocabulary padded to 4096 logits (the kernel's narrowest rows), equal the XLA form's with gradients."""
+def test_cross_entropy_kernel_losses_and_gradients_equal_xla(monkeypatch):
+  """The cross-entropy kernel (forced, in Pallas' interpreter here): the MLM and SBO losses' statistics from the
+  kernel, over a vocabulary padded to 4096 logits (the kernel's narrowest rows), equal the XLA form's with
+  gradients."""
   import flax.linen as nn
-  config = make_config("mlm+sbo")
-  models = {impl: tiny_model(vocab_pad_multiple=4096, cross_entropy_impl=impl) for impl in ("xla", "pallas")}
-  objective = {impl: objectives.make_objective(config, cfg, mask_id=4) for impl, cfg in models.items()}
-  inputs = objective["xla"].prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
-  params = nn.unbox(objective["xla"].init_variables(jax.random.key(0), synthetic_batch()))["params"]
 
-  def loss(objective, params):
+  from bert_jax.kernels import cross_entropy as cross_entropy_kernel
+  config = make_config("mlm+sbo")
+  objective = objectives.make_objective(config, tiny_model(vocab_pad_multiple=4096), mask_id=4)
+  inputs = objective.prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
+  params = nn.unbox(objective.init_variables(jax.random.key(0), synthetic_batch()))["params"]
+
+  def loss(params):
     out = objective.forward(params, inputs, None, train=False)
     return out["mlm_loss"] + out["sbo_loss"], out
 
-  grad = lambda objective: jax.value_and_grad(functools.partial(loss, objective), has_aux=True)  # noqa: E731
-  assert "pallas_call" in str(jax.make_jaxpr(grad(objective["pallas"]))(params))
-  assert "pallas_call" not in str(jax.make_jaxpr(grad(objective["xla"]))(params))
-  (_, xla_out), xla_grads = jax.jit(grad(objective["xla"]))(params)
-  (_, kernel_out), kernel_grads = jax.jit(grad(objective["pallas"]))(params)
+  grad = lambda: jax.value_and_grad(lambda p: loss(p), has_aux=True)  # noqa: E731 (a new function: traced again)
+  assert "pallas_call" not in str(jax.make_jaxpr(grad())(params))
+  (_, xla_out), xla_grads = jax.jit(grad())(params)
+  monkeypatch.setattr(cross_entropy_kernel, "use_kernel", lambda: True)
+  assert "pallas_call" in str(jax.make_jaxpr(grad())(params))
+  (_, kernel_out), kernel_grads = jax.jit(grad())(params)
   for key in xla_out:
     np.testing.assert_allclose(kernel_out[key], xla_out[key], rtol=1e-6, err_msg=key)
   for a, b in zip(jax.tree.leaves(xla_grads), jax.tree.leaves(kernel_grads)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
-  with pytest.raises(ValueError, match="cross_entropy_impl='palas'"):
-    tiny_model(cross_entropy_impl="palas")
 
 
 def test_padded_vocabulary_logits_and_electra_samples():
@@ -212,7 +213,8 @@ def test_sharded_steps_equal_single_device(mesh_sizes):
 def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch, mesh_sizes):
   """A 128-wide model (the kernel's chunk): the Pallas LayerNorm backward per batch shard (replicated over
   the tensor axis, as the activations are) equals the XLA form on one device."""
-  from bert_jax.models import layer_norm_kernel
+  from bert_jax.kernels import layer_norm as layer_norm_kernel
+  from bert_jax.kernels import ops
   traced = []
   kernel = layer_norm_kernel._backward_2d
   monkeypatch.setattr(layer_norm_kernel, "_backward_2d", lambda meta, x, *args, **kw: traced.append(x.shape) or
@@ -221,7 +223,8 @@ def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch, mesh_sizes):
   batches = [synthetic_batch(seed=s) for s in range(2)]
   states, losses = [], []
   for sizes, impl in ((None, "xla"), (mesh_sizes, "pallas")):
-    state, step, mesh, *_ = build(mesh_sizes=sizes, model_overrides={**wide, "layer_norm_impl": impl})
+    monkeypatch.setattr(ops, "use_kernel", lambda implementation, impl=impl: impl == "pallas")
+    state, step, mesh, *_ = build(mesh_sizes=sizes, model_overrides=wide)
     state, step_losses = run_steps(state, step, mesh, batches)
     states.append(state)
     losses.append(step_losses)

@@ -1,8 +1,8 @@
 """Model zoo: one encoder for BERT, RoBERTa, ALBERT and ELECTRA, plus heads."""
 
 from bert_jax.models.config import ModelConfig, electra_generator_config, model_config
-from bert_jax.models.encoder import Encoder
+from bert_jax.models.encoder import Dropout, Encoder
 from bert_jax.models.model import ElectraModel, FinetuneModel, PretrainingModel
 
-__all__ = ["ModelConfig", "model_config", "electra_generator_config", "Encoder", "PretrainingModel",
+__all__ = ["Dropout", "ModelConfig", "model_config", "electra_generator_config", "Encoder", "PretrainingModel",
            "ElectraModel", "FinetuneModel"]

@@ -54,29 +54,10 @@ class ModelConfig:
     dtype: compute dtype ("float32" or "bfloat16"); softmax, LayerNorm
       statistics and losses stay float32.
     param_dtype: parameter dtype (float32).
-    attention_impl: "auto" (on GPU in float16/bfloat16: our Pallas flash
-      kernels in training, cuDNN fused attention in forward-only passes, when
-      shapes allow; XLA otherwise), "cudnn", "flash" or "xla". "cudnn" with attention
-      dropout uses cuDNN's own dropout: faster at length 512, but its masks do
-      not follow the step's key (not reproducible on resume, the same across
-      data-parallel replicas; `attention.py`) and it refuses remat.
-    layer_norm_impl: "auto" (default: "pallas" on GPU, "xla" elsewhere), "xla"
-      or "pallas": the LayerNorm backward pass, and the forward pass of the
-      post-LN residual LayerNorm(x + dropout(branch)), as one Pallas kernel
-      per row block each (`layer_norm_kernel.py`; widths a multiple of 128,
-      the XLA form for other shapes; off GPU it runs in Pallas' interpreter,
-      for tests). Same values to rounding.
-    ffn_impl: "auto" (default: on a Hopper GPU in bfloat16, the FFN's first
-      projection, bias and exact GELU as one Mosaic GPU GEMM with the GELU in
-      its epilogue, and in the backward pass dh = (dy @ wo^T) GELU'(h) with
-      the bias gradient as another, `ffn_kernel.py`, where shapes allow; XLA
-      elsewhere) or "xla". Same values to rounding.
-    cross_entropy_impl: "auto" (default: "pallas" on GPU, "xla" elsewhere),
-      "xla" or "pallas": the MLM and SBO losses' row statistics (log-sum-exp,
-      target logit, argmax) as one Pallas kernel reading the logits once
-      (`cross_entropy_kernel.py`; rows of at least 4096 logits and a vocabulary
-      the mesh does not split, the XLA form otherwise; off GPU in Pallas'
-      interpreter, for tests). Same values to rounding.
+    kernels: "auto" (default): the hand-written GPU kernels and custom-gradient
+      ops of `bert_jax.kernels` wherever they apply (GPU, dtype, shapes; their
+      own XLA forms elsewhere), the same values to rounding; "off": the plain
+      Flax / `jax.nn` model, the reference the fast paths are tested against.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
     vocab_pad_multiple: the MLM and SBO heads' tied vocabulary projection
@@ -86,8 +67,7 @@ class ModelConfig:
       cuBLAS wants bf16 dimensions in multiples of 8, and XLA pads BERT's
       30522 by copying the [predictions, vocab] logits' gradient every step.
       1 (default): exactly vocab_size logits. The pre-training configs
-      (`config_lib.model_section`) set 128: -0.6 ms of a 43.8 ms BERT-base
-      seq-128 step on an H100 (bench/NOTES.md, session 15).
+      (`config_lib.model_section`) set 128 (docs/performance.md).
     sparse_last_layer: pre-training: the last transformer block computes only
       the rows its heads read (the MLM, [CLS] and span-boundary positions):
       its queries, output projection, LayerNorms and feed-forward run on
@@ -123,15 +103,18 @@ class ModelConfig:
   num_shared_groups: int = 0
   dtype: str = "float32"
   param_dtype: str = "float32"
-  attention_impl: str = "auto"
-  layer_norm_impl: str = "auto"
-  ffn_impl: str = "auto"
-  cross_entropy_impl: str = "auto"
+  kernels: str = "auto"
+  # Older model_config.json files name the implementation of each operation; "kernels" replaces all four.
+  attention_impl: dataclasses.InitVar[str | None] = None
+  layer_norm_impl: dataclasses.InitVar[str | None] = None
+  ffn_impl: dataclasses.InitVar[str | None] = None
+  cross_entropy_impl: dataclasses.InitVar[str | None] = None
   remat: str = "none"
   vocab_pad_multiple: int = 1
   sparse_last_layer: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self, attention_impl=None, layer_norm_impl=None, ffn_impl=None, cross_entropy_impl=None):
+    del attention_impl, layer_norm_impl, ffn_impl, cross_entropy_impl
     def fail(field, why):
       raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {why}")
 
@@ -146,9 +129,7 @@ class ModelConfig:
     if self.hidden_act not in ACTIVATIONS:
       fail("hidden_act", f"expected one of {ACTIVATIONS}")
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
-               "position_embedding": ("learned", "rotary"), "attention_impl": ("auto", "cudnn", "flash", "xla"),
-               "layer_norm_impl": ("auto", "xla", "pallas"), "ffn_impl": ("auto", "xla"),
-               "cross_entropy_impl": ("auto", "xla", "pallas"),
+               "position_embedding": ("learned", "rotary"), "kernels": ("auto", "off"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16")}
     for field, allowed in choices.items():
@@ -160,10 +141,6 @@ class ModelConfig:
       fail("num_heads", "rotary positions need an even head size")
     if self.type_vocab_size < 1:
       fail("type_vocab_size", "must be at least 1")
-    if self.attention_impl == "cudnn" and self.attention_dropout > 0 and self.remat != "none":
-      fail("remat", "cuDNN's attention dropout draws a new mask at every execution of the kernel, so a recomputed "
-                    "forward pass would drop other probabilities than the one it replaces; use attention_impl="
-                    "'auto' (or 'flash') with remat, or attention_dropout=0")
 
   @property
   def padded_vocab_size(self) -> int:

@@ -5,33 +5,36 @@ are `ModelConfig` fields. Every parameter carries logical axis names (vocab,
 embed, heads, kv, mlp) and the main activations carry (batch, length, ...), so
 sharding is decided by rules in the trainer, never here.
 
+The model is plain Flax and `jax.nn`. Where `ModelConfig.kernels` is "auto",
+each operation goes through one seam into `bert_jax.kernels` (imported only
+then): dense layers, LayerNorm and the post-LN residual, attention, the
+feed-forward block, the embedding lookup and dropout. The seams are the
+functions and `if _fast(cfg)` branches below; the fast forms create the same
+parameters and compute the same values to rounding.
+
 Shape suffixes: b batch, l length, h heads, d head size, e embedding/hidden
 width, f feed-forward width, v vocabulary.
 """
 
 from __future__ import annotations
 
-import math
-import zlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import ffn_kernel, flash_attention, ops
-from bert_jax.models.attention import dot_product_attention, resolve_implementation, self_attention
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.dropout import Dropout
 
 Array = jax.Array
 
 
-def activation(name: str):
-  """The elementwise activation of a config's `hidden_act` (GELUs with a saved-input-only gradient)."""
-  return {"gelu": lambda x: ops.gelu(x, False),
-          "gelu_tanh": lambda x: ops.gelu(x, True),
-          "relu": nn.relu}[name]
+def _fast(config: ModelConfig):
+  """The kernels package's fast layers where `config.kernels` is "auto", else None (the plain forms here)."""
+  if config.kernels != "auto":
+    return None
+  from bert_jax.kernels import layers  # pylint: disable=g-import-not-at-top
+  return layers
 
 
 def dense_init(config: ModelConfig, axes: tuple[str | None, ...]):
@@ -42,91 +45,57 @@ def bias_init(axes: tuple[str | None, ...]):
   return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
 
 
-class LayerNorm(nn.Module):
-  """LayerNorm over the last axis with float32 statistics whatever the compute dtype.
-
-  Parameters "scale" and "bias" as in `flax.linen.LayerNorm`; the arithmetic
-  and its gradient are `ops.layer_norm`.
-  """
-
-  epsilon: float
-  dtype: Any
-  param_dtype: Any
-  axis_name: str = "embed"
-  implementation: str = "auto"
-
-  @nn.compact
-  def __call__(self, x: Array, branch: Array | None = None, dropout: Dropout | None = None,
-               deterministic: bool = True, branch_bias: Array | None = None) -> Array:
-    """LayerNorm(x), or of the post-LN residual x + dropout(branch + branch_bias) (`ops.add_layer_norm`: one
-    kernel a pass on GPU, the mask that `dropout` would draw; `branch_bias` [E] or None)."""
-    features = (x.shape[-1],)
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
-                       features, self.param_dtype)
-    bias = self.param("bias", bias_init((self.axis_name,)), features, self.param_dtype)
-    if branch is None:
-      return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
-    rate = 0.0 if deterministic or dropout is None else dropout.rate
-    if rate >= 1.0:
-      return ops.layer_norm(x, scale, bias, self.epsilon, self.dtype, self.implementation)
-    seeds = dropout.seeds() if rate > 0 else jnp.zeros((2,), jnp.int32)
-    return ops.add_layer_norm(x, branch.astype(x.dtype), scale, bias, seeds, rate, self.epsilon, self.dtype,
-                              self.implementation, branch_bias)
+def activation(config: ModelConfig):
+  """The elementwise activation of `config.hidden_act`: exact (erf) GELU, its tanh form, or ReLU."""
+  if fast := _fast(config):
+    return fast.activation(config.hidden_act)
+  return {"gelu": lambda x: jax.nn.gelu(x, approximate=False),
+          "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+          "relu": nn.relu}[config.hidden_act]
 
 
-def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> LayerNorm:
-  return LayerNorm(config.layer_norm_eps, config.compute_dtype, config.weight_dtype, axis_name,
-                   config.layer_norm_impl, name=name)
+def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> nn.Module:
+  """A dense layer [..., in] -> [..., features] in the compute dtype; `axes` name the kernel's two dims."""
+  if fast := _fast(config):
+    return fast.dense(config, features, axes, name)
+  return nn.Dense(features, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                  kernel_init=dense_init(config, axes), bias_init=bias_init(axes[1:]), name=name)
 
 
-class Projection(nn.Module):
-  """x [..., *in] -> [..., *features]: one [prod(in), prod(features)] matmul and a 1-D bias, in the compute dtype.
-
-  The parameters are `nn.Dense`'s / `nn.DenseGeneral`'s (kernel [*in, *features], bias [*features]), so
-  checkpoints and the Hugging Face mapping do not see the difference; the values are the same. The form is
-  chosen for XLA on a GPU: it fuses a 1-D bias add on a 2-D product into the cuBLAS GEMM, where
-  DenseGeneral's [heads, head_dim] bias add was a separate kernel reading and writing every query, key and
-  value projection (1 ms of a 52 ms BERT-Base seq-128 step on an H200, bench/NOTES.md session 6). The bias
-  gradient is summed in float32 (`ops.bias_add`).
-
-  Attributes:
-    config: compute and parameter dtypes, initialiser range.
-    features: the output dims.
-    axes: logical axis names of the kernel (the contracted input dims, then `features`).
-    contract: how many trailing dims of x are contracted (2: [..., heads, head_dim] -> [..., E]).
-  """
-
-  config: ModelConfig
-  features: tuple[int, ...]
-  axes: tuple[str | None, ...]
-  contract: int = 1
-
-  @nn.compact
-  def __call__(self, x: Array, weights_only: bool = False, add_bias: bool = True,
-               train_bias: bool = True) -> Array | tuple[Array, Array]:
-    """The projection of x; with `add_bias` False, (the projection without its bias, the bias [*features]) for a
-    caller that adds it (`ops.add_layer_norm`); with `weights_only`, (kernel [*in, *features] in the compute
-    dtype, bias [*features]) for a caller that fuses several projections of x into one GEMM (`SelfAttention`).
-    With `train_bias` False the bias gets no gradient (a key bias the softmax ignores: `SelfAttention`)."""
-    cfg = self.config
-    lead, inputs = x.shape[:x.ndim - self.contract], x.shape[x.ndim - self.contract:]
-    kernel = self.param("kernel", dense_init(cfg, self.axes), inputs + tuple(self.features), cfg.weight_dtype)
-    bias = self.param("bias", bias_init(self.axes[self.contract:]), tuple(self.features), cfg.weight_dtype)
-    if not train_bias:
-      bias = jax.lax.stop_gradient(bias)
-    dtype = cfg.compute_dtype
-    if weights_only:
-      return kernel.astype(dtype), bias
-    width_in, width_out = math.prod(inputs), math.prod(self.features)
-    y = jnp.dot(x.astype(dtype).reshape(*lead, width_in), kernel.astype(dtype).reshape(width_in, width_out))
-    if not add_bias:
-      return y.reshape(*lead, *self.features), bias
-    return ops.bias_add(y, bias.reshape(width_out)).reshape(*lead, *self.features)
+def add_bias(config: ModelConfig, y: Array, bias: Array) -> Array:
+  """y + bias over the last axis, in y's dtype."""
+  if _fast(config):
+    from bert_jax.kernels import ops  # pylint: disable=g-import-not-at-top
+    return ops.bias_add(y, bias)
+  return y + bias.astype(y.dtype)
 
 
-def dense(config: ModelConfig, features: int, axes: tuple[str | None, str | None], name: str) -> Projection:
-  """A dense layer [..., in] -> [..., features] (parameters of `nn.Dense`)."""
-  return Projection(config, (features,), axes, name=name)
+def layer_norm(config: ModelConfig, name: str, axis_name: str = "embed") -> nn.Module:
+  """LayerNorm over the last axis, statistics in float32, parameters "scale" and "bias" on `axis_name`."""
+  if fast := _fast(config):
+    return fast.layer_norm(config, name, axis_name)
+  return nn.LayerNorm(config.layer_norm_eps, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                      use_fast_variance=False, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (axis_name,)),
+                      bias_init=bias_init((axis_name,)))
+
+
+def Dropout(rate: float, kernels: str = "auto") -> nn.Module:  # noqa: N802 (used as the module class it returns)
+  """Inverted dropout drawing from the "dropout" RNG stream: `nn.Dropout`, or with `kernels="auto"` the kernels'
+  hashed mask (`bert_jax.kernels.dropout`: no random bits in memory, the mask independent of the sharding)."""
+  if kernels == "auto":
+    from bert_jax.kernels import dropout  # pylint: disable=g-import-not-at-top
+    return dropout.Dropout(rate)
+  return nn.Dropout(rate)
+
+
+def residual_layer_norm(config: ModelConfig, norm: nn.Module, x_ble: Array, branch_ble: Any, dropout: nn.Module,
+                        deterministic: bool) -> Array:
+  """The post-LN residual LayerNorm(x + dropout(branch)). With kernels, `branch_ble` is the sublayer's
+  (output without its bias, that bias), which the LayerNorm kernel adds."""
+  if fast := _fast(config):
+    return fast.residual_layer_norm(norm, x_ble, branch_ble, dropout, deterministic)
+  return norm(x_ble + dropout(branch_ble, deterministic=deterministic))
 
 
 def gather_positions(hidden_ble: Array, positions_bm: Array) -> Array:
@@ -144,21 +113,18 @@ def rotary_embedding(x_blhd: Array, position_ids_bl: Array, base: float) -> Arra
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_blhd.dtype)
 
 
-def embedding_lookup(table: Array, ids: Array, dtype) -> Array:
-  """table[ids] in `dtype`, exact, with a gradient accumulated at least in `dtype` without scatter contention.
-
-  The obvious `table.astype(dtype)[ids]` differentiates into a scatter-add in
-  `dtype`; in bfloat16, with thousands of updates to the same rows ([CLS],
-  [SEP], [MASK], the two token types), that took two thirds of a BERT-Base
-  step on an H200. Small tables (positions, token types) are read with a
-  one-hot matmul instead, whose gradient is a matmul; the vocabulary is
-  gathered in float32, whose gradient is a float32 scatter-add (native
-  atomics). Both give exactly table[ids] in the forward pass.
-  """
-  if table.shape[0] <= 1024:
-    one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=dtype)
-    return jnp.dot(one_hot, table.astype(dtype), precision=jax.lax.Precision.HIGHEST)
-  return jnp.take(table, ids, axis=0).astype(dtype)
+def attention_mask(pack_ids_bl: Array, causal: bool, query_positions_bq: Array | None = None) -> Array:
+  """Boolean [B, 1, Q, L] mask: same packed example, key not padding, (causal); the rows of every position, or
+  of `query_positions_bq` [B, Q]."""
+  length = pack_ids_bl.shape[1]
+  if query_positions_bq is None:
+    query_pack_ids, query_positions_bq = pack_ids_bl, jnp.arange(length, dtype=jnp.int32)[None]
+  else:
+    query_pack_ids = jnp.take_along_axis(pack_ids_bl, query_positions_bq, axis=1)
+  allowed = (query_pack_ids[:, :, None] == pack_ids_bl[:, None, :]) & (pack_ids_bl[:, None, :] > 0)
+  if causal:
+    allowed &= jnp.arange(length)[None, None, :] <= query_positions_bq[:, :, None]
+  return allowed[:, None]
 
 
 class Embeddings(nn.Module):
@@ -177,17 +143,19 @@ class Embeddings(nn.Module):
     self.token_type_embeddings = nn.Embed(cfg.type_vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
                                           param_dtype=cfg.weight_dtype, embedding_init=embed_init((None, "embed")))
     self.norm = layer_norm(cfg, "norm")
-    self.dropout = Dropout(cfg.hidden_dropout)
+    self.dropout = Dropout(cfg.hidden_dropout, cfg.kernels)
 
   def __call__(self, input_ids_bl: Array, segment_ids_bl: Array, position_ids_bl: Array,
                deterministic: bool) -> Array:
     cfg = self.config
-    dtype = cfg.compute_dtype
-    x_ble = embedding_lookup(self.word_embeddings.embedding, input_ids_bl, dtype)
+    if fast := _fast(cfg):
+      lookup = lambda table, ids: fast.embedding_lookup(table.embedding, ids, cfg.compute_dtype)  # noqa: E731
+    else:
+      lookup = lambda table, ids: table(ids)  # noqa: E731
+    x_ble = lookup(self.word_embeddings, input_ids_bl)
     if cfg.position_embedding == "learned":
-      x_ble = x_ble + embedding_lookup(self.position_embeddings.embedding, position_ids_bl + cfg.position_offset,
-                                       dtype)
-    x_ble = x_ble + embedding_lookup(self.token_type_embeddings.embedding, segment_ids_bl, dtype)
+      x_ble = x_ble + lookup(self.position_embeddings, position_ids_bl + cfg.position_offset)
+    x_ble = x_ble + lookup(self.token_type_embeddings, segment_ids_bl)
     x_ble = self.dropout(self.norm(x_ble), deterministic=deterministic)
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed"))
 
@@ -205,146 +173,117 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
-def call_site_seed(path: tuple[str, ...], layer: int) -> int:
-  """A static 31-bit seed per attention call site: module path and layer index (ALBERT's shared blocks run
-  one module in several layers). Only cuDNN's dropout reads it (`attention.py`)."""
-  return zlib.crc32(f"{'/'.join(path)}#{layer}".encode()) & 0x7FFFFFFF
-
-
 class SelfAttention(nn.Module):
-  """Multi-head self-attention and its output projection.
-
-  Attributes:
-    config: the architecture.
-    defer_output_bias: return (output without the output projection's bias, that bias [E]) for the caller to add
-      (the post-LN residual, `LayerNorm(x, branch, dropout, deterministic, branch_bias)`).
-  """
+  """Multi-head self-attention and its output projection."""
 
   config: ModelConfig
-  defer_output_bias: bool = False
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
-               deterministic: bool, return_probs: bool, layer: int = 0,
+               deterministic: bool, return_probs: bool,
                query_positions_bq: Array | None = None) -> tuple[Array, Array | None]:
-    """The attention output [B, L, E] (post-LN: and the deferred bias), probabilities or None; with
-    `query_positions_bq` [B, Q], only the rows at those positions ([B, Q, E]): queries there, keys and values
-    at every position, through the XLA path (`dot_product_attention`)."""
-    cfg = self.config
-    heads, head_dim = cfg.num_heads, cfg.head_dim
+    """The attention output [B, L, E] and the probabilities [B, heads, L, L] (float32) or None.
 
-    projections = {n: Projection(cfg, (heads, head_dim), ("embed", "heads", "kv"), name=n)
-                   for n in ("query", "key", "value")}
-    dropout_rng = None
-    if not deterministic and cfg.attention_dropout > 0:
-      dropout_rng = self.make_rng("dropout")
-    impl = resolve_implementation(cfg.attention_impl, dtype=cfg.compute_dtype, head_dim=head_dim,
-                                  dropout_active=dropout_rng is not None, return_probs=return_probs,
-                                  length=x_ble.shape[1], training=not deterministic)
-    options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=impl,
-                   dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng,
-                   dropout_seed=call_site_seed(self.scope.path, layer), return_probs=return_probs)
-    if impl == "flash" and cfg.position_embedding != "rotary" and query_positions_bq is None:
-      # One [E, H * 3 * D] GEMM in the flash kernels' layout, which they read in place (`self_attention`);
-      # its backward is one GEMM too. Three [E, E] GEMMs ran at ~35% of an H100's peak (bench/NOTES.md).
-      weights = {n: projection(x_ble, weights_only=True) for n, projection in projections.items()}
-      kernel = flash_attention.fuse_qkv(*(weights[n][0] for n in ("query", "key", "value")))
-      bias = flash_attention.fuse_qkv(*(weights[n][1] for n in ("query", "key", "value")))
-      width = x_ble.shape[-1]
-      qkv = jnp.dot(x_ble.astype(cfg.compute_dtype).reshape(-1, width), kernel.reshape(width, -1))
-      qkv_blh3d = qkv.reshape(*x_ble.shape[:2], heads, 3, head_dim)
-      qkv_blh3d = nn.with_logical_constraint(qkv_blh3d, ("batch", "length", "heads", None, "kv"))
-      # The bias is added by `self_attention`: the flash kernels sum its gradient as they write d(qkv).
-      out_blhd, probs = self_attention(qkv_blh3d, bias_h3d=bias, **options)
-    else:
-      x_bqe = x_ble if query_positions_bq is None else gather_positions(x_ble, query_positions_bq)
-      q_blhd, v_blhd = projections["query"](x_bqe), projections["value"](x_ble)
-      # The key bias only matters where rotary positions rotate it (`flash_attention.add_qkv_bias`).
-      k_blhd = projections["key"](x_ble, train_bias=cfg.position_embedding == "rotary")
-      if cfg.position_embedding == "rotary":
-        position_ids_bq = (position_ids_bl if query_positions_bq is None
-                           else jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1))
-        q_blhd = rotary_embedding(q_blhd, position_ids_bq, cfg.rotary_base)
-        k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
-      q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
-      k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
-      v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
-      out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, query_positions=query_positions_bq,
-                                              **options)
-    output = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")
-    return output(out_blhd, add_bias=not self.defer_output_bias), probs
+    With `query_positions_bq` [B, Q], only the rows at those positions ([B, Q, E]): queries there, keys and
+    values at every position. `pack_ids_bl` [B, L]: 0 for padding, else the packed example id (None: no padding);
+    `packed` rows attend only inside their own example.
+    """
+    cfg = self.config
+    if fast := _fast(cfg):
+      return fast.self_attention(self, x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
+                                 query_positions_bq)
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+    projection = lambda name: nn.DenseGeneral(  # noqa: E731
+        (heads, head_dim), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, name=name,
+        kernel_init=dense_init(cfg, ("embed", "heads", "kv")), bias_init=bias_init(("heads", "kv")))
+    x_bqe = x_ble if query_positions_bq is None else gather_positions(x_ble, query_positions_bq)
+    q_bqhd, k_blhd, v_blhd = projection("query")(x_bqe), projection("key")(x_ble), projection("value")(x_ble)
+    if cfg.position_embedding == "rotary":
+      position_ids_bq = (position_ids_bl if query_positions_bq is None
+                         else jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1))
+      q_bqhd = rotary_embedding(q_bqhd, position_ids_bq, cfg.rotary_base)
+      k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
+    q_bqhd = nn.with_logical_constraint(q_bqhd, ("batch", "length", "heads", "kv"))
+    k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
+    v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
+
+    lengths_b, mask_b1ql, causal = None, None, cfg.causal
+    if pack_ids_bl is not None and not packed and query_positions_bq is None:
+      lengths_b = jnp.sum(pack_ids_bl > 0, axis=-1).astype(jnp.int32)  # padding by lengths
+    elif pack_ids_bl is not None or query_positions_bq is not None:
+      ids_bl = pack_ids_bl if pack_ids_bl is not None else jnp.ones(x_ble.shape[:2], jnp.int32)
+      mask_b1ql, causal = attention_mask(ids_bl, cfg.causal, query_positions_bq), False
+    dropout = not deterministic and cfg.attention_dropout > 0
+    if not (dropout or return_probs):
+      out_bqhd = jax.nn.dot_product_attention(q_bqhd, k_blhd, v_blhd, mask=mask_b1ql, is_causal=causal,
+                                              query_seq_lengths=lengths_b, key_value_seq_lengths=lengths_b)
+      probs_bhql = None
+    else:  # attention dropout or the probabilities: jax.nn's attention offers neither
+      if lengths_b is not None:
+        mask_b1ql = attention_mask(pack_ids_bl, cfg.causal)
+      elif causal:
+        mask_b1ql = nn.make_causal_mask(jnp.ones(x_ble.shape[:2], jnp.int32))
+      probs_bhql = nn.dot_product_attention_weights(q_bqhd, k_blhd, mask=mask_b1ql, dtype=jnp.float32)
+      weights_bhql = probs_bhql
+      if dropout:
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - cfg.attention_dropout, probs_bhql.shape)
+        weights_bhql = jnp.where(keep, probs_bhql / (1.0 - cfg.attention_dropout), 0.0)
+      out_bqhd = jnp.einsum("bhql,blhd->bqhd", weights_bhql.astype(v_blhd.dtype), v_blhd)
+      probs_bhql = probs_bhql if return_probs else None
+    output = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                             kernel_init=dense_init(cfg, ("heads", "kv", "embed")), bias_init=bias_init(("embed",)),
+                             name="output")
+    return output(out_bqhd), probs_bhql
 
 
 class FeedForward(nn.Module):
-  """The position-wise feed-forward block (`ModelConfig.ffn`, `hidden_act`), both projections.
-
-  Attributes:
-    config: the architecture.
-    defer_output_bias: as `SelfAttention`'s: return (output without the "wo" bias, that bias).
-  """
+  """The position-wise feed-forward block (`ModelConfig.ffn`, `hidden_act`), both projections."""
 
   config: ModelConfig
-  defer_output_bias: bool = False
 
   @nn.compact
-  def __call__(self, x_ble: Array) -> Array | tuple[Array, Array]:
+  def __call__(self, x_ble: Array) -> Array:
     cfg = self.config
-    add_bias = not self.defer_output_bias
-    act = activation(cfg.hidden_act)
+    if fast := _fast(cfg):
+      return fast.feed_forward(self, x_ble)
+    act = activation(cfg)
     if cfg.ffn == "geglu":
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi_gate")(x_ble))
       h_blf = h_blf * dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble)
-    elif cfg.hidden_act == "gelu":
-      wi, bi = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble, weights_only=True)
-      x_ble = x_ble.astype(cfg.compute_dtype)
-      if cfg.ffn_impl == "auto" and ffn_kernel.applies(x_ble, wi):  # both projections, GELU in Hopper kernels
-        h_shape = jax.ShapeDtypeStruct((*x_ble.shape[:-1], cfg.intermediate_size), wi.dtype)
-        wo, bo = dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_shape, weights_only=True)
-        y_ble = ops.gelu_feed_forward(x_ble, wi, bi, wo)
-        return ops.bias_add(y_ble, bo) if add_bias else (y_ble, bo)
-      h_blf = ops.gelu(ops.bias_add(jnp.dot(x_ble, wi), bi))
     else:
       h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble))
     h_blf = nn.with_logical_constraint(h_blf, ("batch", "length", "mlp"))
-    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_blf, add_bias=add_bias)
+    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "wo")(h_blf)
 
 
 class TransformerBlock(nn.Module):
-  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN.
-
-  Post-LN, the sublayers' output biases are added by the residual LayerNorms (`ops.add_layer_norm`), whose
-  backward kernel sums their gradients beside the branch gradient it writes (one pass over memory fewer per
-  residual than a separate dropout-backward and bias-sum kernel).
-  """
+  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN."""
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
-               deterministic: bool = True, return_probs: bool = False, layer: int = 0,
+               deterministic: bool = True, return_probs: bool = False,
                output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
     """The block's output [B, L, E] and attention probabilities or None. With `output_positions_bk` [B, K], the
     output at those positions only ([B, K, E]): every row-wise part of the block runs on those K rows, the
     keys and values on all L (`SelfAttention`'s `query_positions_bq`)."""
     cfg = self.config
-    dropout = Dropout(cfg.hidden_dropout)
+    dropout = Dropout(cfg.hidden_dropout, cfg.kernels)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
-    post = cfg.norm != "pre"
-    attention = SelfAttention(cfg, defer_output_bias=post, name="attention")
-    ffn = FeedForward(cfg, defer_output_bias=post, name="ffn")
+    attention = SelfAttention(cfg, name="attention")
+    ffn = FeedForward(cfg, name="ffn")
     rows = (lambda x: x) if output_positions_bk is None else (lambda x: gather_positions(x, output_positions_bk))
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
-                                  return_probs, layer, output_positions_bk)
+                                  return_probs, output_positions_bk)
       x_ble = rows(x_ble) + dropout(attn_ble, deterministic=deterministic)
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
-      (attn_ble, attn_bias), probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic,
-                                               return_probs, layer, output_positions_bk)
-      # LayerNorm(x + dropout(attn + its output bias))
-      x_ble = attention_norm(rows(x_ble), attn_ble, dropout, deterministic, attn_bias)
-      ffn_ble, ffn_bias = ffn(x_ble)
-      x_ble = ffn_norm(x_ble, ffn_ble, dropout, deterministic, ffn_bias)
+      attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
+                                  output_positions_bk)
+      x_ble = residual_layer_norm(cfg, attention_norm, rows(x_ble), attn_ble, dropout, deterministic)
+      x_ble = residual_layer_norm(cfg, ffn_norm, x_ble, ffn(x_ble), dropout, deterministic)
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
 
 
@@ -352,8 +291,8 @@ def _remat(block_cls, policy: str):
   if policy == "none":
     return block_cls
   checkpoint_policy = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  # Arguments 4..7 (packed, deterministic, return_probs, layer) are Python values; 8 (output positions) an array.
-  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6, 7))
+  # Arguments 4..6 (packed, deterministic, return_probs) are Python values; 7 (output positions) an array.
+  return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6))
 
 
 class Encoder(nn.Module):
@@ -421,7 +360,7 @@ class Encoder(nn.Module):
     for layer in range(cfg.num_layers):
       block = self.blocks[layer * len(self.blocks) // cfg.num_layers]
       last = layer == cfg.num_layers - 1
-      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions, layer,
+      x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions,
                            output_positions if last else None)
       hidden_states.append(x_ble)
       attentions.append(probs)

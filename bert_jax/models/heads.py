@@ -12,10 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import ops
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.dropout import Dropout
-from bert_jax.models.encoder import activation, bias_init, dense, gather_positions, layer_norm
+from bert_jax.models.encoder import Dropout, activation, add_bias, bias_init, dense, gather_positions, layer_norm
 
 Array = jax.Array
 
@@ -31,13 +29,13 @@ class VocabTransform(nn.Module):
   @nn.compact
   def __call__(self, x_bmh: Array, attend) -> Array:
     cfg = self.config
-    x_bme = activation(cfg.hidden_act)(dense(cfg, cfg.embed_dim, (None, "embed"), "transform")(x_bmh))
+    x_bme = activation(cfg)(dense(cfg, cfg.embed_dim, (None, "embed"), "transform")(x_bmh))
     x_bme = layer_norm(cfg, "transform_norm")(x_bme)
     bias_v = self.param("output_bias", bias_init(("vocab",)), (cfg.vocab_size,), cfg.weight_dtype)
     extra = cfg.padded_vocab_size - cfg.vocab_size
     if extra:  # `ModelConfig.vocab_pad_multiple`: logits past the vocabulary that no softmax weighs
       bias_v = jnp.concatenate([bias_v, jnp.full((extra,), PAD_LOGIT, bias_v.dtype)])
-    return ops.bias_add(attend(x_bme), bias_v)
+    return add_bias(cfg, attend(x_bme), bias_v)
 
 
 class MLMHead(nn.Module):
@@ -74,7 +72,7 @@ class SentenceHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array, cls_positions_bp: Array | None = None, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble, cls_positions_bp)
-    pooled = Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    pooled = Dropout(self.config.hidden_dropout, self.config.kernels)(pooled, deterministic=deterministic)
     return dense(self.config, 2, ("embed", None), "classifier")(pooled)
 
 
@@ -86,7 +84,7 @@ class ReplacedTokenHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array) -> Array:
     cfg = self.config
-    x = activation(cfg.hidden_act)(dense(cfg, cfg.hidden_size, ("embed", None), "dense")(hidden_ble))
+    x = activation(cfg)(dense(cfg, cfg.hidden_size, ("embed", None), "dense")(hidden_ble))
     return dense(cfg, 1, ("embed", None), "prediction")(x)[..., 0]
 
 
@@ -110,7 +108,7 @@ class SpanBoundaryHead(nn.Module):
     offsets_bm = jnp.clip(offsets_bm, 0, self.max_span_positions - 1)
     x = jnp.concatenate([gather_positions(hidden_ble, left_bm), gather_positions(hidden_ble, right_bm),
                          jnp.take(position_table, offsets_bm, axis=0).astype(hidden_ble.dtype)], axis=-1)
-    act = activation(cfg.hidden_act)
+    act = activation(cfg)
     for i in range(2):
       x = layer_norm(cfg, f"norm_{i}")(act(dense(cfg, cfg.hidden_size, (None, "embed"), f"dense_{i}")(x)))
     return VocabTransform(cfg, name="predictions")(x, attend)
@@ -125,7 +123,7 @@ class ClassificationHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble)[:, 0]
-    pooled = Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    pooled = Dropout(self.config.hidden_dropout, self.config.kernels)(pooled, deterministic=deterministic)
     return dense(self.config, self.num_labels, ("embed", None), "classifier")(pooled)
 
 
@@ -148,7 +146,7 @@ class MultipleChoiceHead(nn.Module):
   @nn.compact
   def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble)[:, 0]
-    pooled = Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+    pooled = Dropout(self.config.hidden_dropout, self.config.kernels)(pooled, deterministic=deterministic)
     return dense(self.config, 1, ("embed", None), "classifier")(pooled)[..., 0]
 
 
@@ -160,5 +158,5 @@ class TokenClassificationHead(nn.Module):
 
   @nn.compact
   def __call__(self, hidden_ble: Array, deterministic: bool = True) -> Array:
-    x = Dropout(self.config.hidden_dropout)(hidden_ble, deterministic=deterministic)
+    x = Dropout(self.config.hidden_dropout, self.config.kernels)(hidden_ble, deterministic=deterministic)
     return dense(self.config, self.num_labels, ("embed", None), "classifier")(x)

@@ -37,7 +37,7 @@ from bert_jax.convert.params import encoder_params
 from bert_jax.convert.pretrained import load_pretrained
 from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from bert_jax.models import Encoder, FinetuneModel, ModelConfig
-from bert_jax.models.dropout import Dropout
+from bert_jax.models import Dropout
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train.objectives import cross_entropy_sums

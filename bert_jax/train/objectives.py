@@ -22,7 +22,6 @@ rtd (ELECTRA: generator MLM + 50 x replaced-token detection).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -32,80 +31,14 @@ import ml_collections
 import optax
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
-from bert_jax.models import (ElectraModel, ModelConfig, PretrainingModel, cross_entropy_kernel,
-                             electra_generator_config, ops)
+from bert_jax.kernels.cross_entropy import cross_entropy_sums
+from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
 
 OBJECTIVES = ("mlm+nsp", "mlm+sop", "mlm", "mlm+sbo", "ltr", "rtd")
 # The example format each objective's sentence head needs.
 SENTENCE_FORMATS = {"mlm+nsp": "segment_pair", "mlm+sop": "sop"}
 
 Array = jax.Array
-
-
-def cross_entropy_sums(logits: Array, targets: Array, weights: Array,
-                       implementation: str = "auto") -> tuple[Array, Array]:
-  """Weighted sums of token cross-entropy and of correct argmax predictions (float32).
-
-  Args:
-    logits: [..., V] in any float dtype (the arithmetic is float32).
-    targets: [...] int class ids.
-    weights: [...] per-token weights (0 for padding predictions).
-    implementation: of the rows' statistics (log-sum-exp, target logit, argmax): "xla", "pallas" (one kernel
-      reading the logits once, `cross_entropy_kernel`; in the interpreter off GPU) or "auto" (the kernel on GPU).
-      XLA wherever the kernel does not apply (narrow rows, a vocabulary split by the mesh).
-
-  Returns:
-    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
-  """
-  if implementation not in ("auto", "xla", "pallas"):
-    raise ValueError(f"cross-entropy implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
-  return _weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32), implementation)
-
-
-def _row_statistics(logits: Array, targets: Array, implementation: str) -> tuple[Array, Array, Array]:
-  """(log-sum-exp, target logit, first argmax) of each row of logits, the first two in float32."""
-  if ops.use_kernel(implementation):
-    statistics = cross_entropy_kernel.row_statistics(logits, targets)
-    if statistics is not None:
-      return statistics
-  logits32 = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits32, axis=-1)
-  target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
-  return log_z, target_logit, jnp.argmax(logits, axis=-1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _weighted_cross_entropy(logits: Array, targets: Array, weights: Array, implementation: str
-                            ) -> tuple[Array, Array]:
-  return _weighted_cross_entropy_fwd(logits, targets, weights, implementation)[0]
-
-
-def _weighted_cross_entropy_fwd(logits, targets, weights, implementation):
-  log_z, target_logit, argmax = _row_statistics(logits, targets, implementation)
-  token_loss = log_z - target_logit
-  correct = (argmax == targets).astype(jnp.float32)
-  return ((jnp.sum(token_loss * weights), jnp.sum(correct * weights)),
-          (logits, targets, weights, log_z, token_loss, correct))
-
-
-def _weighted_cross_entropy_bwd(implementation, residuals, g):
-  """d/dlogits = g * weight * (softmax - one_hot(target)), written in one elementwise pass in the logits' dtype.
-
-  Autodiff of the forward gives a float32 [..., V] softmax plus a scatter-add
-  for the target pick; for BERT's sparse MLM head that is a few [B * M, vocab]
-  float32 arrays per step. The correct-prediction count has no gradient in the logits.
-  """
-  del implementation
-  logits, targets, weights, log_z, token_loss, correct = residuals
-  g_loss, g_correct = g
-  scale = (g_loss * weights)[..., None]
-  softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
-  one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
-  dlogits = (scale * (softmax - one_hot)).astype(logits.dtype)
-  return dlogits, None, g_loss * token_loss + g_correct * correct
-
-
-_weighted_cross_entropy.defvjp(_weighted_cross_entropy_fwd, _weighted_cross_entropy_bwd)
 
 
 def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> tuple[Array, Array]:
@@ -119,7 +52,7 @@ def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> t
 def dropout_key(key: Array) -> Array:
   """An "rbg" key drawn from `key`, for the "dropout" RNG stream.
 
-  The masks themselves are hashed (`bert_jax.models.dropout`); each dropout
+  The masks themselves are hashed (`bert_jax.kernels.dropout`); each dropout
   site draws only two seeds from this stream, so the key's implementation no
   longer matters for speed. It stays "rbg" so that the seeds, and with them
   the masks of a given step key, are those of runs already made.
@@ -191,12 +124,11 @@ class Objective:
     common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
                   pack_ids=inputs["pack_ids"], packed=self.packed, deterministic=not train)
     out: dict[str, Array] = {}
-    implementation = self.model_config.cross_entropy_impl  # of the vocabulary-wide losses (MLM, SBO)
     if self.name == "rtd":
       model_out = self.model.apply({"params": params}, inputs["input_ids"], inputs["mlm_positions"],
                                    inputs["original_ids"], rngs=rngs, **common)
       out["mlm_loss"], out["mlm_correct"] = cross_entropy_sums(model_out["mlm_logits"], inputs["mlm_ids"],
-                                                               inputs["mlm_weights"], implementation)
+                                                               inputs["mlm_weights"])
       real = (inputs["pack_ids"] > 0).astype(jnp.float32)
       out["rtd_loss"], out["rtd_correct"] = binary_cross_entropy_sums(model_out["rtd_logits"],
                                                                       model_out["replaced"], real)
@@ -209,13 +141,13 @@ class Objective:
     model_out = self.model.apply({"params": params}, inputs["input_ids"], inputs["mlm_positions"], rngs=rngs,
                                  **common, **extra)
     out["mlm_loss"], out["mlm_correct"] = cross_entropy_sums(model_out["mlm_logits"], inputs["mlm_ids"],
-                                                             inputs["mlm_weights"], implementation)
+                                                             inputs["mlm_weights"])
     if "sentence" in self.weights:
       out["sentence_loss"], out["sentence_correct"] = cross_entropy_sums(
           model_out["sentence_logits"], inputs["sentence_labels"], inputs["sentence_weights"])
     if "sbo" in self.weights:
       out["sbo_loss"], out["sbo_correct"] = cross_entropy_sums(model_out["sbo_logits"], inputs["mlm_ids"],
-                                                               inputs["mlm_weights"], implementation)
+                                                               inputs["mlm_weights"])
     return out
 
   def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:

@@ -1,12 +1,10 @@
-"""The one attention function every layer calls.
+"""The attention of the fast path (`layers.self_attention`): three implementations behind one signature.
 
-Three implementations behind one signature:
   * "cudnn": cuDNN's fused flash-attention kernel
     (`jax.nn.dot_product_attention(implementation="cudnn")`). Chosen by "auto"
-    on GPU for float16/bfloat16 in a forward-only pass (evaluation, inference)
-    when the head size allows and probabilities are not requested, and in
-    training where "flash" does not apply. Asked for explicitly with attention
-    dropout active, it uses cuDNN's own dropout (see below).
+    on GPU for float16/bfloat16 in a forward-only pass without attention
+    dropout (evaluation, inference) when the head size allows and
+    probabilities are not requested.
   * "flash": our Pallas (Triton) flash-attention kernels with in-kernel
     attention dropout (`flash_attention.py`). Chosen by "auto" on GPU for
     float16/bfloat16 in training (with or without attention dropout) when the
@@ -24,24 +22,6 @@ batch row, head, query, key), `flash_attention.keep_mask`, with the seed drawn
 from the step's dropout key (reproducible, resumable, independent of how the
 batch is split over devices).
 
-cuDNN's dropout ("cudnn" requested with attention dropout; faster than "flash"
-at length 512 and slower at 128, bench/NOTES.md session 5) draws its mask
-inside the kernel from a static seed and a counter that advances with every
-execution of the kernel (probed through JAX 0.11 / cuDNN 9.19 on an H200:
-rows, heads, executions and the iterations of a loop draw different masks,
-two calls with the same static seed in one program draw the same mask, so
-each call site gets its own `dropout_seed`; the forward and backward kernels
-agree by an identity check, and tests/test_attention_gpu.py compares their
-masks exactly). The masks therefore do not follow the step's key: a run
-resumed from a checkpoint draws other masks than an uninterrupted one, and
-data-parallel replicas (same seed, same counter) drop the same positions of
-their local rows. Rematerialisation is refused with it (a recomputed forward
-pass is another execution). XLA (jax 0.11.2) aborts the process when it
-records such a kernel into a CUDA-graph command buffer, so this path needs
-cuDNN left out of them: XLA_FLAGS=--xla_gpu_enable_command_buffer=
-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL (`CUDNN_DROPOUT_XLA_FLAG`); without it the
-call raises a ValueError that says so.
-
 Masking: `pack_ids` [B, L] says which packed example each token belongs to
 (0 = padding). Unpacked rows are 1 on real tokens, and their padding is passed
 to cuDNN as sequence lengths; packed rows get a block-diagonal mask (a token
@@ -51,16 +31,13 @@ attends only inside its own example).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 
-from bert_jax.models import flash_attention
+from bert_jax.kernels import flash_attention
 
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
-# Command buffers without cuDNN kernels: what cuDNN's attention dropout needs (see the module docstring).
-CUDNN_DROPOUT_XLA_FLAG = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 
 
 @functools.cache
@@ -75,9 +52,8 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
   `length` (the sequence length) gates "flash" under "auto"; None skips that
   check (for reporting which path a config takes). `training` (a backward pass
   follows) makes "auto" pick "flash" also without attention dropout: its
-  forward and backward together beat cuDNN's (H100: BERT-Base seq-128 train
-  step -3.9%, seq 512 even), while cuDNN's forward alone is faster at length 512
-  (bench/NOTES.md, sessions 8 and 10).
+  forward and backward together beat cuDNN's, while cuDNN's forward alone is
+  faster at long lengths (docs/performance.md).
   """
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {requested!r} not in {IMPLEMENTATIONS}")
@@ -86,10 +62,10 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
   flash_ok = (not return_probs and flash_attention.supported(head_dim=head_dim, q_len=length or 16,
                                                              k_len=length or 16))
   if requested == "cudnn":
-    if not cudnn_ok:
-      raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128 and no "
-                       f"returned probabilities (dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
-                       f"return_probs={return_probs})")
+    if not cudnn_ok or dropout_active:
+      raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128, no attention "
+                       f"dropout and no returned probabilities (dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
+                       f"dropout={dropout_active}, return_probs={return_probs})")
     return "cudnn"
   if requested == "flash":
     if not flash_ok:
@@ -132,7 +108,6 @@ def dot_product_attention(
     implementation: str = "auto",
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-    dropout_seed: int = 0,
     return_probs: bool = False,
     query_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -149,8 +124,6 @@ def dot_product_attention(
       kernels in Pallas' interpreter: slow, for tests).
     dropout_rate: attention-probability dropout; applied when `dropout_rng` is
       given.
-    dropout_seed: static seed of cuDNN's dropout ("cudnn" with dropout only;
-      distinct per call site of one program, see the module docstring).
     return_probs: also return the [batch, heads, length, length] float32
       probabilities (XLA path only).
     query_positions: [batch, Q] int: the queries are the self-attention's rows at these positions of the
@@ -180,9 +153,6 @@ def dot_product_attention(
         mask = attention_mask(pack_ids, causal=False)
       else:
         lengths = jnp.sum(pack_ids > 0, axis=-1).astype(jnp.int32)
-    if dropout_active:
-      return _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal, dropout_rate,
-                                 dropout_seed), None
     out = jax.nn.dot_product_attention(query_blhd, key_blhd, value_blhd, mask=mask, is_causal=causal,
                                        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
                                        implementation="cudnn")
@@ -215,7 +185,7 @@ def dot_product_attention(
 
 def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: bool = False, causal: bool = False,
                    implementation: str = "auto", dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
-                   dropout_seed: int = 0, return_probs: bool = False,
+                   return_probs: bool = False,
                    bias_h3d: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
   """`dot_product_attention` of one fused [batch, length, heads, 3, head_dim] projection
   (`flash_attention.fuse_qkv`'s layout): the flash kernels read it in place, the other implementations split it.
@@ -236,30 +206,4 @@ def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: 
     qkv_blh3d = flash_attention.add_qkv_bias(qkv_blh3d, bias_h3d)
   return dot_product_attention(*flash_attention.split_qkv(qkv_blh3d), pack_ids=pack_ids, packed=packed,
                                causal=causal, implementation=impl, dropout_rate=dropout_rate,
-                               dropout_rng=dropout_rng, dropout_seed=dropout_seed, return_probs=return_probs)
-
-
-def _cudnn_with_dropout(query_blhd, key_blhd, value_blhd, mask, lengths, causal: bool, rate: float,
-                        seed: int) -> jax.Array:
-  """cuDNN fused attention with its in-kernel dropout (as `jax.nn.dot_product_attention`'s cuDNN branch, which
-  does not expose dropout)."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
-
-  check_cudnn_dropout_flags(os.environ.get("XLA_FLAGS", ""))
-  mask_type = cudnn.MaskType.NO_MASK
-  if lengths is not None:
-    mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-  elif causal:
-    mask_type = cudnn.MaskType.CAUSAL
-  return cudnn.dot_product_attention(query_blhd, key_blhd, value_blhd, None, mask, lengths, lengths,
-                                     scale=query_blhd.shape[-1] ** -0.5, mask_type=mask_type,
-                                     seed=seed, dropout_rate=rate)
-
-
-def check_cudnn_dropout_flags(xla_flags: str) -> None:
-  """Raises unless `xla_flags` keep cuDNN kernels out of XLA's command buffers (else XLA aborts the process)."""
-  values = [flag.partition("=")[2] for flag in xla_flags.split() if flag.startswith("--xla_gpu_enable_command_buffer=")]
-  if not values or "CUDNN" in values[-1].upper().split(","):
-    raise ValueError(f"attention_impl='cudnn' with attention dropout: XLA aborts when it records cuDNN's dropout "
-                     f"kernel into a command buffer; leave cuDNN out of them: XLA_FLAGS='{CUDNN_DROPOUT_XLA_FLAG}' "
-                     f"(XLA_FLAGS is now {xla_flags!r}), or use attention_impl='auto' (the flash kernels)")
+                               dropout_rng=dropout_rng, return_probs=return_probs)

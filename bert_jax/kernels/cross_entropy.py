@@ -4,15 +4,14 @@ The MLM loss needs, for each predicted position's row of logits [V]: the
 log-sum-exp, the target's logit and (for the accuracy metric) the first index
 of the row's maximum. XLA reads the [rows, V] logits twice for them: once for
 the maximum fused with the argmax (a (value, index) reduction), once for the
-sum of exponentials; at BERT-Base seq 128 (4864 x 30592 bfloat16 logits, 298 MB)
-that was 0.257 + 0.114 ms of an H100 step (bench/NOTES.md, session 21), against
-~0.1 ms to read the logits once. XLA's own one-pass form (one variadic
-reduction with an online-softmax combiner) was slower still (0.468 ms): its
-emitter runs the combiner's two exponentials per element unvectorised.
+sum of exponentials (at BERT-Base seq 128, 4864 x 30592 bfloat16 logits). XLA's
+own one-pass form (one variadic reduction with an online-softmax combiner) was
+slower still: its emitter runs the combiner's two exponentials per element
+unvectorised.
 
 Here one kernel reads the logits once. Its grid is (row blocks of `block_rows`,
-`splits` of the columns): 608 row blocks alone would be ~1.2 waves of the
-H100's resident warps (one warp a row), so each block's columns are split
+`splits` of the columns): the row blocks alone would be about one wave of a
+large GPU's resident warps (one warp a row), so each block's columns are split
 over up to 8 programs, whose per-split statistics XLA combines ([8, rows],
 a few kB). A program walks its columns in chunks of `chunk`: per chunk it
 reduces each row to its maximum only; the sum of exp(x - running maximum)
@@ -26,11 +25,8 @@ differs, so the log-sum-exp agrees to rounding (GPU: within 1.1e-7 relative);
 the target's logit and the argmax (ties: the first index, as `jnp.argmax`) are
 exact.
 
-Measured on an H100 (bench/cross_entropy.py, session 22; ms per call with
-XLA's combination): 0.13 against XLA's 0.30 at 4864 x 30592 (the floor, one
-read at 3 TB/s, 0.099), 0.07 against 0.16 at 2432 x 30592; in the BERT-Base
-seq-128 step 0.142 ms for the kernel and ~0.008 for combining its splits,
-against 0.378 for XLA's reductions.
+It runs in under half the time of XLA's reductions, near one read of the
+logits (bench/cross_entropy.py; docs/performance.md).
 
 Under a mesh the kernel runs per shard of the rows (`jax.shard_map` over the
 rules' "batch" axes); where the rules split the vocabulary (tensor
@@ -174,3 +170,71 @@ def row_statistics(logits: Array, targets: Array, *, block_rows: int = BLOCK_ROW
   call = sharding_lib.per_row_shard(call, mesh, row_axes, "rv", "vvv")
   outputs = call(logits.reshape(-1, columns), targets.reshape(-1).astype(jnp.int32))
   return tuple(a.reshape(lead) for a in outputs)
+
+
+def cross_entropy_sums(logits: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
+  """Weighted sums of token cross-entropy and of correct argmax predictions (float32), with a one-pass backward.
+
+  The rows' statistics come from `row_statistics` on GPU where it applies, from XLA elsewhere (narrow rows, a
+  vocabulary split by the mesh, other backends).
+
+  Args:
+    logits: [..., V] in any float dtype (the arithmetic is float32).
+    targets: [...] int class ids.
+    weights: [...] per-token weights (0 for padding predictions).
+
+  Returns:
+    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
+  """
+  return weighted_cross_entropy(logits, targets.astype(jnp.int32), weights.astype(jnp.float32), use_kernel())
+
+
+def use_kernel() -> bool:
+  """Whether `cross_entropy_sums` tries the kernel: on GPU (tests force it, to run it in Pallas' interpreter)."""
+  return jax.default_backend() == "gpu"
+
+
+def _row_statistics(logits: Array, targets: Array, kernel: bool) -> tuple[Array, Array, Array]:
+  """(log-sum-exp, target logit, first argmax) of each row of logits, the first two in float32."""
+  if kernel:
+    statistics = row_statistics(logits, targets)
+    if statistics is not None:
+      return statistics
+  logits32 = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits32, axis=-1)
+  target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
+  return log_z, target_logit, jnp.argmax(logits, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def weighted_cross_entropy(logits: Array, targets: Array, weights: Array, kernel: bool) -> tuple[Array, Array]:
+  """`cross_entropy_sums` of int32 targets and float32 weights; `kernel`: the rows' statistics from
+  `row_statistics` where it applies (off GPU in Pallas' interpreter, for tests)."""
+  return _weighted_cross_entropy_fwd(logits, targets, weights, kernel)[0]
+
+
+def _weighted_cross_entropy_fwd(logits, targets, weights, kernel):
+  log_z, target_logit, argmax = _row_statistics(logits, targets, kernel)
+  token_loss = log_z - target_logit
+  correct = (argmax == targets).astype(jnp.float32)
+  return ((jnp.sum(token_loss * weights), jnp.sum(correct * weights)),
+          (logits, targets, weights, log_z, token_loss, correct))
+
+
+def _weighted_cross_entropy_bwd(kernel, residuals, g):
+  """d/dlogits = g * weight * (softmax - one_hot(target)), written in one elementwise pass in the logits' dtype.
+
+  Autodiff of the forward gives a float32 [..., V] softmax plus a scatter-add for the target pick: for the sparse
+  MLM head a few [B * M, vocab] float32 arrays per step. The correct-prediction count has no gradient.
+  """
+  del kernel
+  logits, targets, weights, log_z, token_loss, correct = residuals
+  g_loss, g_correct = g
+  scale = (g_loss * weights)[..., None]
+  softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
+  one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+  dlogits = (scale * (softmax - one_hot)).astype(logits.dtype)
+  return dlogits, None, g_loss * token_loss + g_correct * correct
+
+
+weighted_cross_entropy.defvjp(_weighted_cross_entropy_fwd, _weighted_cross_entropy_bwd)

@@ -1,16 +1,15 @@
 """LayerNorm, GELU and bias add with hand-written gradients (same values as the textbook forms).
 
 Autodiff of the textbook formulas leaves XLA with more memory traffic than
-the math needs. On an H200, BERT-Base seq 128 spent 6.1 ms of a 59 ms step in
-LayerNorm backward and 7.8 ms in the feed-forward elementwise work, whose
-exact-erf GELU saved three [tokens, 3072] arrays for the backward pass. Here:
+the math needs: LayerNorm's backward pass and the feed-forward's elementwise
+work, whose exact-erf GELU saved three [tokens, 3072] arrays for the backward
+pass, were a large share of a BERT step on a GPU (docs/performance.md). Here:
 
 - `layer_norm` saves only its input (compute dtype) and two float32 numbers
   per row (mean, 1/std), and its backward is one row reduction (two sums)
   plus one column reduction (two sums), written so that XLA fuses each into
-  one kernel; or (implementation="pallas", the default on GPU through "auto",
-  `ModelConfig.layer_norm_impl`) one Pallas kernel for all of it
-  (`layer_norm_kernel.py`).
+  one kernel; or (implementation="pallas", the default on GPU through "auto")
+  one Pallas kernel for all of it (`layer_norm.py`).
 - `add_layer_norm` is a post-LN residual, layer_norm(x + dropout(branch + its
   bias)): on GPU each pass is one Pallas kernel (forward: the bias, the hashed
   mask, the sum, the statistics and the output; backward: LayerNorm's, the
@@ -27,13 +26,9 @@ LayerNorm and GELU compute in float32 and return the input's dtype (LayerNorm: `
 so their values match `flax.linen.LayerNorm(use_fast_variance=False)` and
 `jax.nn.gelu` evaluated in float32 (GELU: to 1e-7 absolute).
 
-Measured on the H200 (bench/NOTES.md, session 3): LayerNorm 58.7 -> 57.4 ms
-per BERT-Base seq-128 step; peak memory unchanged. The GELU first made no
-measurable difference: the whole train step is one XLA program, and XLA
-shared the backward's Phi(x) with the forward pass, writing it out as a
-float32 [tokens, 3072] array per layer (session 6's profile: 7.3 ms of a
-52 ms step in the two GELU kernels). The backward now recomputes from an
-`optimization_barrier` of the input, which XLA cannot merge with the forward.
+The GELU's backward recomputes from an `optimization_barrier` of the input:
+without it XLA shares the backward's Phi(x) with the forward pass, writing it
+out as a float32 [tokens, 3072] array per layer.
 """
 
 from __future__ import annotations
@@ -44,7 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.models import dropout, ffn_kernel, layer_norm_kernel
+from bert_jax.kernels import dropout
+from bert_jax.kernels import ffn as ffn_kernel
+from bert_jax.kernels import layer_norm as layer_norm_kernel
 
 Array = jax.Array
 
@@ -65,7 +62,7 @@ def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype, imple
     epsilon: added to the variance.
     dtype: dtype of the result.
     implementation: of the backward pass: "xla", "pallas" (one kernel,
-      `layer_norm_kernel.py`, where it supports the shape; "xla" otherwise),
+      `layer_norm.py`, where it supports the shape; "xla" otherwise),
       or "auto" ("pallas" on GPU, "xla" elsewhere).
 
   Returns:
@@ -289,8 +286,8 @@ def bias_add(y: Array, bias: Array) -> Array:
   """y + bias over the last axis, in y's dtype; the bias gradient is summed over the rows in float32.
 
   Autodiff of `y + bias.astype(y.dtype)` sums the gradient in y's dtype: in bfloat16, XLA added the 32,768 rows of
-  a BERT-Base batch in bfloat16 partial sums (session 6's HLO). The forward pass is the same add as before, the
-  one XLA fused into the GEMM that produces y (not yet re-profiled on a GPU with this gradient).
+  a BERT-Base batch in bfloat16 partial sums. The forward pass is the plain add, which XLA fuses into the GEMM
+  that produces y.
   """
   return y + bias.astype(y.dtype)
 

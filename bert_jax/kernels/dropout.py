@@ -111,8 +111,7 @@ def apply_mask_backward(dy: Array, seeds: Array, rate: float) -> Array:
   """`apply_mask`'s gradient: dy times the same multiplier, the mask hashed again from `seeds`.
 
   The optimization barrier keeps XLA from sharing the mask with the forward pass, which would save it (a boolean
-  array the size of x written and read back; removing that from the post-LN residuals saved 0.6 GB at BERT-Base
-  seq 128, bench/NOTES.md session 7).
+  array the size of x written and read back at every post-LN residual).
   """
   return apply_mask(dy, lax.optimization_barrier(seeds), rate)
 

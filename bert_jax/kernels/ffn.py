@@ -25,20 +25,15 @@ compute warpgroups with wgmma):
   the warpgroups take turns on the tensor cores, so one's epilogue runs under the
   other's matmuls. A hand-built ring of operand slots and barriers.
 
-Measured on an H100 (bench/ffn_gemm.py, bench/NOTES.md sessions 14-15), ms per
-call at [32768, 768] x [768, 3072] (BERT-Base, 32768 tokens): forward XLA
-0.392, cooperative 0.319-0.327, ping-pong 0.293-0.300; backward dh + bias
-gradient XLA 0.453, ping-pong with the sums in its epilogue 0.333-0.341. At
-BERT-Large's [16384, 1024] x [1024, 4096]: forward XLA 0.307, cooperative
-0.254-0.258, ping-pong (5-deep ring) 0.236-0.238; backward XLA 0.347, ping-pong
-0.267. The model uses the ping-pong kernels both ways (`FORWARD_SCHEDULE`,
-`PINGPONG_FORWARD_TILES`, `BACKWARD_KERNEL`), and the forward writes GELU'(h)
-in place of h, so that the backward's epilogue only multiplies
-(`SAVE_GELU_DERIVATIVE`; session 15: forward 0.309, backward 0.289 at
-BERT-Base, 0.248 and 0.246 at BERT-Large; the step 0.4 ms faster). Their main
-loop is as fast as cuBLAS' GEMM alone; what they take beyond it is the
-epilogue's per-element arithmetic, longer than the other warpgroup's matmuls
-(Nsight Compute, session 14), hence `normal_tail`'s few instructions.
+At BERT-Base's and BERT-Large's FFN shapes both schedules beat XLA's GEMM plus
+its elementwise kernels, forward and backward, and ping-pong beats cooperative
+(bench/ffn_gemm.py; docs/performance.md). The model uses the ping-pong kernels
+both ways (`FORWARD_SCHEDULE`, `PINGPONG_FORWARD_TILES`, `BACKWARD_KERNEL`), and
+the forward writes GELU'(h) in place of h, so that the backward's epilogue only
+multiplies (`SAVE_GELU_DERIVATIVE`). Their main loop is as fast as cuBLAS' GEMM
+alone; what they take beyond it is the epilogue's per-element arithmetic,
+longer than the other warpgroup's matmuls (Nsight Compute), hence
+`normal_tail`'s few instructions.
 
 The kernels run on Hopper GPUs only (`supported`, `supported_pingpong`; Pallas
 has no interpreter for Mosaic GPU kernels in jax 0.10); elsewhere
@@ -82,7 +77,7 @@ class Tiles:
   out_slots: int = 2  # the ping-pong forward's shared-memory slots per warpgroup for [epi, epi] output stores
   grid_tile_width: int = 8
   grid_minor_m: bool = True  # consecutive tiles walk along M (the weight tile stays in L2)
-  approx_math: bool = True  # ex2.approx and rsqrt.approx in the epilogue's GELU (-0.01 ms per BERT-Base call)
+  approx_math: bool = True  # ex2.approx and rsqrt.approx in the epilogue's GELU: fewer instructions
 
 
 def supported(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
@@ -115,7 +110,7 @@ def normal_tail(h32: Array) -> tuple[Array, Array]:
   """Phi(-|h|), the standard normal's mass beyond |h|, and exp(-h^2 / 2), float32 (A&S 7.1.26).
 
   Written for the kernels' epilogues, where these per-element instructions run under the other warpgroup's matmuls
-  only if they are few (bench/NOTES.md, session 14): 1 / d as rsqrt(d)^2 (d >= 1; Mosaic GPU's approximate
+  only if they are few: 1 / d as rsqrt(d)^2 (d >= 1; Mosaic GPU's approximate
   division guards against denormals in seven instructions, rsqrt in two), exp(-h^2 / 2) as exp2 of a prescaled
   argument (one multiply fewer than exp), the polynomial's 1/2 folded into its coefficients.
   """
@@ -460,9 +455,7 @@ def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int, saved: bool = False) -> list
 
 
 # A jit of its own: the layers' call sites of one shape share one lowering (jax caches an inner jit's lowering per
-# module), so the step compiles the kernel once instead of once per layer. BERT-Base seq-128 step on an H200
-# (bench/NOTES.md, session 12): +7.4 s of compile time over ffn_impl="xla" with it, +22.8 s without; on an
-# H100 with it, 41.5 s against 41.9.
+# module), so the step compiles the kernel once instead of once per layer (a third of the compile time it adds).
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   m, n = a.shape[0], b.shape[1]
@@ -514,16 +507,15 @@ def _shards(x: Array, w: Array):
   return shards
 
 
-# Which kernels the model uses (`bias_gelu`, `dgelu`); bench/NOTES.md has what each measured.
+# Which kernels the model uses (`bias_gelu`, `dgelu`); bench/ffn_gemm.py and bench/ffn_step_variants.py flip them.
 FORWARD_SCHEDULE = "pingpong"  # or "cooperative": the forward GEMM by `bias_gelu_matmul`
-# The forward's ring is one slot deeper than the backward's, which keeps h's tile in shared memory (session 14, H100:
-# 0.236 against 0.246 ms at BERT-Large's FFN shape, equal at BERT-Base's).
+# The forward's ring is one slot deeper than the backward's, which keeps h's tile in shared memory (faster at
+# BERT-Large's FFN shape, equal at BERT-Base's).
 PINGPONG_FORWARD_TILES = Tiles(stages=5)
 BACKWARD_KERNEL = True  # the FFN's dh by `dgelu_matmul` (else XLA's GEMM, then its GELU backward)
 # The forward kernel writes GELU'(h) instead of h for the backward pass, whose epilogue then multiplies by it
 # instead of computing it (`ops.gelu_feed_forward`, where either kernel runs). dh is rounded twice (GELU'(h) to
-# bf16, then dh), not once. Session 15, H100, 32768x768x3072: forward 0.293 -> 0.309 ms, backward 0.333 -> 0.289;
-# BERT-base seq-128 step 43.2 -> 42.8 ms.
+# bf16, then dh), not once; the backward gains more than the forward loses.
 SAVE_GELU_DERIVATIVE = True
 
 

@@ -21,8 +21,8 @@ The dropout mask is a pure function of (seed, global batch row, head, query,
 key), `keep_mask` below: a 32-bit integer hash (MurmurHash3's finaliser, as
 `dropout.py`) of (row, key pair) whose low and high 16 bits decide keys 2j and
 2j + 1, each kept iff its half is under (1 - rate) * 2^16. The hash is most of
-the kernels' non-matmul arithmetic; one per two probabilities halves it (-19%
-fwd+bwd at length 128 on an H100, bench/NOTES.md session 7). The backward
+the kernels' non-matmul arithmetic; one per two probabilities halves it
+(docs/performance.md). The backward
 kernels recompute the mask instead of storing it, the XLA path of
 `attention.py` uses the same function (so both implementations drop the same
 probabilities), and under a sharded mesh every device hashes only its own rows
@@ -35,8 +35,7 @@ give zeros, as on the XLA path. Padding keys are masked by a bias added in the
 multiply-add that scales the logits; only packed rows (`packed=True`) pay a
 per-pair compare of pack ids. At head size 64 the kernels are bound by this
 per-pair arithmetic rather than by the tensor cores, so constant factors (the
-dropout and softmax scales) are applied once per tile, not per pair (-11% /
--18% fwd+bwd at lengths 128 / 512 on an H100, bench/NOTES.md session 8).
+dropout and softmax scales) are applied once per tile, not per pair.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bert_jax.models.dropout import dropout_seeds, element_index, fmix32
+from bert_jax.kernels.dropout import dropout_seeds, element_index, fmix32
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
@@ -78,8 +77,8 @@ class KernelParams(NamedTuple):
   num_stages: int
 
 
-# Measured on an H100 (bench/NOTES.md session 7): 64 x 64 tiles with 4 warps were the best of 16 tile and launch
-# settings at lengths 128 and 512; 3 pipeline stages made the two backward kernels 3-6% faster than 2.
+# 64 x 64 tiles with 4 warps were the best of 16 tile and launch settings at lengths 128 and 512 (bench/attention.py);
+# 3 pipeline stages made the two backward kernels faster than 2.
 KERNEL_PARAMS = {"forward": KernelParams(64, 64, 4, 2), "dkdv": KernelParams(64, 64, 4, 3),
                  "dq": KernelParams(64, 64, 4, 3)}
 
@@ -223,11 +222,10 @@ def _column_sums(tile: Array) -> Array:
   maximum of its 16 equal rows.
 
   The tile's rows are spread over the program's warps, so `jnp.sum(tile, axis=0)` is a cross-warp reduction:
-  80-92 warp shuffles and 10 barriers a program, which made the backward kernels 7-11% slower at length 128
-  (bench/NOTES.md, session 18). With 16 rows the product's columns are spread over the warps, each warp holding
-  all 16 (equal) rows of its columns: the maximum over them stays inside a warp. Triton 3.8 for sm_90a: +12
-  shuffles and +2 barriers a program (the tile goes through shared memory once); on an H100 the backward
-  kernels got 3-4% slower, against the 0.49 ms pass over d(qkv) it replaces at BERT-Base seq 128 (session 21).
+  dozens of warp shuffles and several barriers a program, which made the backward kernels markedly slower. With
+  16 rows the product's columns are spread over the warps, each warp holding all 16 (equal) rows of its columns:
+  the maximum over them stays inside a warp; the few extra shuffles and barriers cost far less than the separate
+  pass over d(qkv) that the sums replace.
   The sum is over the bf16 values the kernel stores, with float32 accumulation, as XLA's reduction of d(qkv).
   """
   ones = jnp.ones((16, tile.shape[0]), tile.dtype)
@@ -456,8 +454,7 @@ def add_qkv_bias(qkv: Array, bias_h3d: Array) -> Array:
   A key bias adds q . b_k to every score of query q, a shift of the whole row that the softmax ignores: it has
   no effect on the output whatever its value (padding, packing and causal masks are per-pair and leave it a
   shift too; rotary positions, which rotate b_k by key position, do not take this path). Autodiff would sum
-  only the rounding noise of the key gradients there, a third of the reduction's reads (H100, BERT-Base seq
-  128: 0.63 ms a step for the three slots, 0.49 for two; bench/NOTES.md session 19), and AdamW would turn that
+  only the rounding noise of the key gradients there, a third of the reduction's reads, and AdamW would turn that
   noise into updates of the learning rate's size.
   """
   return _add_bias(qkv, bias_h3d)
@@ -505,8 +502,7 @@ def flash_attention(qkv_blh3d: Array, *, pack_ids: Array | None, packed: bool = 
   hold several examples; if False, pack_ids must be 0 or 1 and only padding is masked (no per-pair compare).
   bias_h3d: the projections' fused bias [H, 3, D] (`fuse_qkv`'s layout), added to qkv_blh3d first, with
   `add_qkv_bias`'s value and gradient: the backward kernels sum the query and value slots of d(qkv) over their
-  tiles' rows as they write them (instead of a separate pass over d(qkv): H100, BERT-Base seq 128, 0.49 ms a
-  step; bench/NOTES.md session 21), and the key slot's gradient is 0.
+  tiles' rows as they write them (instead of a separate pass over d(qkv)), and the key slot's gradient is 0.
 
   See the module docstring. Inside a mesh scope the kernels run per shard
   (`shard_map`) with batch and heads split as the logical axis rules say

@@ -2,10 +2,8 @@
 
 `ops.layer_norm`'s backward in XLA is a row-reduction kernel (two sums per
 row), an elementwise kernel for dx and a column-reduction kernel for the
-scale and bias gradients, each reading x and dy. On the H200 the 25
-LayerNorms of a BERT-Base seq-128 step spent 6.1 ms in their backward pass
-(bench/NOTES.md, session-2 profile; ~4.9 ms after `ops.layer_norm`'s own
-gradient), against ~1 ms to read x and dy once and write dx.
+scale and bias gradients, each reading x and dy: several times the time it
+takes to read x and dy once and write dx.
 
 Here one kernel does all of it. Each program takes `BLOCK_ROWS` rows and
 walks them `STEP_ROWS` at a time in a loop: a step loads its rows once (in
@@ -17,26 +15,22 @@ per program, and XLA adds the programs' partial sums (one array of
 [rows / BLOCK_ROWS, sums x features], small). The arithmetic is that of
 `ops._layer_norm_bwd` (float32), so the results agree to rounding.
 
-Measured on an H100 (bench/NOTES.md, session 16): 0.072 / 0.052 ms per call at
-32768 x 768 / 16384 x 1024, against 0.098 / 0.075 for the earlier kernel,
-which read its 32-row block twice and reduced the column sums across the
-block in every chunk (Nsight Compute: 255 registers a thread, 2 blocks per
-SM, 1.6 TB/s); BERT-Base seq-128 train step 42.35 -> 41.72 ms.
+Reading each block once and reducing the column sums once per program is
+what makes it fast; a kernel that read its block twice and reduced across the
+block in every chunk was register-bound (docs/performance.md).
 
 Under a mesh the kernel runs per shard of the batch (`jax.shard_map`, the
 rules' "batch" axes; replicated over the other mesh axes, as the activations
 are); the partial sums are added across shards by XLA.
 Off GPU it runs in Pallas' interpreter (slow; for tests).
 
-The kernel replaced XLA's form in session 5 (H100: BERT-Base seq-128 step
-60.8 -> 58.8 ms). The default on GPU (`ModelConfig.layer_norm_impl="auto"`).
+The default on GPU (`ModelConfig.kernels="auto"`).
 
 `add_layer_norm_backward` is the same kernel for a post-LN residual,
 LayerNorm(x + dropout(branch + bias)): it also hashes the dropout mask again,
 writes the branch's gradient beside dx, and sums that gradient's columns (the
-branch bias's gradient) in a third set of accumulators. That was a separate
-XLA fusion reading dx back (H100, session 17: 0.117 -> 0.100 ms per call at
-32768 x 768; BERT-Base seq-128 step 42.34 -> 41.85 ms, BERT-Large unchanged).
+branch bias's gradient) in a third set of accumulators, instead of a separate
+XLA fusion reading dx back.
 
 `add_layer_norm_forward` is the forward pass of a post-LN residual,
 LayerNorm(x + dropout(branch + bias)), as one kernel: it reads x and the branch once
@@ -55,34 +49,32 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bert_jax.models.dropout import keep_index
+from bert_jax.kernels.dropout import keep_index
 from bert_jax.parallel import sharding as sharding_lib
 
 Array = jax.Array
 
 # The backward kernel's launch: 32 rows per program, 2 rows per step of its loop, in column chunks of 256 (128 where
 # the width is not a multiple of 256), one warp per 768 columns (`backward_warps`); the best of 30 launches on an
-# H100 at both BERT widths (bench/NOTES.md, session 16).
+# large GPU at both BERT widths (bench/layer_norm.py).
 BLOCK_ROWS = 32
 STEP_ROWS = 2
 CHUNK = 128
-# The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches on an H100
-# (bench/layer_norm.py: 0.088 / 0.072 ms at 32768 x 768 / 16384 x 1024, XLA's three kernels 0.131 / 0.138). A row
-# loop like the backward's was slower at all nine launches tried (16-64 rows a program, 1-2 a step; session 18).
+# The forward kernel keeps its rows in registers; 8 rows and 8 warps were the best of six launches
+# (bench/layer_norm.py). A row loop like the backward's was slower at every launch tried.
 FORWARD_BLOCK_ROWS = 8
 FORWARD_NUM_WARPS = 8
 
 
 # The residual backward (`add_layer_norm_backward` with the branch bias's sums: a third set of accumulators) as
-# (rows per step, warps) by width, at 32 rows a program: the best of 14 launches (16-64 rows a program) on an H100
-# (bench/NOTES.md, session 17). Other widths: one row a step, twice the plain kernel's warps.
+# (rows per step, warps) by width, at 32 rows a program: the best of 14 launches (16-64 rows a program,
+# bench/layer_norm.py). Other widths: one row a step, twice the plain kernel's warps.
 RESIDUAL_LAUNCH = {768: (1, 2), 1024: (2, 2)}
 
 
 def backward_warps(features: int) -> int:
   """The backward kernel's warps for a width: enough that a thread holds at most ~48 values of each [2, features]
-  step tile (a power of two: 1 at 768, 2 at 1024; H100, session 16: 0.072 / 0.052 ms, against 0.082 / 0.073 with
-  the other)."""
+  step tile (a power of two: 1 at 768, 2 at 1024; faster than the other choice at both widths)."""
   return 1 << max(0, -(-features // 768) - 1).bit_length()
 
 
@@ -176,8 +168,7 @@ def _backward_2d(meta: Array, x: Array, dy: Array, mean: Array, rstd: Array, sca
                  branch_sums: bool, interpret: bool, block_rows: int, step_rows: int, num_warps: int) -> list[Array]:
   """[R, E] x and dy, [R] statistics -> dx [R, E], (with `rate` > 0) the branch gradient [R, E], and partial
   sums [R / block_rows, n * E] of dy * xhat, dy and (with `branch_sums`) the branch gradient, side by side in one
-  array: XLA adds the programs' partial sums of all n in one reduction (H100, session 19: these reductions took
-  0.37 -> 0.20 ms of a BERT-Base seq-128 step, 74 -> 24 launches, and 0.43 -> 0.19 ms at BERT-Large)."""
+  array: XLA adds the programs' partial sums of all n in one reduction (one launch, not one per sum)."""
   rows, features = x.shape
   blocks = rows // block_rows
   row_block = pl.BlockSpec((block_rows, features), lambda i: (i, 0))

@@ -1,0 +1,8 @@
+"""Hand-written GPU kernels and custom-gradient ops: the optional fast paths behind the model's seams.
+
+The model (`bert_jax.models.encoder`) imports this package only where `ModelConfig.kernels` is "auto", through
+one seam per operation (attention, LayerNorm and the post-LN residual, the feed-forward block, the embedding
+lookup, dense layers, dropout), and the MLM loss calls `cross_entropy.cross_entropy_sums`. Each kernel decides
+where it applies (GPU, dtype, shapes) and falls back to its own XLA form elsewhere; every fast path is tested
+against the plain model (`kernels="off"`).
+"""
