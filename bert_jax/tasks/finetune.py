@@ -117,8 +117,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
       power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
   config.train = ml_collections.ConfigDict(dict(
       batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
-      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False,
-      weight_copies=True))
+      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False))
   config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
                                                         dropout=0.1))
   config.mesh = ml_collections.ConfigDict(dict(
@@ -339,8 +338,7 @@ def _init_state(run: _Run, seed: int):
     run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
                                      rng=jax.random.key(0, impl=run.config.train.rng_impl),
                                      partitioning=run.partitioning, state_shardings=run.state_shardings,
-                                     param_norms=run.config.train.log_param_norms,
-                                     keep_weight_copies=run.config.train.weight_copies)
+                                     param_norms=run.config.train.log_param_norms)
     run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
   state = run.state_init(jax.random.key(seed))
   params, reused, fresh = merge_initial_params(state.params, run.initial_params)

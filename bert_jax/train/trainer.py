@@ -260,8 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps, rng=step_rng,
                                partitioning=partitioning, state_shardings=state_shardings,
-                               param_norms=config.train.log_param_norms,
-                               keep_weight_copies=config.train.weight_copies)
+                               param_norms=config.train.log_param_norms)
   eval_step = make_eval_step(objective, partitioning, state_shardings)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
