@@ -124,31 +124,24 @@ def test_padded_vocabulary_losses_and_gradients_equal_the_exact_ones():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
 
 
-def test_cross_entropy_kernel_losses_and_gradients_equal_xla():
-  """`cross_entropy_impl="pallas"` (Pallas' interpreter here): the MLM and SBO losses' statistics from the kernel,
-  over a vocabulary padded to 4096 logits (the kernel's narrowest rows), equal the XLA form's with gradients."""
-  import flax.linen as nn
-  config = make_config("mlm+sbo")
-  models = {impl: tiny_model(vocab_pad_multiple=4096, cross_entropy_impl=impl) for impl in ("xla", "pallas")}
-  objective = {impl: objectives.make_objective(config, cfg, mask_id=4) for impl, cfg in models.items()}
-  inputs = objective["xla"].prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
-  params = nn.unbox(objective["xla"].init_variables(jax.random.key(0), synthetic_batch()))["params"]
-
-  def loss(objective, params):
-    out = objective.forward(params, inputs, None, train=False)
-    return out["mlm_loss"] + out["sbo_loss"], out
-
-  grad = lambda objective: jax.value_and_grad(functools.partial(loss, objective), has_aux=True)  # noqa: E731
-  assert "pallas_call" in str(jax.make_jaxpr(grad(objective["pallas"]))(params))
-  assert "pallas_call" not in str(jax.make_jaxpr(grad(objective["xla"]))(params))
-  (_, xla_out), xla_grads = jax.jit(grad(objective["xla"]))(params)
-  (_, kernel_out), kernel_grads = jax.jit(grad(objective["pallas"]))(params)
-  for key in xla_out:
-    np.testing.assert_allclose(kernel_out[key], xla_out[key], rtol=1e-6, err_msg=key)
-  for a, b in zip(jax.tree.leaves(xla_grads), jax.tree.leaves(kernel_grads)):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
-  with pytest.raises(ValueError, match="cross_entropy_impl='palas'"):
-    tiny_model(cross_entropy_impl="palas")
+def test_cross_entropy_sums_plain_and_auto_equal_the_formula():
+  """`losses.cross_entropy_sums`: "off" (optax) and "auto" (the kernels' seam) give the weighted sums of
+  logsumexp - target logit and of correct argmaxes, with the same gradients; a typo names the key."""
+  from bert_jax.train import losses
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(6, 130)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 130, size=6), jnp.int32)
+  weights = jnp.asarray([1.0, 1.0, 0.0, 1.0, 0.5, 1.0], jnp.float32)
+  token_loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[:, None], -1)[:, 0]
+  want = (jnp.sum(token_loss * weights), jnp.sum((jnp.argmax(logits, -1) == targets) * weights))
+  grads = {}
+  for kernels in ("off", "auto"):
+    got = losses.cross_entropy_sums(logits, targets, weights, kernels)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, err_msg=kernels)
+    grads[kernels] = jax.grad(lambda l: losses.cross_entropy_sums(l, targets, weights, kernels)[0])(logits)
+  np.testing.assert_allclose(grads["auto"], grads["off"], rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="kernels='of'"):
+    losses.cross_entropy_sums(logits, targets, weights, "of")
 
 
 def test_padded_vocabulary_logits_and_electra_samples():

@@ -92,10 +92,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   ("epoch", "end" or a step count), selection ("best" on the
                   task's selection metric, or "last"), early_stopping_patience
                   (evaluations without improvement; 0 = never stop early),
-                  log_every, save_checkpoint, rng_impl (the dropout key's PRNG:
-                  "rbg", XLA's RngBitGenerator, draws [B, heads, L, L]
-                  attention-dropout masks far faster on GPU than
-                  "threefry2x32"; both are reproducible on one backend).
+                  log_every, save_checkpoint, rng_impl (the PRNG of the step
+                  key that the dropout key is drawn from, `losses.dropout_key`;
+                  every choice is reproducible on one backend).
   feature_based.* layers to concatenate from a frozen encoder (empty = full
                   fine-tuning), head ("bilstm" or "mlp"), head_size,
                   head_layers, dropout.

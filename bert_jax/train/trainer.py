@@ -89,10 +89,10 @@ def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel
   if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
     raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
                      f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
-  if config.objective in objectives.SENTENCE_FORMATS and config.data.format != objectives.SENTENCE_FORMATS[
-      config.objective]:
-    raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
-                     f"{objectives.SENTENCE_FORMATS[config.objective]!r}, got {config.data.format!r}")
+  needed_format = objectives.objective_class(config.objective).sentence_format
+  if needed_format and config.data.format != needed_format:
+    raise ValueError(f"config.objective={config.objective!r} needs config.data.format={needed_format!r}, "
+                     f"got {config.data.format!r}")
   if config.masking.max_predictions > config.data.seq_len:
     raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
                      f"config.data.seq_len={config.data.seq_len}")
@@ -264,9 +264,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   eval_step = make_eval_step(objective, partitioning, state_shardings)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
-  predictions_per_token = 1.0 if config.objective == "ltr" else config.masking.max_predictions / config.data.seq_len
+  predictions_per_token = objective.predictions_per_token(config.masking.max_predictions, config.data.seq_len)
   flops_per_token = sum(cfg.flops_per_token(config.data.seq_len, predictions_per_token)
-                        for cfg in (objective.model_config, objective.generator_config) if cfg is not None)
+                        for cfg in objective.model_configs)
   throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
   writer = metrics_lib.MetricWriter(workdir, enabled=primary)
   if primary:
