@@ -2,7 +2,7 @@
 
 import json
 
-from bert_jax.train import sweep
+from bert_jax.experiments import sweep
 
 
 def test_sweep_runs_rows_and_renders_table(tmp_path):

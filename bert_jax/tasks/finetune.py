@@ -61,7 +61,7 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import config_lib, heap, metrics as metrics_lib, optim
+from bert_jax.train import config_lib, loop, metrics as metrics_lib, optim
 from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
 
 log = logging.getLogger(__name__)
@@ -388,25 +388,19 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   selected: dict[str, Any] | None = None
   evaluations_since_best = 0
   train_seconds = eval_seconds = 0.0
-  step, stopped_early = 0, False
 
-  def read_metrics(logged_step: int, averaged: dict[str, float], nonfinite) -> None:
-    if nonfinite is not None:
-      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients at step {nonfinite[0]}; "
-                               "try a lower config.optim.lr or more warmup")
-    writer.write(logged_step, averaged, prefix="train/")
+  def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
+    del bad
+    return f"seed {seed}: non-finite loss or gradients at step {bad_step}; try a lower config.optim.lr or more warmup"
 
-  pending = metrics_lib.PendingMetrics(read_metrics)  # a log step's metrics read after the next dispatch
-
-  def evaluate(epoch: float) -> bool:
+  def evaluate(step: int, state) -> bool:
     """Scores dev, updates the selection; returns True when early stopping says stop."""
     nonlocal selected, evaluations_since_best, train_seconds, eval_seconds
-    pending.flush(step)
     jax.block_until_ready(state.params)
     started = time.perf_counter()
     train_seconds += started - clock[0]
     metrics = evaluate_splits(task, run.predict_step, state.params, run.eval_sets, run.eval_batches)
-    record = {"step": step, "epoch": round(epoch, 4), "metrics": metrics}
+    record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4), "metrics": metrics}
     history.append(record)
     for split, values in metrics.items():
       writer.write(step, values, prefix=f"eval/{split}/" if len(metrics) > 1 else "eval/")
@@ -423,28 +417,21 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
     patience = config.train.early_stopping_patience
     return bool(patience) and evaluations_since_best >= patience
 
-  clock = [time.perf_counter()]
-  with heap.frozen_setup() as freeze_setup:  # no full garbage collections of the setup (`heap`)
+  def batches():
     for epoch in range(config.train.epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-      for batch_index, start in enumerate(range(0, num_rows, run.train_batches.batch_size)):
-        rows = order[start:start + run.train_batches.batch_size]
-        state, step_metrics = run.train_step(state, run.train_batches(run.train_features, rows, seed))
-        freeze_setup()
-        step += 1
-        pending.add(step_metrics)
-        if step % config.train.log_every == 0:
-          pending.log_next(step)
-        epoch_end = batch_index == run.steps_per_epoch - 1
-        due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
-        if due:
-          stop = evaluate(epoch + (batch_index + 1) / run.steps_per_epoch)
-          freeze_setup("evaluation")  # the predict step's compilation
-          if stop:
-            stopped_early = step < total_steps
-            break
-      if stopped_early:
-        break
+      for start in range(0, num_rows, run.train_batches.batch_size):
+        yield run.train_batches(run.train_features, order[start:start + run.train_batches.batch_size], seed)
+
+  # "epoch": after every epoch's last step; "end": after the last step only; N: every N steps and the last.
+  evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
+                           evaluate)
+  clock = [time.perf_counter()]
+  _, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
+                              log_every=config.train.log_every,
+                              on_log=lambda step, averaged: writer.write(step, averaged, prefix="train/"),
+                              nonfinite_message=nonfinite_message, hooks=(evaluations,))
+  stopped_early = stopped and step < total_steps
   if checkpointer is not None:
     checkpointer.close()
   writer.close()

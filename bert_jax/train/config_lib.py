@@ -162,12 +162,11 @@ def model_section(family: str, size: str, **fixed: Any) -> ml_collections.Config
     base = next((t for t in (bool, int, float, str) if t is hint or t in typing.get_args(hint)), None)
     section[field.name] = config_dict.placeholder(base)
   section.generator_fraction = 0.25  # ELECTRA: generator hidden size / discriminator hidden size.
-  # Pre-training's MLM/SBO logits padded to a multiple of 128 (`ModelConfig.vocab_pad_multiple`; the parameters
-  # are unchanged): -0.6 ms of a 43.8 ms BERT-base seq-128 step on an H100 (bench/NOTES.md, session 15).
+  # MLM/SBO logits padded to a multiple of 128 (`ModelConfig.vocab_pad_multiple`; the parameters are unchanged):
+  # GEMM-friendly widths make the output projection faster (docs/performance.md).
   section.vocab_pad_multiple = 128
-  # bf16 compute, float32 parameters and optimizer state: what the pre-training recipes run on GPUs and TPUs
-  # (`--config.model.dtype=float32` for float32 compute; the CPU demo sets it). `bert-jax pretrain` at BERT-base
-  # seq 128 made 2,481 seq/s in float32 and 6,085 in bf16 (with the sparse last block) on an H200 (session 24).
+  # bf16 compute, float32 parameters and optimizer state, as the pre-training recipes run on GPUs and TPUs
+  # (`--config.model.dtype=float32` for float32 compute; the CPU demo sets it).
   section.dtype = "bfloat16"
   # Pre-training's last block at the heads' rows only (`ModelConfig.sparse_last_layer`; the same loss and
   # gradients to rounding).

@@ -1,4 +1,4 @@
-"""The pre-training loop: `train_and_evaluate(config, workdir)`.
+"""Pre-training: `train_and_evaluate(config, workdir)` and `bert-jax pretrain` (`main`).
 
 Config -> data (prepared shards, or the built-in corpus) -> objective + model
 -> sharded state -> jitted step -> metrics, evaluation, checkpoints. Starting
@@ -9,11 +9,11 @@ clear error; the state it stops on never reaches a checkpoint.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import pathlib
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from bert_jax.data import pipeline
 from bert_jax.data.prepare import open_prepared
@@ -31,14 +30,31 @@ from bert_jax.models import ModelConfig, model_config
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import config_lib, heap, metrics as metrics_lib, objectives, optim
+from bert_jax.train import config_lib, loop, metrics as metrics_lib, objectives, optim
 from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
-  """The loss or gradients became NaN/Inf."""
+NonFiniteLossError = loop.NonFiniteLossError
+
+
+class _CheckpointHook:
+  """Saves the state and the data iterator's position every `every` steps, after the last, and on preemption."""
+
+  def __init__(self, checkpointer, every: int, preemption: loop.Preemption, train_iter, progress):
+    self.checkpointer, self.every, self.preemption = checkpointer, every, preemption
+    self.train_iter, self.progress, self.preempted = train_iter, progress, False
+
+  def due(self, step: int, last: bool) -> bool:
+    self.preempted = self.preemption.should_stop(step)  # every process asks after every step
+    return self.preempted or bool(self.every and step % self.every == 0) or last
+
+  def __call__(self, step: int, state) -> bool:
+    self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
+    if self.preempted:
+      _print_line(self.progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
+    return self.preempted
 
 
 def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -144,46 +160,6 @@ def _environment() -> dict[str, Any]:
           "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-class _Preemption:
-  """Turns SIGTERM into a stop that every process takes after the same step.
-
-  One process: a Python handler sets a flag the loop reads between steps.
-  Several processes: a per-process flag would stop the signalled process while
-  the others enter the next step's collectives, and all would hang. JAX's
-  preemption service (started by `jax.distributed.initialize`) takes SIGTERM on
-  any process instead and names the step at which all of them stop, so no
-  Python handler is installed there.
-  """
-
-  def __init__(self):
-    self._requested = False
-    self._previous = None
-    self._multiprocess = jax.process_count() > 1
-
-  def __enter__(self):
-    if self._multiprocess:
-      return self
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # Not in the main thread: no handler.
-      self._previous = None
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self._requested = True
-
-  def should_stop(self, step: int) -> bool:
-    """Whether to save and stop after `step`; call it once after every step, on every process."""
-    if self._multiprocess:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self._requested
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
 def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
   """One pass over (at most eval_batches of) the held-out documents."""
   rows = config.train.eval_batch_size or config.train.batch_size
@@ -282,58 +258,40 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   history, eval_results, last_train = [], {}, {}
   progress = _progress_bar(primary, start_step, total_steps)
-  preempted = False
-  step = start_step
 
-  def read_metrics(current_step: int, averaged: dict[str, float], nonfinite) -> None:
-    """Logs the metrics of the steps up to `current_step`; stops on a non-finite loss."""
+  def log_train(step: int, averaged: dict[str, float]) -> None:
     nonlocal last_train
-    if nonfinite is not None:
-      bad_step, bad = nonfinite
-      good = checkpointer.steps()
-      raise NonFiniteLossError(
-          f"non-finite loss or gradients at step {bad_step} (loss={bad['loss']}); "
-          f"the update was not applied and the run stops. Last good checkpoint: "
-          f"{good[-1] if good else 'none'} in {checkpointer.directory}. Try a lower config.optim.lr, "
-          f"a longer warmup or config.optim.clip_norm.")
-    averaged.update(throughput.update(current_step))
+    averaged.update(throughput.update(step))
     last_train = averaged
-    history.append({"step": current_step, **averaged})
-    writer.write(current_step, averaged, prefix="train/")
+    history.append({"step": step, **averaged})
+    writer.write(step, averaged, prefix="train/")
     if progress is not None:
       progress.set_postfix(_postfix(averaged), refresh=False)
 
-  # A log step's metrics are read once the next step is dispatched (`PendingMetrics`); evaluation, checkpoints
-  # and the last step need the state and read them at once.
-  pending = metrics_lib.PendingMetrics(read_metrics)
-  # Full garbage collections of the setup's objects would stall dispatch every ~100 steps (`heap`).
-  with _Preemption() as preemption, heap.frozen_setup() as freeze_setup:
+  def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
+    good = checkpointer.steps()
+    return (f"non-finite loss or gradients at step {bad_step} (loss={bad['loss']}); the update was not applied "
+            f"and the run stops. Last good checkpoint: {good[-1] if good else 'none'} in {checkpointer.directory}. "
+            f"Try a lower config.optim.lr, a longer warmup or config.optim.clip_norm.")
+
+  def evaluate_now(step: int, state) -> None:
+    nonlocal eval_results
+    eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+    writer.write(step, eval_results, prefix="eval/")
+    if primary:
+      _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
+
+  def batches():
+    while True:
+      yield sharding_lib.global_batch(next(train_iter), mesh)
+
+  with loop.Preemption() as preemption:
+    checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, progress)
     try:
-      while step < total_steps:
-        batch = sharding_lib.global_batch(next(train_iter), mesh)
-        state, step_metrics = train_step(state, batch)
-        freeze_setup()
-        step += 1
-        pending.add(step_metrics)
-        if progress is not None:
-          progress.update(1)
-        last = step == total_steps
-        if step % config.train.log_every == 0:
-          pending.log_next(step)
-        if config.train.eval_every and (step % config.train.eval_every == 0 or last):
-          pending.flush(step)
-          eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
-          writer.write(step, eval_results, prefix="eval/")
-          freeze_setup("evaluation")
-          if primary:
-            _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
-        preempted = preemption.should_stop(step)
-        if preempted or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0) or last:
-          pending.flush(step)
-          checkpointer.save(step, state, train_iter.get_state(), {"step": step}, force=True)
-        if preempted:
-          _print_line(progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
-          break
+      state, step, preempted = loop.run(
+          train_step, state, batches(), start_step=start_step, total_steps=total_steps,
+          log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
+          hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress)
     finally:
       if progress is not None:
         progress.close()
@@ -387,3 +345,44 @@ def _print_line(progress, text: str) -> None:
     progress.write(text)
   else:
     print(text, flush=True)
+
+
+def main(argv: list[str]) -> int:
+  """bert-jax pretrain --config FILE[:ARG] [--config.KEY=VALUE ...] --workdir DIR."""
+  parser = argparse.ArgumentParser(prog="bert-jax pretrain", description=main.__doc__)
+  parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
+  parser.add_argument("--workdir", required=True, help="run directory; an existing one is resumed")
+  args, rest = parser.parse_known_args(argv)
+  overrides = [a for a in rest if a.startswith("--config.")]
+  unknown = [a for a in rest if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognised arguments {unknown}; overrides look like --config.optim.lr=1e-4")
+
+  config = config_lib.load_config(args.config, overrides)
+  result = train_and_evaluate(config, args.workdir)
+  _report(config, result)
+  return 0
+
+
+def _report(config, result) -> None:
+  if jax.process_index() != 0:
+    return
+  if result["preempted"]:
+    print(f"Preempted at step {result['step']}; run the same command again to resume.")
+    return
+  if config.train.fill_mask:
+    from bert_jax.analysis import fill_mask
+
+    model_cfg, params, tokenizer = fill_mask.load_run(result["workdir"])
+    texts = list(config.train.fill_mask)
+    print("\nFill-mask predictions:")
+    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
+  history = result["history"]
+  if history:
+    first, last = history[0], history[-1]
+    print(f"\nMLM loss {first.get('mlm_loss', float('nan')):.3f} (step {first['step']}) -> "
+          f"{last.get('mlm_loss', float('nan')):.3f} (step {last['step']})")
+  if result["eval"]:
+    print("Eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result["eval"].items()))
+  workdir = result["workdir"]
+  print(f"Checkpoints: {workdir}/checkpoints\nMetrics: {workdir}/metrics.jsonl (TensorBoard: {workdir}/tensorboard)")

@@ -1,0 +1,1 @@
+"""Experiments built on the commands: sweeps over a config and their tables."""
