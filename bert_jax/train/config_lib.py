@@ -215,3 +215,68 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       rules=config_dict.placeholder(tuple)))
   return config
+
+
+def finetune_defaults() -> ml_collections.ConfigDict:
+  """Every key a fine-tuning config may set, with BERT's GLUE recipe as defaults.
+
+  task            registry name ("glue/rte", "squad/v1.1", "swag", "conll2003").
+  task_options    keyword options of the task (SQuAD doc_stride..., CoNLL
+                  document_context); the config file fixes which exist.
+  data_dir        where `Task.load` reads the splits (the GLUE root for GLUE), or
+                  "tfds" / "tfds:TFDS_DATA_DIR" for TFDS `glue/*` (the `[tfds]` extra).
+  init.model      Hugging Face or converted model directory, pre-training
+                  workdir, or fine-tuning workdir (e.g. MNLI for RTE).
+  model.*         dtype, dropouts, attention_impl, remat (None: the model's own).
+  max_len         longest row in tokens.
+  seeds           one training run per seed.
+  optim.*         AdamW/LAMB, lr, weight decay, clipping, linear decay with
+                  warmup_proportion of the steps, layerwise_lr_decay (1 = off).
+  train.*         batch_size, epochs, accum_steps, eval_batch_size, eval_every
+                  ("epoch", "end" or a step count), selection ("best" on the
+                  task's selection metric, or "last"), early_stopping_patience
+                  (evaluations without improvement; 0 = never stop early),
+                  log_every, save_checkpoint, rng_impl (the PRNG of the step
+                  key that the dropout key is drawn from, `losses.dropout_key`;
+                  every choice is reproducible on one backend).
+  feature_based.* layers to concatenate from a frozen encoder (empty = full
+                  fine-tuning), head ("bilstm" or "mlp"), head_size,
+                  head_layers, dropout.
+  mesh.*          mesh sizes and logical rules, as for pre-training.
+  """
+  config = ml_collections.ConfigDict()
+  config.task = "glue/rte"
+  config.task_options = ml_collections.ConfigDict()
+  config.data_dir = config_dict.placeholder(str)
+  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str)})
+  config.model = ml_collections.ConfigDict({
+      "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
+      "attention_dropout": config_dict.placeholder(float), "attention_impl": config_dict.placeholder(str),
+      "remat": config_dict.placeholder(str)})
+  config.max_len = 128
+  config.seeds = (1, 2, 3)
+  config.optim = ml_collections.ConfigDict(dict(
+      name="adamw", lr=2e-5, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0, schedule="linear",
+      power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
+  config.train = ml_collections.ConfigDict(dict(
+      batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
+      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False))
+  config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
+                                                        dropout=0.1))
+  config.mesh = ml_collections.ConfigDict(dict(
+      sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
+  return config
+
+
+def validate_batching(train: ml_collections.ConfigDict, data_parallel: int, process_count: int) -> None:
+  """The batch sizes of `config.train` (pre-training and fine-tuning alike) against the mesh and the processes."""
+  if train.batch_size <= 0 or train.batch_size % data_parallel or train.batch_size % process_count:
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the data-parallel size "
+                     f"{data_parallel} and the {process_count} processes; give a positive multiple of both")
+  if train.eval_batch_size is not None and (train.eval_batch_size <= 0
+                                            or train.eval_batch_size % (data_parallel * process_count)):
+    raise ValueError(f"config.train.eval_batch_size={train.eval_batch_size} is not divisible by the data-parallel "
+                     f"size {data_parallel} times the {process_count} processes")
+  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
+    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
+                     f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")

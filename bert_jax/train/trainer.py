@@ -90,21 +90,9 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pa
   return pathlib.Path(data.prepared)
 
 
-def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel: int) -> None:
+def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   """Derived values that must fit, checked before anything is compiled."""
-  train = config.train
-  if train.batch_size % data_parallel:
-    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the data-parallel size "
-                     f"{data_parallel} (mesh data x fsdp over {mesh_devices} devices)")
-  if train.batch_size % jax.process_count():
-    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the "
-                     f"{jax.process_count()} processes")
-  if train.eval_batch_size and train.eval_batch_size % (data_parallel * jax.process_count()):
-    raise ValueError(f"config.train.eval_batch_size={train.eval_batch_size} is not divisible by the data-parallel "
-                     f"size {data_parallel} and the {jax.process_count()} processes")
-  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
-    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
-                     f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
+  config_lib.validate_batching(config.train, data_parallel, jax.process_count())
   needed_format = objectives.objective_class(config.objective).sentence_format
   if needed_format and config.data.format != needed_format:
     raise ValueError(f"config.objective={config.objective!r} needs config.data.format={needed_format!r}, "
@@ -195,7 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
   data_parallel = sharding_lib.data_parallel_size(mesh)
-  validate(config, mesh.size, data_parallel)
+  validate(config, data_parallel)
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
 
   prepared_dir = prepare_data(config, workdir)
