@@ -416,14 +416,6 @@ def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: s
   return task.featurize(examples, tokenizer, max_len)
 
 
-def _dummy_batch(kind: str, batch_size: int, seq_len: int, num_choices: int) -> dict[str, jax.Array]:
-  rows = (batch_size, num_choices) if kind == "multiple_choice" else (batch_size,)
-  batch = {"input_ids": jnp.zeros(rows + (seq_len,), jnp.int32), "segment_ids": jnp.zeros(rows + (seq_len,), jnp.int32),
-           "lengths": jnp.full(rows, seq_len, jnp.int32), "weights": jnp.ones((batch_size,), jnp.float32),
-           "seed": jnp.zeros((batch_size,), jnp.int32)}
-  return batch
-
-
 def _write_json(path: pathlib.Path, value: Any) -> None:
   path.write_text(json.dumps(value, indent=2, default=str) + "\n")
 
@@ -473,11 +465,12 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
   feature = config.feature_based
   model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
                       feature.head_size, feature.head_layers, feature.dropout)
-  objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1)
+  objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
+                                num_choices=task.num_choices)
   batch_size = config.train.batch_size
   steps_per_epoch = math.ceil(len(train_features["input_ids"]) / batch_size)
   total_steps = config.train.epochs * steps_per_epoch
-  dummy = _dummy_batch(task.kind, batch_size, seq_len, task.num_choices)
+  dummy = objective.example_batch(batch_size, seq_len)
   abstract_params = nn.unbox(jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"])
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
   tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(feature.layers))
@@ -556,7 +549,8 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
   feature = config.feature_based
   objective = FinetuneObjective(build_model(model_config, task.kind, task.num_labels, tuple(feature.layers),
                                             feature.head, feature.head_size, feature.head_layers, feature.dropout),
-                                task.kind, single_token_type=model_config.type_vocab_size == 1)
+                                task.kind, single_token_type=model_config.type_vocab_size == 1,
+                                num_choices=task.num_choices)
   data_dir = data_dir or config.data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
   eval_sets = []
@@ -571,8 +565,7 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
   for seed in seeds or run_info["seeds"]:
     _, params = checkpoint_lib.restore_params(workdir / f"seed_{seed}")
     if predict_step is None:
-      dummy = _dummy_batch(task.kind, config.train.eval_batch_size, eval_sets[0].features["input_ids"].shape[-1],
-                           task.num_choices)
+      dummy = objective.example_batch(config.train.eval_batch_size, eval_sets[0].features["input_ids"].shape[-1])
       with partitioning.context():
         abstract = jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"]
         param_shardings = sharding_lib.logical_shardings(abstract, mesh, partitioning.rules)

@@ -140,12 +140,22 @@ class FinetuneObjective:
     model: the Flax module; its params tree is {"encoder", "head"}.
     kind: the task kind.
     single_token_type: zero the segment ids (models with one token type, RoBERTa).
+    num_choices: choices per example (multiple choice only).
   """
 
   model: nn.Module
   kind: TaskKind
   single_token_type: bool = False
+  num_choices: int = 0
   weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"task": 1.0})
+
+  def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
+    """A batch of the device fields' shapes (zeros), to initialise the model and trace the steps."""
+    shape = (rows, self.num_choices) if self.kind == "multiple_choice" else (rows,)
+    tokens = jnp.zeros(shape + (seq_len,), jnp.int32)
+    return {"input_ids": tokens, "segment_ids": tokens,
+            "lengths": jnp.full(shape, seq_len, jnp.int32), "weights": jnp.ones((rows,), jnp.float32),
+            "seed": jnp.zeros((rows,), jnp.int32)}
 
   def prepare(self, batch: dict[str, Array]) -> dict[str, Array]:
     """Adds pack_ids [..., L] (1 on real tokens, 0 on padding) from `lengths`."""

@@ -7,7 +7,8 @@ The train step (`bert_jax.train.step`) knows an objective only through:
   denominators(inputs)    token / example counts of the whole batch per term
                           (float32), so gradient accumulation divides once;
   forward(params, inputs, rng, train) -> {term}_loss and {term}_correct sums;
-and the loop also calls init_variables(rng, batch). The fine-tuning objective
+and the commands also call example_batch(rows, seq_len) (zeros of the batch's
+fields and shapes) and init_variables(rng, batch). The fine-tuning objective
 (`bert_jax.tasks.finetune_model.FinetuneObjective`) has the same interface.
 
 A pre-training objective is one `PretrainingObjective` subclass: its name in
@@ -68,12 +69,14 @@ class PretrainingObjective:
   weights: dict[str, float]
   packed: bool = False
   seed: int = 0
+  max_packs: int = 1  # examples per row (packing), hence sentence-head slots per row
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, model_config: ModelConfig,
                   mask_id: int) -> PretrainingObjective:
     return cls(model_config=model_config, masking=MaskingConfig(**config.masking.to_dict()), mask_id=mask_id,
-               weights=cls.loss_weights(config.loss), packed=bool(config.data.packing), seed=int(config.seed))
+               weights=cls.loss_weights(config.loss), packed=bool(config.data.packing), seed=int(config.seed),
+               max_packs=int(config.data.max_packs) if config.data.packing else 1)
 
   @classmethod
   def loss_weights(cls, loss: ml_collections.ConfigDict) -> dict[str, float]:
@@ -96,6 +99,17 @@ class PretrainingObjective:
 
   def predictions_per_token(self, max_predictions: int, seq_len: int) -> float:
     return max_predictions / seq_len
+
+  def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
+    """A batch of the pipeline's fields and shapes (zeros), to initialise the model and trace the step."""
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    ones = jnp.ones((rows, seq_len), jnp.int32)
+    return {"input_ids": zeros(rows, seq_len), "segment_ids": zeros(rows, seq_len),
+            "position_ids": jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len)),
+            "pack_ids": ones, "word_starts": ones, "special_mask": zeros(rows, seq_len),
+            "cls_positions": zeros(rows, self.max_packs), "sentence_labels": zeros(rows, self.max_packs),
+            "sentence_weights": jnp.ones((rows, self.max_packs), jnp.float32),
+            "example_ids": jnp.arange(rows, dtype=jnp.int32), "epoch": zeros(rows)}
 
   def prepare(self, batch: dict[str, Array]) -> dict[str, Array]:
     """Masks the batch on device, keyed by (seed, example id, epoch) only."""

@@ -115,17 +115,6 @@ def _warn_single_sentence_documents(corpus, example_format: str) -> None:
                 corpus.directory, example_format)
 
 
-def _dummy_batch(rows: int, seq_len: int, packs: int) -> dict[str, jax.Array]:
-  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-  ones = jnp.ones((rows, seq_len), jnp.int32)
-  return {"input_ids": zeros(rows, seq_len), "segment_ids": zeros(rows, seq_len),
-          "position_ids": jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len)),
-          "pack_ids": ones, "word_starts": ones, "special_mask": zeros(rows, seq_len),
-          "cls_positions": zeros(rows, packs), "sentence_labels": zeros(rows, packs),
-          "sentence_weights": jnp.ones((rows, packs), jnp.float32), "example_ids": jnp.arange(rows, dtype=jnp.int32),
-          "epoch": zeros(rows)}
-
-
 def _iterator(config, prepared_dir, split: str, batch_rows: int, num_epochs=None):
   data = config.data
   return pipeline.pretraining_iterator(
@@ -200,10 +189,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   total_steps = config.train.steps
   tx, schedule = optim.make_optimizer(config.optim, total_steps)
 
-  packs = config.data.max_packs if config.data.packing else 1
   rng = jax.random.key(config.seed)
   init_rng, step_rng = jax.random.split(rng)
-  dummy = _dummy_batch(config.train.batch_size, config.data.seq_len, packs)
+  dummy = objective.example_batch(config.train.batch_size, config.data.seq_len)
   state, state_shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, init_rng, partitioning)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
 
