@@ -8,7 +8,7 @@
 `FinetuneModel`, or the feature-based tagger), and trains it once per seed
 with the pre-training machinery: sharded state, the jitted accumulating step
 (compiled once for all seeds: the seed reaches the dropout key through the
-batch), the AdamW schedule with warmup and layer-wise LR decay. Batches have
+batch), the shared loop (`bert_jax.train.loop`), the AdamW schedule with warmup and layer-wise LR decay. Batches have
 fixed shapes: rows are padded to the longest feature of the task (rounded up
 to 8, at most max_len), and the last batch of an epoch is filled with rows of
 weight 0, which predictions drop before `Task.evaluate`.

@@ -38,7 +38,7 @@ class TrainState:
 
 
 class Task(Protocol):
-  """What the step needs from an objective (pre-training) or a fine-tuning task."""
+  """What the step needs from an objective: pre-training's (`objectives`) or fine-tuning's (`FinetuneObjective`)."""
 
   weights: dict[str, float]
 
