@@ -6,7 +6,7 @@
 One table, one line per [rows, vocabulary] bfloat16 logits (the padded vocabulary's last columns at the padding
 logit), ms per call:
   * floor: reading the logits once at `--bandwidth`;
-  * xla: the log-sum-exp, the target's logit and the argmax as `objectives._row_statistics` computes them without
+  * xla: the log-sum-exp, the target's logit and the argmax as `kernels.cross_entropy._row_statistics` computes them without
     the kernel (two passes over the logits: the maximum fused with the argmax, then the sum of exponentials);
   * R/C/S/W: `cross_entropy_kernel.row_statistics` at block_rows R, chunk C, up to S splits of the columns
     (programs a row block), W warps (XLA's combination of the splits and gather of the target logits included);
@@ -30,7 +30,6 @@ import jax.numpy as jnp  # noqa: E402
 from attention import time_ms  # noqa: E402
 from bert_jax.kernels import cross_entropy as cross_entropy_kernel  # noqa: E402
 from bert_jax.models.heads import PAD_LOGIT  # noqa: E402
-from bert_jax.train import objectives  # noqa: E402
 
 VOCAB = 30522
 
@@ -48,7 +47,7 @@ def time_statistics(rows: int, columns: int, launch: str | None, iters: int) -> 
   """ms per call; launch "R/C/S/W", None: XLA."""
   logits, targets, _ = inputs(rows, columns)
   if launch is None:
-    fn = jax.jit(functools.partial(objectives._row_statistics, implementation="xla"))  # noqa: SLF001
+    fn = jax.jit(functools.partial(cross_entropy_kernel._row_statistics, kernel=False))  # noqa: SLF001
   else:
     block_rows, chunk, splits, warps = (int(n) for n in launch.split("/"))
     fn = jax.jit(lambda l, t: cross_entropy_kernel._statistics_2d(  # noqa: SLF001
@@ -58,10 +57,10 @@ def time_statistics(rows: int, columns: int, launch: str | None, iters: int) -> 
 
 
 def time_loss(rows: int, columns: int, implementation: str, iters: int) -> float:
-  """ms per forward + backward of `cross_entropy_sums`."""
+  """ms per forward + backward of the kernels' weighted cross-entropy, its statistics from XLA or the kernel."""
   logits, targets, weights = inputs(rows, columns)
-  fn = jax.jit(jax.value_and_grad(
-      lambda l: objectives.cross_entropy_sums(l, targets, weights, implementation)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda l: cross_entropy_kernel.weighted_cross_entropy(
+      l, targets, weights, implementation == "pallas")[0]))
   return time_ms(fn, logits, iters=iters)
 
 

@@ -220,12 +220,11 @@ def run_ours(carry: pathlib.Path, data: pathlib.Path, model: pathlib.Path, task:
     config, data_dir = f"configs/finetune/glue.py:task={task}", carry / "glue"
   else:
     config, data_dir = OUR_CONFIGS[task][0], data / OUR_CONFIGS[task][1]
-  # XLA attention: the cuDNN path has no per-layer attention dropout (bench/NOTES.md), and BERT's recipe has it.
   overrides = {"init.model": model, "data_dir": data_dir, "seeds": tuple(seeds), "optim.lr": hyper["lr"],
                "optim.eps": 1e-8, "train.epochs": hyper["epochs"], "train.batch_size": hyper["batch"],
                "max_len": hyper["max_len"], "model.dtype": "bfloat16", "train.selection": "last",
                "train.eval_every": "end", "train.eval_batch_size": hyper["eval_batch"],
-               "train.save_checkpoint": False, "model.attention_impl": hyper.get("attention", "auto")}
+               "train.save_checkpoint": False, "model.kernels": hyper.get("kernels", "auto")}
   command = [sys.executable, "-m", "bert_jax.cli", "finetune", "--config", config, "--workdir", str(workdir),
              *[f"--config.{key}={value}" for key, value in overrides.items()]]
   _, wall = _run_process(command, "bert_jax", task, log, env={"BERT_JAX_COMPILATION_CACHE": str(compile_cache)})
@@ -282,7 +281,7 @@ def environment() -> dict:
 def task_hyper(task: str, args) -> dict:
   if task not in HYPER:
     raise SystemExit(f"unknown task {task!r}; expected some of {', '.join(HYPER)}")
-  return {**HYPER[task], **({"epochs": args.epochs} if args.epochs else {}), "attention": args.attention}
+  return {**HYPER[task], **({"epochs": args.epochs} if args.epochs else {}), "kernels": args.kernels}
 
 
 def run(args) -> None:
@@ -360,8 +359,8 @@ def main() -> None:
   run_parser.add_argument("--epochs", type=int, default=0, help="override every task's epochs (default: HYPER)")
   run_parser.add_argument("--limit", type=int, default=0,
                           help="squad/conll smoke test: only the first N train and N dev questions/sentences")
-  run_parser.add_argument("--attention", default="auto",
-                          help="our attention implementation (auto: on GPU, the flash kernels with dropout)")
+  run_parser.add_argument("--kernels", default="auto", choices=("auto", "off"),
+                          help="our model.kernels (auto: the hand-written GPU kernels where they apply)")
   run_parser.add_argument("--warm-rerun", action="store_true",
                           help="run ours twice per task; the second run loads its compiled steps from the cache")
   run_parser.add_argument("--scratch", default="/tmp/finetune_bench")

@@ -260,8 +260,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
                                         jax.random.key(config.seed), partitioning)
   train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps,
                                rng=jax.random.key(config.seed + 1), partitioning=partitioning,
-                               state_shardings=state_shardings, param_norms=config.train.log_param_norms,
-                               keep_weight_copies=config.train.weight_copies)
+                               state_shardings=state_shardings, param_norms=config.train.log_param_norms)
 
   def next_batch(index):
     if iterator is None:

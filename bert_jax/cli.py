@@ -1,13 +1,12 @@
-"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | convert | features | fill-mask | sweep.
+"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | convert | features | fill-mask | sweep | table | plot.
 
-Intentionally thin: each subcommand is an importable `main(argv)` elsewhere.
+Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
   bert-jax pretrain --config configs/bert.py:size=base --config.optim.lr=1e-4 --workdir runs/bert
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
@@ -17,59 +16,16 @@ import sys
 # subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
     "prepare": ("bert_jax.data.prepare", "tokenise a corpus once into shards with a manifest"),
-    "pretrain": ("bert_jax.cli", "pre-train from a config (resumes in the same workdir)"),
+    "pretrain": ("bert_jax.train.trainer", "pre-train from a config (resumes in the same workdir)"),
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
     "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
     "fill-mask": ("bert_jax.analysis.fill_mask", "top predictions at each [MASK]"),
-    "sweep": ("bert_jax.train.sweep", "run a config's sweep and render its table"),
+    "sweep": ("bert_jax.experiments.ablation", "pre-train a table's rows, fine-tune their downstream suite, score"),
+    "table": ("bert_jax.experiments.table", "render a sweep's paper-style table with the published numbers, plots"),
+    "plot": ("bert_jax.train.plot", "PNG plots of runs' metrics (loss, accuracy, learning rate, throughput)"),
 }
-
-
-def pretrain_main(argv: list[str]) -> int:
-  """bert-jax pretrain --config FILE[:ARG] [--config.KEY=VALUE ...] --workdir DIR."""
-  parser = argparse.ArgumentParser(prog="bert-jax pretrain", description=pretrain_main.__doc__, allow_abbrev=False)
-  parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
-  parser.add_argument("--workdir", required=True, help="run directory; an existing one is resumed")
-  args, rest = parser.parse_known_args(argv)
-  overrides = [a for a in rest if a.startswith("--config.")]
-  unknown = [a for a in rest if not a.startswith("--config.")]
-  if unknown:
-    parser.error(f"unrecognised arguments {unknown}; overrides look like --config.optim.lr=1e-4")
-
-  from bert_jax.train import config_lib, trainer
-
-  config = config_lib.load_config(args.config, overrides)
-  result = trainer.train_and_evaluate(config, args.workdir)
-  _report(config, result)
-  return 0
-
-
-def _report(config, result) -> None:
-  import jax
-
-  if jax.process_index() != 0:
-    return
-  if result["preempted"]:
-    print(f"Preempted at step {result['step']}; run the same command again to resume.")
-    return
-  if config.train.fill_mask:
-    from bert_jax.analysis import fill_mask
-
-    model_cfg, params, tokenizer = fill_mask.load_run(result["workdir"])
-    texts = list(config.train.fill_mask)
-    print("\nFill-mask predictions:")
-    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
-  history = result["history"]
-  if history:
-    first, last = history[0], history[-1]
-    print(f"\nMLM loss {first.get('mlm_loss', float('nan')):.3f} (step {first['step']}) -> "
-          f"{last.get('mlm_loss', float('nan')):.3f} (step {last['step']})")
-  if result["eval"]:
-    print("Eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result["eval"].items()))
-  workdir = result["workdir"]
-  print(f"Checkpoints: {workdir}/checkpoints\nMetrics: {workdir}/metrics.jsonl (TensorBoard: {workdir}/tensorboard)")
 
 
 def enable_compilation_cache() -> None:
@@ -104,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
   command, rest = argv[0], argv[1:]
   enable_compilation_cache()
   try:
-    if command == "pretrain":
-      return pretrain_main(rest)
     module = importlib.import_module(SUBCOMMANDS[command][0])
     entry = getattr(module, "evaluate_main" if command == "evaluate" else "main")
     return entry(rest)

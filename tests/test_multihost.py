@@ -215,6 +215,7 @@ def test_one_process_checkpoint_continues_in_two_processes_with_fsdp(reference, 
   assert_losses_match(workdir, reference_dir, range(CHECKPOINT_EVERY + 1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_four_processes_with_fsdp_equal_the_single_process_run_and_continue_in_two(reference, runner, tmp_path):
   """4 processes with one device each: rows, losses and side effects as one process; the checkpoint reshards to 2."""
   reference_dir, reference_fed = reference

@@ -152,6 +152,26 @@ def test_cross_entropy_kernel_losses_and_gradients_equal_xla(monkeypatch):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
 
 
+def test_cross_entropy_sums_plain_and_auto_equal_the_formula():
+  """`losses.cross_entropy_sums`: "off" (optax) and "auto" (the kernels' seam) give the weighted sums of
+  logsumexp - target logit and of correct argmaxes, with the same gradients; a typo names the key."""
+  from bert_jax.train import losses
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(6, 130)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 130, size=6), jnp.int32)
+  weights = jnp.asarray([1.0, 1.0, 0.0, 1.0, 0.5, 1.0], jnp.float32)
+  token_loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[:, None], -1)[:, 0]
+  want = (jnp.sum(token_loss * weights), jnp.sum((jnp.argmax(logits, -1) == targets) * weights))
+  grads = {}
+  for kernels in ("off", "auto"):
+    got = losses.cross_entropy_sums(logits, targets, weights, kernels)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, err_msg=kernels)
+    grads[kernels] = jax.grad(lambda l: losses.cross_entropy_sums(l, targets, weights, kernels)[0])(logits)
+  np.testing.assert_allclose(grads["auto"], grads["off"], rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="kernels='of'"):
+    losses.cross_entropy_sums(logits, targets, weights, "of")
+
+
 def test_padded_vocabulary_logits_and_electra_samples():
   from bert_jax.models import ElectraModel, PretrainingModel, electra_generator_config
   cfg = tiny_model(vocab_pad_multiple=64)

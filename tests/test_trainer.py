@@ -324,3 +324,62 @@ def test_single_sentence_documents_are_flagged_for_sentence_pair_formats(prepare
   with caplog.at_level(logging.WARNING):
     trainer._warn_single_sentence_documents(prepare.open_prepared(prepared), "segment_pair")
   assert not caplog.records
+
+
+def test_one_loop_runs_a_pretraining_and_a_finetuning_job(prepared, tmp_path, monkeypatch):
+  """`train/loop.run` steps both commands: a short pre-training run, then fine-tuning from its workdir."""
+  from bert_jax.tasks import finetune
+  from bert_jax.train import loop
+
+  runs = []
+  real_run = loop.run
+  monkeypatch.setattr(loop, "run", lambda *args, **kwargs: runs.append(kwargs["total_steps"]) or real_run(
+      *args, **kwargs))
+  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=4, eval_every=0), tmp_path / "pre")
+  glue = tmp_path / "glue" / "SST-2"
+  glue.mkdir(parents=True)
+  rng = np.random.default_rng(0)
+  for split, count in (("train", 32), ("dev", 16)):
+    labels = rng.integers(2, size=count)
+    glue.joinpath(f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(
+        f"{'a good one' if label else 'a bad one'}\t{label}\n" for label in labels))
+  config = config_lib.load_config(str(REPO / "configs/finetune/glue.py:task=sst2"), [
+      f"--config.init.model={tmp_path / 'pre'}", f"--config.data_dir={tmp_path / 'glue'}", "--config.seeds=(1,)",
+      "--config.train.batch_size=16", "--config.train.eval_batch_size=16", "--config.max_len=16",
+      "--config.train.epochs=1", "--config.train.save_checkpoint=False"])
+  results = finetune.finetune(config, tmp_path / "finetune")
+  assert runs == [4, 2]
+  assert results["seeds"][0]["steps"] == 2
+
+
+def _imports(path: pathlib.Path, top_level_only: bool) -> set[str]:
+  """Modules a source file imports (absolute names; relative imports resolved against bert_jax)."""
+  import ast
+  tree = ast.parse(path.read_text())
+  nodes = tree.body if top_level_only else list(ast.walk(tree))
+  names = set()
+  for node in nodes:
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module)
+      names.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return names
+
+
+def test_import_graph_train_never_imports_tasks():
+  """Data flows one way: the training machinery knows objectives only through their interface."""
+  for path in sorted((REPO / "bert_jax" / "train").glob("*.py")):
+    bad = sorted(name for name in _imports(path, top_level_only=False)
+                 if name == "bert_jax.tasks" or name.startswith("bert_jax.tasks."))
+    assert not bad, f"{path.name} imports {bad}"
+
+
+def test_import_graph_models_import_kernels_only_lazily():
+  """The plain model imports no kernel at module level; fast paths load behind the seams when chosen."""
+  if not (REPO / "bert_jax" / "kernels").is_dir():
+    pytest.skip("no bert_jax/kernels package yet")
+  for path in sorted((REPO / "bert_jax" / "models").glob("*.py")):
+    bad = sorted(name for name in _imports(path, top_level_only=True)
+                 if name == "bert_jax.kernels" or name.startswith("bert_jax.kernels."))
+    assert not bad, f"{path.name} imports {bad} at module level"

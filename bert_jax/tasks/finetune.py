@@ -8,7 +8,7 @@
 `FinetuneModel`, or the feature-based tagger), and trains it once per seed
 with the pre-training machinery: sharded state, the jitted accumulating step
 (compiled once for all seeds: the seed reaches the dropout key through the
-batch), the AdamW schedule with warmup and layer-wise LR decay. Batches have
+batch), the shared loop (`bert_jax.train.loop`), the AdamW schedule with warmup and layer-wise LR decay. Batches have
 fixed shapes: rows are padded to the longest feature of the task (rounded up
 to 8, at most max_len), and the last batch of an epoch is filled with rows of
 weight 0, which predictions drop before `Task.evaluate`.
@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from ml_collections import config_dict
 
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
@@ -61,7 +60,8 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import config_lib, heap, metrics as metrics_lib, optim
+from bert_jax.train import config_lib, loop, metrics as metrics_lib, optim
+from bert_jax.train.config_lib import finetune_defaults  # noqa: F401 - the fine-tuning configs import it here
 from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
 
 log = logging.getLogger(__name__)
@@ -69,61 +69,8 @@ log = logging.getLogger(__name__)
 SELECTIONS = ("best", "last")
 RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
-MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "attention_impl", "remat")
+MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat")
 _LENGTH_MULTIPLE = 8
-
-
-def finetune_defaults() -> ml_collections.ConfigDict:
-  """Every key a fine-tuning config may set, with BERT's GLUE recipe as defaults.
-
-  task            registry name ("glue/rte", "squad/v1.1", "swag", "conll2003").
-  task_options    keyword options of the task (SQuAD doc_stride..., CoNLL
-                  document_context); the config file fixes which exist.
-  data_dir        where `Task.load` reads the splits (the GLUE root for GLUE), or
-                  "tfds" / "tfds:TFDS_DATA_DIR" for TFDS `glue/*` (the `[tfds]` extra).
-  init.model      Hugging Face or converted model directory, pre-training
-                  workdir, or fine-tuning workdir (e.g. MNLI for RTE).
-  model.*         dtype, dropouts, attention_impl, remat (None: the model's own).
-  max_len         longest row in tokens.
-  seeds           one training run per seed.
-  optim.*         AdamW/LAMB, lr, weight decay, clipping, linear decay with
-                  warmup_proportion of the steps, layerwise_lr_decay (1 = off).
-  train.*         batch_size, epochs, accum_steps, eval_batch_size, eval_every
-                  ("epoch", "end" or a step count), selection ("best" on the
-                  task's selection metric, or "last"), early_stopping_patience
-                  (evaluations without improvement; 0 = never stop early),
-                  log_every, save_checkpoint, rng_impl (the dropout key's PRNG:
-                  "rbg", XLA's RngBitGenerator, draws [B, heads, L, L]
-                  attention-dropout masks far faster on GPU than
-                  "threefry2x32"; both are reproducible on one backend).
-  feature_based.* layers to concatenate from a frozen encoder (empty = full
-                  fine-tuning), head ("bilstm" or "mlp"), head_size,
-                  head_layers, dropout.
-  mesh.*          mesh sizes and logical rules, as for pre-training.
-  """
-  config = ml_collections.ConfigDict()
-  config.task = "glue/rte"
-  config.task_options = ml_collections.ConfigDict()
-  config.data_dir = config_dict.placeholder(str)
-  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str)})
-  config.model = ml_collections.ConfigDict({
-      "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
-      "attention_dropout": config_dict.placeholder(float), "attention_impl": config_dict.placeholder(str),
-      "remat": config_dict.placeholder(str)})
-  config.max_len = 128
-  config.seeds = (1, 2, 3)
-  config.optim = ml_collections.ConfigDict(dict(
-      name="adamw", lr=2e-5, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0, schedule="linear",
-      power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
-  config.train = ml_collections.ConfigDict(dict(
-      batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
-      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False,
-      weight_copies=True))
-  config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
-                                                        dropout=0.1))
-  config.mesh = ml_collections.ConfigDict(dict(
-      sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
-  return config
 
 
 def _eval_interval(eval_every: str) -> int:
@@ -142,13 +89,7 @@ def _eval_interval(eval_every: str) -> int:
 def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   """Checks values that must fit together, before any data is read."""
   train = config.train
-  for name in ("batch_size", "eval_batch_size"):
-    if train[name] <= 0 or train[name] % data_parallel or train[name] % jax.process_count():
-      raise ValueError(f"config.train.{name}={train[name]} must be a positive multiple of the data-parallel "
-                       f"size {data_parallel} and of the {jax.process_count()} processes")
-  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
-    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split into "
-                     f"accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
+  config_lib.validate_batching(train, data_parallel, jax.process_count())
   if train.epochs < 1:
     raise ValueError(f"config.train.epochs={train.epochs} must be at least 1")
   if train.selection not in SELECTIONS:
@@ -339,8 +280,7 @@ def _init_state(run: _Run, seed: int):
     run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
                                      rng=jax.random.key(0, impl=run.config.train.rng_impl),
                                      partitioning=run.partitioning, state_shardings=run.state_shardings,
-                                     param_norms=run.config.train.log_param_norms,
-                                     keep_weight_copies=run.config.train.weight_copies)
+                                     param_norms=run.config.train.log_param_norms)
     run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
   state = run.state_init(jax.random.key(seed))
   params, reused, fresh = merge_initial_params(state.params, run.initial_params)
@@ -391,25 +331,19 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   selected: dict[str, Any] | None = None
   evaluations_since_best = 0
   train_seconds = eval_seconds = 0.0
-  step, stopped_early = 0, False
 
-  def read_metrics(logged_step: int, averaged: dict[str, float], nonfinite) -> None:
-    if nonfinite is not None:
-      raise FloatingPointError(f"seed {seed}: non-finite loss or gradients at step {nonfinite[0]}; "
-                               "try a lower config.optim.lr or more warmup")
-    writer.write(logged_step, averaged, prefix="train/")
+  def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
+    del bad
+    return f"seed {seed}: non-finite loss or gradients at step {bad_step}; try a lower config.optim.lr or more warmup"
 
-  pending = metrics_lib.PendingMetrics(read_metrics)  # a log step's metrics read after the next dispatch
-
-  def evaluate(epoch: float) -> bool:
+  def evaluate(step: int, state) -> bool:
     """Scores dev, updates the selection; returns True when early stopping says stop."""
     nonlocal selected, evaluations_since_best, train_seconds, eval_seconds
-    pending.flush(step)
     jax.block_until_ready(state.params)
     started = time.perf_counter()
     train_seconds += started - clock[0]
     metrics = evaluate_splits(task, run.predict_step, state.params, run.eval_sets, run.eval_batches)
-    record = {"step": step, "epoch": round(epoch, 4), "metrics": metrics}
+    record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4), "metrics": metrics}
     history.append(record)
     for split, values in metrics.items():
       writer.write(step, values, prefix=f"eval/{split}/" if len(metrics) > 1 else "eval/")
@@ -426,28 +360,21 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
     patience = config.train.early_stopping_patience
     return bool(patience) and evaluations_since_best >= patience
 
-  clock = [time.perf_counter()]
-  with heap.frozen_setup() as freeze_setup:  # no full garbage collections of the setup (`heap`)
+  def batches():
     for epoch in range(config.train.epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-      for batch_index, start in enumerate(range(0, num_rows, run.train_batches.batch_size)):
-        rows = order[start:start + run.train_batches.batch_size]
-        state, step_metrics = run.train_step(state, run.train_batches(run.train_features, rows, seed))
-        freeze_setup()
-        step += 1
-        pending.add(step_metrics)
-        if step % config.train.log_every == 0:
-          pending.log_next(step)
-        epoch_end = batch_index == run.steps_per_epoch - 1
-        due = (step == total_steps or (interval == 0 and epoch_end) or (interval > 0 and step % interval == 0))
-        if due:
-          stop = evaluate(epoch + (batch_index + 1) / run.steps_per_epoch)
-          freeze_setup("evaluation")  # the predict step's compilation
-          if stop:
-            stopped_early = step < total_steps
-            break
-      if stopped_early:
-        break
+      for start in range(0, num_rows, run.train_batches.batch_size):
+        yield run.train_batches(run.train_features, order[start:start + run.train_batches.batch_size], seed)
+
+  # "epoch": after every epoch's last step; "end": after the last step only; N: every N steps and the last.
+  evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
+                           evaluate)
+  clock = [time.perf_counter()]
+  _, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
+                              log_every=config.train.log_every,
+                              on_log=lambda step, averaged: writer.write(step, averaged, prefix="train/"),
+                              nonfinite_message=nonfinite_message, hooks=(evaluations,))
+  stopped_early = stopped and step < total_steps
   if checkpointer is not None:
     checkpointer.close()
   writer.close()
@@ -487,14 +414,6 @@ def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: s
   if not examples:
     raise ValueError(f"{task.name}: the {what} split has no examples")
   return task.featurize(examples, tokenizer, max_len)
-
-
-def _dummy_batch(kind: str, batch_size: int, seq_len: int, num_choices: int) -> dict[str, jax.Array]:
-  rows = (batch_size, num_choices) if kind == "multiple_choice" else (batch_size,)
-  batch = {"input_ids": jnp.zeros(rows + (seq_len,), jnp.int32), "segment_ids": jnp.zeros(rows + (seq_len,), jnp.int32),
-           "lengths": jnp.full(rows, seq_len, jnp.int32), "weights": jnp.ones((batch_size,), jnp.float32),
-           "seed": jnp.zeros((batch_size,), jnp.int32)}
-  return batch
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
@@ -546,11 +465,12 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
   feature = config.feature_based
   model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
                       feature.head_size, feature.head_layers, feature.dropout)
-  objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1)
+  objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
+                                num_choices=task.num_choices)
   batch_size = config.train.batch_size
   steps_per_epoch = math.ceil(len(train_features["input_ids"]) / batch_size)
   total_steps = config.train.epochs * steps_per_epoch
-  dummy = _dummy_batch(task.kind, batch_size, seq_len, task.num_choices)
+  dummy = objective.example_batch(batch_size, seq_len)
   abstract_params = nn.unbox(jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"])
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
   tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(feature.layers))
@@ -629,7 +549,8 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
   feature = config.feature_based
   objective = FinetuneObjective(build_model(model_config, task.kind, task.num_labels, tuple(feature.layers),
                                             feature.head, feature.head_size, feature.head_layers, feature.dropout),
-                                task.kind, single_token_type=model_config.type_vocab_size == 1)
+                                task.kind, single_token_type=model_config.type_vocab_size == 1,
+                                num_choices=task.num_choices)
   data_dir = data_dir or config.data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
   eval_sets = []
@@ -644,8 +565,7 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
   for seed in seeds or run_info["seeds"]:
     _, params = checkpoint_lib.restore_params(workdir / f"seed_{seed}")
     if predict_step is None:
-      dummy = _dummy_batch(task.kind, config.train.eval_batch_size, eval_sets[0].features["input_ids"].shape[-1],
-                           task.num_choices)
+      dummy = objective.example_batch(config.train.eval_batch_size, eval_sets[0].features["input_ids"].shape[-1])
       with partitioning.context():
         abstract = jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"]
         param_shardings = sharding_lib.logical_shardings(abstract, mesh, partitioning.rules)

@@ -40,7 +40,7 @@ from bert_jax.models import Encoder, FinetuneModel, ModelConfig
 from bert_jax.models import Dropout
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train.objectives import cross_entropy_sums
+from bert_jax.train.losses import cross_entropy_sums, dropout_key
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -140,12 +140,22 @@ class FinetuneObjective:
     model: the Flax module; its params tree is {"encoder", "head"}.
     kind: the task kind.
     single_token_type: zero the segment ids (models with one token type, RoBERTa).
+    num_choices: choices per example (multiple choice only).
   """
 
   model: nn.Module
   kind: TaskKind
   single_token_type: bool = False
+  num_choices: int = 0
   weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"task": 1.0})
+
+  def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
+    """A batch of the device fields' shapes (zeros), to initialise the model and trace the steps."""
+    shape = (rows, self.num_choices) if self.kind == "multiple_choice" else (rows,)
+    tokens = jnp.zeros(shape + (seq_len,), jnp.int32)
+    return {"input_ids": tokens, "segment_ids": tokens,
+            "lengths": jnp.full(shape, seq_len, jnp.int32), "weights": jnp.ones((rows,), jnp.float32),
+            "seed": jnp.zeros((rows,), jnp.int32)}
 
   def prepare(self, batch: dict[str, Array]) -> dict[str, Array]:
     """Adds pack_ids [..., L] (1 on real tokens, 0 on padding) from `lengths`."""
@@ -171,7 +181,7 @@ class FinetuneObjective:
     return {"task": jnp.sum(self._loss_weights(inputs))}
 
   def _apply(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> Any:
-    rngs = {"dropout": jax.random.fold_in(rng, inputs["seed"][0])} if train and rng is not None else {}
+    rngs = {"dropout": dropout_key(jax.random.fold_in(rng, inputs["seed"][0]))} if train and rng is not None else {}
     return self.model.apply({"params": params}, inputs["input_ids"], segment_ids=inputs["segment_ids"],
                             pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs)
 
@@ -189,12 +199,13 @@ class FinetuneObjective:
       return {"task_loss": jnp.sum(jnp.square(outputs.astype(jnp.float32) - targets) * weights)}
     if self.kind == "span":
       logits_bl2 = self._span_logits(outputs, inputs)
-      start_loss, _ = cross_entropy_sums(logits_bl2[..., 0], inputs["start_positions"], weights)
-      end_loss, _ = cross_entropy_sums(logits_bl2[..., 1], inputs["end_positions"], weights)
+      start_loss, _ = cross_entropy_sums(logits_bl2[..., 0], inputs["start_positions"], weights, "off")
+      end_loss, _ = cross_entropy_sums(logits_bl2[..., 1], inputs["end_positions"], weights, "off")
       both_correct = ((jnp.argmax(logits_bl2[..., 0], -1) == inputs["start_positions"])
                       & (jnp.argmax(logits_bl2[..., 1], -1) == inputs["end_positions"]))
       return {"task_loss": (start_loss + end_loss) / 2, "task_correct": jnp.sum(both_correct * weights)}
-    loss, correct = cross_entropy_sums(outputs, jnp.maximum(inputs["labels"], 0), weights)
+    # Rows of a few labels (or one window's positions): narrower than any fast path's rows.
+    loss, correct = cross_entropy_sums(outputs, jnp.maximum(inputs["labels"], 0), weights, "off")
     return {"task_loss": loss, "task_correct": correct}
 
   def predict(self, params: Params, inputs: dict[str, Array]) -> Array:

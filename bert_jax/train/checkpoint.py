@@ -24,10 +24,8 @@ from bert_jax.parallel.distributed import sync_global_devices
 
 log = logging.getLogger(__name__)
 
-# Orbax's replica-parallel saving (each of R replicas of a replicated array writes 1/R of it) first slices the array
-# on every device, one compiled slice per shape and device. For small arrays that costs far more than it saves: on
-# CPU with 8 devices the first save of a 0.2M-parameter state took 4.9 s, 0.3 s with slices under this size written
-# whole by one replica. Large arrays (an embedding table) keep the parallel writes.
+# Orbax's replica-parallel saving slices every replicated array on every device first (one compiled slice per
+# shape and device), which costs small arrays far more than it saves: those are written whole by one replica.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
 
 

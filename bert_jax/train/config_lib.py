@@ -162,12 +162,11 @@ def model_section(family: str, size: str, **fixed: Any) -> ml_collections.Config
     base = next((t for t in (bool, int, float, str) if t is hint or t in typing.get_args(hint)), None)
     section[field.name] = config_dict.placeholder(base)
   section.generator_fraction = 0.25  # ELECTRA: generator hidden size / discriminator hidden size.
-  # Pre-training's MLM/SBO logits padded to a multiple of 128 (`ModelConfig.vocab_pad_multiple`; the parameters
-  # are unchanged): -0.6 ms of a 43.8 ms BERT-base seq-128 step on an H100 (bench/NOTES.md, session 15).
+  # MLM/SBO logits padded to a multiple of 128 (`ModelConfig.vocab_pad_multiple`; the parameters are unchanged):
+  # GEMM-friendly widths make the output projection faster (docs/performance.md).
   section.vocab_pad_multiple = 128
-  # bf16 compute, float32 parameters and optimizer state: what the pre-training recipes run on GPUs and TPUs
-  # (`--config.model.dtype=float32` for float32 compute; the CPU demo sets it). `bert-jax pretrain` at BERT-base
-  # seq 128 made 2,481 seq/s in float32 and 6,085 in bf16 (with the sparse last block) on an H200 (session 24).
+  # bf16 compute, float32 parameters and optimizer state, as the pre-training recipes run on GPUs and TPUs
+  # (`--config.model.dtype=float32` for float32 compute; the CPU demo sets it).
   section.dtype = "bfloat16"
   # Pre-training's last block at the heads' rows only (`ModelConfig.sparse_last_layer`; the same loss and
   # gradients to rounding).
@@ -209,11 +208,75 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       batch_size=256, steps=1_000_000, accum_steps=1, log_every=100, eval_every=10_000, eval_batches=20,
       eval_batch_size=config_dict.placeholder(int), checkpoint_every=10_000, keep_checkpoints=3,
       async_checkpoint=True, init_from=config_dict.placeholder(str), fill_mask=(),
-      log_param_norms=False,                  # also param_norm and update_norm (~2% of a step, see step.py)
-      weight_copies=True))                    # keep bf16 copies of the weights between steps (train/weight_copies.py)
+      log_param_norms=False))                 # also param_norm and update_norm (they slow the update, see step.py)
   config.loss = ml_collections.ConfigDict(dict(sentence_weight=1.0, sbo_weight=1.0, rtd_weight=50.0,
                                                generator_weight=1.0))
   config.mesh = ml_collections.ConfigDict(dict(
       sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       rules=config_dict.placeholder(tuple)))
   return config
+
+
+def finetune_defaults() -> ml_collections.ConfigDict:
+  """Every key a fine-tuning config may set, with BERT's GLUE recipe as defaults.
+
+  task            registry name ("glue/rte", "squad/v1.1", "swag", "conll2003").
+  task_options    keyword options of the task (SQuAD doc_stride..., CoNLL
+                  document_context); the config file fixes which exist.
+  data_dir        where `Task.load` reads the splits (the GLUE root for GLUE), or
+                  "tfds" / "tfds:TFDS_DATA_DIR" for TFDS `glue/*` (the `[tfds]` extra).
+  init.model      Hugging Face or converted model directory, pre-training
+                  workdir, or fine-tuning workdir (e.g. MNLI for RTE).
+  model.*         dtype, dropouts, kernels, remat (None: the model's own).
+  max_len         longest row in tokens.
+  seeds           one training run per seed.
+  optim.*         AdamW/LAMB, lr, weight decay, clipping, linear decay with
+                  warmup_proportion of the steps, layerwise_lr_decay (1 = off).
+  train.*         batch_size, epochs, accum_steps, eval_batch_size, eval_every
+                  ("epoch", "end" or a step count), selection ("best" on the
+                  task's selection metric, or "last"), early_stopping_patience
+                  (evaluations without improvement; 0 = never stop early),
+                  log_every, save_checkpoint, rng_impl (the PRNG of the step
+                  key that the dropout key is drawn from, `losses.dropout_key`;
+                  every choice is reproducible on one backend).
+  feature_based.* layers to concatenate from a frozen encoder (empty = full
+                  fine-tuning), head ("bilstm" or "mlp"), head_size,
+                  head_layers, dropout.
+  mesh.*          mesh sizes and logical rules, as for pre-training.
+  """
+  config = ml_collections.ConfigDict()
+  config.task = "glue/rte"
+  config.task_options = ml_collections.ConfigDict()
+  config.data_dir = config_dict.placeholder(str)
+  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str)})
+  config.model = ml_collections.ConfigDict({
+      "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
+      "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),
+      "remat": config_dict.placeholder(str)})
+  config.max_len = 128
+  config.seeds = (1, 2, 3)
+  config.optim = ml_collections.ConfigDict(dict(
+      name="adamw", lr=2e-5, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0, schedule="linear",
+      power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
+  config.train = ml_collections.ConfigDict(dict(
+      batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
+      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False))
+  config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
+                                                        dropout=0.1))
+  config.mesh = ml_collections.ConfigDict(dict(
+      sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
+  return config
+
+
+def validate_batching(train: ml_collections.ConfigDict, data_parallel: int, process_count: int) -> None:
+  """The batch sizes of `config.train` (pre-training and fine-tuning alike) against the mesh and the processes."""
+  if train.batch_size <= 0 or train.batch_size % data_parallel or train.batch_size % process_count:
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the data-parallel size "
+                     f"{data_parallel} and the {process_count} processes; give a positive multiple of both")
+  if train.eval_batch_size is not None and (train.eval_batch_size <= 0
+                                            or train.eval_batch_size % (data_parallel * process_count)):
+    raise ValueError(f"config.train.eval_batch_size={train.eval_batch_size} is not divisible by the data-parallel "
+                     f"size {data_parallel} times the {process_count} processes")
+  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
+    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
+                     f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")

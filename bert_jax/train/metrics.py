@@ -39,8 +39,7 @@ class PendingMetrics:
 
   After each step is dispatched the loop calls `add` with its metrics. At a log step it calls `log_next`: the
   host reads those metrics only once the following step is dispatched (in that `add`), so the device has
-  work queued while the host waits for them. A step dispatched to an idle GPU starts ~11 ms later at BERT-base
-  seq 128, ~25 ms at BERT-large (H200, XLA's CUDA-graph command buffers; bench/NOTES.md, session 23).
+  work queued while the host waits for them: a step dispatched to an idle GPU starts late (docs/performance.md).
   `flush` reads them at once, where the loop needs the state anyway (evaluation, checkpoints, the last step).
   Each read calls `on_read(step, averaged, nonfinite)`: the step being logged; each metric's mean over the
   steps read since the last read (the "nonfinite" flag left out); and (step, its metrics) of the first of those

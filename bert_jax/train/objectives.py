@@ -1,187 +1,291 @@
-"""Pre-training objectives behind one small interface.
+"""Pre-training objectives: a small table of classes behind one interface.
 
-The trainer knows an objective only through:
-  model                   the Flax module (its params are the train state's);
+The train step (`bert_jax.train.step`) knows an objective only through:
+  weights                 the weight of each loss term in the total loss;
   prepare(batch)          device-side input preparation that needs no params
                           (masking), run once on the whole global batch;
-  denominators(inputs)    token / example counts of the whole batch per loss
-                          term (float32), so gradient accumulation divides
-                          once;
-  forward(params, inputs, rng, train) -> per-term loss and correct-prediction
-                          sums (numerators);
-  weights                 the weight of each term in the total loss.
+  denominators(inputs)    token / example counts of the whole batch per term
+                          (float32), so gradient accumulation divides once;
+  forward(params, inputs, rng, train) -> {term}_loss and {term}_correct sums;
+and the commands also call example_batch(rows, seq_len) (zeros of the batch's
+fields and shapes) and init_variables(rng, batch). The fine-tuning objective
+(`bert_jax.tasks.finetune_model.FinetuneObjective`) has the same interface.
 
-The total loss is sum_k weight_k * loss_sum_k / count_k, which makes an
-accumulated step equal to the unaccumulated one.
+A pre-training objective is one `PretrainingObjective` subclass: its name in
+the config, its model, the model's extra inputs and its loss terms, composed
+from the shared pieces below (MLM, sentence head, SBO, RTD). `OBJECTIVES`
+maps the config's `objective` to the class.
 
-Objectives: mlm+nsp (BERT), mlm+sop (ALBERT), mlm (RoBERTa), mlm+sbo
-(SpanBERT), ltr (left-to-right LM, BERT's "LTR & No NSP" ablation),
-rtd (ELECTRA: generator MLM + 50 x replaced-token detection).
+  mlm+nsp  BERT          mlm+sop  ALBERT         mlm  RoBERTa
+  mlm+sbo  SpanBERT      ltr      left-to-right LM (BERT's "LTR & No NSP")
+  rtd      ELECTRA: generator MLM + 50 x replaced-token detection
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
-from bert_jax.kernels.cross_entropy import cross_entropy_sums
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
-
-OBJECTIVES = ("mlm+nsp", "mlm+sop", "mlm", "mlm+sbo", "ltr", "rtd")
-# The example format each objective's sentence head needs.
-SENTENCE_FORMATS = {"mlm+nsp": "segment_pair", "mlm+sop": "sop"}
+from bert_jax.train.losses import binary_cross_entropy_sums, cross_entropy_sums, dropout_key
 
 Array = jax.Array
 
 
-def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> tuple[Array, Array]:
-  logits = logits.astype(jnp.float32)
-  labels = labels.astype(jnp.float32)
-  loss = jnp.sum(optax.sigmoid_binary_cross_entropy(logits, labels) * weights)
-  correct = jnp.sum(((logits > 0) == (labels > 0.5)) * weights)
-  return loss, correct
+def mlm_terms(logits: Array, inputs: dict[str, Array], kernels: str, term: str = "mlm") -> dict[str, Array]:
+  """Masked-token cross-entropy at the masked positions (also the SBO term, from the span-boundary logits)."""
+  loss, correct = cross_entropy_sums(logits, inputs["mlm_ids"], inputs["mlm_weights"], kernels)
+  return {f"{term}_loss": loss, f"{term}_correct": correct}
 
 
-def dropout_key(key: Array) -> Array:
-  """An "rbg" key drawn from `key`, for the "dropout" RNG stream.
+def sentence_terms(logits: Array, inputs: dict[str, Array]) -> dict[str, Array]:
+  """NSP / SOP cross-entropy of each example's [CLS] (two classes: no kernel applies)."""
+  loss, correct = cross_entropy_sums(logits, inputs["sentence_labels"], inputs["sentence_weights"], "off")
+  return {"sentence_loss": loss, "sentence_correct": correct}
 
-  The masks themselves are hashed (`bert_jax.kernels.dropout`); each dropout
-  site draws only two seeds from this stream, so the key's implementation no
-  longer matters for speed. It stays "rbg" so that the seeds, and with them
-  the masks of a given step key, are those of runs already made.
-  """
-  return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
+
+def rtd_terms(logits: Array, replaced: Array, inputs: dict[str, Array]) -> dict[str, Array]:
+  """Replaced-token detection over every real token."""
+  loss, correct = binary_cross_entropy_sums(logits, replaced, (inputs["pack_ids"] > 0).astype(jnp.float32))
+  return {"rtd_loss": loss, "rtd_correct": correct}
 
 
 @dataclasses.dataclass(frozen=True)
-class Objective:
-  """One pre-training objective bound to a model config (see the module docstring)."""
+class PretrainingObjective:
+  """Masked LM on a `PretrainingModel` (RoBERTa's objective); subclasses add heads and terms."""
 
-  name: str
+  name: ClassVar[str] = "mlm"
+  sentence_format: ClassVar[str | None] = None  # the example format a sentence head needs
+
   model_config: ModelConfig
   masking: MaskingConfig
   mask_id: int
   weights: dict[str, float]
   packed: bool = False
   seed: int = 0
-  generator_config: ModelConfig | None = None
+  max_packs: int = 1  # examples per row (packing), hence sentence-head slots per row
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, model_config: ModelConfig,
+                  mask_id: int) -> PretrainingObjective:
+    return cls(model_config=model_config, masking=MaskingConfig(**config.masking.to_dict()), mask_id=mask_id,
+               weights=cls.loss_weights(config.loss), packed=bool(config.data.packing), seed=int(config.seed),
+               max_packs=int(config.data.max_packs) if config.data.packing else 1)
+
+  @classmethod
+  def loss_weights(cls, loss: ml_collections.ConfigDict) -> dict[str, float]:
+    del loss
+    return {"mlm": 1.0}
+
+  @property
+  def kernels(self) -> str:
+    """The model config's kernel switch, which also chooses the vocabulary-wide losses' implementation."""
+    return getattr(self.model_config, "kernels", "auto")
 
   @property
   def model(self) -> nn.Module:
-    if self.name == "rtd":
-      return ElectraModel(self.model_config, self.generator_config)
-    return PretrainingModel(self.model_config, sentence_head=self.name in SENTENCE_FORMATS,
-                            span_boundary_head=self.name == "mlm+sbo")
+    return PretrainingModel(self.model_config)
 
   @property
-  def terms(self) -> tuple[str, ...]:
-    return tuple(self.weights)
+  def model_configs(self) -> tuple[ModelConfig, ...]:
+    """Every network the step runs (for FLOPs)."""
+    return (self.model_config,)
+
+  def predictions_per_token(self, max_predictions: int, seq_len: int) -> float:
+    return max_predictions / seq_len
+
+  def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
+    """A batch of the pipeline's fields and shapes (zeros), to initialise the model and trace the step."""
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    ones = jnp.ones((rows, seq_len), jnp.int32)
+    return {"input_ids": zeros(rows, seq_len), "segment_ids": zeros(rows, seq_len),
+            "position_ids": jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len)),
+            "pack_ids": ones, "word_starts": ones, "special_mask": zeros(rows, seq_len),
+            "cls_positions": zeros(rows, self.max_packs), "sentence_labels": zeros(rows, self.max_packs),
+            "sentence_weights": jnp.ones((rows, self.max_packs), jnp.float32),
+            "example_ids": jnp.arange(rows, dtype=jnp.int32), "epoch": zeros(rows)}
 
   def prepare(self, batch: dict[str, Array]) -> dict[str, Array]:
-    """Masks (or, for LTR, shifts) the batch on device. Keyed by (seed, example id, epoch) only."""
-    inputs = dict(batch)
-    inputs["original_ids"] = batch["input_ids"]
-    if self.name == "ltr":
-      # Predict token t+1 from positions <= t, inside the same packed example.
-      length = batch["input_ids"].shape[1]
-      rows = batch["input_ids"].shape[0]
-      inputs["mlm_positions"] = jnp.broadcast_to(jnp.arange(length - 1, dtype=jnp.int32), (rows, length - 1))
-      inputs["mlm_ids"] = batch["input_ids"][:, 1:]
-      same_example = (batch["pack_ids"][:, 1:] == batch["pack_ids"][:, :-1]) & (batch["pack_ids"][:, 1:] > 0)
-      inputs["mlm_weights"] = same_example.astype(jnp.float32)
-      return inputs
-    masked = mask_batch(jax.random.key(self.seed), batch, self.masking, mask_id=self.mask_id,
-                        vocab_size=self.model_config.vocab_size)
-    inputs.update(masked)
+    """Masks the batch on device, keyed by (seed, example id, epoch) only."""
+    inputs = dict(batch, original_ids=batch["input_ids"])
+    inputs.update(mask_batch(jax.random.key(self.seed), batch, self.masking, mask_id=self.mask_id,
+                             vocab_size=self.model_config.vocab_size))
     return inputs
 
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
-    counts = {}
-    for term in self.terms:
-      if term in ("mlm", "sbo"):
-        counts[term] = jnp.sum(inputs["mlm_weights"])
-      elif term == "sentence":
-        counts[term] = jnp.sum(inputs["sentence_weights"])
-      elif term == "rtd":
-        counts[term] = jnp.sum(inputs["pack_ids"] > 0).astype(jnp.float32)
-    return counts
+    return {"mlm": jnp.sum(inputs["mlm_weights"])}
+
+  def head_inputs(self, inputs: dict[str, Array]) -> dict[str, Array]:
+    """The model's keyword inputs beyond the encoder's."""
+    del inputs
+    return {}
+
+  def apply(self, variables: Any, inputs: dict[str, Array], train: bool, method: str = "apply", **kwargs) -> Any:
+    common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
+                  pack_ids=inputs["pack_ids"], packed=self.packed, **self.head_inputs(inputs))
+    if method == "apply":
+      common["deterministic"] = not train
+    return getattr(self.model, method)(variables, inputs["input_ids"], inputs["mlm_positions"], **common, **kwargs)
+
+  def rngs(self, rng: Array | None, train: bool) -> dict[str, Array]:
+    if not train or rng is None:
+      return {}
+    dropout_rng, sample_rng = jax.random.split(rng)
+    return {"dropout": dropout_key(dropout_rng), "sample": sample_rng}
+
+  def terms(self, outputs: dict[str, Array], inputs: dict[str, Array]) -> dict[str, Array]:
+    return mlm_terms(outputs["mlm_logits"], inputs, self.kernels)
 
   def forward(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]:
     """Returns {term}_loss and {term}_correct sums for every term of the objective."""
-    rngs = {}
-    if rng is not None:
-      dropout_rng, sample_rng = jax.random.split(rng)
-      rngs = {"dropout": dropout_key(dropout_rng), "sample": sample_rng}
-    if not train:
-      rngs = {"sample": jax.random.key(self.seed)} if self.name == "rtd" else {}
-    common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
-                  pack_ids=inputs["pack_ids"], packed=self.packed, deterministic=not train)
-    out: dict[str, Array] = {}
-    if self.name == "rtd":
-      model_out = self.model.apply({"params": params}, inputs["input_ids"], inputs["mlm_positions"],
-                                   inputs["original_ids"], rngs=rngs, **common)
-      out["mlm_loss"], out["mlm_correct"] = cross_entropy_sums(model_out["mlm_logits"], inputs["mlm_ids"],
-                                                               inputs["mlm_weights"])
-      real = (inputs["pack_ids"] > 0).astype(jnp.float32)
-      out["rtd_loss"], out["rtd_correct"] = binary_cross_entropy_sums(model_out["rtd_logits"],
-                                                                      model_out["replaced"], real)
-      return out
-    extra = {}
-    if self.name in SENTENCE_FORMATS:
-      extra["cls_positions"] = inputs["cls_positions"]
-    if self.name == "mlm+sbo":
-      extra.update(sbo_left=inputs["sbo_left"], sbo_right=inputs["sbo_right"], sbo_offsets=inputs["sbo_offsets"])
-    model_out = self.model.apply({"params": params}, inputs["input_ids"], inputs["mlm_positions"], rngs=rngs,
-                                 **common, **extra)
-    out["mlm_loss"], out["mlm_correct"] = cross_entropy_sums(model_out["mlm_logits"], inputs["mlm_ids"],
-                                                             inputs["mlm_weights"])
-    if "sentence" in self.weights:
-      out["sentence_loss"], out["sentence_correct"] = cross_entropy_sums(
-          model_out["sentence_logits"], inputs["sentence_labels"], inputs["sentence_weights"])
-    if "sbo" in self.weights:
-      out["sbo_loss"], out["sbo_correct"] = cross_entropy_sums(model_out["sbo_logits"], inputs["mlm_ids"],
-                                                               inputs["mlm_weights"])
-    return out
+    outputs = self.apply({"params": params}, inputs, train, rngs=self.rngs(rng, train))
+    return self.terms(outputs, inputs)
 
   def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
-    """Initialises the model on a (prepared) batch; returns boxed params with logical axes."""
-    inputs = self.prepare(batch)
-    rngs = {"params": rng, "dropout": rng, "sample": rng}
+    """Initialises the model on a batch; returns boxed params with logical axes."""
+    return self.apply({"params": rng, "dropout": rng, "sample": rng}, self.prepare(batch), False, method="init")
+
+
+class NextSentencePrediction(PretrainingObjective):
+  """BERT: MLM + next-sentence prediction on segment pairs."""
+
+  name = "mlm+nsp"
+  sentence_format = "segment_pair"
+
+  @classmethod
+  def loss_weights(cls, loss):
+    return {"mlm": 1.0, "sentence": loss.sentence_weight}
+
+  @property
+  def model(self):
+    return PretrainingModel(self.model_config, sentence_head=True)
+
+  def denominators(self, inputs):
+    return {**super().denominators(inputs), "sentence": jnp.sum(inputs["sentence_weights"])}
+
+  def head_inputs(self, inputs):
+    return {"cls_positions": inputs["cls_positions"]}
+
+  def terms(self, outputs, inputs):
+    return {**super().terms(outputs, inputs), **sentence_terms(outputs["sentence_logits"], inputs)}
+
+
+class SentenceOrderPrediction(NextSentencePrediction):
+  """ALBERT: MLM + sentence-order prediction (the same head, on swapped or kept segment pairs)."""
+
+  name = "mlm+sop"
+  sentence_format = "sop"
+
+
+class SpanBoundary(PretrainingObjective):
+  """SpanBERT: MLM + the span boundary objective (each masked token predicted from its span's boundaries)."""
+
+  name = "mlm+sbo"
+
+  @classmethod
+  def loss_weights(cls, loss):
+    return {"mlm": 1.0, "sbo": loss.sbo_weight}
+
+  @property
+  def model(self):
+    return PretrainingModel(self.model_config, span_boundary_head=True)
+
+  def denominators(self, inputs):
+    return {**super().denominators(inputs), "sbo": jnp.sum(inputs["mlm_weights"])}
+
+  def head_inputs(self, inputs):
+    return {key: inputs[key] for key in ("sbo_left", "sbo_right", "sbo_offsets")}
+
+  def terms(self, outputs, inputs):
+    return {**super().terms(outputs, inputs), **mlm_terms(outputs["sbo_logits"], inputs, self.kernels, "sbo")}
+
+
+class LeftToRight(PretrainingObjective):
+  """A causal LM: token t+1 predicted from positions <= t inside the same packed example."""
+
+  name = "ltr"
+
+  @classmethod
+  def from_config(cls, config, model_config, mask_id):
+    return super().from_config(config, model_config.replace(causal=True), mask_id)
+
+  def predictions_per_token(self, max_predictions, seq_len):
+    return 1.0
+
+  def prepare(self, batch):
+    rows, length = batch["input_ids"].shape
+    same_example = (batch["pack_ids"][:, 1:] == batch["pack_ids"][:, :-1]) & (batch["pack_ids"][:, 1:] > 0)
+    return dict(batch, original_ids=batch["input_ids"],
+                mlm_positions=jnp.broadcast_to(jnp.arange(length - 1, dtype=jnp.int32), (rows, length - 1)),
+                mlm_ids=batch["input_ids"][:, 1:], mlm_weights=same_example.astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplacedTokenDetection(PretrainingObjective):
+  """ELECTRA: a small generator's MLM + the discriminator's replaced-token detection on its samples."""
+
+  name = "rtd"
+
+  generator_config: ModelConfig | None = None
+
+  @classmethod
+  def from_config(cls, config, model_config, mask_id):
+    objective = super().from_config(config, model_config, mask_id)
+    return dataclasses.replace(objective, generator_config=electra_generator_config(
+        model_config, config.model.generator_fraction))
+
+  @classmethod
+  def loss_weights(cls, loss):
+    return {"mlm": loss.generator_weight, "rtd": loss.rtd_weight}
+
+  @property
+  def model(self):
+    return ElectraModel(self.model_config, self.generator_config)
+
+  @property
+  def model_configs(self):
+    return (self.model_config, self.generator_config)
+
+  def denominators(self, inputs):
+    return {**super().denominators(inputs), "rtd": jnp.sum(inputs["pack_ids"] > 0).astype(jnp.float32)}
+
+  def apply(self, variables, inputs, train, method="apply", **kwargs):
     common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
                   pack_ids=inputs["pack_ids"], packed=self.packed)
-    if self.name == "rtd":
-      return self.model.init(rngs, inputs["input_ids"], inputs["mlm_positions"], inputs["original_ids"], **common)
-    extra = {}
-    if self.name in SENTENCE_FORMATS:
-      extra["cls_positions"] = inputs["cls_positions"]
-    if self.name == "mlm+sbo":
-      extra.update(sbo_left=inputs["sbo_left"], sbo_right=inputs["sbo_right"], sbo_offsets=inputs["sbo_offsets"])
-    return self.model.init(rngs, inputs["input_ids"], inputs["mlm_positions"], **common, **extra)
+    if method == "apply":
+      common["deterministic"] = not train
+    return getattr(self.model, method)(variables, inputs["input_ids"], inputs["mlm_positions"],
+                                       inputs["original_ids"], **common, **kwargs)
+
+  def rngs(self, rng, train):
+    # Evaluation samples the generator too, from a fixed key, so every evaluation scores the same replacements.
+    return super().rngs(rng, train) if train else {"sample": jax.random.key(self.seed)}
+
+  def terms(self, outputs, inputs):
+    return {**mlm_terms(outputs["mlm_logits"], inputs, self.kernels),
+            **rtd_terms(outputs["rtd_logits"], outputs["replaced"], inputs)}
 
 
-def make_objective(config: ml_collections.ConfigDict, model_config: ModelConfig, mask_id: int) -> Objective:
-  """Builds the objective of `config.objective` from the experiment config."""
-  name = config.objective
+# The config's `objective` -> its class; a new objective is one class added here.
+OBJECTIVES: dict[str, type[PretrainingObjective]] = {
+    cls.name: cls for cls in (NextSentencePrediction, SentenceOrderPrediction, PretrainingObjective, SpanBoundary,
+                              LeftToRight, ReplacedTokenDetection)}
+# The example format each objective's sentence head needs.
+SENTENCE_FORMATS = {name: cls.sentence_format for name, cls in OBJECTIVES.items() if cls.sentence_format}
+
+
+def objective_class(name: str) -> type[PretrainingObjective]:
   if name not in OBJECTIVES:
-    raise ValueError(f"config.objective={name!r}: expected one of {OBJECTIVES}")
-  weights = {"mlm": 1.0}
-  if name in SENTENCE_FORMATS:
-    weights["sentence"] = config.loss.sentence_weight
-  if name == "mlm+sbo":
-    weights["sbo"] = config.loss.sbo_weight
-  generator_config = None
-  if name == "rtd":
-    weights = {"mlm": config.loss.generator_weight, "rtd": config.loss.rtd_weight}
-    generator_config = electra_generator_config(model_config, config.model.generator_fraction)
-  if name == "ltr":
-    model_config = model_config.replace(causal=True)
-  masking = MaskingConfig(**config.masking.to_dict())
-  return Objective(name=name, model_config=model_config, masking=masking, mask_id=mask_id, weights=weights,
-                   packed=bool(config.data.packing), seed=int(config.seed), generator_config=generator_config)
+    raise ValueError(f"config.objective={name!r}: expected one of {tuple(OBJECTIVES)}")
+  return OBJECTIVES[name]
+
+
+def make_objective(config: ml_collections.ConfigDict, model_config: ModelConfig, mask_id: int) -> PretrainingObjective:
+  """Builds the objective of `config.objective` from the experiment config."""
+  return objective_class(config.objective).from_config(config, model_config, mask_id)

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from bert_jax.parallel import sharding as sharding_lib
-from bert_jax.train import optim, weight_copies
+from bert_jax.train import optim
 
 Array = jax.Array
 
@@ -38,7 +38,7 @@ class TrainState:
 
 
 class Task(Protocol):
-  """What the step needs from an objective (pre-training) or a fine-tuning task."""
+  """What the step needs from an objective: pre-training's (`objectives`) or fine-tuning's (`FinetuneObjective`)."""
 
   weights: dict[str, float]
 
@@ -94,56 +94,52 @@ def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
   return loss, terms
 
 
-def _model_params(partitioning: Partitioning, param_shardings: Any) -> Callable[..., Any]:
-  """`(params, copies={}) -> params as the model reads them`: gathered whole along the fsdp mesh axis where a
-  module reads them, and through their copies where they have one (`weight_copies.substitute`).
+def _model_params(partitioning: Partitioning, param_shardings: Any) -> Callable[[Any], Any]:
+  """`params -> params as the model reads them`: under FSDP, boxed to be gathered whole where a module reads them.
 
-  Every step that runs the model calls it on the parameters first. Left to
-  itself, XLA keeps FSDP weights sharded and moves the activations instead
-  (all-gathers and all-reduces of [batch, length, hidden] per layer). Each
-  parameter is boxed (`sharding.GatherOnUse`) so that it is gathered where a
-  module reads it: inside a rematerialised block (`model.remat`) the gather
+  Left to itself, XLA keeps FSDP weights sharded and moves the activations
+  instead (all-gathers and all-reduces of [batch, length, hidden] per layer).
+  Each parameter is boxed (`sharding.GatherOnUse`) so that it is gathered where
+  a module reads it: inside a rematerialised block (`model.remat`) the gather
   is recomputed in the backward pass, so only that block's weights are whole
   at a time. In the train step the gradients are reduced back into the shards.
   """
-  gather_to = sharding_lib.gathered(param_shardings) if partitioning.mesh.shape.get("fsdp", 1) > 1 else None
-  return lambda params, copies=None: weight_copies.substitute(params, copies or {}, gather_to)
+  if partitioning.mesh.shape.get("fsdp", 1) == 1:
+    return lambda params: params
+  gather_to = sharding_lib.gathered(param_shardings)
+  return lambda params: jax.tree.map(sharding_lib.GatherOnUse, params, gather_to)
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
                     rng: Array, partitioning: Partitioning, state_shardings: Any,
-                    param_norms: bool = False, keep_weight_copies: bool = True) -> weight_copies.TrainStep:
-  """Returns `train_step(state, batch) -> (state, metrics)` (jitted, the state donated; `.lower` as a jitted one's).
+                    param_norms: bool = False) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, Any]]:
+  """Returns `train_step(state, batch) -> (state, metrics)`, jitted with in/out shardings and the state donated.
 
-  With `keep_weight_copies` the step keeps the low-precision copies of the parameters that the model reads once,
-  through a cast (`weight_copies`; not under tensor parallelism): the update writes them, the next step reads
-  them; the same numbers, one pass over those parameters fewer per step.
-
-  The metrics always hold the loss, its terms, the gradients' global norm and the learning rate. With
-  `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm` (the update
-  the optimizer computed). Off by default, as Megatron-LM's --log-params-norm: XLA fuses the two reductions into
-  every parameter's update kernel, making each a reduction kernel, and then copies the updated state into the
-  output buffers; on an H100 they cost 0.7-1.1 ms of a 47 ms BERT-Base step (bench/NOTES.md, session 8).
+  The step's random key is `fold_in(rng, state.step)` (and, under accumulation, folded again with the
+  micro-batch index). The metrics always hold the loss, its terms, the gradients' global norm and the learning
+  rate. With `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm`
+  (the update the optimizer computed); off by default, as Megatron-LM's --log-params-norm, because the two
+  extra reductions over every parameter slow the update (docs/performance.md).
   """
   read = _model_params(partitioning, state_shardings.params)
-  grad_fn = jax.value_and_grad(lambda task, params, copies, *args: _loss_and_terms(task, read(params, copies), *args),
+  grad_fn = jax.value_and_grad(lambda task, params, *args: _loss_and_terms(task, read(params), *args),
                                argnums=1, has_aux=True)
 
-  def train_step(state: TrainState, copies: dict[int, Array], batch: dict[str, Array]):
+  def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
     with partitioning.context():
       step_rng = jax.random.fold_in(rng, state.step)
       inputs = task.prepare(batch)
       denominators = task.denominators(inputs)
       if accum_steps == 1:
-        (loss, terms), grads = grad_fn(task, state.params, copies, inputs, step_rng, denominators, True)
+        (loss, terms), grads = grad_fn(task, state.params, inputs, step_rng, denominators, True)
       else:
         micro = _split_microbatches(inputs, accum_steps)
 
         def body(carry, xs):
           grads_sum, loss_sum, terms_sum = carry
           micro_inputs, index = xs
-          (loss, terms), grads = grad_fn(task, state.params, copies, micro_inputs,
-                                         jax.random.fold_in(step_rng, index), denominators, True)
+          (loss, terms), grads = grad_fn(task, state.params, micro_inputs, jax.random.fold_in(step_rng, index),
+                                         denominators, True)
           add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
           return (add(grads_sum, grads), loss_sum + loss, add(terms_sum, terms)), None
 
@@ -154,54 +150,29 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
         (grads, loss, terms), _ = jax.lax.scan(body, (zeros_grads, jnp.zeros((), jnp.float32), zeros_terms),
                                                (micro, jnp.arange(accum_steps)))
       grad_norm = optim.global_norm(grads)
-      # Known before the update, so each parameter's optimizer update, its keep-or-discard choice and its
-      # writes fuse into one pass. Checking the update too would add nothing: with finite gradients (their
-      # global norm finite), finite parameters and moments, the update of AdamW / LAMB is finite; and it
-      # would make every update wait for a reduction over all of them, then read them again.
+      # Decided before the update so that each parameter's update and keep-or-discard fuse into one pass; with
+      # finite gradients, parameters and moments the AdamW / LAMB update is finite too.
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
       new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                              opt_state=keep(opt_state, state.opt_state))
-      # Cast where the update writes the parameters: the same fusion writes the copies the next step reads.
-      new_copies = weight_copies.cast(new_state.params, {index: copy.dtype for index, copy in copies.items()})
       metrics = summarize(task, terms, denominators)
       metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
                      nonfinite=1 - finite.astype(jnp.int32))
       if param_norms:
         metrics.update(param_norm=optim.global_norm(state.params), update_norm=optim.global_norm(updates))
-      return new_state, new_copies, metrics
+      return new_state, metrics
 
-  replicated = sharding_lib.replicated(partitioning.mesh)
-  batch_sharding = sharding_lib.batch_sharding(partitioning.mesh)
-
-  def build(state: TrainState, batch: dict[str, Array]) -> weight_copies.StepParts:
-    dtypes = {}
-    # Not under tensor parallelism: XLA's partitioner moves weights there on its own, and moving a copy would
-    # reduce its gradient across devices in bf16 (the transpose), where the cast's gradient is reduced in float32.
-    if keep_weight_copies and partitioning.mesh.shape.get("tensor", 1) == 1:
-      with partitioning.context():
-        dtypes = weight_copies.cast_only_leaves(
-            lambda params, batch: task.forward(params, task.prepare(batch), rng, True), state.params, batch)
-    param_shardings = jax.tree.leaves(state_shardings.params)
-    copy_shardings = {index: param_shardings[index] for index in dtypes}
-    step = jax.jit(train_step, in_shardings=(state_shardings, copy_shardings, batch_sharding),
-                   out_shardings=(state_shardings, copy_shardings, replicated), donate_argnums=(0, 1),
-                   compiler_options=compiler_options())
-    recast = jax.jit(lambda params: weight_copies.cast(params, dtypes), out_shardings=copy_shardings)
-    return weight_copies.StepParts(step, recast, dtypes)
-
-  return weight_copies.TrainStep(build)
+  return jax.jit(train_step, in_shardings=(state_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
+                 out_shardings=(state_shardings, sharding_lib.replicated(partitioning.mesh)), donate_argnums=0,
+                 compiler_options=compiler_options())
 
 
-# XLA options of the train, eval and predict steps on GPU (bench/NOTES.md has the measurements):
-# - Triton GEMM fusions off: XLA then calls cuBLAS for every matmul, which is faster on this model's shapes
-#   (H100, session 5: -3.3% step time at BERT-Base seq 128, -2.6% at BERT-Large seq 128) and compiles faster
-#   (fine-tuning compile -1/3, session 3).
-# - The dot merger off: XLA merged the query and key projections (x @ Wq, x @ Wk) into one GEMM, whose output
-#   it then sliced and added the biases to in a separate kernel, where each projection alone gets its bias
-#   added inside the cuBLAS GEMM (H100, session 6: -1.5% at BERT-Base seq 128, -1.8% at BERT-Large seq 128).
+# XLA options of the train, eval and predict steps on GPU, each measured faster on this model (docs/performance.md):
+# - Triton GEMM fusions off: cuBLAS is faster on this model's matmul shapes and compiles faster.
+# - The dot merger off: merged query and key projections lose the bias add that cuBLAS fuses into each GEMM.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 
 

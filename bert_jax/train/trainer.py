@@ -1,4 +1,4 @@
-"""The pre-training loop: `train_and_evaluate(config, workdir)`.
+"""Pre-training: `train_and_evaluate(config, workdir)` and `bert-jax pretrain` (`main`).
 
 Config -> data (prepared shards, or the built-in corpus) -> objective + model
 -> sharded state -> jitted step -> metrics, evaluation, checkpoints. Starting
@@ -9,21 +9,21 @@ clear error; the state it stops on never reaches a checkpoint.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import pathlib
 import platform
-import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from bert_jax.data import pipeline
 from bert_jax.data.prepare import open_prepared
@@ -31,14 +31,31 @@ from bert_jax.models import ModelConfig, model_config
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import config_lib, heap, metrics as metrics_lib, objectives, optim
+from bert_jax.train import config_lib, loop, metrics as metrics_lib, objectives, optim
 from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
-  """The loss or gradients became NaN/Inf."""
+NonFiniteLossError = loop.NonFiniteLossError
+
+
+class _CheckpointHook:
+  """Saves the state and the data iterator's position every `every` steps, after the last, and on preemption."""
+
+  def __init__(self, checkpointer, every: int, preemption: loop.Preemption, train_iter, progress):
+    self.checkpointer, self.every, self.preemption = checkpointer, every, preemption
+    self.train_iter, self.progress, self.preempted = train_iter, progress, False
+
+  def due(self, step: int, last: bool) -> bool:
+    self.preempted = self.preemption.should_stop(step)  # every process asks after every step
+    return self.preempted or bool(self.every and step % self.every == 0) or last
+
+  def __call__(self, step: int, state) -> bool:
+    self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
+    if self.preempted:
+      _print_line(self.progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
+    return self.preempted
 
 
 def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -51,7 +68,7 @@ def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> Mod
   return model_config(model.family, model.size, **fields)
 
 
-def prepare_data(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
+def prepare_data(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> epath.Path:
   """Returns the prepared corpus directory; builds the built-in demo corpus on first use."""
   data = config.data
   if data.builtin:
@@ -71,28 +88,16 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pa
   if not data.prepared:
     raise ValueError("config.data.prepared is not set: give a directory written by `bert-jax prepare` "
                      "(or set config.data.builtin=True for the built-in corpus)")
-  return pathlib.Path(data.prepared)
+  return epath.Path(data.prepared)  # Keeps gs:// whole (pathlib would collapse it to gs:/).
 
 
-def validate(config: ml_collections.ConfigDict, mesh_devices: int, data_parallel: int) -> None:
+def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   """Derived values that must fit, checked before anything is compiled."""
-  train = config.train
-  if train.batch_size % data_parallel:
-    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the data-parallel size "
-                     f"{data_parallel} (mesh data x fsdp over {mesh_devices} devices)")
-  if train.batch_size % jax.process_count():
-    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the "
-                     f"{jax.process_count()} processes")
-  if train.eval_batch_size and train.eval_batch_size % (data_parallel * jax.process_count()):
-    raise ValueError(f"config.train.eval_batch_size={train.eval_batch_size} is not divisible by the data-parallel "
-                     f"size {data_parallel} and the {jax.process_count()} processes")
-  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
-    raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
-                     f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")
-  if config.objective in objectives.SENTENCE_FORMATS and config.data.format != objectives.SENTENCE_FORMATS[
-      config.objective]:
-    raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
-                     f"{objectives.SENTENCE_FORMATS[config.objective]!r}, got {config.data.format!r}")
+  config_lib.validate_batching(config.train, data_parallel, jax.process_count())
+  needed_format = objectives.objective_class(config.objective).sentence_format
+  if needed_format and config.data.format != needed_format:
+    raise ValueError(f"config.objective={config.objective!r} needs config.data.format={needed_format!r}, "
+                     f"got {config.data.format!r}")
   if config.masking.max_predictions > config.data.seq_len:
     raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
                      f"config.data.seq_len={config.data.seq_len}")
@@ -111,17 +116,6 @@ def _warn_single_sentence_documents(corpus, example_format: str) -> None:
                 corpus.directory, example_format)
 
 
-def _dummy_batch(rows: int, seq_len: int, packs: int) -> dict[str, jax.Array]:
-  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-  ones = jnp.ones((rows, seq_len), jnp.int32)
-  return {"input_ids": zeros(rows, seq_len), "segment_ids": zeros(rows, seq_len),
-          "position_ids": jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len)),
-          "pack_ids": ones, "word_starts": ones, "special_mask": zeros(rows, seq_len),
-          "cls_positions": zeros(rows, packs), "sentence_labels": zeros(rows, packs),
-          "sentence_weights": jnp.ones((rows, packs), jnp.float32), "example_ids": jnp.arange(rows, dtype=jnp.int32),
-          "epoch": zeros(rows)}
-
-
 def _iterator(config, prepared_dir, split: str, batch_rows: int, num_epochs=None):
   data = config.data
   return pipeline.pretraining_iterator(
@@ -129,7 +123,8 @@ def _iterator(config, prepared_dir, split: str, batch_rows: int, num_epochs=None
       batch_size=batch_rows // jax.process_count(), seed=config.seed, short_seq_prob=data.short_seq_prob,
       random_next_prob=data.random_next_prob, packing=data.packing, max_packs=data.max_packs,
       process_index=jax.process_index(), process_count=jax.process_count(), num_epochs=num_epochs,
-      prefetch=data.prefetch)
+      prefetch=data.prefetch,
+      duplicates=None if config.masking.dynamic else config.masking.dupe_factor)
 
 
 def _environment() -> dict[str, Any]:
@@ -142,46 +137,6 @@ def _environment() -> dict[str, Any]:
           "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
           "device_kind": jax.devices()[0].device_kind, "process_count": jax.process_count(),
           "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-class _Preemption:
-  """Turns SIGTERM into a stop that every process takes after the same step.
-
-  One process: a Python handler sets a flag the loop reads between steps.
-  Several processes: a per-process flag would stop the signalled process while
-  the others enter the next step's collectives, and all would hang. JAX's
-  preemption service (started by `jax.distributed.initialize`) takes SIGTERM on
-  any process instead and names the step at which all of them stop, so no
-  Python handler is installed there.
-  """
-
-  def __init__(self):
-    self._requested = False
-    self._previous = None
-    self._multiprocess = jax.process_count() > 1
-
-  def __enter__(self):
-    if self._multiprocess:
-      return self
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # Not in the main thread: no handler.
-      self._previous = None
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self._requested = True
-
-  def should_stop(self, step: int) -> bool:
-    """Whether to save and stop after `step`; call it once after every step, on every process."""
-    if self._multiprocess:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self._requested
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
 
 
 def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
@@ -219,7 +174,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
   data_parallel = sharding_lib.data_parallel_size(mesh)
-  validate(config, mesh.size, data_parallel)
+  validate(config, data_parallel)
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
 
   prepared_dir = prepare_data(config, workdir)
@@ -236,10 +191,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   total_steps = config.train.steps
   tx, schedule = optim.make_optimizer(config.optim, total_steps)
 
-  packs = config.data.max_packs if config.data.packing else 1
   rng = jax.random.key(config.seed)
   init_rng, step_rng = jax.random.split(rng)
-  dummy = _dummy_batch(config.train.batch_size, config.data.seq_len, packs)
+  dummy = objective.example_batch(config.train.batch_size, config.data.seq_len)
   state, state_shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, init_rng, partitioning)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
 
@@ -260,14 +214,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps, rng=step_rng,
                                partitioning=partitioning, state_shardings=state_shardings,
-                               param_norms=config.train.log_param_norms,
-                               keep_weight_copies=config.train.weight_copies)
+                               param_norms=config.train.log_param_norms)
   eval_step = make_eval_step(objective, partitioning, state_shardings)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
-  predictions_per_token = 1.0 if config.objective == "ltr" else config.masking.max_predictions / config.data.seq_len
+  predictions_per_token = objective.predictions_per_token(config.masking.max_predictions, config.data.seq_len)
   flops_per_token = sum(cfg.flops_per_token(config.data.seq_len, predictions_per_token)
-                        for cfg in (objective.model_config, objective.generator_config) if cfg is not None)
+                        for cfg in objective.model_configs)
   throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
   writer = metrics_lib.MetricWriter(workdir, enabled=primary)
   if primary:
@@ -283,58 +236,40 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   history, eval_results, last_train = [], {}, {}
   progress = _progress_bar(primary, start_step, total_steps)
-  preempted = False
-  step = start_step
 
-  def read_metrics(current_step: int, averaged: dict[str, float], nonfinite) -> None:
-    """Logs the metrics of the steps up to `current_step`; stops on a non-finite loss."""
+  def log_train(step: int, averaged: dict[str, float]) -> None:
     nonlocal last_train
-    if nonfinite is not None:
-      bad_step, bad = nonfinite
-      good = checkpointer.steps()
-      raise NonFiniteLossError(
-          f"non-finite loss or gradients at step {bad_step} (loss={bad['loss']}); "
-          f"the update was not applied and the run stops. Last good checkpoint: "
-          f"{good[-1] if good else 'none'} in {checkpointer.directory}. Try a lower config.optim.lr, "
-          f"a longer warmup or config.optim.clip_norm.")
-    averaged.update(throughput.update(current_step))
+    averaged.update(throughput.update(step))
     last_train = averaged
-    history.append({"step": current_step, **averaged})
-    writer.write(current_step, averaged, prefix="train/")
+    history.append({"step": step, **averaged})
+    writer.write(step, averaged, prefix="train/")
     if progress is not None:
       progress.set_postfix(_postfix(averaged), refresh=False)
 
-  # A log step's metrics are read once the next step is dispatched (`PendingMetrics`); evaluation, checkpoints
-  # and the last step need the state and read them at once.
-  pending = metrics_lib.PendingMetrics(read_metrics)
-  # Full garbage collections of the setup's objects would stall dispatch every ~100 steps (`heap`).
-  with _Preemption() as preemption, heap.frozen_setup() as freeze_setup:
+  def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
+    good = checkpointer.steps()
+    return (f"non-finite loss or gradients at step {bad_step} (loss={bad['loss']}); the update was not applied "
+            f"and the run stops. Last good checkpoint: {good[-1] if good else 'none'} in {checkpointer.directory}. "
+            f"Try a lower config.optim.lr, a longer warmup or config.optim.clip_norm.")
+
+  def evaluate_now(step: int, state) -> None:
+    nonlocal eval_results
+    eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+    writer.write(step, eval_results, prefix="eval/")
+    if primary:
+      _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
+
+  def batches():
+    while True:
+      yield sharding_lib.global_batch(next(train_iter), mesh)
+
+  with loop.Preemption() as preemption:
+    checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, progress)
     try:
-      while step < total_steps:
-        batch = sharding_lib.global_batch(next(train_iter), mesh)
-        state, step_metrics = train_step(state, batch)
-        freeze_setup()
-        step += 1
-        pending.add(step_metrics)
-        if progress is not None:
-          progress.update(1)
-        last = step == total_steps
-        if step % config.train.log_every == 0:
-          pending.log_next(step)
-        if config.train.eval_every and (step % config.train.eval_every == 0 or last):
-          pending.flush(step)
-          eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
-          writer.write(step, eval_results, prefix="eval/")
-          freeze_setup("evaluation")
-          if primary:
-            _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
-        preempted = preemption.should_stop(step)
-        if preempted or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0) or last:
-          pending.flush(step)
-          checkpointer.save(step, state, train_iter.get_state(), {"step": step}, force=True)
-        if preempted:
-          _print_line(progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
-          break
+      state, step, preempted = loop.run(
+          train_step, state, batches(), start_step=start_step, total_steps=total_steps,
+          log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
+          hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress)
     finally:
       if progress is not None:
         progress.close()
@@ -388,3 +323,44 @@ def _print_line(progress, text: str) -> None:
     progress.write(text)
   else:
     print(text, flush=True)
+
+
+def main(argv: list[str]) -> int:
+  """bert-jax pretrain --config FILE[:ARG] [--config.KEY=VALUE ...] --workdir DIR."""
+  parser = argparse.ArgumentParser(prog="bert-jax pretrain", description=main.__doc__, allow_abbrev=False)
+  parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
+  parser.add_argument("--workdir", required=True, help="run directory; an existing one is resumed")
+  args, rest = parser.parse_known_args(argv)
+  overrides = [a for a in rest if a.startswith("--config.")]
+  unknown = [a for a in rest if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognised arguments {unknown}; overrides look like --config.optim.lr=1e-4")
+
+  config = config_lib.load_config(args.config, overrides)
+  result = train_and_evaluate(config, args.workdir)
+  _report(config, result)
+  return 0
+
+
+def _report(config, result) -> None:
+  if jax.process_index() != 0:
+    return
+  if result["preempted"]:
+    print(f"Preempted at step {result['step']}; run the same command again to resume.")
+    return
+  if config.train.fill_mask:
+    from bert_jax.analysis import fill_mask
+
+    model_cfg, params, tokenizer = fill_mask.load_run(result["workdir"])
+    texts = list(config.train.fill_mask)
+    print("\nFill-mask predictions:")
+    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
+  history = result["history"]
+  if history:
+    first, last = history[0], history[-1]
+    print(f"\nMLM loss {first.get('mlm_loss', float('nan')):.3f} (step {first['step']}) -> "
+          f"{last.get('mlm_loss', float('nan')):.3f} (step {last['step']})")
+  if result["eval"]:
+    print("Eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result["eval"].items()))
+  workdir = result["workdir"]
+  print(f"Checkpoints: {workdir}/checkpoints\nMetrics: {workdir}/metrics.jsonl (TensorBoard: {workdir}/tensorboard)")

@@ -1,0 +1,133 @@
+"""The training loop that pre-training and fine-tuning share: `run(train_step, state, batches, ...)`.
+
+It steps the state, reads each log step's metrics once the next step is
+dispatched (`metrics.PendingMetrics`), stops with an error naming the step
+when the loss or gradients turn non-finite, and after every step gives each
+hook its turn, in order: evaluation, checkpoints, preemption and early
+stopping are hooks. A hook that is due sees the metrics of every step before
+it already read. Python's full garbage collections skip the setup's objects
+(`heap.frozen_setup`): frozen after the first step and after each hook's
+first run (an evaluation compiles its own step).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+from jax.experimental import multihost_utils
+
+import jax
+
+from bert_jax.train import heap
+from bert_jax.train import metrics as metrics_lib
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradients became NaN/Inf."""
+
+
+class Hook(Protocol):
+  """Something the loop runs after a step: `due(step, last)` says when, `__call__` returns True to stop."""
+
+  def due(self, step: int, last: bool) -> bool: ...
+
+  def __call__(self, step: int, state: Any) -> bool: ...
+
+
+class Every:
+  """A hook that calls `fn(step, state) -> stop?` every `every` steps (0: never) and after the last step."""
+
+  def __init__(self, every: int, fn: Callable[[int, Any], bool | None], at_last: bool = True):
+    self.every, self.fn, self.at_last = every, fn, at_last
+
+  def due(self, step: int, last: bool) -> bool:
+    return bool(self.every) and (step % self.every == 0 or (last and self.at_last))
+
+  def __call__(self, step: int, state: Any) -> bool:
+    return bool(self.fn(step, state))
+
+
+def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: Iterator[Any], *, start_step: int,
+        total_steps: int, log_every: int, on_log: Callable[[int, dict[str, float]], None],
+        nonfinite_message: Callable[[int, dict[str, float]], str], hooks: Sequence[Hook] = (),
+        progress: Any = None) -> tuple[Any, int, bool]:
+  """Steps `state` from `start_step` to `total_steps` over `batches`.
+
+  Args:
+    train_step: `(state, batch) -> (state, metrics)`; metrics hold "nonfinite" (`step.make_train_step`).
+    state: the state at `start_step`.
+    batches: device batches, read one per step.
+    log_every: log the mean metrics of every `log_every` steps through `on_log(step, averaged)`.
+    nonfinite_message: `(step, its metrics) -> text` of the `NonFiniteLossError` raised at a non-finite step.
+    hooks: run in order after each step where due; one returning True stops the loop after that step.
+    progress: a tqdm-like bar (`update(1)`), or None.
+
+  Returns:
+    (state, the last step taken, whether a hook stopped the loop).
+  """
+  def read(step: int, averaged: dict[str, float], nonfinite) -> None:
+    if nonfinite is not None:
+      raise NonFiniteLossError(nonfinite_message(*nonfinite))
+    on_log(step, averaged)
+
+  pending = metrics_lib.PendingMetrics(read)
+  step, stopped = start_step, False
+  with heap.frozen_setup() as freeze_setup:
+    while step < total_steps and not stopped:
+      state, step_metrics = train_step(state, next(batches))
+      freeze_setup()
+      step += 1
+      pending.add(step_metrics)
+      if progress is not None:
+        progress.update(1)
+      if step % log_every == 0:
+        pending.log_next(step)
+      last = step == total_steps
+      for index, hook in enumerate(hooks):
+        if hook.due(step, last):
+          pending.flush(step)
+          stopped = hook(step, state) or stopped
+          freeze_setup(f"hook {index}")
+    pending.flush(step)
+  return state, step, stopped
+
+
+class Preemption:
+  """Turns SIGTERM into a stop that every process takes after the same step.
+
+  One process: a Python handler sets a flag the loop reads between steps.
+  Several processes: a per-process flag would stop the signalled process while
+  the others enter the next step's collectives, and all would hang. JAX's
+  preemption service (started by `jax.distributed.initialize`) takes SIGTERM on
+  any process instead and names the step at which all of them stop, so no
+  Python handler is installed there.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+    self._multiprocess = jax.process_count() > 1
+
+  def __enter__(self):
+    if self._multiprocess:
+      return self
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # Not in the main thread: no handler.
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def should_stop(self, step: int) -> bool:
+    """Whether to save and stop after `step`; call it once after every step, on every process."""
+    if self._multiprocess:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)

@@ -1,0 +1,58 @@
+"""Loss sums shared by the pre-training and fine-tuning objectives, and the dropout stream's key.
+
+Every loss here is a sum over the batch (float32); the train step divides once
+by the whole batch's counts, so an accumulated step equals the direct one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Array = jax.Array
+KERNELS = ("auto", "off")
+
+
+def cross_entropy_sums(logits: Array, targets: Array, weights: Array, kernels: str = "auto") -> tuple[Array, Array]:
+  """Weighted sums of token cross-entropy and of correct argmax predictions (float32).
+
+  Args:
+    logits: [..., V] in any float dtype (the arithmetic is float32).
+    targets: [...] int class ids.
+    weights: [...] per-token weights (0 for padding predictions).
+    kernels: "auto" (`bert_jax.kernels.cross_entropy`, a fast path with the same values) or "off" (optax).
+
+  Returns:
+    (sum of weight * (logsumexp(logits) - logits[target]), sum of weight * [argmax == target]).
+  """
+  if kernels not in KERNELS:
+    raise ValueError(f"kernels={kernels!r}: expected one of {KERNELS}")
+  targets = targets.astype(jnp.int32)
+  weights = weights.astype(jnp.float32)
+  if kernels == "auto":
+    from bert_jax.kernels import cross_entropy  # Lazy: only "auto" needs the kernels and their imports.
+    return cross_entropy.cross_entropy_sums(logits, targets, weights)
+  token_loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return jnp.sum(token_loss * weights), jnp.sum(correct * weights)
+
+
+def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> tuple[Array, Array]:
+  """Weighted sums of sigmoid cross-entropy and of correct sign predictions (float32)."""
+  logits = logits.astype(jnp.float32)
+  labels = labels.astype(jnp.float32)
+  loss = jnp.sum(optax.sigmoid_binary_cross_entropy(logits, labels) * weights)
+  correct = jnp.sum(((logits > 0) == (labels > 0.5)) * weights)
+  return loss, correct
+
+
+def dropout_key(key: Array) -> Array:
+  """The key of the model's "dropout" RNG stream, drawn from a step's key: an "rbg" key.
+
+  Used by pre-training and fine-tuning alike. The dropout masks are hashed
+  from two seeds per site (`bert_jax.models.dropout`), so the key's
+  implementation does not change speed; "rbg" keeps the masks of a given
+  step key those of earlier runs.
+  """
+  return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
