@@ -87,8 +87,10 @@ def main() -> None:
   scratch = pathlib.Path(tempfile.mkdtemp(prefix="compare_revisions_"))
   env = {"JAX_COMPILATION_CACHE_DIR": str(scratch / "xla_cache"), "BERT_JAX_COMPILATION_CACHE": str(scratch / "xla_cache")}
 
-  jobs = [(f"{row} step", lambda side, row=row: step_row(sides[side], row, args.steps,
-                                                            {**env, "PYTHONPATH": str(sides[side])}, log))
+  def side_env(side: str) -> dict[str, str]:  # The checkout first; what PYTHONPATH held (carried wheels) after it.
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(sides[side]), os.environ.get("PYTHONPATH")]))}
+
+  jobs = [(f"{row} step", lambda side, row=row: step_row(sides[side], row, args.steps, side_env(side), log))
           for row in filter(None, args.rows.split(","))]
   if args.finetune:
     sys.path.insert(0, str(HERE))
@@ -96,7 +98,7 @@ def main() -> None:
     model = float32_model(pathlib.Path(args.carry).resolve(), scratch / "minilm")
     jobs.append((f"finetune {args.finetune}, {args.epochs} epoch", lambda side: finetune_row(
         sides[side], args.finetune, pathlib.Path(args.carry).resolve(), model, args.epochs, scratch,
-        {**env, "PYTHONPATH": str(sides[side])}, log)))
+        side_env(side), log)))
 
   results: dict[str, dict[str, list[dict]]] = {}
   with open(out_dir / "compare_revisions.log", "w") as log:
