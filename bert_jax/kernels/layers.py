@@ -34,7 +34,7 @@ from bert_jax.kernels.attention import dot_product_attention, resolve_implementa
 from bert_jax.kernels.attention import self_attention as fused_self_attention
 from bert_jax.kernels.dropout import Dropout
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import bias_init, dense_init, gather_positions, rotary_embedding
+from bert_jax.models.encoder import bias_init, dense_init, gather_positions, position_and_constrain
 
 Array = jax.Array
 
@@ -183,14 +183,7 @@ def self_attention(module: nn.Module, x_ble: Array, pack_ids_bl: Array | None, p
     q_blhd, v_blhd = projections["query"](x_bqe), projections["value"](x_ble)
     # The key bias only matters where rotary positions rotate it (`flash_attention.add_qkv_bias`).
     k_blhd = projections["key"](x_ble, train_bias=cfg.position_embedding == "rotary")
-    if cfg.position_embedding == "rotary":
-      position_ids_bq = (position_ids_bl if query_positions_bq is None
-                         else jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1))
-      q_blhd = rotary_embedding(q_blhd, position_ids_bq, cfg.rotary_base)
-      k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
-    q_blhd = nn.with_logical_constraint(q_blhd, ("batch", "length", "heads", "kv"))
-    k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
-    v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
+    q_blhd, k_blhd, v_blhd = position_and_constrain(cfg, q_blhd, k_blhd, v_blhd, position_ids_bl, query_positions_bq)
     out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, query_positions=query_positions_bq, **options)
   output = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")
   return output(out_blhd, add_bias=cfg.norm == "pre"), probs

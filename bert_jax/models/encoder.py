@@ -113,6 +113,19 @@ def rotary_embedding(x_blhd: Array, position_ids_bl: Array, base: float) -> Arra
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_blhd.dtype)
 
 
+def position_and_constrain(cfg: ModelConfig, q_bqhd: Array, k_blhd: Array, v_blhd: Array, position_ids_bl: Array,
+                           query_positions_bq: Array | None) -> tuple[Array, Array, Array]:
+  """Rotary positions on queries and keys (where the config has them), then the heads' logical constraints."""
+  if cfg.position_embedding == "rotary":
+    position_ids_bq = (position_ids_bl if query_positions_bq is None
+                       else jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1))
+    q_bqhd = rotary_embedding(q_bqhd, position_ids_bq, cfg.rotary_base)
+    k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
+  axes = ("batch", "length", "heads", "kv")
+  return (nn.with_logical_constraint(q_bqhd, axes), nn.with_logical_constraint(k_blhd, axes),
+          nn.with_logical_constraint(v_blhd, axes))
+
+
 def attention_mask(pack_ids_bl: Array, causal: bool, query_positions_bq: Array | None = None) -> Array:
   """Boolean [B, 1, Q, L] mask: same packed example, key not padding, (causal); the rows of every position, or
   of `query_positions_bq` [B, Q]."""
@@ -198,14 +211,7 @@ class SelfAttention(nn.Module):
         kernel_init=dense_init(cfg, ("embed", "heads", "kv")), bias_init=bias_init(("heads", "kv")))
     x_bqe = x_ble if query_positions_bq is None else gather_positions(x_ble, query_positions_bq)
     q_bqhd, k_blhd, v_blhd = projection("query")(x_bqe), projection("key")(x_ble), projection("value")(x_ble)
-    if cfg.position_embedding == "rotary":
-      position_ids_bq = (position_ids_bl if query_positions_bq is None
-                         else jnp.take_along_axis(position_ids_bl, query_positions_bq, axis=1))
-      q_bqhd = rotary_embedding(q_bqhd, position_ids_bq, cfg.rotary_base)
-      k_blhd = rotary_embedding(k_blhd, position_ids_bl, cfg.rotary_base)
-    q_bqhd = nn.with_logical_constraint(q_bqhd, ("batch", "length", "heads", "kv"))
-    k_blhd = nn.with_logical_constraint(k_blhd, ("batch", "length", "heads", "kv"))
-    v_blhd = nn.with_logical_constraint(v_blhd, ("batch", "length", "heads", "kv"))
+    q_bqhd, k_blhd, v_blhd = position_and_constrain(cfg, q_bqhd, k_blhd, v_blhd, position_ids_bl, query_positions_bq)
 
     lengths_b, mask_b1ql, causal = None, None, cfg.causal
     if pack_ids_bl is not None and not packed and query_positions_bq is None:
