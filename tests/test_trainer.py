@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -142,8 +141,10 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
                              rtol=1e-6)
 
 
-def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path):
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path, monkeypatch):
   trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=3, eval_every=0), tmp_path)
+  # The NaN comes from a changed loss weight, which the resume check would refuse: allow it here.
+  monkeypatch.setattr(trainer.workdir_lib, "check_resume_config", lambda *args: None)
   config = tiny_config(prepared, steps=12, checkpoint_every=3, eval_every=0)
   config.unlock()
   config.loss.sentence_weight = float("nan")
@@ -383,3 +384,66 @@ def test_import_graph_models_import_kernels_only_lazily():
     bad = sorted(name for name in _imports(path, top_level_only=True)
                  if name == "bert_jax.kernels" or name.startswith("bert_jax.kernels."))
     assert not bad, f"{path.name} imports {bad} at module level"
+
+
+def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, tmp_path):
+  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
+  saved = (tmp_path / "config.json").read_text()
+  config = tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0)
+  config.unlock()
+  config.model.num_layers = 3
+  with pytest.raises(ValueError, match=r"model.num_layers: 2 in the workdir, 3 now.*--config.model.num_layers=2"):
+    trainer.train_and_evaluate(config, tmp_path)
+  assert (tmp_path / "config.json").read_text() == saved
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+  assert not (tmp_path / "corrupt_checkpoints").exists()
+  # A longer run of the same experiment is a resume, not a change.
+  assert trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=2, eval_every=0),
+                                    tmp_path)["history"][0]["step"] == 6
+
+
+def test_every_checkpoint_unreadable_stops_unless_a_restart_is_asked_for(prepared, tmp_path):
+  trainer.train_and_evaluate(tiny_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
+  for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+    if path.is_file() and path.stat().st_size > 0 and "manifest" not in path.name:
+      path.write_bytes(b"\0" * 7)
+  with pytest.raises(ValueError, match="can be read.*restart_if_unreadable=True"):
+    trainer.train_and_evaluate(tiny_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
+  result = trainer.train_and_evaluate(
+      tiny_config(prepared, steps=2, checkpoint_every=2, eval_every=0, restart_if_unreadable=True), tmp_path)
+  assert result["step"] == 2 and result["history"][0]["step"] == 2
+
+
+def test_resumed_run_drops_the_rows_it_logs_again(prepared, tmp_path):
+  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1),
+                             tmp_path)
+  with open(tmp_path / "metrics.jsonl", "a") as metrics:  # Rows a run killed after its last checkpoint logged.
+    metrics.write(json.dumps({"step": 5, "train/loss": 1.0}) + "\n" + json.dumps({"step": 6, "train/loss": 1.0}))
+  trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=2, eval_every=0, log_every=1),
+                             tmp_path)
+  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if "train/loss" in line]
+  assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_second_run_on_a_busy_workdir_refuses(prepared, tmp_path):
+  from bert_jax.train import workdir as workdir_lib
+  holder = workdir_lib.WorkdirLock.acquire(tmp_path)
+  try:
+    with pytest.raises(ValueError, match=rf"in use by another run \(host .*, pid {os.getpid()}"):
+      trainer.train_and_evaluate(tiny_config(prepared, steps=2, eval_every=0), tmp_path)
+  finally:
+    holder.release()
+  assert not (tmp_path / "checkpoints").exists()
+
+
+def test_ctrl_c_asks_for_a_checkpoint_like_sigterm_and_a_second_one_stops_at_once():
+  from bert_jax.train import loop
+  with loop.Preemption() as preemption:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)
+    assert preemption.should_stop(1)
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.1)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

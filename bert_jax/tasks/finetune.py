@@ -60,6 +60,7 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, loop, metrics as metrics_lib, optim
 from bert_jax.train.config_lib import finetune_defaults  # noqa: F401 - the fine-tuning configs import it here
 from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
@@ -440,6 +441,15 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
   distributed.initialize()
   workdir = pathlib.Path(workdir)
   primary = jax.process_index() == 0
+  lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None  # One writer a workdir.
+  try:
+    return _finetune(config, workdir, primary)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _finetune(config: ml_collections.ConfigDict, workdir: pathlib.Path, primary: bool) -> dict[str, Any]:
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
   validate(config, sharding_lib.data_parallel_size(mesh))
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))

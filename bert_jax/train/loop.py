@@ -94,7 +94,7 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
 
 
 class Preemption:
-  """Turns SIGTERM into a stop that every process takes after the same step.
+  """Turns SIGTERM (and, on one process, Ctrl-C) into a stop that every process takes after the same step.
 
   One process: a Python handler sets a flag the loop reads between steps.
   Several processes: a per-process flag would stop the signalled process while
@@ -104,22 +104,26 @@ class Preemption:
   Python handler is installed there.
   """
 
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
     self.requested = False
-    self._previous = None
+    self._previous = {}
     self._multiprocess = jax.process_count() > 1
 
   def __enter__(self):
     if self._multiprocess:
       return self
     try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
     except ValueError:  # Not in the main thread: no handler.
-      self._previous = None
+      self._previous = {}
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
+    if self.requested and signum == signal.SIGINT:  # A second Ctrl-C: stop at once, without the checkpoint.
+      raise KeyboardInterrupt
     self.requested = True
 
   def should_stop(self, step: int) -> bool:
@@ -129,5 +133,5 @@ class Preemption:
     return self.requested
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)

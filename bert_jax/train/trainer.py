@@ -31,6 +31,7 @@ from bert_jax.models import ModelConfig, model_config
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, loop, metrics as metrics_lib, objectives, optim
 from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
 
@@ -54,7 +55,7 @@ class _CheckpointHook:
   def __call__(self, step: int, state) -> bool:
     self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
     if self.preempted:
-      _print_line(self.progress, f"SIGTERM: saved checkpoint at step {step}; exiting")
+      _print_line(self.progress, f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     return self.preempted
 
 
@@ -169,9 +170,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   distributed.initialize()
   workdir = pathlib.Path(workdir)
   primary = jax.process_index() == 0
-  if primary:
-    workdir.mkdir(parents=True, exist_ok=True)
+  # One writer a workdir: a second run refuses at once, naming the holder; a killed run's lock does not block.
+  lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None
+  try:
+    return _train_and_evaluate(config, workdir, primary)
+  finally:
+    if lock is not None:
+      lock.release()
 
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path, primary: bool) -> dict[str, Any]:
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
   data_parallel = sharding_lib.data_parallel_size(mesh)
   validate(config, data_parallel)
@@ -200,7 +208,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.train.keep_checkpoints,
                                              async_save=config.train.async_checkpoint)
   train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size)
+  had_checkpoints = bool(checkpointer.steps())
+  if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
+    workdir_lib.check_resume_config(workdir, config.to_dict())
   restored = checkpointer.restore_latest(state)
+  if restored is None and had_checkpoints and not config.train.restart_if_unreadable:
+    raise ValueError(f"no checkpoint in {checkpointer.directory} can be read (each was moved to "
+                     f"{workdir / 'corrupt_checkpoints'}, see the warnings above); rerun with "
+                     f"--config.train.restart_if_unreadable=True to start again from step 0")
   if restored is not None:
     start_step, state, data_state, _ = restored
     train_iter.set_state(data_state)
@@ -222,6 +237,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   flops_per_token = sum(cfg.flops_per_token(config.data.seq_len, predictions_per_token)
                         for cfg in objective.model_configs)
   throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
+  if primary:  # The steps after the checkpoint are computed again: their rows from the interrupted run go.
+    dropped = workdir_lib.drop_rows_after(workdir / "metrics.jsonl", start_step)
+    if dropped:
+      log.info("dropped %d rows of metrics.jsonl logged after step %d by the interrupted run", dropped, start_step)
   writer = metrics_lib.MetricWriter(workdir, enabled=primary)
   if primary:
     (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
