@@ -439,7 +439,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
     best_seed, seq_len, num_params.
   """
   distributed.initialize()
-  workdir = pathlib.Path(workdir)
+  workdir = workdir_lib.local_workdir(workdir)
   primary = jax.process_index() == 0
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None  # One writer a workdir.
   try:

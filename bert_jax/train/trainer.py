@@ -168,7 +168,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     metrics, "history": [train metrics per log step], "preempted": bool}.
   """
   distributed.initialize()
-  workdir = pathlib.Path(workdir)
+  workdir = workdir_lib.local_workdir(workdir)
   primary = jax.process_index() == 0
   # One writer a workdir: a second run refuses at once, naming the holder; a killed run's lock does not block.
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None

@@ -23,6 +23,7 @@ import datetime
 import json
 import logging
 import os
+import pathlib
 import socket
 import threading
 import time
@@ -48,6 +49,15 @@ class WorkdirBusyError(ValueError):
 
 class ConfigMismatchError(ValueError):
   """The config differs from the one the workdir's checkpoints were trained with."""
+
+
+def local_workdir(workdir: str | os.PathLike) -> pathlib.Path:
+  """The workdir as a local path; a gs:// one is refused by name rather than written to a local folder "gs:"."""
+  text = os.fspath(workdir)
+  if "://" in text or text.startswith("gs:/"):
+    raise ValueError(f"--workdir {text}: training into a Cloud Storage workdir is not supported yet (prepared corpora "
+                     f"on gs:// are); use a local directory or a bucket mounted with gcsfuse")
+  return pathlib.Path(text)
 
 
 def _is_local(path: epath.Path) -> bool:
