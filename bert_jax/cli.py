@@ -45,12 +45,38 @@ def enable_compilation_cache() -> None:
   jax.config.update("jax_compilation_cache_dir", location)
 
 
+EXAMPLES = """examples:
+  bert-jax pretrain --config configs/demo.py --workdir runs/demo
+  bert-jax pretrain --config configs/bert.py:size=base,phase=1 --config.data.prepared=data/wiki --workdir runs/base
+  bert-jax convert --from-hf path/to/hf_model --out models/minilm
+  bert-jax finetune --config configs/finetune/glue.py:task=rte --config.init.model=models/minilm \\
+      --config.data_dir=GLUE_DIR --workdir runs/rte
+  bert-jax fill-mask --model runs/demo "A list is a mutable [MASK] of items."
+  bert-jax plot runs/demo runs/rte --out plots/
+
+Run `bert-jax COMMAND --help` for a command's options."""
+
+
+def usage() -> str:
+  lines = [f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+  return "usage: bert-jax COMMAND [args]  (bert-jax --version)\n\ncommands:\n" + "\n".join(lines) + "\n\n" + EXAMPLES
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-    lines = [f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
-    print("usage: bert-jax <command> [args]\n\ncommands:\n" + "\n".join(lines))
-    return 0 if argv and argv[0] in ("-h", "--help") else 2
+  if argv and argv[0] == "--version":
+    from importlib import metadata
+    print(f"bert-jax {metadata.version('bert_jax')}")
+    return 0
+  if not argv or argv[0] in ("-h", "--help"):
+    print(usage())
+    return 0 if argv else 2
+  if argv[0] not in SUBCOMMANDS:
+    import difflib
+    near = difflib.get_close_matches(argv[0], list(SUBCOMMANDS), n=1)
+    hint = f"; did you mean `bert-jax {near[0]}`?" if near else ""
+    print(f"bert-jax: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
+    return 2
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   from absl import logging as absl_logging
 

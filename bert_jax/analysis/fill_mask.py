@@ -99,6 +99,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--top-k", type=int, default=5)
   parser.add_argument("texts", nargs="+", help="sentences containing [MASK]")
   args = parser.parse_args(argv)
+  missing = [text for text in args.texts if "[MASK]" not in text]
+  if missing:
+    raise ValueError(f"no [MASK] in {missing[0]!r}: write [MASK] where the model should fill in a word")
   model_cfg, params, tokenizer = load_model(args.model)
   mask_token = tokenizer.convert_ids_to_tokens([tokenizer.mask_id])[0]
   texts = [t.replace("[MASK]", mask_token) for t in args.texts]
