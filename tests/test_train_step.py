@@ -404,3 +404,15 @@ def test_global_norm_and_clipping_equal_optax():
     assert state == optax.EmptyState()
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                          rtol=1e-6), ours, reference)
+
+
+def test_left_to_right_reports_next_token_terms_not_mlm():
+  """BERT's "LTR & No NSP" row: its next-token loss and accuracy are lm_*, so no table puts them in an MLM column."""
+  objective = objectives.make_objective(make_config("ltr"), tiny_model(), mask_id=4)
+  assert objective.weights == {"lm": 1.0}
+  import flax.linen as nn
+  inputs = objective.prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
+  params = nn.unbox(objective.init_variables(jax.random.key(0), synthetic_batch()))["params"]
+  terms = objective.forward(params, inputs, None, train=False)
+  assert set(terms) == {"lm_loss", "lm_correct"}
+  assert set(objective.denominators(inputs)) == {"lm"}

@@ -207,13 +207,27 @@ class SpanBoundary(PretrainingObjective):
 
 
 class LeftToRight(PretrainingObjective):
-  """A causal LM: token t+1 predicted from positions <= t inside the same packed example."""
+  """A causal LM: token t+1 predicted from positions <= t inside the same packed example.
+
+  Its term is "lm" (lm_loss, lm_accuracy, lm_perplexity): next-token figures, not comparable with MLM's.
+  """
 
   name = "ltr"
 
   @classmethod
   def from_config(cls, config, model_config, mask_id):
     return super().from_config(config, model_config.replace(causal=True), mask_id)
+
+  @classmethod
+  def loss_weights(cls, loss):
+    del loss
+    return {"lm": 1.0}
+
+  def denominators(self, inputs):
+    return {"lm": jnp.sum(inputs["mlm_weights"])}
+
+  def terms(self, outputs, inputs):
+    return mlm_terms(outputs["mlm_logits"], inputs, self.kernels, "lm")
 
   def predictions_per_token(self, max_predictions, seq_len):
     return 1.0

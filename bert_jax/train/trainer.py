@@ -155,8 +155,9 @@ def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[s
     if count:
       results[f"{name}_loss"] = sums[f"{name}_loss"] / count
       results[f"{name}_accuracy"] = sums[f"{name}_correct"] / count
-  if "mlm_loss" in results:
-    results["mlm_perplexity"] = float(np.exp(min(results["mlm_loss"], 50.0)))
+  for term in ("mlm", "lm"):
+    if f"{term}_loss" in results:
+      results[f"{term}_perplexity"] = float(np.exp(min(results[f"{term}_loss"], 50.0)))
   return results
 
 
@@ -377,8 +378,9 @@ def _report(config, result) -> None:
   history = result["history"]
   if history:
     first, last = history[0], history[-1]
-    print(f"\nMLM loss {first.get('mlm_loss', float('nan')):.3f} (step {first['step']}) -> "
-          f"{last.get('mlm_loss', float('nan')):.3f} (step {last['step']})")
+    term = "lm" if "lm_loss" in last else "mlm"
+    print(f"\n{term.upper()} loss {first.get(f'{term}_loss', float('nan')):.3f} (step {first['step']}) -> "
+          f"{last.get(f'{term}_loss', float('nan')):.3f} (step {last['step']})")
   if result["eval"]:
     print("Eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result["eval"].items()))
   workdir = result["workdir"]
