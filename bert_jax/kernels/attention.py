@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from bert_jax.kernels import flash_attention
+from bert_jax.models.encoder import attention_mask  # The plain model's mask: one definition for both paths.
 
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
 
@@ -79,22 +80,6 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
     if cudnn_ok and not dropout_active:
       return "cudnn"
   return "xla"
-
-
-def attention_mask(pack_ids: jax.Array, causal: bool, query_positions: jax.Array | None = None) -> jax.Array:
-  """Boolean [B, 1, L, L] mask: same packed example, key not padding, (causal).
-
-  query_positions: [B, Q], the mask's rows at these queries only ([B, 1, Q, L]).
-  """
-  length = pack_ids.shape[1]
-  if query_positions is None:
-    query_pack_ids, query_positions = pack_ids, jnp.arange(length, dtype=jnp.int32)[None]
-  else:
-    query_pack_ids = jnp.take_along_axis(pack_ids, query_positions, axis=1)
-  same_example = (query_pack_ids[:, :, None] == pack_ids[:, None, :]) & (pack_ids[:, None, :] > 0)
-  if causal:
-    same_example &= jnp.arange(length)[None, None, :] <= query_positions[:, :, None]
-  return same_example[:, None]
 
 
 def dot_product_attention(
