@@ -12,6 +12,7 @@ import logging
 import os
 import pathlib
 import sys
+import threading
 
 # subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
@@ -81,20 +82,25 @@ def main(argv: list[str] | None = None) -> int:
   from absl import logging as absl_logging
 
   absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax's per-save INFO lines drown the progress bar.
-  for noisy in ("absl", "jax", "orbax"):
+  for noisy in ("jax", "orbax"):
     logging.getLogger(noisy).setLevel(logging.ERROR)
+  # Orbax logs through absl, a traceback per array of a failed save; the trainer reports that in one line.
+  logging.getLogger("absl").setLevel(logging.CRITICAL)
+  logging.getLogger("fsspec").setLevel(logging.WARNING)  # A gs:// path's every read logs its cache at INFO.
   command, rest = argv[0], argv[1:]
   enable_compilation_cache()
   try:
     module = importlib.import_module(SUBCOMMANDS[command][0])
     entry = getattr(module, "evaluate_main" if command == "evaluate" else "main")
     return entry(rest)
-  except (ValueError, FileNotFoundError, FloatingPointError) as error:
-    # Bad input (config, data, checkpoint, NaN loss): the message names the problem; a traceback
-    # would bury it. BERT_JAX_TRACEBACK=1 shows it anyway.
+  except (ValueError, OSError, FloatingPointError) as error:
+    # Bad input (config, data, checkpoint, NaN loss) or storage (a full disk): the message names the problem; a
+    # traceback would bury it. BERT_JAX_TRACEBACK=1 shows it anyway.
     if os.environ.get("BERT_JAX_TRACEBACK"):
       raise
     print(f"bert-jax {command}: error: {error}", file=sys.stderr)
+    if isinstance(error, OSError):  # Library threads and exit hooks failing on the same storage add nothing.
+      sys.unraisablehook = threading.excepthook = lambda *_: None
     return 1
 
 

@@ -17,7 +17,8 @@ What the fixture does:
     would otherwise pick TensorFlow's gfile, which cannot be pointed at an
     emulator), `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` (no gRPC bucket-type
     probe, which the emulator does not serve) and `FSSPEC_GCS_TOKEN=anon` (no
-    credential lookup). Subprocesses a test starts (a trainer it kills and
+    credential lookup); and `TENSORSTORE_GCS_HTTP_URL`, for the arrays Orbax
+    writes through TensorStore's own Cloud Storage client. Subprocesses a test starts (a trainer it kills and
     resumes) inherit them, so they see the same bucket;
   * resets the caches in this process (epath's backend choice and filesystem,
     gcsfs' instances) so the settings take effect here too;
@@ -33,6 +34,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Iterator
 
@@ -48,6 +50,7 @@ def environment(port: int) -> dict[str, str]:
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
       "FSSPEC_GCS_TOKEN": "anon",
       "FSSPEC_GS_TOKEN": "anon",
+      "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}",  # Orbax writes arrays through TensorStore's own client.
   }
 
 
@@ -82,15 +85,18 @@ def _reset_caches(anonymous: bool) -> None:
 def running_emulator(bucket: str = BUCKET) -> Iterator[int]:
   """Runs the emulator with an empty in-memory `bucket` on 127.0.0.1; yields its port."""
   port = _free_port()
+  # Its log goes to a file: a pipe nobody reads fills up and blocks the (single-threaded) server mid-request.
+  log = tempfile.TemporaryFile()
   process = subprocess.Popen(
-      [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port),
+      [sys.executable, __file__, "start", "--host", "127.0.0.1", "--port", str(port),
        "--in-memory", "--default-bucket", bucket, "--quiet"],
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+      stdout=subprocess.DEVNULL, stderr=log)
   try:
     deadline = time.monotonic() + _START_SECONDS
     while True:
       if process.poll() is not None:
-        raise RuntimeError(f"the storage emulator exited at start: {process.stderr.read().decode()[-2000:]}")
+        log.seek(0)
+        raise RuntimeError(f"the storage emulator exited at start: {log.read().decode()[-2000:]}")
       try:
         socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
         break
@@ -106,7 +112,7 @@ def running_emulator(bucket: str = BUCKET) -> Iterator[int]:
     except subprocess.TimeoutExpired:
       process.kill()
       process.wait()
-    process.stderr.close()
+    log.close()
 
 
 @contextlib.contextmanager
@@ -125,3 +131,44 @@ def gcs_bucket_url() -> Iterator[str]:
     finally:
       patch.undo()
       _reset_caches(anonymous=False)
+
+
+def _serve(argv: list[str]) -> None:
+  """Runs the emulator with two behaviours of Cloud Storage that TensorStore (Orbax's array store) relies on and
+  the emulator lacks: downloads carry the object's generation (`x-goog-generation`), and uploads honour
+  `ifGenerationMatch` (412 when it does not hold), which TensorStore's conditional writes need."""
+  from http import HTTPStatus
+
+  from gcp_storage_emulator.exceptions import NotFound
+  from gcp_storage_emulator.handlers import objects
+
+  download, insert = objects.download, objects.insert
+
+  def download_with_generation(request, response, storage, *args, **kwargs):
+    download(request, response, storage, *args, **kwargs)
+    try:
+      obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    except NotFound:
+      return
+    response["x-goog-generation"] = str(obj.get("generation", "0"))
+
+  def insert_if_generation_matches(request, response, storage, *args, **kwargs):
+    wanted = request.query.get("ifGenerationMatch")
+    if wanted:
+      name = request.query.get("name", [None])[0]
+      try:
+        current = str(storage.get_file_obj(request.params["bucket_name"], name).get("generation", "0"))
+      except NotFound:
+        current = "0"
+      if current != wanted[0]:
+        response.status = HTTPStatus.PRECONDITION_FAILED
+        return None
+    return insert(request, response, storage, *args, **kwargs)
+
+  objects.download, objects.insert = download_with_generation, insert_if_generation_matches
+  from gcp_storage_emulator import __main__ as emulator  # pylint: disable=import-outside-toplevel
+  emulator.main(argv)
+
+
+if __name__ == "__main__":
+  _serve(sys.argv[1:])

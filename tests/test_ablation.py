@@ -161,21 +161,27 @@ def _fake_phases(monkeypatch, log, kill_at=None):
   return finetune
 
 
-def test_a_killed_sweep_resumes_where_it_stopped(setup, tmp_path, monkeypatch):
+@pytest.mark.parametrize("storage", ["local", "gs"])
+def test_a_killed_sweep_resumes_where_it_stopped(setup, tmp_path, monkeypatch, request, storage):
   spec, data_dirs, _ = setup
   tab = ablation.load_table(spec)
   log = []
+  root = tmp_path if storage == "local" else request.getfixturevalue("gcs_bucket")  # an emulated bucket
+  killed = f"{root}/killed"
   with pytest.raises(Killed):  # Killed in the second seed of the last row.
-    ablation.run_sweep(tab, tmp_path / "killed", data_dirs, finetune=_fake_phases(monkeypatch, log, kill_at=6))
+    ablation.run_sweep(tab, killed, data_dirs, finetune=_fake_phases(monkeypatch, log, kill_at=6))
   lr = ("finetune", "lr0.003")
   assert log == [("pretrain", "MLM+NSP"), lr, ("pretrain", "broken"), lr, ("pretrain", "MLM"), lr]
   log.clear()
-  resumed = ablation.run_sweep(tab, tmp_path / "killed", data_dirs, finetune=_fake_phases(monkeypatch, log))
+  resumed = ablation.run_sweep(tab, killed, data_dirs, finetune=_fake_phases(monkeypatch, log))
   assert log == [lr]  # Nothing recorded runs again.
   log.clear()
   whole = ablation.run_sweep(tab, tmp_path / "whole", data_dirs, finetune=_fake_phases(monkeypatch, log))
   assert [row["tasks"] for row in resumed["rows"]] == [row["tasks"] for row in whole["rows"]]
   assert _main_table(table.render_markdown(resumed)) == _main_table(table.render_markdown(whole))
+  written = table.render(killed)  # `bert-jax table` on the sweep's own workdir
+  assert _main_table(written["markdown"].read_text()) == _main_table(table.render_markdown(whole))
+  assert written["csv"].exists() and written["downstream"].read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

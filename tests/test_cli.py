@@ -36,3 +36,14 @@ def test_every_command_has_help(command, capsys):
     cli.main([command, "--help"])
   assert exit_info.value.code == 0
   assert "usage: bert-jax" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.train.batch_size=-8", "config.train.batch_size=-8 must be a positive integer"),
+    ("--config.train.accum_steps=0", "config.train.accum_steps=0 must be a positive integer"),
+])
+def test_a_non_positive_batch_setting_is_named_before_anything_runs(override, message, tmp_path, capsys):
+  assert cli.main(["pretrain", "--config", "configs/demo.py", "--workdir", str(tmp_path / "run"), override]) == 1
+  err = capsys.readouterr().err
+  assert message in err and "Traceback" not in err
+  assert not (tmp_path / "run" / "checkpoints").exists()

@@ -344,3 +344,20 @@ def test_cli_compilation_cache(tmp_path, monkeypatch):
   monkeypatch.setenv("BERT_JAX_COMPILATION_CACHE", "none")
   cli.enable_compilation_cache()
   assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_cloud_storage_workdir_holds_the_run_and_evaluate_reads_it(tiny_model, tmp_path, gcs_bucket):
+  """A gs:// fine-tuning workdir (an emulated bucket): results, per-seed metrics and checkpoint, the tokenizer;
+  `evaluate` scores the run from the bucket again."""
+  from etils import epath
+  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
+  workdir = f"{gcs_bucket}/runs/sst2"
+  results = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, workdir, "--config.train.epochs=1",
+                      "--config.train.save_checkpoint=True")
+  remote = epath.Path(workdir)
+  for name in ("results.json", "results.md", "config.json", "tokenizer", "seed_1/metrics.jsonl",
+               "seed_1/result.json", "seed_1/checkpoints"):
+    assert (remote / name).exists(), name
+  rescored = finetune_lib.evaluate_run(workdir)
+  assert rescored[1]["dev"]["accuracy"] == _selected(results, "accuracy")[0]
+  assert not (tmp_path / "gs:").exists() and not (REPO / "gs:").exists()

@@ -454,3 +454,75 @@ def test_ctrl_c_asks_for_a_checkpoint_like_sigterm_and_a_second_one_stops_at_onc
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(0.1)
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, gcs_bucket):
+  """A gs:// workdir (an emulated bucket): killed with SIGKILL after a checkpoint, the same command resumes from it
+  and finishes; checkpoints, metrics (each step once), TensorBoard, configs and the tokenizer are in the bucket."""
+  from etils import epath
+  steps = 12
+  overrides = [f"--config.train.{k}={v}" for k, v in dict(log_every=1, checkpoint_every=4, eval_every=0).items()]
+  config_file = tmp_path / "tiny.py"
+  config_file.write_text(
+      "import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
+      "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
+      % (str(REPO / "tests"), str(prepared), steps))
+  workdir = f"{gcs_bucket}/runs/tiny"
+  command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file), "--workdir", workdir,
+             *overrides]
+  env = cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))  # the emulator's variables included
+  remote = epath.Path(workdir)
+  process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None:
+    if (remote / "metrics.jsonl").exists() and (remote / "checkpoints" / "4" / "commit_success.txt").exists():
+      break
+    time.sleep(0.2)
+  process.kill()
+  output, _ = process.communicate(timeout=60)
+  assert (remote / "checkpoints" / "4").exists(), output
+  assert (remote / "workdir.lock").exists()  # left by the killed run; it must not block the resume
+
+  resumed = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert "resumed from checkpoint at step" in resumed.stderr
+  rows = [json.loads(line) for line in (remote / "metrics.jsonl").read_text().splitlines()]
+  assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, steps + 1))
+  assert all(np.isfinite(row["train/loss"]) for row in rows if "train/loss" in row)
+  assert list((remote / "tensorboard").glob("events.out.tfevents.*"))
+  for name in ("config.json", "model_config.json", "environment.json", "tokenizer"):
+    assert (remote / name).exists(), name
+  assert not (remote / "workdir.lock").exists()
+  assert not (tmp_path / "gs:").exists() and not (REPO / "gs:").exists()
+
+
+def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_lines(prepared, tmp_path):
+  """The file-size limit of the running trainer drops to a few bytes after its first checkpoint (every later write
+  fails, as on a full disk): the run stops within a few steps with one line naming the checkpoint it resumes from,
+  and that checkpoint still restores."""
+  import resource
+  steps = 400
+  config_file = tmp_path / "tiny.py"
+  config_file.write_text(
+      "import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
+      "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
+      % (str(REPO / "tests"), str(prepared), steps))
+  workdir = tmp_path / "run"
+  command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file), "--workdir",
+             str(workdir), "--config.train.checkpoint_every=5", "--config.train.eval_every=0",
+             "--config.train.log_every=1"]
+  process = subprocess.Popen(command, env=cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache")), cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None and not (workdir / "checkpoints" / "5").is_dir():
+    time.sleep(0.05)
+  resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (16, 16))
+  stdout, stderr = process.communicate(timeout=300)
+  assert process.returncode == 1, stdout + stderr
+  error_lines = [line for line in stderr.splitlines() if "bert-jax pretrain: error" in line]
+  assert len(error_lines) == 1 and "failed (OSError: File too large)" in error_lines[0], stderr
+  assert "the last complete checkpoint is step 5" in error_lines[0] and "Traceback" not in stderr, stderr
+  assert len(stderr.splitlines()) < 40, stderr
+  stopped = max(json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines())
+  assert stopped < 30, stopped  # at once, not at a later save
+  assert restore_params(workdir)[0] == 5

@@ -105,8 +105,3 @@ def test_lock_and_metrics_rows_on_cloud_storage(gcs_bucket):
   assert workdir_lib.drop_rows_after(path, 1) == 2
   assert path.read_text() == '{"step": 1}\n'
 
-
-def test_cloud_storage_workdir_for_training_is_refused_by_name():
-  with pytest.raises(ValueError, match="gs://bucket/run: training into a Cloud Storage workdir is not supported yet"):
-    workdir_lib.local_workdir("gs://bucket/run")
-  assert str(workdir_lib.local_workdir("runs/x")) == "runs/x"

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import paths
 from bert_jax.data.tokenizers import Tokenizer, load_tokenizer
 from bert_jax.models import ModelConfig, PretrainingModel
 from bert_jax.models.heads import MLMHead
@@ -39,7 +40,7 @@ def load_run(workdir: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any], 
   from bert_jax.models import electra_generator_config
   from bert_jax.train.checkpoint import read_run_config, restore_params
 
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)
   run_config = read_run_config(workdir)
   model_cfg = ModelConfig(**json.loads((workdir / "model_config.json").read_text()))
   _, params = restore_params(workdir)
@@ -83,7 +84,7 @@ def format_predictions(texts: Sequence[str], predictions) -> str:
 
 def load_model(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
   """A run directory or a converted model directory -> (config, MLM params, tokenizer)."""
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   if (path / "checkpoints").is_dir():
     return load_run(path)
   from bert_jax.convert import hf as convert_hf  # noqa: PLC0415 - optional heavy import

@@ -49,6 +49,7 @@ from etils import epath
 import numpy as np
 
 from bert_jax.data import text as text_lib
+from bert_jax import paths
 from bert_jax.data import tokenizers
 
 MANIFEST = "manifest.json"
@@ -194,19 +195,6 @@ def _choose_eval_documents(num_documents: int, options: PrepareOptions) -> np.nd
   return np.sort(rng.choice(num_documents, size=count, replace=False)).astype(np.int64)
 
 
-def _is_remote(path: epath.Path) -> bool:
-  return "://" in os.fspath(path)
-
-
-def _as_path(path: str | os.PathLike) -> epath.Path:
-  """`path` as an epath.Path, refusing a URL that `pathlib.Path` has collapsed (gs:/bucket) into a local name."""
-  text = os.fspath(path)
-  if text.startswith(("gs:/", "s3:/")) and "://" not in text:
-    raise ValueError(f"{text} looks like a Cloud Storage URL that lost a slash (pathlib.Path does that); pass the "
-                     f"URL as a string, {text.replace(':/', '://', 1)}")
-  return epath.Path(text)
-
-
 def _read_manifest(out_dir: epath.Path) -> dict | None:
   path = out_dir / MANIFEST
   if not path.exists():
@@ -264,7 +252,7 @@ def _check_out_dir(out_dir: epath.Path, existing: dict | None, force: bool) -> N
 
 def _staging_dir(out_dir: epath.Path) -> pathlib.Path:
   """An empty local folder to prepare into: beside a local --out (same file system, so moves are renames)."""
-  if _is_remote(out_dir):
+  if paths.is_remote(out_dir):
     return pathlib.Path(tempfile.mkdtemp(prefix="bert_jax_prepare-"))
   out_dir = pathlib.Path(out_dir)
   staging = out_dir.parent / f".{out_dir.name}.preparing"
@@ -279,15 +267,10 @@ def _staging_dir(out_dir: epath.Path) -> pathlib.Path:
 
 def _move(source: pathlib.Path, target: epath.Path) -> None:
   """Moves a staged file or folder to `target` (a rename when local, an upload when remote)."""
-  if not _is_remote(target):
+  if paths.is_remote(target):
+    paths.upload(source, target)
+  else:
     os.replace(source, target)
-    return
-  files = [source] if source.is_file() else sorted(path for path in source.rglob("*") if path.is_file())
-  for path in files:
-    destination = target if path == source else target / path.relative_to(source).as_posix()
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "rb") as reader, destination.open("wb") as writer:
-      shutil.copyfileobj(reader, writer, 1 << 24)
 
 
 def _install(staging: pathlib.Path, out_dir: epath.Path, old_names: set[str]) -> None:
@@ -342,7 +325,7 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
   if not isinstance(tokenizer, tokenizers.Tokenizer):
     tokenizer = tokenizers.load_tokenizer(tokenizer)
   options = PrepareOptions(max_sentence_tokens, long_sentences, eval_fraction, eval_documents, seed, shard_tokens)
-  out_dir = _as_path(out_dir)
+  out_dir = paths.as_path(out_dir)
   fingerprint = tokenizer.fingerprint()
   input_fingerprints = [text_lib.input_fingerprint(spec) for spec in inputs]
 
@@ -440,7 +423,7 @@ class PreparedCorpus:
   """
 
   def __init__(self, directory: str | os.PathLike):
-    self.directory = _as_path(directory)
+    self.directory = paths.as_path(directory)
     manifest = _read_manifest(self.directory)
     if manifest is None:
       raise FileNotFoundError(f"{self.directory} has no {MANIFEST}; run `bert-jax prepare` first")
@@ -470,7 +453,7 @@ class PreparedCorpus:
     """
     path = self.directory / name
     try:
-      if _is_remote(path):
+      if paths.is_remote(path):
         array = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
       else:
         # Plain-array views of the maps: a memmap's slicing goes through its Python subclass, and `gather` slices often.
@@ -541,13 +524,7 @@ class PreparedCorpus:
 
   def load_tokenizer(self) -> tokenizers.Tokenizer:
     """The corpus' tokenizer (a remote one is copied to a local temporary folder first)."""
-    path = self.directory / self.manifest["tokenizer"]["path"]
-    if not _is_remote(path):
-      return tokenizers.load_tokenizer(os.fspath(path))
-    with tempfile.TemporaryDirectory() as local:
-      for file in path.iterdir():
-        (pathlib.Path(local) / file.name).write_bytes(file.read_bytes())
-      return tokenizers.load_tokenizer(local)
+    return tokenizers.load_tokenizer(self.directory / self.manifest["tokenizer"]["path"])
 
 
 def open_prepared(directory: str | os.PathLike) -> PreparedCorpus:

@@ -25,6 +25,7 @@ import abc
 import hashlib
 import itertools
 import json
+import os
 import pathlib
 import shutil
 import tempfile
@@ -33,6 +34,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece
 import tokenizers as hf
+
+from bert_jax import paths
 
 # Special tokens of each family, in the order the trainers put them in the vocab.
 BERT_SPECIALS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
@@ -100,9 +103,17 @@ class Tokenizer(abc.ABC):
   def fingerprint(self) -> str:
     """A stable hex hash of the vocabulary and normalisation settings."""
 
+  def save(self, directory: str | os.PathLike) -> str | os.PathLike:
+    """Writes files that `load_tokenizer(directory)` reads back (a local folder or `gs://`); returns it."""
+    if not paths.is_remote(directory):
+      return self._write(pathlib.Path(directory))
+    with tempfile.TemporaryDirectory(prefix="bert_jax-tokenizer-") as local:
+      paths.upload(self._write(pathlib.Path(local)), paths.as_path(directory))
+    return directory
+
   @abc.abstractmethod
-  def save(self, directory: str | pathlib.Path) -> pathlib.Path:
-    """Writes files that `load_tokenizer(directory)` reads back; returns the directory."""
+  def _write(self, directory: pathlib.Path) -> pathlib.Path:
+    """Writes the tokenizer's files into the local `directory` (created if missing); returns it."""
 
   @property
   def special_ids(self) -> dict[str, int]:
@@ -156,8 +167,7 @@ class HFTokenizer(Tokenizer):
     canonical = json.dumps(json.loads(self.tokenizer.to_str()), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(f"{self.kind}\n{canonical}".encode()).hexdigest()[:16]
 
-  def save(self, directory):
-    directory = pathlib.Path(directory)
+  def _write(self, directory):
     directory.mkdir(parents=True, exist_ok=True)
     self.tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "bert_jax_tokenizer.json").write_text(json.dumps({"kind": self.kind}))
@@ -206,8 +216,7 @@ class SentencePieceTokenizer(Tokenizer):
     model.trainer_spec.ClearField("model_prefix")
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
 
-  def save(self, directory):
-    directory = pathlib.Path(directory)
+  def _write(self, directory):
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "spiece.model").write_bytes(self.model_proto)
     return directory
@@ -266,8 +275,8 @@ def _hf_json_kind(tokenizer: hf.Tokenizer, directory: pathlib.Path) -> str:
   return {"WordPiece": "wordpiece"}.get(model_type, "hf-json")
 
 
-def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
-  """Loads a tokenizer from a directory or a file, detecting its kind.
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+  """Loads a tokenizer from a directory or a file (local or `gs://`), detecting its kind.
 
   Looked for, in this order: `tokenizer.json` (Hugging Face), `vocab.txt`
   (BERT WordPiece; `do_lower_case` from tokenizer_config.json, default True),
@@ -277,6 +286,11 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
   Raises:
     FileNotFoundError: when nothing loadable is there.
   """
+  if paths.is_remote(path):  # Read from a local copy of its folder (the libraries open files by name).
+    remote = paths.as_path(path)
+    is_file = remote.is_file()
+    with paths.local_copy(remote.parent if is_file else remote) as local:
+      return load_tokenizer(local / remote.name if is_file else local)
   path = pathlib.Path(path)
   if path.is_file():
     directory, files = path.parent, [path]

@@ -46,10 +46,14 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from etils import epath
+
+from bert_jax import paths
 from bert_jax.experiments import suite as suite_lib
 from bert_jax.train import config_lib
 
@@ -153,18 +157,15 @@ def base_config(recipe: str, scale: str):
 
 # State files ----------------------------------------------------------------------------------------------------
 
-def _write_json(path: pathlib.Path, value: Any) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  temporary.write_text(json.dumps(value, indent=2, default=str))
-  temporary.replace(path)  # Atomic: a kill never leaves half a state file.
+def _write_json(path: epath.Path, value: Any) -> None:
+  paths.write_text(path, json.dumps(value, indent=2, default=str))  # Atomic: a kill never leaves half a file.
 
 
-def _read_json(path: pathlib.Path) -> Any:
+def _read_json(path: epath.Path) -> Any:
   return json.loads(path.read_text()) if path.exists() else None
 
 
-def _finetune_state(row_dir: pathlib.Path, task: str, lr: float, seed: int) -> pathlib.Path:
+def _finetune_state(row_dir: epath.Path, task: str, lr: float, seed: int) -> epath.Path:
   return row_dir / "state" / f"finetune_{task}_lr{lr:g}_seed{seed}.json"
 
 
@@ -177,7 +178,7 @@ def _device() -> str:
   return f"{len(devices)} x {devices[0].device_kind}"
 
 
-def _last_eval(metrics_file: pathlib.Path) -> dict[str, float]:
+def _last_eval(metrics_file: epath.Path) -> dict[str, float]:
   """The last eval row of a metrics.jsonl (a finished run resumed again logs none)."""
   last = {}
   if metrics_file.exists():
@@ -209,7 +210,7 @@ def _train_tokens(prepared_dir: str) -> int | None:
     return None
 
 
-def pretrain_phase(config, row_dir: pathlib.Path) -> dict[str, Any]:
+def pretrain_phase(config, row_dir: epath.Path) -> dict[str, Any]:
   """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time, device, perplexity."""
   state_file = row_dir / "state" / "pretrain.json"
   state = _read_json(state_file)
@@ -234,7 +235,7 @@ def pretrain_phase(config, row_dir: pathlib.Path) -> dict[str, Any]:
   return state
 
 
-def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, model_dir: pathlib.Path,
+def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, model_dir: epath.Path,
                     data_dirs: dict[str, str]):
   suite = table.suite
   if task.data not in data_dirs:
@@ -247,7 +248,7 @@ def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, mod
   return config_lib.load_config(str(CONFIGS / task.config), overrides)
 
 
-def finetune_phase(table: Table, row: Row, row_dir: pathlib.Path, data_dirs: dict[str, str],
+def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[str, str],
                    finetune: Callable | None = None) -> None:
   """Fine-tunes every (task, lr) of the suite over its seeds, from the row's pre-training workdir.
 
@@ -279,7 +280,7 @@ def finetune_phase(table: Table, row: Row, row_dir: pathlib.Path, data_dirs: dic
     raise RuntimeError("; ".join(errors))
 
 
-def _finetune_row(config, row_dir: pathlib.Path, finetune: Callable | None) -> None:
+def _finetune_row(config, row_dir: epath.Path, finetune: Callable | None) -> None:
   """A fine-tuning row: one `finetune` over the config's seeds; its summary is the row's state."""
   if (row_dir / "state" / "finetune.json").exists():
     return
@@ -298,7 +299,7 @@ def _check_finetune_overrides(row: Row) -> None:
   config_lib.apply_overrides(probe, [f"{key}={value}" for key, value in row.finetune.items()])
 
 
-def run_row(table: Table, index: int, workdir: pathlib.Path, data_dirs: dict[str, str],
+def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, str],
             finetune: Callable | None = None) -> dict[str, Any]:
   """Runs (or resumes) one row; an error is recorded in row.json and returned, not raised."""
   row = table.rows[index]
@@ -330,17 +331,17 @@ def run_row(table: Table, index: int, workdir: pathlib.Path, data_dirs: dict[str
 
 # The sweep ------------------------------------------------------------------------------------------------------
 
-def _write_sweep_file(table: Table, workdir: pathlib.Path, data_dirs: dict[str, str]) -> None:
+def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, str]) -> None:
   _write_json(workdir / "sweep.json", {"config": table.spec, "overrides": list(table.base_overrides),
                                        "data_dirs": data_dirs, "rows": [row.name for row in table.rows],
                                        "suite": dataclasses.asdict(table.suite)})
 
 
-def run_sweep(table: Table, workdir: str | pathlib.Path, data_dirs: dict[str, str] | None = None,
+def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str] | None = None,
               indices: Sequence[int] | None = None, parallel: int = 1, finetune: Callable | None = None,
               child_args: Sequence[str] = ()) -> dict[str, Any]:
   """Runs the rows `indices` (default all), in this process or as `parallel` subprocesses; returns the collection."""
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)
   data_dirs = dict(data_dirs or {})
   indices = list(range(len(table.rows))) if indices is None else list(indices)
   bad = [i for i in indices if not 0 <= i < len(table.rows)]
@@ -357,14 +358,17 @@ def run_sweep(table: Table, workdir: str | pathlib.Path, data_dirs: dict[str, st
   return collect(workdir)
 
 
-def _run_subprocesses(table: Table, workdir: pathlib.Path, indices: list[int], parallel: int,
+def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,
                       child_args: Sequence[str]) -> None:
-  """One subprocess per row, at most `parallel` at once, each on its own accelerator."""
+  """One subprocess per row, at most `parallel` at once, each on its own accelerator. A row's output goes to
+  rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits)."""
+  logs = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-sweep-")) if paths.is_remote(workdir) else None
   pending, running, free = list(indices), {}, list(range(parallel))
   while pending or running:
     while pending and free:
       index, slot = pending.pop(0), free.pop(0)
-      log = workdir / "rows" / table.rows[index].slug / "log.txt"
+      row_log = workdir / "rows" / table.rows[index].slug / "log.txt"
+      log = logs / f"{table.rows[index].slug}.txt" if logs else pathlib.Path(row_log)
       log.parent.mkdir(parents=True, exist_ok=True)
       env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot))
       command = [sys.executable, "-m", "bert_jax.experiments.ablation", "--config", table.spec, "--workdir",
@@ -377,12 +381,14 @@ def _run_subprocesses(table: Table, workdir: pathlib.Path, indices: list[int], p
     for process in [p for p in running if p.poll() is not None]:
       index, slot = running.pop(process)
       free.append(slot)
+      if logs:
+        paths.upload(logs / f"{table.rows[index].slug}.txt", workdir / "rows" / table.rows[index].slug / "log.txt")
       print(f"row {index} ({table.rows[index].name}) exited with status {process.returncode}", flush=True)
 
 
-def collect(workdir: str | pathlib.Path) -> dict[str, Any]:
+def collect(workdir: str | epath.Path) -> dict[str, Any]:
   """Builds WORKDIR/results.json from whatever rows have recorded state; returns it."""
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)
   sweep = _read_json(workdir / "sweep.json")
   if sweep is None:
     raise FileNotFoundError(f"{workdir} has no sweep.json: run `bert-jax sweep --config ... --workdir {workdir}` "
@@ -477,8 +483,8 @@ def main(argv: list[str]) -> int:
   unknown = [a for a in rest if not a.startswith("--config.")]
   if unknown:
     parser.error(f"unrecognised arguments {unknown}")
-  workdir = pathlib.Path(args.workdir)
   try:
+    workdir = paths.as_path(args.workdir)
     if args.collect:
       results = collect(workdir)
     else:

@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
-import pathlib
+import os
 from typing import Any, Sequence
+
+from etils import epath
+
+from bert_jax import paths
 
 # Columns read from the pre-training evaluation: our name -> (eval key, scale to the paper's units).
 INTRINSIC = {"mlm_ppl": ("mlm_perplexity", 1.0), "mlm_acc": ("mlm_accuracy", 100.0),
@@ -148,7 +153,7 @@ def render_markdown(results: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write_csv(results: dict[str, Any], path: pathlib.Path) -> None:
+def write_csv(results: dict[str, Any], path: epath.Path) -> None:
   cols = columns(results)
   header = ["row", "status"]
   for column in cols:
@@ -156,26 +161,27 @@ def write_csv(results: dict[str, Any], path: pathlib.Path) -> None:
                f"{column}_published"]
   header += ["tokens_seen", "epochs", "pretrain_wall_seconds", "device", "error"]
   published = results["published"].get("rows", {})
-  with open(path, "w", newline="") as handle:
-    writer = csv.writer(handle)
-    writer.writerow(header)
-    for row in results["rows"]:
-      pretrain = row.get("pretrain") or {}
-      values = [row["name"], row["status"]]
-      for column in cols:
-        mine = ours(row, column) or {}
-        values += [mine.get("median"), mine.get("std"), mine.get("min"), mine.get("max"), mine.get("best_lr"),
-                   published.get(row["name"], {}).get(column)]
-      values += [pretrain.get("tokens_seen"), pretrain.get("epochs"), pretrain.get("wall_seconds"),
-                 pretrain.get("device"), row.get("error")]
-      writer.writerow(["" if value is None else value for value in values])
-    order = ["published ordering reproduced", ""]
+  handle = io.StringIO(newline="")
+  writer = csv.writer(handle)
+  writer.writerow(header)
+  for row in results["rows"]:
+    pretrain = row.get("pretrain") or {}
+    values = [row["name"], row["status"]]
     for column in cols:
-      order += [_ordering_cell(ordering(results, column)), "", "", "", "", ""]
-    writer.writerow(order + [""] * 5)
+      mine = ours(row, column) or {}
+      values += [mine.get("median"), mine.get("std"), mine.get("min"), mine.get("max"), mine.get("best_lr"),
+                 published.get(row["name"], {}).get(column)]
+    values += [pretrain.get("tokens_seen"), pretrain.get("epochs"), pretrain.get("wall_seconds"),
+               pretrain.get("device"), row.get("error")]
+    writer.writerow(["" if value is None else value for value in values])
+  order = ["published ordering reproduced", ""]
+  for column in cols:
+    order += [_ordering_cell(ordering(results, column)), "", "", "", "", ""]
+  writer.writerow(order + [""] * 5)
+  paths.write_text(path, handle.getvalue())
 
 
-def _loss_curve(metrics_file: pathlib.Path) -> list[tuple[int, float]]:
+def _loss_curve(metrics_file: epath.Path) -> list[tuple[int, float]]:
   """(step, train loss) of a metrics.jsonl, a resumed run's repeated steps drawn once (the later kept)."""
   points: dict[int, float] = {}
   if metrics_file.exists():
@@ -189,7 +195,7 @@ def _loss_curve(metrics_file: pathlib.Path) -> list[tuple[int, float]]:
   return sorted(points.items())
 
 
-def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> list[pathlib.Path]:
+def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[epath.Path]:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -218,7 +224,7 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
   axis.grid(alpha=0.3)
   figure.tight_layout()
   written.append(out / "pretrain_loss.png")
-  figure.savefig(written[-1], dpi=120)
+  paths.write_bytes_with(written[-1], lambda handle: figure.savefig(handle, format="png", dpi=120))
   plt.close(figure)
 
   tasks = [column for column in columns(results) if column not in INTRINSIC]
@@ -254,20 +260,21 @@ def plot(results: dict[str, Any], workdir: pathlib.Path, out: pathlib.Path) -> l
   axis.grid(axis="y", alpha=0.3)
   figure.tight_layout()
   written.append(out / "downstream.png")
-  figure.savefig(written[-1], dpi=120)
+  paths.write_bytes_with(written[-1], lambda handle: figure.savefig(handle, format="png", dpi=120))
   plt.close(figure)
   return written
 
 
-def render(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> dict[str, pathlib.Path]:
-  """Collects WORKDIR's results and writes table.md, table.csv and the figures into `out` (default WORKDIR)."""
+def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, epath.Path]:
+  """Collects WORKDIR's results and writes table.md, table.csv and the figures into `out` (default WORKDIR);
+  either may be local or `gs://`."""
   from bert_jax.experiments import ablation
 
-  workdir = pathlib.Path(workdir)
-  out = pathlib.Path(out) if out else workdir
+  workdir = paths.as_path(workdir)
+  out = paths.as_path(out) if out else workdir
   out.mkdir(parents=True, exist_ok=True)
   results = ablation.collect(workdir)
-  (out / "table.md").write_text(render_markdown(results))
+  paths.write_text(out / "table.md", render_markdown(results))
   write_csv(results, out / "table.csv")
   figures = plot(results, workdir, out)
   return {"markdown": out / "table.md", "csv": out / "table.csv",
@@ -281,12 +288,12 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--out", help="directory for table.md, table.csv and the PNGs (default: WORKDIR)")
   args = parser.parse_args(list(argv))
   try:
-    paths = render(args.workdir, args.out)
-  except FileNotFoundError as error:
+    written = render(args.workdir, args.out)
+  except (FileNotFoundError, ValueError) as error:
     print(f"bert-jax table: {error}")
     return 2
-  print(paths["markdown"].read_text())
-  print("Written: " + ", ".join(str(path) for path in paths.values()))
+  print(written["markdown"].read_text())
+  print("Written: " + ", ".join(str(path) for path in written.values()))
   return 0
 
 

@@ -38,17 +38,19 @@ import dataclasses
 import json
 import logging
 import math
-import pathlib
+import os
 import statistics
 import time
 from typing import Any, Sequence
 
+from etils import epath
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bert_jax import paths
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task
@@ -248,7 +250,7 @@ class _Run:
 
   config: ml_collections.ConfigDict
   task: Task
-  workdir: pathlib.Path
+  workdir: epath.Path
   objective: FinetuneObjective
   partitioning: Partitioning
   tx: Any
@@ -322,6 +324,8 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   primary = jax.process_index() == 0
   compiled_before = run.state_init is not None
   state = _init_state(run, seed)
+  if primary:  # A seed that did not finish is trained again from step 0: the interrupted run's rows go.
+    workdir_lib.drop_rows_after(seed_dir / "metrics.jsonl", 0)
   writer = metrics_lib.MetricWriter(seed_dir, enabled=primary)
   checkpointer = checkpoint_lib.Checkpointer(seed_dir, keep=1) if config.train.save_checkpoint else None
   interval = _eval_interval(config.train.eval_every)
@@ -417,11 +421,11 @@ def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: s
   return task.featurize(examples, tokenizer, max_len)
 
 
-def _write_json(path: pathlib.Path, value: Any) -> None:
+def _write_json(path: epath.Path, value: Any) -> None:
   path.write_text(json.dumps(value, indent=2, default=str) + "\n")
 
 
-def _check_workdir_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+def _check_workdir_config(workdir: epath.Path, config: ml_collections.ConfigDict) -> None:
   """A workdir holds one experiment: an existing config.json must equal this one."""
   path = workdir / "config.json"
   if path.exists() and json.loads(path.read_text()) != json.loads(json.dumps(config.to_dict(), default=str)):
@@ -429,8 +433,9 @@ def _check_workdir_config(workdir: pathlib.Path, config: ml_collections.ConfigDi
                      "use a new workdir")
 
 
-def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
-  """Fine-tunes `config.init.model` on `config.task` once per seed and writes the results.
+def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
+  """Fine-tunes `config.init.model` on `config.task` once per seed and writes the results into `workdir` (a local
+  folder or `gs://`).
 
   Returns:
     The content of results.json: task, init, selection_rule, seeds (one
@@ -439,7 +444,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
     best_seed, seq_len, num_params.
   """
   distributed.initialize()
-  workdir = workdir_lib.local_workdir(workdir)
+  workdir = paths.as_path(workdir)
   primary = jax.process_index() == 0
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None  # One writer a workdir.
   try:
@@ -449,7 +454,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> 
       lock.release()
 
 
-def _finetune(config: ml_collections.ConfigDict, workdir: pathlib.Path, primary: bool) -> dict[str, Any]:
+def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
   validate(config, sharding_lib.data_parallel_size(mesh))
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
@@ -501,7 +506,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: pathlib.Path, primary:
           f"params={num_params / 1e6:.2f}M\n  train rows={len(train_features['input_ids'])} "
           f"seq_len={seq_len} global batch={batch_size} per-host batch={batch_size // jax.process_count()} "
           f"tokens/step={batch_size * seq_len * max(task.num_choices, 1)} devices={mesh.size} "
-          f"steps={total_steps} seeds={tuple(config.seeds)}\n  workdir={workdir.absolute()}", flush=True)
+          f"steps={total_steps} seeds={tuple(config.seeds)}\n  workdir={workdir}", flush=True)
 
   seed_results = [_train_seed(run, seed) for seed in config.seeds]
   summary = summarize_seeds(task, seed_results)
@@ -527,7 +532,7 @@ def _test_splits(task: Task) -> tuple[str, ...]:
   return tuple(task.spec.submissions) if isinstance(task, GlueTask) else ("test",)
 
 
-def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequence[int] | None = None,
+def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence[int] | None = None,
                  data_dir: str | None = None) -> dict[int, dict[str, Any]]:
   """Re-scores the saved checkpoints of a fine-tuning run.
 
@@ -546,7 +551,7 @@ def evaluate_run(workdir: str | pathlib.Path, split: str = "dev", seeds: Sequenc
   if split not in ("dev", "test"):
     raise ValueError(f"split must be 'dev' or 'test', got {split!r}")
   distributed.initialize()
-  workdir = pathlib.Path(workdir)
+  workdir = paths.as_path(workdir)
   if not (workdir / RUN_FILE).exists():
     raise FileNotFoundError(f"{workdir / RUN_FILE} not found: is {workdir} a finished fine-tuning run?")
   run_info = json.loads((workdir / RUN_FILE).read_text())

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bert_jax import paths
 from bert_jax.convert.params import encoder_params
 from bert_jax.convert.pretrained import load_pretrained
 from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
@@ -288,7 +289,7 @@ def load_initial_model(path: str | pathlib.Path) -> InitialModel:
   Raises:
     FileNotFoundError: when `path` is none of these or has no tokenizer.
   """
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   if (path / RUN_FILE).exists():
     run = json.loads((path / RUN_FILE).read_text())
     _, params = checkpoint_lib.restore_params(path / run["best_seed_dir"])

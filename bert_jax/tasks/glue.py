@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import os
 import pathlib
 from typing import Any, Sequence
 
+from etils import epath
 import numpy as np
 
 from bert_jax.tasks import metrics
@@ -297,12 +299,12 @@ class GlueTask(Task):
     }
     return {name: metric_functions[name](predicted, gold) for name in self.metric_names}
 
-  def write_submission(self, output_dir: str | pathlib.Path, split: str,
-                       examples: Sequence[TextPairExample], predictions: Sequence[Any]) -> pathlib.Path:
+  def write_submission(self, output_dir: str | os.PathLike, split: str,
+                       examples: Sequence[TextPairExample], predictions: Sequence[Any]) -> epath.Path:
     """Writes `predict`'s output for a test split as GLUE's `index\\tprediction` file.
 
     Args:
-      output_dir: folder of the submission (created if missing).
+      output_dir: folder of the submission (created if missing; local or `gs://`).
       split: a test split ("test", "test_matched", "test_mismatched").
       examples: the test examples (their guids are the GLUE indices).
       predictions: `predict`'s output for them.
@@ -315,7 +317,7 @@ class GlueTask(Task):
                        f"valid: {list(self.spec.submissions)}")
     if len(examples) != len(predictions):
       raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
-    path = pathlib.Path(output_dir) / self.spec.submissions[split]
+    path = epath.Path(output_dir) / self.spec.submissions[split]
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = ["index\tprediction"]
     for example, prediction in zip(examples, predictions):

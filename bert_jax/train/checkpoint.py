@@ -3,7 +3,8 @@
 `Checkpointer` wraps an `ocp.CheckpointManager` in `<workdir>/checkpoints`:
 async saves, keep-N, restore of the newest checkpoint that reads back. A
 corrupt or partial checkpoint (a save interrupted mid-way, a truncated file)
-is skipped with a warning and the previous one is used.
+is skipped with a warning and the previous one is used. The workdir may be
+local or `gs://` (an `etils.epath.Path`, as Orbax takes it).
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import pathlib
-import shutil
+import os
 import time
 from typing import Any
 
 import jax
+from etils import epath
 import numpy as np
 import orbax.checkpoint as ocp
 
+from bert_jax import paths
 from bert_jax.parallel.distributed import sync_global_devices
 
 log = logging.getLogger(__name__)
@@ -43,12 +45,16 @@ def _use_array_handler() -> None:
   ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(**kwargs), override=True)
 
 
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written (a full disk, lost storage); the earlier checkpoints are intact."""
+
+
 class Checkpointer:
   """Saves and restores {state, data iterator state, run metadata} per step."""
 
-  def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, workdir: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
     _use_array_handler()
-    self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    self.directory = paths.as_path(workdir) / "checkpoints"
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
@@ -57,10 +63,42 @@ class Checkpointer:
            force: bool = False) -> None:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                               meta=ocp.args.JsonSave(meta or {}))
-    self.manager.save(step, args=args, force=force)
+    try:
+      self.manager.save(step, args=args, force=force)
+    except Exception as error:  # noqa: BLE001 - a failed write (this one or the previous async one) is reported.
+      raise self.storage_error(error) from None
+
+  def check(self) -> None:
+    """Raises CheckpointWriteError as soon as an asynchronous save has failed, without waiting for one in progress
+    (Orbax itself reports it only at the next save, many steps later)."""
+    finalize = getattr(self.manager, "_finalize_thread", None)  # Orbax's background thread; absent: not checked.
+    thread = finalize.map(lambda t: t) if hasattr(finalize, "map") else None
+    if thread is not None and not thread.is_alive() and getattr(thread, "exception", None) is not None:
+      error, thread.exception = thread.exception, None
+      raise self.storage_error(error)
+
+  def storage_error(self, error: BaseException, what: str | None = None) -> CheckpointWriteError:
+    """One line for a failed write (a checkpoint, or `what`): the cause (the OS error under Orbax's and
+    TensorStore's wrapping) and the checkpoint a rerun resumes from."""
+    if isinstance(error, CheckpointWriteError):
+      return error
+    cause = next((e for e in _chain(error) if isinstance(e, OSError) and e.strerror), error)
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0][:300]
+    try:
+      self.manager.reload()  # Drops the step that did not complete.
+      complete = self.steps()
+    except Exception:  # noqa: BLE001 - the storage may be failing for reads too.
+      complete = []
+    last = f"the last complete checkpoint is step {complete[-1]}" if complete else "no complete checkpoint exists"
+    return CheckpointWriteError(
+        f"writing {what or f'a checkpoint to {self.directory}'} failed ({type(cause).__name__}: {reason}); {last}. "
+        f"Free space or fix the storage, then run the same command to resume")
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as error:  # noqa: BLE001
+      raise self.storage_error(error) from None
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -85,20 +123,29 @@ class Checkpointer:
                     str(error).splitlines()[0] if str(error) else "", kept)
     return None
 
-  def _set_aside(self, step: int) -> pathlib.Path:
+  def _set_aside(self, step: int) -> epath.Path:
     """Moves an unreadable checkpoint out of the manager's way (kept for inspection, never deleted)."""
     source = self.directory / str(step)
     target = self.directory.parent / "corrupt_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     if jax.process_index() == 0:
       target.parent.mkdir(parents=True, exist_ok=True)
-      shutil.move(str(source), str(target))
+      paths.move(source, target)
     sync_global_devices(f"set_aside_checkpoint_{step}")
     self.manager.reload()
     return target
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    self.wait()
     self.manager.close()
+
+
+def _chain(error: BaseException):
+  """An exception and its causes and contexts."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
 
 
 def _check_finite(state: Any, step: int) -> None:
@@ -108,13 +155,13 @@ def _check_finite(state: Any, step: int) -> None:
         raise ValueError(f"checkpoint {step} holds non-finite values")
 
 
-def restore_params(workdir: str | pathlib.Path, step: int | None = None) -> tuple[int, Any]:
+def restore_params(workdir: str | os.PathLike, step: int | None = None) -> tuple[int, Any]:
   """Reads only the model parameters of a run's checkpoint, as host numpy arrays (any device count).
 
   Used to start fine-tuning or a later pre-training phase from a run, and by
   tools (fill-mask, features) that read a workdir.
   """
-  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  directory = paths.as_path(workdir) / "checkpoints"
   if not directory.is_dir():
     raise FileNotFoundError(f"{workdir} has no checkpoints/ directory (not a bert_jax run?)")
   manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"),
@@ -141,8 +188,8 @@ def restore_params(workdir: str | pathlib.Path, step: int | None = None) -> tupl
   raise ValueError(f"no readable checkpoint in {directory}:\n" + "\n".join(errors))
 
 
-def read_run_config(workdir: str | pathlib.Path) -> dict[str, Any]:
-  path = pathlib.Path(workdir) / "config.json"
+def read_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
+  path = epath.Path(workdir) / "config.json"
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir} a bert_jax run directory?")
   return json.loads(path.read_text())

@@ -271,13 +271,16 @@ def finetune_defaults() -> ml_collections.ConfigDict:
 
 def validate_batching(train: ml_collections.ConfigDict, data_parallel: int, process_count: int) -> None:
   """The batch sizes of `config.train` (pre-training and fine-tuning alike) against the mesh and the processes."""
-  if train.batch_size <= 0 or train.batch_size % data_parallel or train.batch_size % process_count:
+  for key in ("batch_size", "eval_batch_size", "accum_steps"):
+    value = train.get(key)
+    if value is not None and (not isinstance(value, int) or value <= 0):
+      raise ValueError(f"config.train.{key}={value!r} must be a positive integer")
+  if train.batch_size % data_parallel or train.batch_size % process_count:
     raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the data-parallel size "
                      f"{data_parallel} and the {process_count} processes; give a positive multiple of both")
-  if train.eval_batch_size is not None and (train.eval_batch_size <= 0
-                                            or train.eval_batch_size % (data_parallel * process_count)):
+  if train.eval_batch_size is not None and train.eval_batch_size % (data_parallel * process_count):
     raise ValueError(f"config.train.eval_batch_size={train.eval_batch_size} is not divisible by the data-parallel "
                      f"size {data_parallel} times the {process_count} processes")
-  if train.accum_steps < 1 or train.batch_size % (train.accum_steps * data_parallel):
+  if train.batch_size % (train.accum_steps * data_parallel):
     raise ValueError(f"config.train.accum_steps={train.accum_steps}: batch_size {train.batch_size} must split "
                      f"into accum_steps micro-batches each divisible by the data-parallel size {data_parallel}")

@@ -1,19 +1,30 @@
 """Metrics out: JSON lines, TensorBoard event files, and a progress bar with tokens/s and MFU.
 
-Only process 0 writes; other processes get a writer that does nothing.
+Only process 0 writes; other processes get a writer that does nothing. In a
+`gs://` workdir (objects cannot be appended to) both are written to a local
+folder and uploaded whole by `flush`, which the trainer calls after every
+checkpoint: what a killed run had not uploaded is logged again on resume.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
+
+from bert_jax import paths
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {
@@ -73,15 +84,23 @@ class PendingMetrics:
 class MetricWriter:
   """Appends {"step": s, **scalars} to metrics.jsonl and writes TensorBoard scalars."""
 
-  def __init__(self, workdir: str | pathlib.Path, enabled: bool = True):
+  # A remote workdir's files are uploaded at least this often (seconds), besides every `flush`.
+  UPLOAD_EVERY = 300.0
+
+  def __init__(self, workdir: str | os.PathLike, enabled: bool = True):
     self.enabled = enabled
     if not enabled:
       return
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
+    self.workdir = paths.as_path(workdir)
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self.remote = paths.is_remote(self.workdir)
+    local = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-metrics-")) if self.remote else pathlib.Path(self.workdir)
+    if self.remote and (self.workdir / "metrics.jsonl").exists():
+      (local / "metrics.jsonl").write_bytes((self.workdir / "metrics.jsonl").read_bytes())
+    self.local, self.uploaded = local, time.monotonic()
+    self.jsonl = open(local / "metrics.jsonl", "a", buffering=1)
     summary_writer = _tensorboard_writer_class()
-    self.tensorboard = summary_writer(str(workdir / "tensorboard")) if summary_writer else None
+    self.tensorboard = summary_writer(str(local / "tensorboard")) if summary_writer else None
 
   def write(self, step: int, scalars: Mapping[str, float], prefix: str = "") -> None:
     if not self.enabled:
@@ -91,12 +110,32 @@ class MetricWriter:
     if self.tensorboard is not None:
       for name, value in named.items():
         self.tensorboard.add_scalar(name, value, step)
+    if self.remote and time.monotonic() - self.uploaded > self.UPLOAD_EVERY:
+      self.flush()
+
+  def flush(self) -> None:
+    """Makes everything written so far durable in the workdir (an upload when it is remote)."""
+    if not self.enabled:
+      return
+    self.jsonl.flush()
+    if self.tensorboard is not None:
+      self.tensorboard.flush()
+    if self.remote:
+      paths.upload(self.local, self.workdir)
+      self.uploaded = time.monotonic()
 
   def close(self) -> None:
-    if self.enabled:
-      self.jsonl.close()
-      if self.tensorboard is not None:
-        self.tensorboard.close()
+    """Closes both files; a storage error here (a full disk) is logged in one line, not raised over the run's own."""
+    if not self.enabled:
+      return
+    closers = [self.jsonl.close] + ([self.tensorboard.close] if self.tensorboard is not None else [])
+    if self.remote:
+      closers += [lambda: paths.upload(self.local, self.workdir), lambda: shutil.rmtree(self.local)]
+    for close in closers:
+      try:
+        close()
+      except OSError as error:
+        log.warning("cannot finish writing the metrics of %s: %s", self.workdir, error)
 
 
 def _tensorboard_writer_class():

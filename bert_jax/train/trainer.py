@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pathlib
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bert_jax import paths
 from bert_jax.data import pipeline
 from bert_jax.data.prepare import open_prepared
 from bert_jax.models import ModelConfig, model_config
@@ -42,18 +45,21 @@ NonFiniteLossError = loop.NonFiniteLossError
 
 
 class _CheckpointHook:
-  """Saves the state and the data iterator's position every `every` steps, after the last, and on preemption."""
+  """Saves the state and the data iterator's position every `every` steps, after the last, and on preemption;
+  the metrics logged so far are made durable with it (a remote workdir's are uploaded then)."""
 
-  def __init__(self, checkpointer, every: int, preemption: loop.Preemption, train_iter, progress):
+  def __init__(self, checkpointer, every: int, preemption: loop.Preemption, train_iter, writer, progress):
     self.checkpointer, self.every, self.preemption = checkpointer, every, preemption
-    self.train_iter, self.progress, self.preempted = train_iter, progress, False
+    self.train_iter, self.writer, self.progress, self.preempted = train_iter, writer, progress, False
 
   def due(self, step: int, last: bool) -> bool:
+    self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
     self.preempted = self.preemption.should_stop(step)  # every process asks after every step
     return self.preempted or bool(self.every and step % self.every == 0) or last
 
   def __call__(self, step: int, state) -> bool:
     self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
+    self.writer.flush()
     if self.preempted:
       _print_line(self.progress, f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     return self.preempted
@@ -69,27 +75,36 @@ def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> Mod
   return model_config(model.family, model.size, **fields)
 
 
-def prepare_data(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> epath.Path:
+def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path) -> epath.Path:
   """Returns the prepared corpus directory; builds the built-in demo corpus on first use."""
   data = config.data
   if data.builtin:
-    from bert_jax.data import builtin_corpus, prepare, tokenizers
-    root = workdir / "builtin_corpus"
-    corpus = root / "corpus.txt"
-    tokenizer_dir = root / "tokenizer"
+    prepared = workdir / "builtin_corpus" / "prepared"
     if jax.process_index() == 0:
-      if not corpus.exists():
-        builtin_corpus.build_builtin_corpus(corpus)
-      if not (tokenizer_dir / "tokenizer.json").exists() and not (tokenizer_dir / "vocab.txt").exists():
-        tokenizers.train_tokenizer("wordpiece", [str(corpus)], data.builtin_vocab_size, tokenizer_dir)
-      prepare.prepare_corpus([str(corpus)], tokenizer_dir, root / "prepared", eval_fraction=data.eval_fraction,
-                             seed=config.seed, log=log.info)
+      if paths.is_remote(workdir):  # The text and vocabulary are built locally; the prepared corpus goes up.
+        with tempfile.TemporaryDirectory(prefix="bert_jax-builtin-") as local:
+          _build_builtin_corpus(config, pathlib.Path(local), prepared)
+      else:
+        _build_builtin_corpus(config, pathlib.Path(workdir) / "builtin_corpus", prepared)
     distributed.sync_global_devices("builtin_corpus")
-    return root / "prepared"
+    return prepared
   if not data.prepared:
     raise ValueError("config.data.prepared is not set: give a directory written by `bert-jax prepare` "
                      "(or set config.data.builtin=True for the built-in corpus)")
-  return epath.Path(data.prepared)  # Keeps gs:// whole (pathlib would collapse it to gs:/).
+  return paths.as_path(data.prepared)
+
+
+def _build_builtin_corpus(config: ml_collections.ConfigDict, root: pathlib.Path, prepared: epath.Path) -> None:
+  from bert_jax.data import builtin_corpus, prepare, tokenizers
+  if paths.is_remote(prepared) and (prepared / prepare.MANIFEST).exists():
+    return
+  corpus, tokenizer_dir = root / "corpus.txt", root / "tokenizer"
+  if not corpus.exists():
+    builtin_corpus.build_builtin_corpus(corpus)
+  if not (tokenizer_dir / "tokenizer.json").exists() and not (tokenizer_dir / "vocab.txt").exists():
+    tokenizers.train_tokenizer("wordpiece", [str(corpus)], config.data.builtin_vocab_size, tokenizer_dir)
+  prepare.prepare_corpus([str(corpus)], tokenizer_dir, prepared, eval_fraction=config.data.eval_fraction,
+                         seed=config.seed, log=log.info)
 
 
 def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
@@ -161,15 +176,15 @@ def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[s
   return results
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
-  """Runs (or resumes) the pre-training experiment `config` in `workdir`.
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
+  """Runs (or resumes) the pre-training experiment `config` in `workdir` (a local folder or `gs://`).
 
   Returns:
     {"step": final step, "train": last logged train metrics, "eval": last eval
     metrics, "history": [train metrics per log step], "preempted": bool}.
   """
   distributed.initialize()
-  workdir = workdir_lib.local_workdir(workdir)
+  workdir = paths.as_path(workdir)
   primary = jax.process_index() == 0
   # One writer a workdir: a second run refuses at once, naming the holder; a killed run's lock does not block.
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None
@@ -180,7 +195,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       lock.release()
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path, primary: bool) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
   data_parallel = sharding_lib.data_parallel_size(mesh)
   validate(config, data_parallel)
@@ -252,7 +267,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path
           f"params={num_params / 1e6:.2f}M\n  global batch={config.train.batch_size} per-host batch="
           f"{config.train.batch_size // jax.process_count()} seq_len={config.data.seq_len} "
           f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} steps={start_step}->"
-          f"{total_steps}\n  workdir={workdir.absolute()}", flush=True)
+          f"{total_steps}\n  workdir={workdir}", flush=True)
 
   history, eval_results, last_train = [], {}, {}
   progress = _progress_bar(primary, start_step, total_steps)
@@ -284,19 +299,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path
       yield sharding_lib.global_batch(next(train_iter), mesh)
 
   with loop.Preemption() as preemption:
-    checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, progress)
+    checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, writer,
+                                  progress)
     try:
       state, step, preempted = loop.run(
           train_step, state, batches(), start_step=start_step, total_steps=total_steps,
           log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
           hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress)
+    except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
+      raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
     finally:
       if progress is not None:
         progress.close()
-      checkpointer.close()
       writer.close()
+      checkpointer.close()
   return {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
-          "workdir": str(workdir.absolute()), "model_config": model_cfg, "num_params": num_params,
+          "workdir": str(workdir), "model_config": model_cfg, "num_params": num_params,
           "prepared_dir": str(prepared_dir)}
 
 

@@ -23,7 +23,6 @@ import datetime
 import json
 import logging
 import os
-import pathlib
 import socket
 import threading
 import time
@@ -31,6 +30,8 @@ import uuid
 from typing import Any, Iterable
 
 from etils import epath
+
+from bert_jax import paths
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,6 @@ class WorkdirBusyError(ValueError):
 
 class ConfigMismatchError(ValueError):
   """The config differs from the one the workdir's checkpoints were trained with."""
-
-
-def local_workdir(workdir: str | os.PathLike) -> pathlib.Path:
-  """The workdir as a local path; a gs:// one is refused by name rather than written to a local folder "gs:"."""
-  text = os.fspath(workdir)
-  if "://" in text or text.startswith("gs:/"):
-    raise ValueError(f"--workdir {text}: training into a Cloud Storage workdir is not supported yet (prepared corpora "
-                     f"on gs:// are); use a local directory or a bucket mounted with gcsfuse")
-  return pathlib.Path(text)
-
-
-def _is_local(path: epath.Path) -> bool:
-  return "://" not in os.fspath(path)
 
 
 def _process_alive(pid: int) -> bool:
@@ -109,7 +97,7 @@ class WorkdirLock:
         raise WorkdirBusyError(_busy_message(workdir, holder))
       log.warning("taking over the lock of %s: %s", workdir, reason)
       _remove(path)
-    if _is_local(path):
+    if not paths.is_remote(path):
       try:
         fd = os.open(os.fspath(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
       except FileExistsError:  # Another run created it between our read and now.
@@ -254,15 +242,5 @@ def drop_rows_after(path: str | os.PathLike, step: int) -> int:
       kept.append(line)
   removed = len(lines) - len(kept)
   if removed:
-    _write_atomic(path, "".join(kept))
+    paths.write_text(path, "".join(kept))
   return removed
-
-
-def _write_atomic(path: epath.Path, text: str) -> None:
-  """Replaces `path`'s contents at once: an object store's write already is; a local file goes through a rename."""
-  if not _is_local(path):
-    path.write_text(text)
-    return
-  temporary = path.parent / (path.name + ".tmp")
-  temporary.write_text(text)
-  temporary.replace(path)
