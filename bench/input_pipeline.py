@@ -19,14 +19,15 @@ real loop (`trainer.train_and_evaluate` on the same config over the prepared
 data, no evaluation) side by side: seq/s of each, their ratio and the host
 cores the loop kept busy. Mini also runs at `--mini-batch` when it differs.
 
-Writes OUT/input_pipeline.md (the tables) and OUT/input_pipeline.json, and
-prints the tables. `--profile FORMAT` also prints where one thread's time goes
+Writes OUT/input_pipeline.md (the tables), OUT/input_pipeline.json and the
+loops' output in OUT/loop.log, and prints the tables. `--profile FORMAT` also prints where one thread's time goes
 per batch (cProfile) for that format.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -306,7 +307,8 @@ def main(argv: list[str]) -> int:
             config = loop_config(size, format_name, masking, batch, args.seq, prepared_dir, loop_workers)
             synthetic = train_step.measure(config, steps=60, warmup=5)
             steps = int(min(4000, max(100, args.loop_seconds * synthetic["seq_per_s"] / batch)))
-            with tempfile.TemporaryDirectory() as workdir:
+            with tempfile.TemporaryDirectory() as workdir, open(out / "loop.log", "a") as log, \
+                contextlib.redirect_stdout(log):  # The trainer's banner and progress bar go to the log.
               row = {"size": size, "format": format_name, "masking": masking, "batch": batch,
                      "seq_per_s": synthetic["seq_per_s"], "mfu": synthetic["mfu"],
                      **time_loop(config, steps, pathlib.Path(workdir))}
