@@ -218,7 +218,8 @@ class _GlobalBatchIterator(grain.DatasetIterator):
       own.append(formats.build_rows(block_rows.corpus, [()] * len(padding), block_rows.config,
                                     block_rows.specials, stream.padding_id_base + np.array(padding),
                                     np.full(len(padding), pieces[-1]["epoch"][-1])))
-    # Always a copy: a batch must not keep a whole block (in a worker's shared memory) alive.
+    if len(own) == 1:  # Rows of one block: views of it, copied only by whoever reads them (the device transfer).
+      return own[0]
     return {k: np.concatenate([piece[k] for piece in own]) for k in own[0]}
 
   def get_state(self) -> dict[str, int]:
