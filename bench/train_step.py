@@ -237,7 +237,7 @@ def measure(config: ml_collections.ConfigDict, *, steps: int = 20, warmup: int =
     iterator = pipeline.pretraining_iterator(
         data_dir, example_format=data.format, seq_len=data.seq_len, batch_size=config.train.batch_size,
         seed=config.seed, short_seq_prob=data.short_seq_prob, random_next_prob=data.random_next_prob,
-        packing=data.packing, max_packs=data.max_packs, prefetch=data.prefetch)
+        packing=data.packing, max_packs=data.max_packs, prefetch=data.prefetch, workers=data.workers)
   vocab_size = vocab_size or config.model.vocab_size or BERT_VOCAB
   mask_id = BERT_MASK_ID if mask_id is None else mask_id
   fields = {k: v for k, v in config.model.items() if k not in ("family", "size", "generator_fraction")

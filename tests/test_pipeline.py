@@ -60,6 +60,27 @@ def test_resume_continues_exactly(prepared_dir, example_format, packing):
     assert_same_batches(take(resumed, 17), reference[13:])
 
 
+def test_worker_processes_give_the_same_batches_and_resume_with_any_count(prepared_dir):
+  """For every format, 2 worker processes yield the batches of none, and a state saved with either resumes with
+  the other (train, and the padded last batch of eval)."""
+  for example_format, packing in [("segment_pair", False), ("sop", False), ("full_sentences", False),
+                                  ("doc_sentences", False), ("single", True)]:
+    settings = dict(example_format=example_format, packing=packing, max_packs=3)
+    with make(prepared_dir, workers=0, **settings) as in_thread:
+      reference = take(in_thread, 24)  # crosses blocks and an epoch boundary
+    with make(prepared_dir, workers=2, **settings) as in_workers:
+      assert_same_batches(take(in_workers, 10), reference[:10])
+      state = in_workers.get_state()
+    with make(prepared_dir, workers=0, **settings) as resumed:
+      resumed.set_state(state)
+      assert_same_batches(take(resumed, 14), reference[10:])
+  with make(prepared_dir, split="eval", batch_size=10, workers=0) as whole, \
+       make(prepared_dir, split="eval", batch_size=5, workers=2, process_index=1, process_count=2) as second_half:
+    reference = list(whole)
+    assert reference[-1]["sentence_weights"][5:, 0].min() == 0  # The padded rows reach the second process.
+    assert_same_batches(list(second_half), [{k: v[5:] for k, v in batch.items()} for batch in reference])
+
+
 def test_processes_split_the_global_batch(prepared_dir):
   with make(prepared_dir, batch_size=8) as single:
     global_batches = take(single, 12)
@@ -132,9 +153,9 @@ def _epoch_plans(prepared_dir, epochs, duplicates=None, block_documents=8):
   corpus = prepare.open_prepared(prepared_dir)
   config = pipeline.formats.FormatConfig("segment_pair", 48)
   blocks = pipeline._EpochBlocks(corpus, corpus.split_documents("train"), block_documents, seed=1, shuffle=True)
-  to_rows = pipeline._BlockToRows(corpus, blocks, config, seed=1, shuffle=True, duplicates=duplicates)
+  to_rows = pipeline._BlockRows(corpus, blocks, config, seed=1, shuffle=True, duplicates=duplicates)
   per_epoch = blocks.blocks_per_epoch
-  return [[plan for block in range(epoch * per_epoch, (epoch + 1) * per_epoch) for plan in to_rows.flat_map(block)]
+  return [[plan for block in range(epoch * per_epoch, (epoch + 1) * per_epoch) for plan in to_rows.plan(block)]
           for epoch in range(epochs)]
 
 

@@ -1,21 +1,26 @@
 """The pretraining input pipeline: prepared shards -> deterministic, host-sharded, resumable batches.
 
-Built on Grain's dataset API (`grain.MapDataset` / `IterDataset`), whose
-iterators checkpoint their position as a small dict:
+Built on Grain's dataset API (`grain.MapDataset` / `IterDataset`):
 
   range(blocks)                    one element per (epoch, block) in order
-    -> flat_map(block -> rows)     plan a block's examples, shuffle, pack
-    -> batch(global batch)         the same global batch on every process
-    -> map(materialise own rows)   each process copies only its rows' tokens
-    -> thread prefetch
+    -> map(block -> its rows)      plan a block's examples, shuffle, pack, build every row's arrays
+    -> worker processes            `workers` processes build blocks i, i+N, ... (Grain's mp_prefetch) and
+                                   hand them back in order, through shared memory
+    -> cut into global batches     the same global batch on every process; each keeps only its rows
+    -> map(place) + thread prefetch  batches ahead, optionally put on the devices by that thread
 
 Each epoch shuffles the split's documents with (seed, epoch) and cuts them
 into blocks of `block_documents` documents. A block's examples are planned
-from sentence lengths alone (cheap, so every process plans every block),
-shuffled within the block and, with packing, packed into rows. The stream of
-rows is therefore one global sequence that does not depend on the number of
-processes: global batch k is rows [kG, (k+1)G), and process p of n takes rows
-[p*G/n, (p+1)*G/n) of it, reading tokens only for those.
+from sentence lengths alone, shuffled within the block and, with packing,
+packed into rows. The stream of rows is therefore one global sequence that
+does not depend on the number of processes or workers: global batch k is rows
+[kG, (k+1)G), and process p of n takes rows [p*G/n, (p+1)*G/n) of it. Every
+process builds whole blocks (its workers do), so the work of a host does not
+shrink with the process count; in return a worker builds a block with a
+handful of numpy calls, and the main process only slices rows.
+
+The iterator's state is the position of the next row in that stream (block,
+row): any number of workers resumes from it.
 
 `example_ids`: a row's id is the number of sentences in the epoch's shuffled
 document order before its block, plus its index within the block. A block
@@ -39,8 +44,9 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from absl import flags
 import grain
 import numpy as np
 from grain import experimental as grain_experimental
@@ -85,18 +91,18 @@ class _EpochBlocks:
     return self._cached
 
 
-class _BlockToRows(grain_experimental.FlatMapTransform):
-  """Flat-map: block number (counted over all epochs) -> the block's row plans."""
+class _BlockRows:
+  """Block number (counted over all epochs) -> the block's rows: their plans (`plan`) or their arrays (call).
 
-  # Required by Grain's interface but only enforced by MapDataset flat-maps;
-  # a block has at most as many rows as sentences.
-  max_fan_out = 1 << 31
+  Picklable: Grain's worker processes each get a copy (the corpus reopens its shards there).
+  """
 
   def __init__(self, corpus: prepare.PreparedCorpus, blocks: _EpochBlocks, config: formats.FormatConfig,
                seed: int, shuffle: bool, duplicates: int | None = None):
     self.corpus = corpus
     self.blocks = blocks
     self.config = config
+    self.specials = corpus.manifest["tokenizer"]["special_ids"]
     self.seed = seed
     self.shuffle = shuffle
     self.duplicates = duplicates
@@ -110,7 +116,8 @@ class _BlockToRows(grain_experimental.FlatMapTransform):
       self._visits = epoch, np.random.default_rng([self.seed, epoch, 2]).permutation(self.blocks.blocks_per_epoch)
     return int(self._visits[1][position])
 
-  def flat_map(self, global_block: int) -> list[_RowPlan]:
+  def _rows(self, global_block: int) -> tuple[list[list[formats.Example]], int, int]:
+    """(the block's rows, the id of its first row, the epoch field of its rows)."""
     epoch, position = divmod(int(global_block), self.blocks.blocks_per_epoch)
     block = self._block(epoch, position)
     if self.duplicates is not None:
@@ -122,31 +129,127 @@ class _BlockToRows(grain_experimental.FlatMapTransform):
                                      self.blocks.documents, self.config, rng)
     if self.shuffle:
       examples = [examples[i] for i in rng.permutation(len(examples))]
-    rows = formats.pack_examples(examples, self.config)
-    first_id = int(sentences_before[block])
+    return formats.pack_examples(examples, self.config), int(sentences_before[block]), epoch
+
+  def plan(self, global_block: int) -> list[_RowPlan]:
+    rows, first_id, epoch = self._rows(global_block)
     return [_RowPlan(tuple(row), first_id + index, epoch) for index, row in enumerate(rows)]
 
+  def __call__(self, global_block: int) -> dict[str, np.ndarray]:
+    rows, first_id, epoch = self._rows(global_block)
+    return formats.build_rows(self.corpus, rows, self.config, self.specials, first_id + np.arange(len(rows)),
+                              np.full(len(rows), epoch))
 
-class _MaterialiseOwnRows:
-  """Map: a global batch of row plans -> this process's numpy batch (padding a short last batch)."""
 
-  def __init__(self, corpus: prepare.PreparedCorpus, config: formats.FormatConfig, specials: dict[str, int],
-               global_batch_size: int, process_index: int, process_count: int, padding_id_base: int):
-    self.corpus = corpus
-    self.config = config
-    self.specials = specials
-    self.global_batch_size = global_batch_size
-    self.local_rows = slice(process_index * global_batch_size // process_count,
-                            (process_index + 1) * global_batch_size // process_count)
-    self.padding_id_base = padding_id_base
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+  """What the global batches are cut from, and how this process takes its rows."""
+  block_rows: _BlockRows
+  num_blocks: int  # Over all epochs.
+  global_batch_size: int
+  local_rows: slice  # This process's rows of a global batch.
+  drop_remainder: bool  # Else a short last batch is padded with empty rows.
+  padding_id_base: int
+  workers: int
 
-  def __call__(self, plans: list[_RowPlan]) -> dict[str, np.ndarray]:
-    positions = range(self.global_batch_size)[self.local_rows]
-    # Positions past the end of a short last (eval) batch become empty padding rows.
-    rows = [plans[p].examples if p < len(plans) else () for p in positions]
-    ids = [plans[p].example_id if p < len(plans) else self.padding_id_base + p for p in positions]
-    epochs = [plans[min(p, len(plans) - 1)].epoch for p in positions]
-    return formats.build_rows(self.corpus, rows, self.config, self.specials, np.array(ids), np.array(epochs))
+
+class _GlobalBatches(grain.IterDataset):
+  """The stream of block rows cut into global batches; yields this process's rows of each."""
+
+  def __init__(self, stream: _Stream):
+    super().__init__()
+    self._stream = stream
+
+  def __iter__(self) -> "_GlobalBatchIterator":
+    return _GlobalBatchIterator(self._stream)
+
+
+class _GlobalBatchIterator(grain.DatasetIterator):
+  """State: {"block", "row"}, the position of the next row of the stream (independent of the worker count)."""
+
+  def __init__(self, stream: _Stream):
+    super().__init__()
+    self._stream = stream
+    self._block, self._row = 0, 0
+    self._blocks = None  # Iterator over the blocks from `_block` on, started at the first `__next__`.
+    self._current: dict[str, np.ndarray] | None = None  # The rows of `_block` once fetched.
+
+  def _start_blocks(self):
+    stream = self._stream
+    blocks = grain.MapDataset.range(self._block, stream.num_blocks).map(stream.block_rows).to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if stream.workers > 0:
+      if not flags.FLAGS.is_parsed():  # Grain's worker processes read its absl flags; ours are left at their defaults.
+        flags.FLAGS.mark_as_parsed()
+      blocks = blocks.mp_prefetch(grain.MultiprocessingOptions(num_workers=stream.workers,
+                                                               per_worker_buffer_size=2))
+    return iter(blocks)
+
+  def _take(self, count: int) -> list[dict[str, np.ndarray]]:
+    """Up to `count` next rows of the stream, as pieces of consecutive rows (fewer at its end)."""
+    pieces = []
+    while count > 0:
+      if self._current is None:
+        if self._block >= self._stream.num_blocks:
+          break
+        if self._blocks is None:
+          self._blocks = self._start_blocks()
+        self._current = next(self._blocks)
+      in_block = len(self._current["example_ids"])
+      end = min(in_block, self._row + count)
+      if end > self._row:
+        pieces.append({k: v[self._row:end] for k, v in self._current.items()})
+        count -= end - self._row
+      self._row = end
+      if self._row == in_block:
+        self._block, self._row, self._current = self._block + 1, 0, None
+    return pieces
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    stream = self._stream
+    pieces = self._take(stream.global_batch_size)
+    real = sum(len(piece["example_ids"]) for piece in pieces)
+    if real == 0 or (stream.drop_remainder and real < stream.global_batch_size):
+      raise StopIteration
+    own = _rows_between(pieces, stream.local_rows.start, min(stream.local_rows.stop, real))
+    padding = range(max(stream.local_rows.start, real), stream.local_rows.stop)
+    if padding:  # Past the end of a short last (eval) batch: empty rows, with the epoch of the last real row.
+      block_rows = stream.block_rows
+      own.append(formats.build_rows(block_rows.corpus, [()] * len(padding), block_rows.config,
+                                    block_rows.specials, stream.padding_id_base + np.array(padding),
+                                    np.full(len(padding), pieces[-1]["epoch"][-1])))
+    if len(own) == 1:  # Rows of one block: views of it, copied only by whoever reads them (the device transfer).
+      return own[0]
+    return {k: np.concatenate([piece[k] for piece in own]) for k in own[0]}
+
+  def get_state(self) -> dict[str, int]:
+    return {"block": self._block, "row": self._row}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self._close_blocks()
+    self._block, self._row, self._current = int(state["block"]), int(state["row"]), None
+
+  def _close_blocks(self) -> None:
+    if self._blocks is not None:
+      self._blocks.close()
+      self._blocks = None
+
+  def close(self) -> None:
+    self._close_blocks()
+    self._current = None
+    super().close()
+
+
+def _rows_between(pieces: list[dict[str, np.ndarray]], start: int, stop: int) -> list[dict[str, np.ndarray]]:
+  """Rows [start, stop) of the pieces laid end to end, as pieces."""
+  out, offset = [], 0
+  for piece in pieces:
+    rows = len(piece["example_ids"])
+    low, high = max(start - offset, 0), min(stop - offset, rows)
+    if low < high:
+      out.append(piece if (low, high) == (0, rows) else {k: v[low:high] for k, v in piece.items()})
+    offset += rows
+  return out
 
 
 class PretrainingIterator:
@@ -168,14 +271,14 @@ class PretrainingIterator:
     self._iterator = iterator
     self._identity = identity
 
-  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+  def __iter__(self) -> Iterator[dict[str, Any]]:
     return self
 
-  def __next__(self) -> dict[str, np.ndarray]:
+  def __next__(self) -> dict[str, Any]:
     return next(self._iterator)
 
   def close(self) -> None:
-    """Stops the prefetch thread."""
+    """Stops the prefetch thread and the worker processes."""
     self._iterator.close()
 
   def __enter__(self) -> "PretrainingIterator":
@@ -186,22 +289,33 @@ class PretrainingIterator:
 
   def get_state(self) -> dict:
     """A JSON-serialisable dict: the position in the stream plus what the stream is."""
-    return {"grain": json.loads(json.dumps(self._iterator.get_state())), "pipeline": self._identity}
+    return {"position": json.loads(json.dumps(self._iterator.get_state())), "pipeline": self._identity}
 
   def set_state(self, state: dict) -> None:
     """Continues from `state` (from `get_state` of an iterator over the same data and settings)."""
     if state["pipeline"] != self._identity:
       raise ValueError(f"iterator state is for another pipeline:\n saved   {state['pipeline']}\n current "
                        f"{self._identity}")
-    self._iterator.set_state(state["grain"])
+    if "position" in state:
+      position = state["position"]
+    else:  # Saved before the workers: Grain's flat-map state names the block being read and the rows taken of it.
+      position = {"block": state["grain"]["parent"]["next_index"], "row": state["grain"]["next_index_in_buffer"]}
+    self._iterator.set_state(position)
+
+
+def default_workers() -> int:
+  """Batch-building processes for this host: half the cores this process may run on, at most 8; none below 4."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+  return min(cores // 2, 8) if cores >= 4 else 0
 
 
 def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train", example_format: str,
                          seq_len: int, batch_size: int, seed: int, short_seq_prob: float = 0.1,
                          random_next_prob: float = 0.5, packing: bool = False, max_packs: int = 8,
                          process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
-                         prefetch: int = 2, block_documents: int = 512,
-                         duplicates: int | None = None) -> PretrainingIterator:
+                         prefetch: int = 2, block_documents: int = 512, duplicates: int | None = None,
+                         workers: int | None = 0,
+                         place: Callable[[dict[str, np.ndarray]], Any] | None = None) -> PretrainingIterator:
   """The pretraining input pipeline over a prepared directory.
 
   Args:
@@ -223,14 +337,24 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
     duplicates: None (new examples every epoch: dynamic masking) or D >= 1
       (static examples: D copies built once, epoch e trains on copy e mod D;
       BERT's static masking with dupe factor D).
+    workers: processes that build blocks (0: build them in the thread that
+      reads the iterator; None: `default_workers()`). The batches do not
+      depend on it.
+    place: applied to each batch in the prefetch thread (such as the
+      transfer to the devices); what it returns is yielded.
 
   Returns:
-    A `PretrainingIterator` of dicts of numpy arrays with `batch_size` rows.
+    A `PretrainingIterator` of dicts of numpy arrays (or what `place` makes of them) with `batch_size` rows.
   """
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
   if duplicates is not None and (isinstance(duplicates, bool) or not isinstance(duplicates, int) or duplicates < 1):
     raise ValueError(f"duplicates must be None or an int >= 1 (masking.dupe_factor), got {duplicates!r}")
+  if workers is None:
+    workers = default_workers()
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    raise ValueError(f"workers must be None (as many as the host's cores suit) or an int >= 0 (data.workers), got "
+                     f"{workers!r}")
   config = formats.FormatConfig(example_format, seq_len, short_seq_prob, random_next_prob, packing, max_packs)
   corpus = prepare.open_prepared(prepared_dir)
   documents = corpus.split_documents(split)
@@ -241,15 +365,15 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
     num_epochs = _FOREVER_EPOCHS if train else 1
   global_batch_size = batch_size * process_count
   blocks = _EpochBlocks(corpus, documents, block_documents, seed, shuffle=train)
-  specials = corpus.manifest["tokenizer"]["special_ids"]
-  split_sentences = int(blocks.sentence_counts.sum())
-
-  dataset = grain.MapDataset.range(blocks.blocks_per_epoch * num_epochs).to_iter_dataset(
-      grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  dataset = grain_experimental.FlatMapIterDataset(dataset, _BlockToRows(corpus, blocks, config, seed, train, duplicates))
-  dataset = dataset.batch(global_batch_size, drop_remainder=train, batch_fn=list)
-  dataset = dataset.map(_MaterialiseOwnRows(corpus, config, specials, global_batch_size, process_index,
-                                            process_count, padding_id_base=split_sentences))
+  stream = _Stream(
+      block_rows=_BlockRows(corpus, blocks, config, seed, train, duplicates),
+      num_blocks=blocks.blocks_per_epoch * num_epochs, global_batch_size=global_batch_size,
+      local_rows=slice(process_index * global_batch_size // process_count,
+                       (process_index + 1) * global_batch_size // process_count),
+      drop_remainder=train, padding_id_base=int(blocks.sentence_counts.sum()), workers=workers)
+  dataset = _GlobalBatches(stream)
+  if place is not None:
+    dataset = dataset.map(place)
   if prefetch > 0:
     dataset = grain_experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)
   identity = {"prepared": corpus.manifest["tokenizer"]["fingerprint"], "totals": corpus.manifest["totals"],

@@ -444,6 +444,13 @@ class PreparedCorpus:
     self._shard_token_starts = np.cumsum([0] + [s["tokens"] for s in manifest["shards"]]).tolist()
     self.eval_documents = np.asarray(self._load_array(EVAL_DOCUMENTS, np.int64))
 
+  def __getstate__(self) -> dict[str, str]:
+    # A pickled copy (in a worker process) opens the shards again: pickling a memory map would copy its data.
+    return {"directory": str(self.directory)}
+
+  def __setstate__(self, state: dict[str, str]) -> None:
+    self.__init__(state["directory"])
+
   def _load_array(self, name: str, dtype) -> np.ndarray:
     """One array of the corpus: memory-mapped when local, read into memory when remote.
 

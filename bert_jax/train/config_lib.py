@@ -199,7 +199,8 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       random_next_prob=0.5,
       packing=False,
       max_packs=8,
-      prefetch=2,
+      prefetch=2,                             # batches built ahead and put on the devices by a background thread
+      workers=config_dict.placeholder(int),   # batch-building processes; None: pipeline.default_workers() (cores)
   ))
   config.optim = ml_collections.ConfigDict(dict(
       name="adamw", lr=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0,

@@ -73,7 +73,8 @@ class PendingMetrics:
   def flush(self, step: int) -> None:
     self._log_step = None
     if self._pending:
-      fetched = [to_python(m) for m in self._pending]
+      # One transfer call for all of them: reading each scalar on its own waits for the device once per value.
+      fetched = [to_python(m) for m in jax.device_get(self._pending)]
       self._pending.clear()
       first = step - len(fetched) + 1  # the steps read are first, ..., step
       nonfinite = next(((first + i, m) for i, m in enumerate(fetched) if m["nonfinite"]), None)

@@ -132,15 +132,17 @@ def _warn_single_sentence_documents(corpus, example_format: str) -> None:
                 corpus.directory, example_format)
 
 
-def _iterator(config, prepared_dir, split: str, batch_rows: int, num_epochs=None):
+def _iterator(config, prepared_dir, split: str, batch_rows: int, mesh, num_epochs=None, workers=None):
+  """The split's batches, already on the mesh's devices (put there by the prefetch thread)."""
   data = config.data
   return pipeline.pretraining_iterator(
       prepared_dir, split=split, example_format=data.format, seq_len=data.seq_len,
       batch_size=batch_rows // jax.process_count(), seed=config.seed, short_seq_prob=data.short_seq_prob,
       random_next_prob=data.random_next_prob, packing=data.packing, max_packs=data.max_packs,
       process_index=jax.process_index(), process_count=jax.process_count(), num_epochs=num_epochs,
-      prefetch=data.prefetch,
-      duplicates=None if config.masking.dynamic else config.masking.dupe_factor)
+      prefetch=data.prefetch, workers=workers,
+      duplicates=None if config.masking.dynamic else config.masking.dupe_factor,
+      place=lambda local: sharding_lib.global_batch(local, mesh))
 
 
 def _environment() -> dict[str, Any]:
@@ -159,11 +161,16 @@ def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[s
   """One pass over (at most eval_batches of) the held-out documents."""
   rows = config.train.eval_batch_size or config.train.batch_size
   sums: dict[str, float] = {}
-  for index, local in enumerate(_iterator(config, prepared_dir, "eval", rows, num_epochs=1)):
-    if config.train.eval_batches and index >= config.train.eval_batches:
-      break
-    for key, value in metrics_lib.to_python(eval_step(params, sharding_lib.global_batch(local, mesh))).items():
-      sums[key] = sums.get(key, 0.0) + value
+  # Without worker processes: a pass is short, and starting them would cost more than they save.
+  with _iterator(config, prepared_dir, "eval", rows, mesh, num_epochs=1, workers=0) as batches:
+    outputs = []
+    for index, batch in enumerate(batches):
+      if config.train.eval_batches and index >= config.train.eval_batches:
+        break
+      outputs.append(eval_step(params, batch))
+  for output in jax.device_get(outputs):
+    for key, value in output.items():
+      sums[key] = sums.get(key, 0.0) + float(value)
   results = {}
   for name in objective.weights:
     count = sums.get(f"{name}_count", 0.0)
@@ -223,7 +230,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.train.keep_checkpoints,
                                              async_save=config.train.async_checkpoint)
-  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size)
+  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size, mesh, workers=config.data.workers)
   had_checkpoints = bool(checkpointer.steps())
   if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
     workdir_lib.check_resume_config(workdir, config.to_dict())
@@ -294,21 +301,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     if primary:
       _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
 
-  def batches():
-    while True:
-      yield sharding_lib.global_batch(next(train_iter), mesh)
-
   with loop.Preemption() as preemption:
     checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, writer,
                                   progress)
     try:
       state, step, preempted = loop.run(
-          train_step, state, batches(), start_step=start_step, total_steps=total_steps,
+          train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
           log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
           hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress)
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
     finally:
+      train_iter.close()
       if progress is not None:
         progress.close()
       writer.close()
