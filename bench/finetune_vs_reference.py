@@ -343,6 +343,33 @@ def write_results(out_dir: pathlib.Path, rows: list[dict], args, failures: list[
   return text
 
 
+def compare(result_files: list[pathlib.Path]) -> str:
+  """Pools the per-seed scores of several result files (one seed value counted once per side and task) and tests
+  whether ours and the reference differ: Welch's t on the means and Mann-Whitney U on the ranks."""
+  from scipy import stats
+
+  pooled: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
+  for path in result_files:
+    for row in json.loads(path.read_text())["rows"]:
+      for side in ("ours", "reference"):
+        for metric, values in (row.get(side) or {}).get("metrics", {}).items():
+          for seed, value in zip(row["seeds"], values):
+            pooled.setdefault((row["task"], metric), {}).setdefault(side, {})[seed] = float(value)
+  lines = ["| task | metric | seeds a side | ours mean ± sd (median) | reference mean ± sd (median) | difference | "
+           "Welch t | p (t) | p (Mann-Whitney) |", "|---|---|---|---|---|---|---|---|---|"]
+  for (task, metric), sides in sorted(pooled.items()):
+    ours, reference = list(sides.get("ours", {}).values()), list(sides.get("reference", {}).values())
+    if len(ours) < 2 or len(reference) < 2:
+      continue
+    welch = stats.ttest_ind(ours, reference, equal_var=False)
+    ranks = stats.mannwhitneyu(ours, reference, alternative="two-sided")
+    describe = lambda v: f"{np.mean(v):.2f} ± {np.std(v, ddof=1):.2f} ({np.median(v):.2f})"  # noqa: E731
+    lines.append(f"| {task} | {metric} | {len(ours)} / {len(reference)} | {describe(ours)} | {describe(reference)} | "
+                 f"{np.mean(ours) - np.mean(reference):+.2f} | {welch.statistic:.2f} | {welch.pvalue:.3f} | "
+                 f"{ranks.pvalue:.3f} |")
+  return "\n".join(lines)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   commands = parser.add_subparsers(dest="command", required=True)
@@ -365,8 +392,12 @@ def main() -> None:
                           help="run ours twice per task; the second run loads its compiled steps from the cache")
   run_parser.add_argument("--scratch", default="/tmp/finetune_bench")
   run_parser.add_argument("--out-dir", help="where the table goes (default: $OUT, else SCRATCH/results)")
+  compare_parser = commands.add_parser("compare", help="pool the seeds of several result JSONs and test the gap")
+  compare_parser.add_argument("results", nargs="+", help="finetune_vs_reference.json files")
   args = parser.parse_args()
-  if args.command == "pack":
+  if args.command == "compare":
+    print(compare([pathlib.Path(path) for path in args.results]))
+  elif args.command == "pack":
     if args.model:
       model_dir = pathlib.Path(args.model)
     else:
