@@ -33,6 +33,7 @@ from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, loop, metrics as metrics_lib, objectives, optim
+from bert_jax.train import progress as progress_lib
 from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class _CheckpointHook:
   def __call__(self, step: int, state) -> bool:
     self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
     if self.preempted:
-      _print_line(self.progress, f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
+      progress_lib.print_line(self.progress, f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     return self.preempted
 
 
@@ -255,7 +256,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path
           f"{total_steps}\n  workdir={workdir.absolute()}", flush=True)
 
   history, eval_results, last_train = [], {}, {}
-  progress = _progress_bar(primary, start_step, total_steps)
+  progress = progress_lib.Progress(total_steps, "pretrain", initial=start_step) if primary else None
 
   def log_train(step: int, averaged: dict[str, float]) -> None:
     nonlocal last_train
@@ -264,7 +265,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path
     history.append({"step": step, **averaged})
     writer.write(step, averaged, prefix="train/")
     if progress is not None:
-      progress.set_postfix(_postfix(averaged), refresh=False)
+      progress.set_postfix(progress_lib.metrics_postfix(averaged))
 
   def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
     good = checkpointer.steps()
@@ -277,7 +278,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path
     eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
     writer.write(step, eval_results, prefix="eval/")
     if primary:
-      _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
+      progress_lib.print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
 
   def batches():
     while True:
@@ -318,31 +319,6 @@ def _match_params(loaded: Any, reference: Any) -> Any:
   if problems:
     raise ValueError("config.train.init_from does not fit this model:\n  " + "\n  ".join(problems))
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _progress_bar(primary: bool, start: int, total: int):
-  if not primary:
-    return None
-  from tqdm import tqdm
-  return tqdm(total=total, initial=start, desc="pretrain", dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
-
-
-def _postfix(metrics: dict[str, float]) -> dict[str, str]:
-  out = {"loss": f"{metrics['loss']:.3f}"}
-  if "mlm_accuracy" in metrics:
-    out["mlm_acc"] = f"{metrics['mlm_accuracy']:.3f}"
-  if "tokens_per_second" in metrics:
-    out["tok/s"] = f"{metrics['tokens_per_second']:.0f}"
-  if "mfu" in metrics:
-    out["mfu"] = f"{100 * metrics['mfu']:.1f}%"
-  return out
-
-
-def _print_line(progress, text: str) -> None:
-  if progress is not None:
-    progress.write(text)
-  else:
-    print(text, flush=True)
 
 
 def main(argv: list[str]) -> int:
