@@ -6,7 +6,7 @@ import io
 import re
 import time
 
-from bert_jax.train import progress as progress_lib
+from bert_jax import progress as progress_lib
 
 
 def test_lines_when_not_a_terminal_with_rate_eta_and_postfix():

@@ -35,16 +35,20 @@ class Progress:
     every_seconds: the interval of the plain lines; 0 prints a line at every update.
     stream: where it writes (stdout by default).
     plain: lines even on a terminal (None: lines exactly when `stream` is not a terminal).
+    clock_after_first: start the clock at the first update (its time was compilation) rather than now; a
+      plain line is printed then, and every `every_seconds` after.
   """
 
   def __init__(self, total: int | None, desc: str, *, initial: int = 0, unit: str = "step", unit_scale: int = 1,
-               every_seconds: float = 30.0, stream: TextIO | None = None, plain: bool | None = None):
+               every_seconds: float = 30.0, stream: TextIO | None = None, plain: bool | None = None,
+               clock_after_first: bool = True):
     self.total, self.desc, self.n, self.unit, self.unit_scale = total, desc, initial, unit, unit_scale
     self.every_seconds = every_seconds
     self.stream = sys.stdout if stream is None else stream
     self.plain = not _is_terminal(self.stream) if plain is None else plain
     self.postfix: dict[str, str] = {}
-    self._started: tuple[float, int] | None = None  # (time, count) at the first update
+    # (time, count) where the rate's clock starts
+    self._started: tuple[float, int] | None = None if clock_after_first else (time.perf_counter(), initial)
     self._last_line = 0.0
     self._bar = None
     if not self.plain:
@@ -94,7 +98,9 @@ class Progress:
       done = self.n - self._started[1]
       if elapsed > 0 and done > 0:
         rate = done / elapsed
-        parts.append(f"{rate * scale:,.{2 if rate * scale < 10 else 1}f} {self.unit}/s")
+        per_second = rate * scale
+        parts.append(f"{per_second:,.{2 if per_second < 10 else 1}f} {self.unit}/s" if per_second >= 1 else
+                     f"{1 / per_second:,.1f} s/{self.unit}")
         parts.append(f"{_clock(elapsed)} elapsed" + (f", {_clock((self.total - self.n) / rate)} left"
                                                       if self.total else ""))
     parts += [f"{key}={value}" for key, value in self.postfix.items()]
