@@ -105,6 +105,7 @@ def test_the_fine_tuning_path_runs_as_written(tmp_path, monkeypatch, capsys, cap
   assert cli.main(shlex.split(finetune)[1:]) == 0
   out = capsys.readouterr().out
   assert "| dev | accuracy |" in out and "seed 3 step 3 (epoch 3): dev accuracy=" in out
+  assert "\r" not in out and re.search(r"^seed 1: 96/96 ex \(100%\), [\d.,]+ ex/s, ", out, flags=re.M), out
   assert "config.max_len=128 exceeds the model's 64 positions" in caplog.text
   assert json.loads((tmp_path / "runs" / "rte" / "results.json").read_text())["seq_len"] <= 64
   assert cli.main(shlex.split(evaluate)[1:]) == 0
@@ -122,3 +123,12 @@ def test_the_fine_tuning_path_runs_as_written(tmp_path, monkeypatch, capsys, cap
 def test_every_readme_finetune_command_names_its_model_and_data():
   for command in readme_commands("bert-jax finetune"):
     assert "--config.init.model=" in command and "--config.data_dir=" in command, command
+
+
+def test_finetune_without_a_model_or_data_names_the_key_to_add(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("BERT_JAX_COMPILATION_CACHE", "none")
+  argv = ["finetune", "--config", str(REPO / "configs/finetune/glue.py:task=rte"), "--workdir", str(tmp_path / "r")]
+  assert cli.main(argv) == 1
+  assert "config.init.model is not set: add --config.init.model=DIR" in capsys.readouterr().err
+  assert cli.main(argv + ["--config.init.model=runs/demo"]) == 1
+  assert "config.data_dir is not set: add --config.data_dir=DIR" in capsys.readouterr().err

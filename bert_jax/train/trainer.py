@@ -141,13 +141,19 @@ def _environment() -> dict[str, Any]:
           "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
-  """One pass over (at most eval_batches of) the held-out documents."""
+def _eval_batches(config, prepared_dir):
+  """The held-out host batches an evaluation reads: one pass, at most config.train.eval_batches of them."""
   rows = config.train.eval_batch_size or config.train.batch_size
-  sums: dict[str, float] = {}
   for index, local in enumerate(_iterator(config, prepared_dir, "eval", rows, num_epochs=1)):
     if config.train.eval_batches and index >= config.train.eval_batches:
-      break
+      return
+    yield local
+
+
+def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
+  """One pass over (at most eval_batches of) the held-out documents."""
+  sums: dict[str, float] = {}
+  for local in _eval_batches(config, prepared_dir):
     for key, value in metrics_lib.to_python(eval_step(params, sharding_lib.global_batch(local, mesh))).items():
       sums[key] = sums.get(key, 0.0) + value
   results = {}
@@ -162,12 +168,33 @@ def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[s
   return results
 
 
+def unigram_baseline(config, prepared_dir, objective) -> tuple[str, float]:
+  """The best frequency guess at the held-out positions `evaluate` masks: always their most frequent answer.
+
+  The guess is chosen with the answers in view, so it bounds every model that knows token frequencies only.
+
+  Returns:
+    (that token, its accuracy).
+  """
+  mask = jax.jit(objective.prepare)  # the same on-device masking, keyed by example, as the eval step
+  counts = np.zeros(objective.model_config.vocab_size, np.float64)
+  for local in _eval_batches(config, prepared_dir):
+    inputs = mask(local)
+    counts += np.bincount(np.asarray(inputs["mlm_ids"]).ravel(), weights=np.asarray(inputs["mlm_weights"]).ravel(),
+                          minlength=len(counts))[:len(counts)]
+  most_frequent = int(np.argmax(counts))
+  tokenizer = open_prepared(prepared_dir).load_tokenizer()
+  return tokenizer.convert_ids_to_tokens([most_frequent])[0], float(counts[most_frequent] / max(counts.sum(), 1.0))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
   """Runs (or resumes) the pre-training experiment `config` in `workdir`.
 
   Returns:
     {"step": final step, "train": last logged train metrics, "eval": last eval
-    metrics, "history": [train metrics per log step], "preempted": bool}.
+    metrics, "history": [train metrics per log step], "preempted": bool, ...};
+    with config.train.report_baseline also "baseline": `unigram_baseline`'s
+    (token, accuracy), and a finished run started again is evaluated once.
   """
   distributed.initialize()
   workdir = workdir_lib.local_workdir(workdir)
@@ -296,9 +323,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: pathlib.Path
         progress.close()
       checkpointer.close()
       writer.close()
-  return {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
-          "workdir": str(workdir.absolute()), "model_config": model_cfg, "num_params": num_params,
-          "prepared_dir": str(prepared_dir)}
+  result = {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
+            "workdir": str(workdir.absolute()), "model_config": model_cfg, "num_params": num_params,
+            "prepared_dir": str(prepared_dir)}
+  if config.train.report_baseline and not preempted:
+    if not eval_results:  # A finished run started again: score it for the report.
+      result["eval"] = eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+    if primary and "mlm_accuracy" in eval_results:
+      result["baseline"] = unigram_baseline(config, prepared_dir, objective)
+  return result
 
 
 def _match_params(loaded: Any, reference: Any) -> Any:
@@ -344,13 +377,7 @@ def _report(config, result) -> None:
   if result["preempted"]:
     print(f"Preempted at step {result['step']}; run the same command again to resume.")
     return
-  if config.train.fill_mask:
-    from bert_jax.analysis import fill_mask
-
-    model_cfg, params, tokenizer = fill_mask.load_run(result["workdir"])
-    texts = list(config.train.fill_mask)
-    print("\nFill-mask predictions:")
-    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
+  workdir = result["workdir"]
   history = result["history"]
   if history:
     first, last = history[0], history[-1]
@@ -359,5 +386,21 @@ def _report(config, result) -> None:
           f"{last.get(f'{term}_loss', float('nan')):.3f} (step {last['step']})")
   if result["eval"]:
     print("Eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result["eval"].items()))
-  workdir = result["workdir"]
+  if "baseline" in result:
+    token, accuracy = result["baseline"]
+    print(f"Held-out masked tokens: the model predicts {100 * result['eval']['mlm_accuracy']:.1f}% right; the best "
+          f"frequency guess, always {token!r} (their most frequent answer), gets {100 * accuracy:.1f}%")
+  if config.train.fill_mask:
+    from bert_jax.analysis import fill_mask
+
+    model_cfg, params, tokenizer = fill_mask.load_run(workdir)
+    texts = list(config.train.fill_mask)
+    print("\nFill-mask predictions:")
+    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
+  if config.train.report_baseline and (pathlib.Path(workdir) / "metrics.jsonl").exists():
+    from bert_jax.train import plot
+
+    written = plot.plot([workdir], pathlib.Path(workdir) / "plots")
+    print(f"\nLoss curve: {next(path for path in written if path.name == 'loss.png')} (the other plots beside it; "
+          f"`bert-jax plot {workdir} OTHER_RUN --out DIR` draws runs together)")
   print(f"Checkpoints: {workdir}/checkpoints\nMetrics: {workdir}/metrics.jsonl (TensorBoard: {workdir}/tensorboard)")
