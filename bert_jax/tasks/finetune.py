@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bert_jax import progress as progress_lib
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task
@@ -62,7 +63,6 @@ from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, loop, metrics as metrics_lib, optim
-from bert_jax import progress as progress_lib
 from bert_jax.train.config_lib import finetune_defaults  # noqa: F401 - the fine-tuning configs import it here
 from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
 
