@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bert_jax import progress as progress_lib
 from bert_jax.data import pipeline
 from bert_jax.data.prepare import open_prepared
 from bert_jax.models import ModelConfig, model_config
@@ -33,7 +34,6 @@ from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, loop, metrics as metrics_lib, objectives, optim
-from bert_jax import progress as progress_lib
 from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
