@@ -5,9 +5,12 @@
 The built-in corpus is the text of the Python standard library's documentation
 (pydoc topics and docstrings), present on every machine offline. The run
 trains a 4k WordPiece vocabulary on it, prepares shards, pre-trains a
-2-layer, 128-wide BERT (BERT-Tiny) for 800 steps of 64 x 64 tokens and ends with fill-mask
-predictions. Run it again with the same workdir and it resumes (or, when
-finished, just re-prints the results).
+2-layer, 128-wide BERT (BERT-Tiny) for 800 steps of 64 x 64 tokens and ends
+with what it learned: its held-out MLM accuracy beside a unigram baseline
+(always the most frequent answer of the same masked positions), the loss
+curve (WORKDIR/plots/loss.png) and fill-mask predictions. Run it again with
+the same workdir and it resumes (or, when finished, just re-prints the
+results).
 """
 
 from bert_jax.train.config_lib import model_section, parse_arg, pretrain_defaults
@@ -33,10 +36,14 @@ def get_config(arg=None):
   config.train.eval_every = 400
   config.train.eval_batches = 8
   config.train.checkpoint_every = 400
+  config.train.report_baseline = True
+  # Answers that 800 steps can learn: a model this small learns the corpus's markup (closing quotes and
+  # brackets, dunder names) before its words, which a unigram guess cannot know.
   config.train.fill_mask = (
-      "The [MASK] statement is used to define a function.",
-      "A list is a mutable [MASK] of items.",
-      "Raise an [MASK] if the file does not exist.",
+      'See the "with[MASK] statement.',
+      "Log 'msg % args[MASK] with the integer severity 'level' on the root logger.",
+      "A __slots_[MASK] declaration saves memory.",
+      "Return list(range(3[MASK]).",
   )
   return config
 

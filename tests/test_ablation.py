@@ -221,7 +221,8 @@ def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
   assert [row["status"] for row in results["rows"]] == ["not run", "not run", "done"]
   assert results["rows"][2]["tasks"]["sst2"]["median"] == 51.5 + 3
   assert ablation.main(["--workdir", str(tmp_path), "--collect"]) == 0
-  assert "1/3 rows done" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "1/3 rows done" in printed and "sweep: 1/1 row (100%), " in printed
   with pytest.raises(ValueError, match="out of range"):
     ablation.run_sweep(tab, tmp_path, data_dirs, indices=[5])
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0,2", "--data-dir", "glue"]) == 2

@@ -188,6 +188,7 @@ def test_cli_trains_a_tokenizer_and_prepares(tmp_path, capsys):
   assert prepare.main(argv) == 0
   printed = capsys.readouterr().out
   assert "using the tokenizer already trained" in printed and "nothing to do" in printed
+  assert f"prepare: {len(DOCUMENTS)} doc, " in printed and "doc/s" in printed  # progress lines, not a bar
   manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
   assert manifest["tokenizer"]["vocab_size"] <= 150
   assert manifest["splits"]["eval"]["documents"] == 2

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -309,7 +310,11 @@ def test_demo_cli_runs(tmp_path):
                         "--config.train.log_every=10"], env=env, cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 0, out.stdout + out.stderr
   assert "Fill-mask predictions" in out.stdout and "MLM loss" in out.stdout
-  assert (tmp_path / "demo" / "metrics.jsonl").exists()
+  baseline = re.search(r"the model predicts ([\d.]+)% right; the best frequency guess, always '(.+)' \(their most "
+                       r"frequent answer\), gets ([\d.]+)%", out.stdout)
+  assert baseline and 0 < float(baseline[3]) < 50, out.stdout
+  assert (tmp_path / "demo" / "metrics.jsonl").exists() and (tmp_path / "demo" / "plots" / "loss.png").exists()
+  assert "\r" not in out.stdout and "pretrain: 20/20 step (100%)" in out.stdout  # lines, not a bar, in a pipe
   fill = subprocess.run([sys.executable, "-m", "bert_jax.cli", "fill-mask", "--model", str(tmp_path / "demo"),
                          "A [MASK] is a sequence."], env=env, cwd=REPO, capture_output=True, text=True)
   assert fill.returncode == 0, fill.stderr

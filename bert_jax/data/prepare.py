@@ -48,6 +48,7 @@ from typing import Iterable, Iterator, Sequence
 from etils import epath
 import numpy as np
 
+from bert_jax import progress as progress_lib
 from bert_jax.data import text as text_lib
 from bert_jax import paths
 from bert_jax.data import tokenizers
@@ -369,15 +370,20 @@ def _prepare_into(out_dir: pathlib.Path, inputs: Sequence[str], tokenizer: token
   chunks = _chunked(documents, chunk_documents)
   writer = _ShardWriter(out_dir, options.shard_tokens)
   num_workers = os.cpu_count() if num_workers is None else num_workers
-  if num_workers <= 1:
-    tokenised = (_tokenise_chunk(chunk, options, tokenizer) for chunk in chunks)
-    _collect(tokenised, writer, report)
-  else:
-    # 'spawn' keeps workers clear of threads (JAX, the tokenizers' thread pool)
-    # that the parent may already run; each worker loads the saved tokenizer.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
-      _collect(pool.imap(functools.partial(_tokenise_chunk, options=options), chunks, chunksize=1), writer, report)
+  progress = progress_lib.Progress(None, "prepare", unit="doc", clock_after_first=False)
+  try:
+    if num_workers <= 1:
+      tokenised = (_tokenise_chunk(chunk, options, tokenizer) for chunk in chunks)
+      _collect(tokenised, writer, report, progress)
+    else:
+      # 'spawn' keeps workers clear of threads (JAX, the tokenizers' thread pool)
+      # that the parent may already run; each worker loads the saved tokenizer.
+      context = multiprocessing.get_context("spawn")
+      with context.Pool(num_workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+        _collect(pool.imap(functools.partial(_tokenise_chunk, options=options), chunks, chunksize=1), writer, report,
+                 progress)
+  finally:
+    progress.close()
   writer.flush()
   seconds = time.perf_counter() - started
 
@@ -403,11 +409,16 @@ def _prepare_into(out_dir: pathlib.Path, inputs: Sequence[str], tokenizer: token
   return manifest, report
 
 
-def _collect(tokenised: Iterable[_TokenisedChunk], writer: _ShardWriter, report: text_lib.InputReport) -> None:
+def _collect(tokenised: Iterable[_TokenisedChunk], writer: _ShardWriter, report: text_lib.InputReport,
+             progress: progress_lib.Progress) -> None:
+  tokens = 0
   for chunk in tokenised:
     report.merge(chunk.report)
     if len(chunk.document_sentence_counts):
       writer.add(chunk)
+    tokens += len(chunk.tokens)
+    progress.set_postfix({"tokens": f"{tokens:,}"})
+    progress.update(len(chunk.document_sentence_counts))
 
 
 class PreparedCorpus:

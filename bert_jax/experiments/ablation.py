@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 from etils import epath
 
 from bert_jax import paths
+from bert_jax import progress as progress_lib
 from bert_jax.experiments import suite as suite_lib
 from bert_jax.train import config_lib
 
@@ -348,18 +349,22 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   if bad:
     raise ValueError(f"row indices {bad} out of range: the sweep has {len(table.rows)} rows (0..{len(table.rows) - 1})")
   _write_sweep_file(table, workdir, data_dirs)
+  # Rows take minutes to hours and each shows its own bar: the sweep reports in lines, one per finished row.
+  progress = progress_lib.Progress(len(indices), "sweep", unit="row", every_seconds=0, plain=True,
+                                   clock_after_first=False)
   if parallel <= 1:
     for index in indices:
       status = run_row(table, index, workdir, data_dirs, finetune)
       print(f"row {index} ({table.rows[index].name}): {status['status']}"
             + (f" in {status['phase']}: {status['error']}" if status["status"] == "failed" else ""), flush=True)
+      progress.update()
   else:
-    _run_subprocesses(table, workdir, indices, parallel, child_args)
+    _run_subprocesses(table, workdir, indices, parallel, child_args, progress)
   return collect(workdir)
 
 
 def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,
-                      child_args: Sequence[str]) -> None:
+                      child_args: Sequence[str], progress: progress_lib.Progress) -> None:
   """One subprocess per row, at most `parallel` at once, each on its own accelerator. A row's output goes to
   rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits)."""
   logs = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-sweep-")) if paths.is_remote(workdir) else None
@@ -384,6 +389,7 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
       if logs:
         paths.upload(logs / f"{table.rows[index].slug}.txt", workdir / "rows" / table.rows[index].slug / "log.txt")
       print(f"row {index} ({table.rows[index].name}) exited with status {process.returncode}", flush=True)
+      progress.update()
 
 
 def collect(workdir: str | epath.Path) -> dict[str, Any]:

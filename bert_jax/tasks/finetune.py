@@ -51,6 +51,7 @@ import ml_collections
 import numpy as np
 
 from bert_jax import paths
+from bert_jax import progress as progress_lib
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task
@@ -109,19 +110,27 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   if not 0.0 < config.optim.layerwise_lr_decay <= 1.0:
     raise ValueError(f"config.optim.layerwise_lr_decay={config.optim.layerwise_lr_decay} must be in (0, 1]")
   if not config.init.model:
-    raise ValueError("config.init.model is not set: give a Hugging Face or converted model directory, a "
-                     "pre-training workdir or a fine-tuning workdir")
+    raise ValueError("config.init.model is not set: add --config.init.model=DIR, a pre-training workdir (the "
+                     "demo's runs/demo), a fine-tuning workdir, or a Hugging Face or converted model directory")
   if not config.data_dir:
-    raise ValueError("config.data_dir is not set: give the directory the task's files are in")
+    raise ValueError("config.data_dir is not set: add --config.data_dir=DIR, the folder with the task's files "
+                     "(for GLUE the folder holding RTE/, SST-2/, ...), or --config.data_dir=tfds for TensorFlow "
+                     "Datasets")
 
 
-def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict, max_len: int) -> ModelConfig:
+def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict) -> ModelConfig:
   """The initial model's config with the fine-tuning overrides (dtype, dropouts...) applied."""
-  config = initial.replace(**{name: overrides[name] for name in MODEL_OVERRIDES if overrides[name] is not None})
-  if max_len > config.max_position_embeddings:
-    raise ValueError(f"config.max_len={max_len} exceeds the model's max_position_embeddings="
-                     f"{config.max_position_embeddings}")
-  return config
+  return initial.replace(**{name: overrides[name] for name in MODEL_OVERRIDES if overrides[name] is not None})
+
+
+def fitted_max_len(max_len: int, model_config: ModelConfig) -> int:
+  """config.max_len, cut to the positions the model has (a small pre-trained model has fewer than 128)."""
+  positions = model_config.max_position_embeddings - model_config.position_offset
+  if max_len <= positions:
+    return max_len
+  log.warning("config.max_len=%d exceeds the model's %d positions: inputs are cut to %d tokens "
+              "(set --config.max_len to choose a shorter length)", max_len, positions, positions)
+  return positions
 
 
 def _token_axis(kind: str) -> int:
@@ -252,6 +261,7 @@ class _Run:
   task: Task
   workdir: epath.Path
   objective: FinetuneObjective
+  model_config: ModelConfig
   partitioning: Partitioning
   tx: Any
   schedule: Any
@@ -359,7 +369,9 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
       selected = record
       if checkpointer is not None:
         checkpointer.save(step, {"params": state.params}, {}, {"step": step, "seed": seed}, force=True)
-    log.info("seed %d step %d: %s", seed, step, json.dumps(metrics))
+    if primary:
+      progress_lib.print_line(progress, f"seed {seed} step {step} (epoch {record['epoch']:g}): " + "; ".join(
+          f"{split} " + ", ".join(f"{k}={v:.2f}" for k, v in values.items()) for split, values in metrics.items()))
     eval_seconds += time.perf_counter() - started
     clock[0] = time.perf_counter()
     patience = config.train.early_stopping_patience
@@ -374,11 +386,27 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   # "epoch": after every epoch's last step; "end": after the last step only; N: every N steps and the last.
   evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
                            evaluate)
+  seq_len = run.train_features["input_ids"].shape[-1]
+  throughput = metrics_lib.Throughput(run.train_batches.batch_size * seq_len * max(task.num_choices, 1),
+                                      run.model_config.flops_per_token(seq_len, 0.0), run.partitioning.mesh.size)
+  # The bar counts examples: a step is one global batch (the last batch of an epoch counts whole).
+  progress = (progress_lib.Progress(total_steps, f"seed {seed}", unit="ex", unit_scale=run.train_batches.batch_size)
+              if primary else None)
+
+  def log_train(step: int, averaged: dict[str, float]) -> None:
+    averaged.update(throughput.update(step))
+    writer.write(step, averaged, prefix="train/")
+    if progress is not None:
+      progress.set_postfix(progress_lib.metrics_postfix(averaged))
+
   clock = [time.perf_counter()]
-  _, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
-                              log_every=config.train.log_every,
-                              on_log=lambda step, averaged: writer.write(step, averaged, prefix="train/"),
-                              nonfinite_message=nonfinite_message, hooks=(evaluations,))
+  try:
+    _, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
+                                log_every=config.train.log_every, on_log=log_train,
+                                nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress)
+  finally:
+    if progress is not None:
+      progress.close()
   stopped_early = stopped and step < total_steps
   if checkpointer is not None:
     checkpointer.close()
@@ -462,18 +490,19 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   started = time.perf_counter()
   initial = load_initial_model(config.init.model)
   timings = {"load initial model": time.perf_counter() - started}
-  model_config = model_config_for(initial.config, config.model, config.max_len)
+  model_config = model_config_for(initial.config, config.model)
+  max_len = fitted_max_len(config.max_len, model_config)
   tokenizer = task_tokenizer(initial.tokenizer)
 
   started = time.perf_counter()
   train_examples = load_split(task, config.data_dir, "train")
-  train_features = _featurize(task, train_examples, tokenizer, config.max_len, "train")
+  train_features = _featurize(task, train_examples, tokenizer, max_len, "train")
   eval_examples = {split: load_split(task, config.data_dir, split) for split in task.eval_splits}
-  eval_features = {split: _featurize(task, examples, tokenizer, config.max_len, split)
+  eval_features = {split: _featurize(task, examples, tokenizer, max_len, split)
                    for split, examples in eval_examples.items()}
-  seq_len = padded_length([train_features, *eval_features.values()], config.max_len)
-  train_features = trim_features(train_features, task.kind, config.max_len, seq_len)
-  eval_sets = [EvalSet(split, eval_examples[split], trim_features(eval_features[split], task.kind, config.max_len,
+  seq_len = padded_length([train_features, *eval_features.values()], max_len)
+  train_features = trim_features(train_features, task.kind, max_len, seq_len)
+  eval_sets = [EvalSet(split, eval_examples[split], trim_features(eval_features[split], task.kind, max_len,
                                                                   seq_len)) for split in task.eval_splits]
   timings["read and featurise"] = time.perf_counter() - started
 
@@ -490,7 +519,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
   tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(feature.layers))
   fields = device_fields(task.kind)
-  run = _Run(config=config, task=task, workdir=workdir, objective=objective, partitioning=partitioning, tx=tx,
+  run = _Run(config=config, task=task, workdir=workdir, objective=objective, model_config=model_config,
+             partitioning=partitioning, tx=tx,
              schedule=schedule, train_features=train_features, eval_sets=eval_sets,
              train_batches=BatchMaker(fields, batch_size, mesh),
              eval_batches=BatchMaker(fields, config.train.eval_batch_size, mesh), dummy_batch=dummy,
@@ -568,12 +598,13 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
                                 num_choices=task.num_choices)
   data_dir = data_dir or config.data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
+  max_len = fitted_max_len(config.max_len, model_config)
   eval_sets = []
   for name in splits:
     examples = load_split(task, data_dir, name)
-    features = _featurize(task, examples, tokenizer, config.max_len, name)
-    seq_len = max(run_info["seq_len"], padded_length([features], config.max_len))
-    eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, config.max_len, seq_len)))
+    features = _featurize(task, examples, tokenizer, max_len, name)
+    seq_len = max(run_info["seq_len"], padded_length([features], max_len))
+    eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, max_len, seq_len)))
   make_batch = BatchMaker(device_fields(task.kind), config.train.eval_batch_size, mesh)
   outcome: dict[int, dict[str, Any]] = {}
   predict_step = None

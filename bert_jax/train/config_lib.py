@@ -209,6 +209,7 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       batch_size=256, steps=1_000_000, accum_steps=1, log_every=100, eval_every=10_000, eval_batches=20,
       eval_batch_size=config_dict.placeholder(int), checkpoint_every=10_000, keep_checkpoints=3,
       async_checkpoint=True, init_from=config_dict.placeholder(str), fill_mask=(),
+      report_baseline=False,                  # at the end: held-out MLM accuracy beside a unigram baseline, loss PNG
       log_param_norms=False,                  # also param_norm and update_norm (they slow the update, see step.py)
       restart_if_unreadable=False))           # every checkpoint unreadable: start again from step 0 instead of stopping
   config.loss = ml_collections.ConfigDict(dict(sentence_weight=1.0, sbo_weight=1.0, rtd_weight=50.0,

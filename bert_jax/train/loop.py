@@ -61,7 +61,7 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
     log_every: log the mean metrics of every `log_every` steps through `on_log(step, averaged)`.
     nonfinite_message: `(step, its metrics) -> text` of the `NonFiniteLossError` raised at a non-finite step.
     hooks: run in order after each step where due; one returning True stops the loop after that step.
-    progress: a tqdm-like bar (`update(1)`), or None.
+    progress: a `progress.Progress` (or tqdm-like bar), updated once a step, or None.
 
   Returns:
     (state, the last step taken, whether a hook stopped the loop).

@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 
 from bert_jax import paths
+from bert_jax import progress as progress_lib
 from bert_jax.data import pipeline
 from bert_jax.data.prepare import open_prepared
 from bert_jax.models import ModelConfig, model_config
@@ -61,7 +62,8 @@ class _CheckpointHook:
     self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
     self.writer.flush()
     if self.preempted:
-      _print_line(self.progress, f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
+      progress_lib.print_line(self.progress,
+                              f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     return self.preempted
 
 
@@ -157,18 +159,22 @@ def _environment() -> dict[str, Any]:
           "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
-  """One pass over (at most eval_batches of) the held-out documents."""
+def _eval_batches(config, prepared_dir, mesh):
+  """The held-out batches an evaluation reads (on the mesh's devices): one pass, at most config.train.eval_batches."""
   rows = config.train.eval_batch_size or config.train.batch_size
-  sums: dict[str, float] = {}
   # Without worker processes: a pass is short, and starting them would cost more than they save.
   with _iterator(config, prepared_dir, "eval", rows, mesh, num_epochs=1, workers=0) as batches:
-    outputs = []
     for index, batch in enumerate(batches):
       if config.train.eval_batches and index >= config.train.eval_batches:
-        break
-      outputs.append(eval_step(params, batch))
-  for output in jax.device_get(outputs):
+        return
+      yield batch
+
+
+def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[str, float]:
+  """One pass over (at most eval_batches of) the held-out documents."""
+  sums: dict[str, float] = {}
+  outputs = [eval_step(params, batch) for batch in _eval_batches(config, prepared_dir, mesh)]
+  for output in jax.device_get(outputs):  # One read of every batch's sums.
     for key, value in output.items():
       sums[key] = sums.get(key, 0.0) + float(value)
   results = {}
@@ -183,12 +189,33 @@ def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[s
   return results
 
 
+def unigram_baseline(config, prepared_dir, mesh, objective) -> tuple[str, float]:
+  """The best frequency guess at the held-out positions `evaluate` masks: always their most frequent answer.
+
+  The guess is chosen with the answers in view, so it bounds every model that knows token frequencies only.
+
+  Returns:
+    (that token, its accuracy).
+  """
+  mask = jax.jit(objective.prepare)  # the same on-device masking, keyed by example, as the eval step
+  counts = np.zeros(objective.model_config.vocab_size, np.float64)
+  for batch in _eval_batches(config, prepared_dir, mesh):
+    inputs = mask(batch)
+    counts += np.bincount(np.asarray(inputs["mlm_ids"]).ravel(), weights=np.asarray(inputs["mlm_weights"]).ravel(),
+                          minlength=len(counts))[:len(counts)]
+  most_frequent = int(np.argmax(counts))
+  tokenizer = open_prepared(prepared_dir).load_tokenizer()
+  return tokenizer.convert_ids_to_tokens([most_frequent])[0], float(counts[most_frequent] / max(counts.sum(), 1.0))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
   """Runs (or resumes) the pre-training experiment `config` in `workdir` (a local folder or `gs://`).
 
   Returns:
     {"step": final step, "train": last logged train metrics, "eval": last eval
-    metrics, "history": [train metrics per log step], "preempted": bool}.
+    metrics, "history": [train metrics per log step], "preempted": bool, ...};
+    with config.train.report_baseline also "baseline": `unigram_baseline`'s
+    (token, accuracy), and a finished run started again is evaluated once.
   """
   distributed.initialize()
   workdir = paths.as_path(workdir)
@@ -277,7 +304,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
           f"{total_steps}\n  workdir={workdir}", flush=True)
 
   history, eval_results, last_train = [], {}, {}
-  progress = _progress_bar(primary, start_step, total_steps)
+  progress = progress_lib.Progress(total_steps, "pretrain", initial=start_step) if primary else None
 
   def log_train(step: int, averaged: dict[str, float]) -> None:
     nonlocal last_train
@@ -286,7 +313,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     history.append({"step": step, **averaged})
     writer.write(step, averaged, prefix="train/")
     if progress is not None:
-      progress.set_postfix(_postfix(averaged), refresh=False)
+      progress.set_postfix(progress_lib.metrics_postfix(averaged))
 
   def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
     good = checkpointer.steps()
@@ -299,7 +326,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
     writer.write(step, eval_results, prefix="eval/")
     if primary:
-      _print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
+      progress_lib.print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
 
   with loop.Preemption() as preemption:
     checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, writer,
@@ -317,9 +344,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
         progress.close()
       writer.close()
       checkpointer.close()
-  return {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
-          "workdir": str(workdir), "model_config": model_cfg, "num_params": num_params,
-          "prepared_dir": str(prepared_dir)}
+  result = {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
+            "workdir": str(workdir), "model_config": model_cfg, "num_params": num_params,
+            "prepared_dir": str(prepared_dir)}
+  if config.train.report_baseline and not preempted:
+    if not eval_results:  # A finished run started again: score it for the report.
+      result["eval"] = eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+    if jax.process_count() == 1 and "mlm_accuracy" in eval_results:  # Reads the batches' answers on this host.
+      result["baseline"] = unigram_baseline(config, prepared_dir, mesh, objective)
+  return result
 
 
 def _match_params(loaded: Any, reference: Any) -> Any:
@@ -340,31 +373,6 @@ def _match_params(loaded: Any, reference: Any) -> Any:
   if problems:
     raise ValueError("config.train.init_from does not fit this model:\n  " + "\n  ".join(problems))
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _progress_bar(primary: bool, start: int, total: int):
-  if not primary:
-    return None
-  from tqdm import tqdm
-  return tqdm(total=total, initial=start, desc="pretrain", dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
-
-
-def _postfix(metrics: dict[str, float]) -> dict[str, str]:
-  out = {"loss": f"{metrics['loss']:.3f}"}
-  if "mlm_accuracy" in metrics:
-    out["mlm_acc"] = f"{metrics['mlm_accuracy']:.3f}"
-  if "tokens_per_second" in metrics:
-    out["tok/s"] = f"{metrics['tokens_per_second']:.0f}"
-  if "mfu" in metrics:
-    out["mfu"] = f"{100 * metrics['mfu']:.1f}%"
-  return out
-
-
-def _print_line(progress, text: str) -> None:
-  if progress is not None:
-    progress.write(text)
-  else:
-    print(text, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -390,13 +398,7 @@ def _report(config, result) -> None:
   if result["preempted"]:
     print(f"Preempted at step {result['step']}; run the same command again to resume.")
     return
-  if config.train.fill_mask:
-    from bert_jax.analysis import fill_mask
-
-    model_cfg, params, tokenizer = fill_mask.load_run(result["workdir"])
-    texts = list(config.train.fill_mask)
-    print("\nFill-mask predictions:")
-    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
+  workdir = result["workdir"]
   history = result["history"]
   if history:
     first, last = history[0], history[-1]
@@ -405,5 +407,22 @@ def _report(config, result) -> None:
           f"{last.get(f'{term}_loss', float('nan')):.3f} (step {last['step']})")
   if result["eval"]:
     print("Eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result["eval"].items()))
-  workdir = result["workdir"]
+  if "baseline" in result:
+    token, accuracy = result["baseline"]
+    print(f"Held-out masked tokens: the model predicts {100 * result['eval']['mlm_accuracy']:.1f}% right; the best "
+          f"frequency guess, always {token!r} (their most frequent answer), gets {100 * accuracy:.1f}%")
+  if config.train.fill_mask:
+    from bert_jax.analysis import fill_mask
+
+    model_cfg, params, tokenizer = fill_mask.load_run(workdir)
+    texts = list(config.train.fill_mask)
+    print("\nFill-mask predictions:")
+    print(fill_mask.format_predictions(texts, fill_mask.fill_mask(model_cfg, params, tokenizer, texts)))
+  local = not paths.is_remote(workdir)
+  if config.train.report_baseline and local and (pathlib.Path(workdir) / "metrics.jsonl").exists():
+    from bert_jax.train import plot
+
+    written = plot.plot([workdir], pathlib.Path(workdir) / "plots")
+    print(f"\nLoss curve: {next(path for path in written if path.name == 'loss.png')} (the other plots beside it; "
+          f"`bert-jax plot {workdir} OTHER_RUN --out DIR` draws runs together)")
   print(f"Checkpoints: {workdir}/checkpoints\nMetrics: {workdir}/metrics.jsonl (TensorBoard: {workdir}/tensorboard)")

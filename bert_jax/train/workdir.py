@@ -40,7 +40,8 @@ LOCK_FILE = "workdir.lock"
 # checkpoint cadence, the mesh it runs on); any other key must match the checkpoints' config.
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints",
-                    "train.async_checkpoint", "train.fill_mask", "train.log_param_norms", "train.restart_if_unreadable",
+                    "train.async_checkpoint", "train.fill_mask", "train.report_baseline", "train.log_param_norms",
+                    "train.restart_if_unreadable",
                     "mesh.")
 
 
