@@ -104,15 +104,20 @@ def _losses_by_step(workdir):
   return losses
 
 
+def _tiny_config_file(tmp_path, prepared, steps: int) -> pathlib.Path:
+  """A config file giving `tiny_config(prepared, steps=steps)`, for a test that runs the CLI in a process."""
+  path = tmp_path / "tiny.py"
+  path.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
+                  "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
+                  % (str(REPO / "tests"), str(prepared), steps))
+  return path
+
+
 def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
   """A run stopped by SIGTERM mid-way and started again gives the uninterrupted run's losses."""
   steps = 30
   overrides = [f"--config.train.{k}={v}" for k, v in dict(log_every=1, checkpoint_every=1000, eval_every=0).items()]
-  config_file = tmp_path / "tiny.py"
-  config_file.write_text(
-      "import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
-      "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
-      % (str(REPO / "tests"), str(prepared), steps))
+  config_file = _tiny_config_file(tmp_path, prepared, steps)
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file)] + overrides
   # The CLI's compilation cache, as users have it: the interrupted and the resumed runs load the straight run's
   # compiled steps.
@@ -467,11 +472,7 @@ def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, g
   from etils import epath
   steps = 12
   overrides = [f"--config.train.{k}={v}" for k, v in dict(log_every=1, checkpoint_every=4, eval_every=0).items()]
-  config_file = tmp_path / "tiny.py"
-  config_file.write_text(
-      "import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
-      "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
-      % (str(REPO / "tests"), str(prepared), steps))
+  config_file = _tiny_config_file(tmp_path, prepared, steps)
   workdir = f"{gcs_bucket}/runs/tiny"
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file), "--workdir", workdir,
              *overrides]
@@ -507,11 +508,7 @@ def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_l
   and that checkpoint still restores."""
   import resource
   steps = 400
-  config_file = tmp_path / "tiny.py"
-  config_file.write_text(
-      "import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
-      "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
-      % (str(REPO / "tests"), str(prepared), steps))
+  config_file = _tiny_config_file(tmp_path, prepared, steps)
   workdir = tmp_path / "run"
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file), "--workdir",
              str(workdir), "--config.train.checkpoint_every=5", "--config.train.eval_every=0",
