@@ -81,6 +81,36 @@ def test_segment_pairs_follow_bert(corpus):
   assert np.mean(full >= 60) > 0.5  # most fill the target of L-3 tokens + 3 specials
 
 
+def sentence_of(corpus, token_range):
+  """Global sentence of a token range, checking that the range stays inside it."""
+  start, end = token_range
+  sentence = int(np.searchsorted(corpus.sentence_starts, start, side="right") - 1)
+  assert end <= corpus.sentence_starts[sentence + 1], f"range {token_range} leaves sentence {sentence}"
+  return sentence
+
+
+def test_sentence_pairs_hold_one_natural_sentence_a_segment(corpus):
+  """RoBERTa SENTENCE-PAIR: A is a sentence, B the next one (label 0) or another document's sentence (label 1)."""
+  examples = plan(corpus, formats.FormatConfig("sentence_pair", seq_len=64, random_next_prob=0.5))
+  labels = np.array([e.label for e in examples])
+  whole = 0
+  for example in examples:
+    assert example.length <= 64
+    (a,), (b,) = example.segment_a, example.segment_b
+    sentence_a, sentence_b = sentence_of(corpus, a), sentence_of(corpus, b)
+    whole += a == (corpus.sentence_starts[sentence_a], corpus.sentence_starts[sentence_a + 1])
+    if example.label == 0:
+      assert sentence_b == sentence_a + 1 and document_of(corpus, a) == document_of(corpus, b)
+    else:
+      assert document_of(corpus, a) != document_of(corpus, b)
+  assert whole > 0.9 * len(examples)  # only a pair longer than L-3 tokens is cut
+  # Random B with probability 1/2, plus a document's last sentence, which must take one.
+  bound = 4 * np.sqrt(0.25 / len(labels))
+  assert 0.5 - bound < labels.mean() < 0.5 + bound + 0.15, labels.mean()
+  segment_pairs = plan(corpus, formats.FormatConfig("segment_pair", seq_len=64, short_seq_prob=0.0))
+  assert np.mean([e.length for e in examples]) < 0.6 * np.mean([e.length for e in segment_pairs])
+
+
 def test_short_seq_prob_draws_short_targets(corpus):
   long_examples = plan(corpus, formats.FormatConfig("segment_pair", seq_len=64, short_seq_prob=0.0))
   short_examples = plan(corpus, formats.FormatConfig("segment_pair", seq_len=64, short_seq_prob=1.0))

@@ -46,7 +46,7 @@ def assert_same_batches(first, second):
 
 
 @pytest.mark.parametrize("example_format,packing", [("segment_pair", False), ("sop", True),
-                                                    ("full_sentences", False)])
+                                                    ("full_sentences", False), ("sentence_pair", True)])
 def test_resume_continues_exactly(prepared_dir, example_format, packing):
   settings = dict(example_format=example_format, packing=packing, max_packs=3)
   with make(prepared_dir, **settings) as uninterrupted:

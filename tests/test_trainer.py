@@ -288,7 +288,7 @@ def test_config_errors_name_the_key(prepared, tmp_path):
   config = tiny_config(prepared, "mlm+nsp")
   config.unlock()
   config.data.format = "full_sentences"
-  with pytest.raises(ValueError, match="needs config.data.format='segment_pair'"):
+  with pytest.raises(ValueError, match="needs config.data.format='segment_pair' or 'sentence_pair'"):
     trainer.train_and_evaluate(config, tmp_path / "c")
 
 

@@ -20,6 +20,13 @@ Formats (`EXAMPLE_FORMATS`), with L the sequence length:
                   sentences are put back. The pair is cut to L-3 tokens by
                   trimming the longer segment, from a random end each time.
                   label 0 = B follows A, 1 = B is random.
+  sentence_pair   RoBERTa's SENTENCE-PAIR: one natural sentence a segment. A is
+                  each sentence in turn; B is the sentence after it (label 0,
+                  both consumed) or, with probability `random_next_prob` and
+                  always for a document's last sentence, a sentence of a random
+                  other document (label 1, only A consumed). Cut to L-3 tokens
+                  as segment_pair. Rows are short: RoBERTa raised the batch size
+                  to keep the tokens a batch about the same.
   sop             ALBERT's sentence-order examples: the same chunks, B always
                   the true continuation, A and B swapped with probability 1/2
                   (label 1 = swapped). A one-sentence chunk is split inside the
@@ -52,8 +59,8 @@ import numpy as np
 
 from bert_jax.data import prepare
 
-EXAMPLE_FORMATS = ("segment_pair", "sop", "full_sentences", "doc_sentences", "single")
-PAIR_FORMATS = ("segment_pair", "sop")
+EXAMPLE_FORMATS = ("segment_pair", "sentence_pair", "sop", "full_sentences", "doc_sentences", "single")
+PAIR_FORMATS = ("segment_pair", "sentence_pair", "sop")
 _RANDOM_DOCUMENT_TRIES = 10
 
 
@@ -85,7 +92,7 @@ class FormatConfig:
     example_format: one of EXAMPLE_FORMATS.
     seq_len: row length L, specials included.
     short_seq_prob: probability of a short target length (segment_pair, sop, single).
-    random_next_prob: probability that B is random (segment_pair).
+    random_next_prob: probability that B is random (segment_pair, sentence_pair).
     packing: pack several examples per row.
     max_packs: most examples in one packed row (P); 1 when packing is off.
   """
@@ -199,6 +206,28 @@ class _Planner:
         examples.append(Example((segment_a,), (segment_b,), label))
     return examples
 
+  def sentence_pairs(self, document: int) -> list[Example]:
+    """RoBERTa SENTENCE-PAIR: (a sentence, the next one or a random other document's sentence) pairs."""
+    max_tokens = self.config.seq_len - 3
+    first, stop = int(self.document_starts[document]), int(self.document_starts[document + 1])
+    examples = []
+    sentence = first
+    while sentence < stop:
+      segment_a = self.tokens(sentence, sentence + 1)
+      if sentence + 1 < stop and self.rng.random() >= self.config.random_next_prob:
+        segment_b, label = self.tokens(sentence + 1, sentence + 2), 0
+        sentence += 2
+      else:
+        other = self.random_other_document(document)
+        other_first, other_stop = int(self.document_starts[other]), int(self.document_starts[other + 1])
+        b_sentence = other_first + int(self.rng.integers(other_stop - other_first))
+        segment_b, label = self.tokens(b_sentence, b_sentence + 1), 1
+        sentence += 1
+      if segment_a[1] > segment_a[0] and segment_b[1] > segment_b[0]:
+        segment_a, segment_b = self.truncate_pair(segment_a, segment_b, max_tokens)
+        examples.append(Example((segment_a,), (segment_b,), label))
+    return examples
+
   def split_inside(self, token_range: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
     """Two consecutive non-empty parts of one range (an empty part when it has one token)."""
     start, end = token_range
@@ -271,7 +300,9 @@ def plan_examples(corpus: prepare.PreparedCorpus, documents: np.ndarray, split_d
   examples = []
   for document in documents:
     document = int(document)
-    if example_format in PAIR_FORMATS:
+    if example_format == "sentence_pair":
+      examples.extend(planner.sentence_pairs(document))
+    elif example_format in PAIR_FORMATS:
       examples.extend(planner.segment_pairs(document, order_prediction=example_format == "sop"))
     elif example_format == "doc_sentences":
       examples.extend(planner.single_segments(document, config.seq_len - 2))

@@ -193,7 +193,7 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       builtin=False,                          # build the built-in stdlib-docs corpus in the workdir instead
       builtin_vocab_size=8000,
       eval_fraction=0.02,                     # held-out documents for the built-in corpus
-      format="segment_pair",                  # segment_pair | sop | full_sentences | doc_sentences | single
+      format="segment_pair",       # segment_pair | sentence_pair | sop | full_sentences | doc_sentences | single
       seq_len=128,
       short_seq_prob=0.1,
       random_next_prob=0.5,

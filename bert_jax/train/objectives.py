@@ -61,7 +61,7 @@ class PretrainingObjective:
   """Masked LM on a `PretrainingModel` (RoBERTa's objective); subclasses add heads and terms."""
 
   name: ClassVar[str] = "mlm"
-  sentence_format: ClassVar[str | None] = None  # the example format a sentence head needs
+  sentence_formats: ClassVar[tuple[str, ...]] = ()  # the example formats a sentence head can train on
 
   model_config: ModelConfig
   masking: MaskingConfig
@@ -156,7 +156,7 @@ class NextSentencePrediction(PretrainingObjective):
   """BERT: MLM + next-sentence prediction on segment pairs."""
 
   name = "mlm+nsp"
-  sentence_format = "segment_pair"
+  sentence_formats = ("segment_pair", "sentence_pair")
 
   @classmethod
   def loss_weights(cls, loss):
@@ -180,7 +180,7 @@ class SentenceOrderPrediction(NextSentencePrediction):
   """ALBERT: MLM + sentence-order prediction (the same head, on swapped or kept segment pairs)."""
 
   name = "mlm+sop"
-  sentence_format = "sop"
+  sentence_formats = ("sop",)
 
 
 class SpanBoundary(PretrainingObjective):
@@ -291,7 +291,8 @@ OBJECTIVES: dict[str, type[PretrainingObjective]] = {
     cls.name: cls for cls in (NextSentencePrediction, SentenceOrderPrediction, PretrainingObjective, SpanBoundary,
                               LeftToRight, ReplacedTokenDetection)}
 # The example format each objective's sentence head needs.
-SENTENCE_FORMATS = {name: cls.sentence_format for name, cls in OBJECTIVES.items() if cls.sentence_format}
+# Each sentence objective's default example format (its first).
+SENTENCE_FORMATS = {name: cls.sentence_formats[0] for name, cls in OBJECTIVES.items() if cls.sentence_formats}
 
 
 def objective_class(name: str) -> type[PretrainingObjective]:

@@ -112,10 +112,10 @@ def _build_builtin_corpus(config: ml_collections.ConfigDict, root: pathlib.Path,
 def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   """Derived values that must fit, checked before anything is compiled."""
   config_lib.validate_batching(config.train, data_parallel, jax.process_count())
-  needed_format = objectives.objective_class(config.objective).sentence_format
-  if needed_format and config.data.format != needed_format:
-    raise ValueError(f"config.objective={config.objective!r} needs config.data.format={needed_format!r}, "
-                     f"got {config.data.format!r}")
+  formats = objectives.objective_class(config.objective).sentence_formats
+  if formats and config.data.format not in formats:
+    raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
+                     f"{' or '.join(repr(f) for f in formats)}, got {config.data.format!r}")
   if config.masking.max_predictions > config.data.seq_len:
     raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
                      f"config.data.seq_len={config.data.seq_len}")
@@ -123,7 +123,7 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
 
 def _warn_single_sentence_documents(corpus, example_format: str) -> None:
   """Sentence-pair formats need multi-sentence documents; say so when most have one sentence."""
-  if example_format not in ("segment_pair", "sop"):
+  if example_format not in ("segment_pair", "sop"):  # sentence_pair draws a random B for a lone sentence
     return
   sentences_per_document = np.diff(corpus.document_starts)
   single = float(np.mean(sentences_per_document == 1)) if len(sentences_per_document) else 0.0
