@@ -416,3 +416,15 @@ def test_left_to_right_reports_next_token_terms_not_mlm():
   terms = objective.forward(params, inputs, None, train=False)
   assert set(terms) == {"lm_loss", "lm_correct"}
   assert set(objective.denominators(inputs)) == {"lm"}
+
+
+def test_electra_15_percent_scores_replaced_token_detection_on_the_masked_positions_only():
+  """loss.rtd_positions: "all" weighs every real token, "masked" only the positions the generator filled."""
+  import jax.numpy as jnp
+  from bert_jax.train import objectives
+  inputs = {"pack_ids": jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
+            "mlm_positions": jnp.array([[1, 3], [0, 0]]), "mlm_weights": jnp.array([[1.0, 1.0], [1.0, 0.0]])}
+  np.testing.assert_array_equal(objectives.rtd_weights(inputs, "all"), [[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(objectives.rtd_weights(inputs, "masked"), [[0, 1, 0, 1, 0], [1, 0, 0, 0, 0]])
+  with pytest.raises(ValueError, match="config.loss.rtd_positions='some'"):
+    objectives.rtd_weights(inputs, "some")

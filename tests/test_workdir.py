@@ -82,6 +82,16 @@ def test_config_changes_name_the_keys_and_skip_resume_safe_ones(tmp_path):
   workdir_lib.check_resume_config(tmp_path, {**saved, "train": {"steps": 900, "batch_size": 8}})
 
 
+def test_a_key_newer_than_the_workdir_counts_only_away_from_its_default():
+  saved = {"loss": {"rtd_weight": 50.0}}
+  defaults = {"loss": {"rtd_weight": 50.0, "rtd_positions": "all"}}
+  same = {"loss": {"rtd_weight": 50.0, "rtd_positions": "all"}}
+  assert workdir_lib.config_changes(saved, same, defaults=defaults) == []
+  changed = {"loss": {"rtd_weight": 50.0, "rtd_positions": "masked"}}
+  assert workdir_lib.config_changes(saved, changed, defaults=defaults) == [
+      ("loss.rtd_positions", "<absent>", "masked")]
+
+
 def test_drop_rows_after_keeps_the_steps_a_checkpoint_holds(tmp_path):
   path = tmp_path / "metrics.jsonl"
   rows = [{"step": s, "loss": 1.0} for s in (10, 20, 30, 40)] + [{"event": "start"}]

@@ -213,7 +213,8 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       log_param_norms=False,                  # also param_norm and update_norm (they slow the update, see step.py)
       restart_if_unreadable=False))           # every checkpoint unreadable: start again from step 0 instead of stopping
   config.loss = ml_collections.ConfigDict(dict(sentence_weight=1.0, sbo_weight=1.0, rtd_weight=50.0,
-                                               generator_weight=1.0))
+                                               generator_weight=1.0,
+                                               rtd_positions="all"))  # all | masked (ELECTRA's "ELECTRA 15%")
   config.mesh = ml_collections.ConfigDict(dict(
       sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       rules=config_dict.placeholder(tuple)))

@@ -50,9 +50,20 @@ def sentence_terms(logits: Array, inputs: dict[str, Array]) -> dict[str, Array]:
   return {"sentence_loss": loss, "sentence_correct": correct}
 
 
-def rtd_terms(logits: Array, replaced: Array, inputs: dict[str, Array]) -> dict[str, Array]:
-  """Replaced-token detection over every real token."""
-  loss, correct = binary_cross_entropy_sums(logits, replaced, (inputs["pack_ids"] > 0).astype(jnp.float32))
+def rtd_weights(inputs: dict[str, Array], positions: str) -> Array:
+  """[B, L] weights of the replaced-token detection loss: every real token ("all"), or only the positions the
+  generator filled ("masked": ELECTRA's "ELECTRA 15%" ablation)."""
+  if positions == "all":
+    return (inputs["pack_ids"] > 0).astype(jnp.float32)
+  if positions != "masked":
+    raise ValueError(f"config.loss.rtd_positions={positions!r}: expected 'all' or 'masked'")
+  rows = jnp.arange(inputs["mlm_positions"].shape[0])[:, None]
+  return jnp.zeros(inputs["pack_ids"].shape, jnp.float32).at[rows, inputs["mlm_positions"]].max(inputs["mlm_weights"])
+
+
+def rtd_terms(logits: Array, replaced: Array, weights: Array) -> dict[str, Array]:
+  """Replaced-token detection over the tokens `weights` selects."""
+  loss, correct = binary_cross_entropy_sums(logits, replaced, weights)
   return {"rtd_loss": loss, "rtd_correct": correct}
 
 
@@ -247,12 +258,16 @@ class ReplacedTokenDetection(PretrainingObjective):
   name = "rtd"
 
   generator_config: ModelConfig | None = None
+  rtd_positions: str = "all"  # `rtd_weights`
 
   @classmethod
   def from_config(cls, config, model_config, mask_id):
     objective = super().from_config(config, model_config, mask_id)
-    return dataclasses.replace(objective, generator_config=electra_generator_config(
-        model_config, config.model.generator_fraction))
+    rtd_weights({"pack_ids": jnp.zeros((1, 1)), "mlm_positions": jnp.zeros((1, 1), jnp.int32),
+                 "mlm_weights": jnp.zeros((1, 1))}, config.loss.rtd_positions)  # a bad value is named now
+    return dataclasses.replace(objective, rtd_positions=config.loss.rtd_positions,
+                               generator_config=electra_generator_config(model_config,
+                                                                         config.model.generator_fraction))
 
   @classmethod
   def loss_weights(cls, loss):
@@ -267,7 +282,7 @@ class ReplacedTokenDetection(PretrainingObjective):
     return (self.model_config, self.generator_config)
 
   def denominators(self, inputs):
-    return {**super().denominators(inputs), "rtd": jnp.sum(inputs["pack_ids"] > 0).astype(jnp.float32)}
+    return {**super().denominators(inputs), "rtd": jnp.sum(rtd_weights(inputs, self.rtd_positions))}
 
   def apply(self, variables, inputs, train, method="apply", **kwargs):
     common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
@@ -283,14 +298,13 @@ class ReplacedTokenDetection(PretrainingObjective):
 
   def terms(self, outputs, inputs):
     return {**mlm_terms(outputs["mlm_logits"], inputs, self.kernels),
-            **rtd_terms(outputs["rtd_logits"], outputs["replaced"], inputs)}
+            **rtd_terms(outputs["rtd_logits"], outputs["replaced"], rtd_weights(inputs, self.rtd_positions))}
 
 
 # The config's `objective` -> its class; a new objective is one class added here.
 OBJECTIVES: dict[str, type[PretrainingObjective]] = {
     cls.name: cls for cls in (NextSentencePrediction, SentenceOrderPrediction, PretrainingObjective, SpanBoundary,
                               LeftToRight, ReplacedTokenDetection)}
-# The example format each objective's sentence head needs.
 # Each sentence objective's default example format (its first).
 SENTENCE_FORMATS = {name: cls.sentence_formats[0] for name, cls in OBJECTIVES.items() if cls.sentence_formats}
 

@@ -260,7 +260,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size, mesh, workers=config.data.workers)
   had_checkpoints = bool(checkpointer.steps())
   if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
-    workdir_lib.check_resume_config(workdir, config.to_dict())
+    workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=config_lib.pretrain_defaults().to_dict())
   restored = checkpointer.restore_latest(state)
   if restored is None and had_checkpoints and not config.train.restart_if_unreadable:
     raise ValueError(f"no checkpoint in {checkpointer.directory} can be read (each was moved to "

@@ -194,26 +194,32 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return flat
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any],
-                   safe: Iterable[str] = RESUME_SAFE_KEYS) -> list[tuple[str, Any, Any]]:
-  """(key, saved value, current value) of every key that differs and is not resume-safe."""
+def config_changes(saved: dict[str, Any], current: dict[str, Any], safe: Iterable[str] = RESUME_SAFE_KEYS,
+                   defaults: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
+  """(key, saved value, current value) of every key that differs and is not resume-safe. A key the saved config
+  lacks (added to the code since) counts only when its current value is not its default in `defaults`."""
   old, new = flatten(saved), flatten(json.loads(json.dumps(current, default=str)))
+  default = flatten(json.loads(json.dumps(defaults or {}, default=str)))
   safe = tuple(safe)
   changed = []
   for key in sorted(set(old) | set(new)):
     if any(key == s or (s.endswith(".") and key.startswith(s)) for s in safe):
+      continue
+    if key not in old and key in default and new.get(key) == default[key]:
       continue
     if old.get(key, "<absent>") != new.get(key, "<absent>"):
       changed.append((key, old.get(key, "<absent>"), new.get(key, "<absent>")))
   return changed
 
 
-def check_resume_config(workdir: str | os.PathLike, current: dict[str, Any]) -> None:
-  """Raises ConfigMismatchError when `current` is not the experiment the workdir's `config.json` records."""
+def check_resume_config(workdir: str | os.PathLike, current: dict[str, Any],
+                        defaults: dict[str, Any] | None = None) -> None:
+  """Raises ConfigMismatchError when `current` is not the experiment the workdir's `config.json` records
+  (`defaults`: the config defaults, for keys newer than the workdir; see `config_changes`)."""
   path = epath.Path(workdir) / "config.json"
   if not path.exists():
     return
-  changes = config_changes(json.loads(path.read_text()), current)
+  changes = config_changes(json.loads(path.read_text()), current, defaults=defaults)
   if not changes:
     return
   listed = "; ".join(f"{key}: {old!r} in the workdir, {new!r} now" for key, old, new in changes[:8])

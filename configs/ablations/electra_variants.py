@@ -33,8 +33,8 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   del arg
-  # Missing capabilities: the discriminator loss on masked positions only (loss.rtd_positions), and the
-  # "replace_mlm" / "all_tokens_mlm" objectives (generator samples as corruption, MLM output on the positions).
+  # Missing capability: the "replace_mlm" / "all_tokens_mlm" objectives (generator samples as corruption, MLM
+  # output on the positions).
   return [{"name": "BERT", "overrides": {"objective": "mlm"}},
           {"name": "ELECTRA 15%", "overrides": {"objective": "rtd", "loss.rtd_positions": "masked"}},
           {"name": "Replace MLM", "overrides": {"objective": "replace_mlm"}},
