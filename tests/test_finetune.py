@@ -361,3 +361,30 @@ def test_cloud_storage_workdir_holds_the_run_and_evaluate_reads_it(tiny_model, t
   rescored = finetune_lib.evaluate_run(workdir)
   assert rescored[1]["dev"]["accuracy"] == _selected(results, "accuracy")[0]
   assert not (tmp_path / "gs:").exists() and not (REPO / "gs:").exists()
+
+
+@pytest.mark.parametrize("kind,num_labels", [("classification", 3), ("tagging", 5)])
+def test_top_bilstm_sits_between_the_encoder_and_the_head(kind, num_labels):
+  """BERT Table 5's "+ BiLSTM": a fresh BiLSTM (hidden/2 a direction) under the head; the encoder's parameters and
+  the head's shapes are those of the model without it, and the loss reaches the BiLSTM."""
+  from bert_jax.tasks.finetune_model import build_model
+  ids = np.ones((2, 3, 8) if kind == "multiple_choice" else (2, 8), np.int32)
+  pack_ids = np.concatenate([np.ones(ids.shape[:-1] + (6,), np.int32), np.zeros(ids.shape[:-1] + (2,), np.int32)], -1)
+  plain, with_bilstm = (build_model(TINY, kind, num_labels, top_bilstm=flag) for flag in (False, True))
+  params = {name: nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+            for name, model in (("plain", plain), ("bilstm", with_bilstm))}
+  assert set(params["bilstm"]) == set(params["plain"]) | {"bilstm"}
+  same_shapes = lambda a, b: jax.tree.map(lambda x, y: x.shape == y.shape, a, b)  # noqa: E731
+  assert all(jax.tree.leaves(same_shapes(params["plain"]["encoder"], params["bilstm"]["encoder"])))
+  assert all(jax.tree.leaves(same_shapes(params["plain"]["head"], params["bilstm"]["head"])))
+  outputs = jax.tree.leaves(with_bilstm.apply({"params": params["bilstm"]}, ids, pack_ids=pack_ids))
+  assert all(np.all(np.isfinite(out)) for out in outputs)
+  grads = jax.jit(jax.grad(lambda p: sum(jax.numpy.sum(out) for out in jax.tree.leaves(
+      with_bilstm.apply({"params": p}, ids, pack_ids=pack_ids)))))(params["bilstm"])
+  assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(grads["bilstm"]))
+
+
+def test_top_bilstm_is_refused_with_a_feature_based_head():
+  from bert_jax.tasks.finetune_model import build_model
+  with pytest.raises(ValueError, match="config.top_bilstm adds a BiLSTM in full fine-tuning"):
+    build_model(TINY, "tagging", 5, feature_layers=(-1,), top_bilstm=True)

@@ -153,16 +153,23 @@ class FinetuneModel(nn.Module):
     config: the encoder.
     kind: one of TASK_KINDS.
     num_labels: classes (classification, tagging); ignored otherwise.
+    top_bilstm: a randomly initialised one-layer BiLSTM between the encoder and the head (hidden/2 units a
+      direction, so the head's input keeps its width): BERT Table 5's "+ BiLSTM" row, for every task kind.
   """
 
   config: ModelConfig
   kind: str
   num_labels: int = 2
+  top_bilstm: bool = False
 
   def setup(self):
     if self.kind not in TASK_KINDS:
       raise ValueError(f"unknown task kind {self.kind!r}; expected one of {TASK_KINDS}")
     self.encoder = Encoder(self.config)
+    if self.top_bilstm:
+      half = self.config.hidden_size // 2
+      self.bilstm = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(half)),
+                                     nn.RNN(nn.OptimizedLSTMCell(self.config.hidden_size - half)))
     if self.kind in ("classification", "regression"):
       self.head = heads.ClassificationHead(self.config, 1 if self.kind == "regression" else self.num_labels)
     elif self.kind == "span":
@@ -185,6 +192,9 @@ class FinetuneModel(nn.Module):
       flatten = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
       input_ids, segment_ids, position_ids, pack_ids = map(flatten, (input_ids, segment_ids, position_ids, pack_ids))
     hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic)["hidden"]
+    if self.top_bilstm:
+      lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
+      hidden = self.bilstm(hidden.astype(jnp.float32), seq_lengths=lengths).astype(hidden.dtype)
     out = self.head(hidden, deterministic=deterministic)
     if self.kind == "regression":
       return out[..., 0]

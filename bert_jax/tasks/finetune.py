@@ -506,9 +506,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
                                                                   seq_len)) for split in task.eval_splits]
   timings["read and featurise"] = time.perf_counter() - started
 
-  feature = config.feature_based
-  model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
-                      feature.head_size, feature.head_layers, feature.dropout)
+  model = _task_model(config, model_config, task)
   objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
                                 num_choices=task.num_choices)
   batch_size = config.train.batch_size
@@ -558,6 +556,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   return results
 
 
+def _task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):
+  """The model `config` fine-tunes on `task` (a run written before `top_bilstm` existed has none)."""
+  feature = config.feature_based
+  return build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
+                     feature.head_size, feature.head_layers, feature.dropout, bool(config.get("top_bilstm", False)))
+
+
 def _test_splits(task: Task) -> tuple[str, ...]:
   return tuple(task.spec.submissions) if isinstance(task, GlueTask) else ("test",)
 
@@ -591,11 +596,8 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
   tokenizer = task_tokenizer(load_tokenizer(workdir / "tokenizer"))
-  feature = config.feature_based
-  objective = FinetuneObjective(build_model(model_config, task.kind, task.num_labels, tuple(feature.layers),
-                                            feature.head, feature.head_size, feature.head_layers, feature.dropout),
-                                task.kind, single_token_type=model_config.type_vocab_size == 1,
-                                num_choices=task.num_choices)
+  objective = FinetuneObjective(_task_model(config, model_config, task), task.kind,
+                                single_token_type=model_config.type_vocab_size == 1, num_choices=task.num_choices)
   data_dir = data_dir or config.data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
   max_len = fitted_max_len(config.max_len, model_config)

@@ -356,15 +356,19 @@ def merge_initial_params(initialised: Params, loaded: Params) -> tuple[Params, l
 
 def build_model(config: ModelConfig, kind: TaskKind, num_labels: int, feature_layers: Sequence[int] = (),
                 feature_head: str = "bilstm", feature_head_size: int = 768, feature_head_layers: int = 2,
-                feature_dropout: float = 0.1) -> nn.Module:
-  """`FinetuneModel`, or `FeatureBasedTagger` when `feature_layers` is non-empty.
+                feature_dropout: float = 0.1, top_bilstm: bool = False) -> nn.Module:
+  """`FinetuneModel` (with a BiLSTM under its head when `top_bilstm`), or `FeatureBasedTagger` when
+  `feature_layers` is non-empty.
 
   Raises:
-    ValueError: feature-based mode for a kind other than tagging, an unknown
-      head or a layer outside [-(L + 1), L].
+    ValueError: feature-based mode for a kind other than tagging or with top_bilstm, an unknown head or a layer
+      outside [-(L + 1), L].
   """
   if not feature_layers:
-    return FinetuneModel(config, kind, num_labels)
+    return FinetuneModel(config, kind, num_labels, top_bilstm)
+  if top_bilstm:
+    raise ValueError("config.top_bilstm adds a BiLSTM in full fine-tuning; feature-based mode has its own head "
+                     "(config.feature_based.head)")
   if kind != "tagging":
     raise ValueError(f"config.feature_based.layers is set, but feature-based mode serves tagging tasks "
                      f"(BERT's NER comparison), not {kind}")

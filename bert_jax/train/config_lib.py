@@ -246,6 +246,8 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   feature_based.* layers to concatenate from a frozen encoder (empty = full
                   fine-tuning), head ("bilstm" or "mlp"), head_size,
                   head_layers, dropout.
+  top_bilstm      full fine-tuning with a randomly initialised BiLSTM between
+                  the encoder and the task head (BERT Table 5's "+ BiLSTM").
   mesh.*          mesh sizes and logical rules, as for pre-training.
   """
   config = ml_collections.ConfigDict()
@@ -267,6 +269,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
       early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False))
   config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
                                                         dropout=0.1))
+  config.top_bilstm = False
   config.mesh = ml_collections.ConfigDict(dict(
       sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
   return config

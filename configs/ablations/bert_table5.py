@@ -43,8 +43,7 @@ def get_sweep(arg=None):
       {"name": "BERT-Base", "overrides": {}},
       {"name": "No NSP", "overrides": {"objective": "mlm", "data.format": "segment_pair"}},
       {"name": "LTR & No NSP", "overrides": ltr},
-      # Missing capability: a BiLSTM between the encoder and every task head during full fine-tuning.
-      {"name": "+ BiLSTM", "overrides": ltr, "finetune": {"model.top_bilstm": True}},
+      {"name": "+ BiLSTM", "overrides": ltr, "finetune": {"top_bilstm": True}},
   ]
 
 
