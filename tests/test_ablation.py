@@ -139,7 +139,7 @@ class Killed(BaseException):
 def _fake_phases(monkeypatch, log, kill_at=None):
   """Pre-training and fine-tuning stand-ins that record their calls and can be killed at the n-th call."""
 
-  def pretrain(config, row_dir):
+  def pretrain(config, row_dir, cross=()):
     if (row_dir / "state" / "pretrain.json").exists():  # As the real phase: a recorded pre-training is kept.
       return json.loads((row_dir / "state" / "pretrain.json").read_text())
     log.append(("pretrain", row_dir.name))
@@ -363,3 +363,11 @@ def test_ordering_counts_the_pairs_of_rows_ordered_as_published():
   assert table.ordering(results(5.0, 5.0, 5.0), "a") == (0, 3, 3)
   assert table.ordering(results(30.0, 20.0, 10.0), "mlm_ppl") == (1, 1, 0)  # r2 has no published perplexity.
   assert table._ordering_cell(None) == "n/a" and table._ordering_cell((2, 3, 1)) == "no (2/3 pairs, 1 tied)"
+
+
+def test_sentence_columns_of_a_row_trained_on_another_task_come_from_its_cross_evaluation():
+  row = {"tasks": {}, "pretrain": {"objective": "mlm+nsp", "eval": {"sentence_accuracy": 0.9, "mlm_accuracy": 0.5},
+                                   "cross_eval": {"mlm+sop": {"sentence_accuracy": 0.55}}}}
+  assert table.ours(row, "nsp_acc")["median"] == pytest.approx(90.0)
+  assert table.ours(row, "sop_acc")["median"] == pytest.approx(55.0)
+  assert table.ours({"tasks": {}, "pretrain": {"objective": "mlm", "eval": {}}}, "sop_acc") is None

@@ -528,3 +528,14 @@ def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_l
   stopped = max(json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines())
   assert stopped < 30, stopped  # at once, not at a later save
   assert restore_params(workdir)[0] == 5
+
+
+def test_evaluate_run_rescoring_a_run_and_scoring_it_on_another_sentence_task(prepared, tmp_path):
+  """`evaluate_run` with no change gives the run's own final evaluation; with another objective and format it
+  scores the checkpoint on that sentence task (ALBERT's cross-evaluation), a missing sentence head fresh."""
+  result = trainer.train_and_evaluate(tiny_config(prepared, "mlm", steps=4, eval_every=4, checkpoint_every=4),
+                                      tmp_path)
+  again = trainer.evaluate_run(tmp_path)
+  assert again == pytest.approx(result["eval"], rel=1e-6)
+  sop = trainer.evaluate_run(tmp_path, ["objective=mlm+sop", "data.format=sop"])
+  assert 0.2 < sop["sentence_accuracy"] < 0.8 and np.isfinite(sop["mlm_loss"])

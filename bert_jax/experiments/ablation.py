@@ -211,8 +211,9 @@ def _train_tokens(prepared_dir: str) -> int | None:
     return None
 
 
-def pretrain_phase(config, row_dir: epath.Path) -> dict[str, Any]:
-  """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time, device, perplexity."""
+def pretrain_phase(config, row_dir: epath.Path, cross: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+  """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time, device, perplexity;
+  `cross`: (objective, example format) pairs the final model is also scored with (`trainer.evaluate_run`)."""
   state_file = row_dir / "state" / "pretrain.json"
   state = _read_json(state_file)
   if state is not None:
@@ -231,7 +232,10 @@ def pretrain_phase(config, row_dir: epath.Path) -> dict[str, Any]:
            "wall_seconds": time.perf_counter() - started, "device": _device(),
            "num_params": int(result.get("num_params", 0)), "perplexity": evaluation.get("mlm_perplexity"),
            "eval": evaluation, "objective": config.objective, "batch_size": config.train.batch_size,
-           "seq_len": config.data.seq_len}
+           "seq_len": config.data.seq_len,
+           "cross_eval": {objective: trainer.evaluate_run(row_dir / "pretrain", [f"objective={objective}",
+                                                                                f"data.format={example_format}"])
+                          for objective, example_format in cross}}
   _write_json(state_file, state)
   return state
 
@@ -318,7 +322,9 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
       _write_json(row_dir / "row.json", status)
       return status
     phase = "pretrain"
-    pretrain_phase(config, row_dir)
+    cross = [pair for column, pair in suite_lib.SENTENCE_COLUMNS.items()
+             if column in table.published.get("columns", {}) and pair[0] != config.objective]
+    pretrain_phase(config, row_dir, cross)
     phase = "finetune"
     finetune_phase(table, row, row_dir, data_dirs, finetune)
     status = {"name": row.name, "status": "done"}

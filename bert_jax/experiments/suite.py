@@ -64,6 +64,11 @@ OTHER = {
 TASKS = {**GLUE, **SQUAD, **OTHER}
 
 
+# A table's sentence-task columns -> (objective, example format) that scores them. A row trained with another
+# objective is scored on them too (ALBERT's cross-evaluation; `trainer.evaluate_run`).
+SENTENCE_COLUMNS = {"nsp_acc": ("mlm+nsp", "segment_pair"), "sop_acc": ("mlm+sop", "sop")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Suite:
   """A table's fine-tuning protocol.

@@ -32,11 +32,11 @@ from typing import Any, Sequence
 from etils import epath
 
 from bert_jax import paths
+from bert_jax.experiments import suite as suite_lib
 
 # Columns read from the pre-training evaluation: our name -> (eval key, scale to the paper's units).
 INTRINSIC = {"mlm_ppl": ("mlm_perplexity", 1.0), "mlm_acc": ("mlm_accuracy", 100.0),
              "nsp_acc": ("sentence_accuracy", 100.0), "sop_acc": ("sentence_accuracy", 100.0)}
-_SENTENCE_OBJECTIVE = {"nsp_acc": "mlm+nsp", "sop_acc": "mlm+sop"}
 
 
 def columns(results: dict[str, Any]) -> list[str]:
@@ -53,9 +53,10 @@ def ours(row: dict[str, Any], column: str) -> dict[str, float] | None:
   if column in INTRINSIC:
     pretrain = row.get("pretrain") or {}
     key, scale = INTRINSIC[column]
-    if column in _SENTENCE_OBJECTIVE and pretrain.get("objective") != _SENTENCE_OBJECTIVE[column]:
-      return None
-    value = (pretrain.get("eval") or {}).get(key)
+    evaluation = pretrain.get("eval") or {}
+    if column in suite_lib.SENTENCE_COLUMNS and pretrain.get("objective") != suite_lib.SENTENCE_COLUMNS[column][0]:
+      evaluation = (pretrain.get("cross_eval") or {}).get(suite_lib.SENTENCE_COLUMNS[column][0]) or {}
+    value = evaluation.get(key)
     if value is None:
       return None
     return {"median": value * scale, "std": 0.0, "min": value * scale, "max": value * scale}

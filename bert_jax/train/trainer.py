@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from etils import epath
 import jax
@@ -229,12 +229,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       lock.release()
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
+def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
+  """What training and `evaluate_run` share: (mesh, partitioning, prepared corpus, tokenizer, model config,
+  objective), every derived value checked."""
   mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
-  data_parallel = sharding_lib.data_parallel_size(mesh)
-  validate(config, data_parallel)
+  validate(config, sharding_lib.data_parallel_size(mesh))
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
-
   prepared_dir = prepare_data(config, workdir)
   corpus = open_prepared(prepared_dir)
   _warn_single_sentence_documents(corpus, config.data.format)
@@ -246,6 +246,38 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
                      f"max_position_embeddings={model_cfg.max_position_embeddings} "
                      f"(position offset {model_cfg.position_offset})")
   objective = objectives.make_objective(config, model_cfg, tokenizer.mask_id)
+  return mesh, partitioning, prepared_dir, tokenizer, model_cfg, objective
+
+
+def evaluate_run(workdir: str | os.PathLike, overrides: Sequence[str] = ()) -> dict[str, float]:
+  """Scores a pre-training run's newest checkpoint on its held-out documents under its config changed by
+  `overrides` (config_lib's "key=value"): another objective and example format score it on another sentence
+  task (ALBERT's cross-evaluation of NSP and SOP models). Parameters the run lacks (a sentence head a model
+  without one is scored with) start from their initialisation, so such a head scores at chance.
+
+  Returns:
+    `evaluate`'s results.
+  """
+  workdir = paths.as_path(workdir)
+
+  def merged(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:  # keys newer than the run: defaults
+    return {**defaults, **{key: merged(defaults[key], value) if isinstance(value, dict) and
+                           isinstance(defaults.get(key), dict) else value for key, value in saved.items()}}
+
+  config = ml_collections.ConfigDict(merged(config_lib.pretrain_defaults().to_dict(),
+                                            checkpoint_lib.read_run_config(workdir)))
+  config_lib.apply_overrides(config, list(overrides))
+  mesh, partitioning, prepared_dir, _, _, objective = _setup(config, workdir)
+  dummy = objective.example_batch(config.train.batch_size, config.data.seq_len)
+  state, shardings = create_state(lambda key: objective.init_variables(key, dummy), optim.optax.identity(),
+                                  jax.random.key(config.seed), partitioning)
+  _, loaded = checkpoint_lib.restore_params(workdir)
+  params = jax.device_put(_match_params(loaded, state.params, missing_ok=True), shardings.params)
+  return evaluate(make_eval_step(objective, partitioning, shardings), params, config, prepared_dir, mesh, objective)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
+  mesh, partitioning, prepared_dir, tokenizer, model_cfg, objective = _setup(config, workdir)
   total_steps = config.train.steps
   tx, schedule = optim.make_optimizer(config.optim, total_steps)
 
@@ -355,15 +387,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   return result
 
 
-def _match_params(loaded: Any, reference: Any) -> Any:
-  """Checks that parameters read from another run fit this model, naming any mismatch."""
+def _match_params(loaded: Any, reference: Any, missing_ok: bool = False) -> Any:
+  """Checks that parameters read from another run fit this model, naming any mismatch (`missing_ok`: a parameter
+  the run lacks keeps `reference`'s value)."""
   flat_loaded = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
   flat_ref, treedef = jax.tree_util.tree_flatten_with_path(reference)
   out, problems = [], []
   for path, ref in flat_ref:
     name = jax.tree_util.keystr(path)
     if path not in flat_loaded:
-      problems.append(f"missing {name}")
+      if not missing_ok:
+        problems.append(f"missing {name}")
       out.append(ref)
     elif tuple(flat_loaded[path].shape) != tuple(ref.shape):
       problems.append(f"{name}: shape {tuple(flat_loaded[path].shape)} != {tuple(ref.shape)}")

@@ -5,9 +5,9 @@
   bert-jax table runs/albert_sentence
 
 Intrinsic columns come from the pre-training evaluation on held-out data: MLM accuracy, and NSP and SOP
-accuracy. The paper scores every model on both sentence tasks (a None model too); the pre-training
-evaluation here scores a model on its own sentence task only, so the cross cells stay empty until an
-evaluation of a checkpoint on another objective's examples exists. Arguments: scale.
+accuracy. As in the paper every model is scored on both sentence tasks: after pre-training, the sweep scores
+the final checkpoint on the other objective's held-out examples (`trainer.evaluate_run`); the None model has no
+sentence head, so a fresh one scores it (chance). Arguments: scale.
 """
 
 from bert_jax.experiments import ablation, suite
