@@ -1,0 +1,227 @@
+"""`bert-jax analyze`: attention patterns against `transformers` on the real MiniLM; head gates, importance and
+pruning on tiny models."""
+
+import numpy as np
+import pytest
+
+from bert_jax.analysis import attention
+
+LINES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Who wrote it?\tThe paper was written by researchers at Google, in 2018.",
+    "Attention heads in the middle layers look at [SEP]; early ones look broadly.",
+    "Short one.",
+    "A pair again\tand its second sentence, a little longer than the first!",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+  from bert_jax.convert.params import encoder_params
+  from bert_jax.convert.pretrained import load_pretrained
+  from bert_jax.data.tokenizers import load_tokenizer
+  family, config, params, tokenizer_path = load_pretrained(minilm_dir)
+  return family, config, encoder_params(params), load_tokenizer(tokenizer_path)
+
+
+def reference_patterns(probs_khqq, tokens):
+  """A per-token loop over one line's attention maps [layers, heads, T, T]."""
+  punct = attention.punctuation_ids(tokens)
+  is_cls = np.array([t == "[CLS]" for t in tokens])
+  is_sep = np.array([t == "[SEP]" for t in tokens])
+  length = len(tokens)
+  sums = {name: np.zeros(probs_khqq.shape[:2]) for name in attention.PATTERNS}
+  counts = dict.fromkeys(attention.PATTERNS, 0)
+  for q in range(length):
+    row = probs_khqq[:, :, q, :]
+    sums["cls"] += row[..., is_cls].sum(-1)
+    sums["sep"] += row[..., is_sep].sum(-1)
+    sums["punct"] += row[..., punct].sum(-1)
+    sums["self"] += row[..., q]
+    sums["entropy"] += -(row * np.log(np.maximum(row, 1e-30))).sum(-1)
+    for name in ("cls", "sep", "punct", "self", "entropy"):
+      counts[name] += 1
+    if q > 0:
+      sums["prev"] += row[..., q - 1]
+      counts["prev"] += 1
+    if q < length - 1:
+      sums["next"] += row[..., q + 1]
+      counts["next"] += 1
+  return sums, counts
+
+
+def test_attention_patterns_match_transformers_attentions(minilm, minilm_dir):
+  transformers = pytest.importorskip("transformers")
+  tokenizers = pytest.importorskip("tokenizers")
+  import torch
+
+  from bert_jax.analysis.features import encode_line
+
+  family, config, params, tokenizer = minilm
+  hf_tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+  hf_tokenizer.no_truncation()
+  hf_tokenizer.no_padding()
+  model = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+  vocab_tokens = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
+  encoded = [encode_line(tokenizer, family, line, 64) for line in LINES]
+  got = attention.attention_patterns(config, params, encoded, tokenizer.cls_id, tokenizer.sep_id,
+                                     attention.punctuation_ids(vocab_tokens), max_len=64, batch_size=2)
+  totals = {name: np.zeros((config.num_layers, config.num_heads)) for name in attention.PATTERNS}
+  counts = dict.fromkeys(attention.PATTERNS, 0)
+  for line, (ids, _) in zip(LINES, encoded):
+    encoding = hf_tokenizer.encode(*line.split("\t"))
+    assert encoding.ids == ids
+    with torch.no_grad():
+      outputs = model(input_ids=torch.tensor([encoding.ids]), token_type_ids=torch.tensor([encoding.type_ids]),
+                      output_attentions=True)
+    probs = np.stack([a[0].numpy() for a in outputs.attentions])
+    sums, line_counts = reference_patterns(probs, encoding.tokens)
+    for name in attention.PATTERNS:
+      totals[name] += sums[name]
+      counts[name] += line_counts[name]
+  assert int(got["tokens"]) == counts["cls"] == sum(len(ids) for ids, _ in encoded)
+  for name in attention.PATTERNS:
+    np.testing.assert_allclose(got[name], totals[name] / counts[name], atol=2e-5, err_msg=name)
+  # Clark et al. 2019: in the middle layers [SEP] and [CLS] draw much of the attention; the first layer looks
+  # broadly (higher entropy).
+  layer_means = {name: got[name].mean(axis=1) for name in attention.PATTERNS}
+  special = layer_means["cls"] + layer_means["sep"]
+  middle = slice(1, config.num_layers - 1)
+  assert special[middle].max() > 0.4 and special[middle].mean() > special[0]
+  assert layer_means["entropy"][0] > layer_means["entropy"][middle].mean()
+
+
+def test_punctuation_ids():
+  assert list(attention.punctuation_ids(["[CLS]", ".", ",", "##.", "Ġ!", "a", "a.", "[SEP]", "..."])) == [
+      False, True, True, True, True, False, False, False, True]
+
+
+# --- head gates, importance and pruning on a tiny model -------------------------------------------------------
+
+
+def tiny_classifier(kernels="off", **overrides):
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from bert_jax.models import FinetuneModel, model_config
+  config = model_config("bert", "L3-H64", num_heads=4, vocab_size=97, max_position_embeddings=32,
+                        intermediate_size=96, hidden_dropout=0.0, attention_dropout=0.0, kernels=kernels, **overrides)
+  model = FinetuneModel(config, "classification", num_labels=3)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(5, 97, (6, 12)), jnp.int32)
+  lengths = np.array([12, 9, 7, 12, 4, 10])
+  pack_ids = jnp.asarray(np.arange(12)[None, :] < lengths[:, None], jnp.int32)
+  params = nn.unbox(model.init(jax.random.key(1), ids, pack_ids=pack_ids)["params"])
+  return config, model, params, ids, pack_ids, lengths
+
+
+@pytest.mark.parametrize("kernels", ["off", "auto"])
+def test_all_ones_head_mask_is_exact_and_the_tree_unchanged(kernels):
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  config, model, params, ids, pack_ids, _ = tiny_classifier(kernels)
+  ones = jnp.ones((config.num_layers, config.num_heads))
+  plain = model.apply({"params": params}, ids, pack_ids=pack_ids)
+  gated = model.apply({"params": params}, ids, pack_ids=pack_ids, head_mask=ones)
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(gated))
+  with_mask = nn.unbox(model.init(jax.random.key(1), ids, pack_ids=pack_ids, head_mask=ones)["params"])
+  shapes = lambda tree: jax.tree.map(np.shape, tree)  # noqa: E731
+  assert shapes(with_mask) == shapes(params)
+  np.testing.assert_array_equal(np.asarray(with_mask["encoder"]["block_0"]["attention"]["query"]["kernel"]),
+                                np.asarray(params["encoder"]["block_0"]["attention"]["query"]["kernel"]))
+
+
+@pytest.mark.parametrize("kernels", ["off", "auto"])
+def test_masking_a_head_equals_zeroing_its_slice_of_the_output_projection(kernels):
+  import jax
+  import jax.numpy as jnp
+  config, model, params, ids, pack_ids, _ = tiny_classifier(kernels)
+  mask = np.ones((config.num_layers, config.num_heads), np.float32)
+  mask[1, 2] = mask[0, 0] = 0
+  zeroed = jax.tree.map(np.array, params)
+  zeroed["encoder"]["block_1"]["attention"]["output"]["kernel"][2] = 0
+  zeroed["encoder"]["block_0"]["attention"]["output"]["kernel"][0] = 0
+  masked = model.apply({"params": params}, ids, pack_ids=pack_ids, head_mask=jnp.asarray(mask))
+  np.testing.assert_allclose(np.asarray(masked), np.asarray(model.apply({"params": zeroed}, ids, pack_ids=pack_ids)),
+                             atol=1e-6)
+  assert not np.allclose(np.asarray(masked), np.asarray(model.apply({"params": params}, ids, pack_ids=pack_ids)))
+
+
+def tiny_task_data(**overrides):
+  from bert_jax.analysis import heads
+  from bert_jax.tasks.finetune_model import FinetuneObjective
+  config, model, params, ids, _, lengths = tiny_classifier(**overrides)
+  features = {"input_ids": np.asarray(ids), "segment_ids": np.zeros_like(np.asarray(ids)), "lengths": lengths,
+              "labels": np.array([0, 1, 2, 1, 0, 2])}
+  return heads.TaskData(config, FinetuneObjective(model, "classification"), params, None, [], features, batch_size=4)
+
+
+def test_head_importance_matches_finite_differences():
+  import jax
+
+  from bert_jax.analysis import heads
+  # A wide initialisation makes every head matter, so the gradients stand well above float32 rounding.
+  data = tiny_task_data(initializer_range=0.3)
+  mask = data.ones()
+  mask[0, 1] = 0.5
+  importance = heads.head_importance(data, mask)
+
+  @jax.jit
+  def loss(one, gates):
+    inputs = {**data.objective.prepare(one), "head_mask": gates}
+    return data.objective.forward(data.params, inputs, None, False)["task_loss"]
+
+  def row_loss(row, gates):
+    one = {k: v[row:row + 1] for k, v in data.features.items()}
+    one.update(weights=np.ones(1, np.float32), seed=np.zeros(1, np.int32))
+    return float(loss(one, gates))
+
+  epsilon = 1e-2
+  for layer, head in [(0, 1), (1, 3), (2, 0)]:
+    differences = []
+    for row in range(data.num_rows):
+      up, down = mask.copy(), mask.copy()
+      up[layer, head] += epsilon
+      down[layer, head] -= epsilon
+      differences.append(abs(row_loss(row, up) - row_loss(row, down)) / (2 * epsilon))
+    assert np.mean(differences) > 1e-3
+    np.testing.assert_allclose(importance[layer, head], np.mean(differences), rtol=2e-2)
+
+
+@pytest.mark.parametrize("kernels", ["off", "auto"])
+def test_pruned_model_equals_the_masked_model(kernels):
+  import jax.numpy as jnp
+
+  from bert_jax.analysis import heads
+  from bert_jax.models import FinetuneModel
+  config, model, params, ids, pack_ids, _ = tiny_classifier(kernels)
+  keep = np.ones((config.num_layers, config.num_heads), bool)
+  keep[0, [0, 2]] = keep[1, 3] = keep[2, [0, 1, 2]] = False
+  pruned_config, pruned_encoder = heads.prune_heads(config, params["encoder"], keep)
+  assert pruned_config.heads_per_layer == (2, 3, 1)
+  pruned = {"encoder": pruned_encoder, "head": params["head"]}
+  assert pruned_encoder["block_1"]["attention"]["query"]["kernel"].shape == (64, 3, 16)
+  assert pruned_encoder["block_2"]["attention"]["output"]["kernel"].shape == (1, 16, 64)
+  masked = model.apply({"params": params}, ids, pack_ids=pack_ids, head_mask=jnp.asarray(keep, jnp.float32))
+  got = FinetuneModel(pruned_config, "classification", num_labels=3).apply({"params": pruned}, ids, pack_ids=pack_ids)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(masked), atol=1e-5)
+  # Each of the 6 pruned heads takes its query, key and value kernels and biases and its output kernel rows.
+  assert heads.count_params(params) - heads.count_params(pruned) == 6 * (3 * (64 * 16 + 16) + 16 * 64)
+  assert pruned_config.num_params() == config.num_params() - 6 * (3 * (64 * 16 + 16) + 16 * 64)
+  with pytest.raises(ValueError, match="every head of layer"):
+    keep[1] = False
+    heads.prune_heads(config, params["encoder"], keep)
+
+
+def test_heads_per_layer_round_trips_through_json_and_checks_its_counts():
+  import dataclasses
+  import json
+
+  from bert_jax.models import ModelConfig, model_config
+  config = model_config("bert", "L3-H64", num_heads=4, heads_per_layer=[2, 4, 1])
+  assert config.heads_per_layer == (2, 4, 1) and config.layer_heads(2) == 1
+  assert ModelConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
+  with pytest.raises(ValueError, match="heads_per_layer"):
+    model_config("bert", "L3-H64", num_heads=4, heads_per_layer=[2, 5, 1])
