@@ -225,3 +225,95 @@ def test_heads_per_layer_round_trips_through_json_and_checks_its_counts():
   assert ModelConfig(**json.loads(json.dumps(dataclasses.asdict(config)))) == config
   with pytest.raises(ValueError, match="heads_per_layer"):
     model_config("bert", "L3-H64", num_heads=4, heads_per_layer=[2, 5, 1])
+
+
+# --- `bert-jax analyze` end to end on a tiny fine-tuned run -----------------------------------------------------
+
+WORDS = [f"w{i}" for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tiny_sst2_run(tmp_path_factory):
+  """A 2-layer, 4-head BERT fine-tuned on generated SST-2 ('good' -> 1, 'bad' -> 0), its data folder."""
+  import pathlib
+
+  import flax.linen as nn
+  import jax
+
+  from bert_jax.convert import save_pretrained
+  from bert_jax.models import Encoder, ModelConfig
+  from bert_jax.tasks import finetune as finetune_lib
+  from bert_jax.train import config_lib
+
+  root = tmp_path_factory.mktemp("analyze")
+  (root / "vocab").mkdir()
+  (root / "vocab" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",",
+                                                        "good", "bad", *WORDS]) + "\n")
+  config = ModelConfig(vocab_size=39, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                       max_position_embeddings=64)
+  params = nn.unbox(jax.jit(Encoder(config).init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"])
+  model = save_pretrained(root / "model", "bert", config, jax.tree.map(np.asarray, params), root / "vocab")
+  rng = np.random.default_rng(0)
+  (root / "glue" / "SST-2").mkdir(parents=True)
+  for split, count in (("train", 192), ("dev", 48)):
+    rows = ["sentence\tlabel"]
+    for _ in range(count):
+      label = int(rng.integers(2))
+      words = [str(w) for w in rng.choice(WORDS, 5)]
+      words.insert(int(rng.integers(6)), "good" if label else "bad")
+      rows.append(f"{' '.join(words)} .\t{label}")
+    (root / "glue" / "SST-2" / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  run_config = config_lib.load_config(str(repo / "configs/finetune/glue.py:task=sst2"), [
+      f"--config.init.model={model}", f"--config.data_dir={root / 'glue'}", "--config.train.batch_size=16",
+      "--config.train.eval_batch_size=16", "--config.max_len=16", "--config.optim.lr=3e-3", "--config.seeds=(1,)",
+      "--config.train.epochs=4", "--config.train.eval_every=end", "--config.train.log_every=100"])
+  finetune_lib.finetune(run_config, root / "run")
+  return root / "run", root / "glue"
+
+
+def test_analyze_writes_the_report_and_a_pruned_model_that_evaluate_reads(tiny_sst2_run, tmp_path, capsys):
+  import json
+
+  from bert_jax import cli
+  from bert_jax.tasks import finetune as finetune_lib
+  run, _ = tiny_sst2_run
+  out = tmp_path / "analysis"
+  assert cli.main(["analyze", "--model", str(run), "--out", str(out), "--step", "0.25", "--prune-fraction", "0.25",
+                   "--batch-size", "16"]) == 0
+  printed = capsys.readouterr().out
+  assert "heads: accuracy" in printed and "prune: 2 heads removed" in printed
+  report = (out / "report.md").read_text()
+  for section in ("## Attention patterns", "## Head importance and pruning", "## Pruned model"):
+    assert section in report
+  for figure in ("attention_patterns.png", "sentence_attention.png", "head_importance.png", "disable_one_head.png",
+                 "pruning_curve.png"):
+    assert (out / figure).stat().st_size > 1000 and f"]({figure})" in report
+  results = json.loads((out / "results.json").read_text())
+  heads = results["heads"]
+  assert heads["base_score"] > 80  # the run learned the task
+  assert [f for f, _ in heads["pruning_by_importance"]] == [0.0, 0.25, 0.5, 0.75]
+  assert heads["pruning_by_importance"][0][1] == heads["base_score"] == heads["pruning_random"][0][1]
+  assert np.shape(heads["importance"]) == np.shape(heads["disable_each"]) == (2, 4)
+  assert np.all(np.asarray(heads["importance"]) > 0)
+  prune = results["prune"]
+  assert prune["heads_removed"] == 2 and sum(prune["heads_per_layer"]) == 6
+  assert prune["params"][1] < prune["params"][0] and prune["max_output_difference"] < 1e-4
+  assert prune["pruned_score"] == prune["masked_score"]
+  rescored = finetune_lib.evaluate_run(out / "pruned_model")
+  assert rescored[1]["dev"]["accuracy"] == pytest.approx(prune["pruned_score"])
+
+
+def test_analyze_attention_only_on_a_model_directory_and_bad_requests(tiny_sst2_run, tmp_path, capsys):
+  from bert_jax import cli
+  run, _ = tiny_sst2_run
+  model = run.parent / "model"
+  text = tmp_path / "lines.txt"
+  text.write_text("w1 w2 good w3 .\nw4 , w5\tbad w6 .\n")
+  assert cli.main(["analyze", "--model", str(model), "--input", str(text), "--out", str(tmp_path / "a")]) == 0
+  assert "## Head importance" not in (tmp_path / "a" / "report.md").read_text()
+  assert cli.main(["analyze", "--model", str(model), "--out", str(tmp_path / "b")]) == 1
+  assert "pass --input FILE" in capsys.readouterr().err
+  assert cli.main(["analyze", "--model", str(model), "--input", str(text), "--out", str(tmp_path / "c"),
+                   "--only", "heads"]) == 1
+  assert "must be a fine-tuning workdir" in capsys.readouterr().err
