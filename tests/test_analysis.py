@@ -317,3 +317,14 @@ def test_analyze_attention_only_on_a_model_directory_and_bad_requests(tiny_sst2_
   assert cli.main(["analyze", "--model", str(model), "--input", str(text), "--out", str(tmp_path / "c"),
                    "--only", "heads"]) == 1
   assert "must be a fine-tuning workdir" in capsys.readouterr().err
+
+
+def test_attention_patterns_of_a_pruned_model_leave_its_missing_heads_blank(tiny_sst2_run, tmp_path):
+  from bert_jax.analysis import analyze
+  run, _ = tiny_sst2_run
+  pruned = tmp_path / "out" / "pruned_model"
+  analyze.main(["--model", str(run), "--out", str(tmp_path / "out"), "--only", "prune", "--prune-fraction", "0.25"])
+  results = analyze.analyze(analyze._parser().parse_args(["--model", str(pruned), "--out", str(tmp_path / "again"),
+                                                         "--only", "attention"]))
+  cls = np.array(results["attention"]["cls"], dtype=float)
+  assert np.isnan(cls).sum() == 2 and np.all(np.isfinite(cls[~np.isnan(cls)]))

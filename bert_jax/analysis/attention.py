@@ -69,14 +69,16 @@ def pattern_sums(probs_bhql: jax.Array, lengths_b: jax.Array, is_cls_bl: jax.Arr
 
 
 def attention_fn(config: ModelConfig):
-  """A jitted (params, ids [B, L], segments [B, L], lengths [B]) -> float32 [layers, B, heads, L, L]."""
+  """A jitted (params, ids [B, L], segments [B, L], lengths [B]) -> float32 [layers, B, heads, L, L]; the heads a
+  pruned layer lacks (`ModelConfig.heads_per_layer`) are zeros."""
   encoder = Encoder(config)
 
   @jax.jit
   def attentions(params, ids_bl, segments_bl, lengths_b):
     pack_ids_bl = (jnp.arange(ids_bl.shape[1])[None, :] < lengths_b[:, None]).astype(jnp.int32)
     outputs = encoder.apply({"params": params}, ids_bl, segments_bl, pack_ids=pack_ids_bl, output_attentions=True)
-    return jnp.stack(outputs["attentions"]).astype(jnp.float32)
+    pad = lambda probs: ((0, 0), (0, config.num_heads - probs.shape[1]), (0, 0), (0, 0))  # noqa: E731
+    return jnp.stack([jnp.pad(probs.astype(jnp.float32), pad(probs)) for probs in outputs["attentions"]])
 
   return attentions
 
@@ -103,7 +105,8 @@ def attention_patterns(config: ModelConfig, params: Any, encoded: Sequence[tuple
                        cls_id: int, sep_id: int, punct_v: np.ndarray, max_len: int,
                        batch_size: int = 16) -> dict[str, np.ndarray]:
   """{pattern: float [layers, heads]} means over every real query token of `encoded` ((ids, segments) lines with
-  special tokens, as `features.encode_line` makes them), and "tokens": the query tokens counted."""
+  special tokens, as `features.encode_line` makes them; NaN for heads a pruned layer lacks), and "tokens": the
+  query tokens counted."""
   attentions = attention_fn(config)
 
   @jax.jit
@@ -120,6 +123,8 @@ def attention_patterns(config: ModelConfig, params: Any, encoded: Sequence[tuple
     sums += np.asarray(batch_sums_khp, np.float64)
     counts += np.asarray(batch_counts_kp[0], np.float64)
   means = sums / np.maximum(counts, 1)
+  for layer in range(config.num_layers):
+    means[layer, config.layer_heads(layer):] = np.nan  # heads pruned away
   result = {name: means[..., index] for index, name in enumerate(PATTERNS)}
   result["tokens"] = np.array(int(counts[0]))
   return result
@@ -140,13 +145,13 @@ def patterns_markdown(patterns: dict[str, np.ndarray], lines: int) -> str:
          "Per layer (mean over heads):", "",
          "| layer | " + " | ".join(PATTERNS) + " |", "|---" * (len(PATTERNS) + 1) + "|"]
   for layer in range(layers):
-    out.append(f"| {layer + 1} | " + " | ".join(f"{patterns[p][layer].mean():.3f}" for p in PATTERNS) + " |")
+    out.append(f"| {layer + 1} | " + " | ".join(f"{np.nanmean(patterns[p][layer]):.3f}" for p in PATTERNS) + " |")
   out += ["", "Strongest head per pattern (layer-head, 1-based):", ""]
   for pattern in PATTERNS:
     values = patterns[pattern]
-    layer, head = np.unravel_index(np.argmax(values), values.shape)
+    layer, head = np.unravel_index(np.nanargmax(values), values.shape)
     above = int(np.sum(values > 0.5)) if pattern != "entropy" else None
-    extra = f"; heads above 0.5: {above} of {values.size}" if above is not None else ""
+    extra = f"; heads above 0.5: {above} of {int(np.sum(~np.isnan(values)))}" if above is not None else ""
     out.append(f"- {PATTERN_TITLES[pattern]}: {layer + 1}-{head + 1} ({values[layer, head]:.3f}){extra}")
   for pattern in PATTERNS:
     out += ["", f"### {PATTERN_TITLES[pattern]}", "",
@@ -159,9 +164,9 @@ def patterns_markdown(patterns: dict[str, np.ndarray], lines: int) -> str:
 def patterns_summary(patterns: dict[str, np.ndarray]) -> str:
   """A few printed lines: each pattern's per-layer means."""
   layers = patterns["cls"].shape[0]
-  lines = ["attention (mean over heads) by layer " + " ".join(f"{layer + 1:>6}" for layer in range(layers))]
+  lines = ["attention, mean over heads; layer" + "".join(f"{layer + 1:>7}" for layer in range(layers))]
   for pattern in PATTERNS:
-    lines.append(f"  {pattern:<35}" + " ".join(f"{v:6.3f}" for v in patterns[pattern].mean(axis=1)))
+    lines.append(f"  {pattern:<31}" + "".join(f"{v:7.3f}" for v in np.nanmean(patterns[pattern], axis=1)))
   return "\n".join(lines)
 
 
@@ -175,17 +180,21 @@ def write_figures(patterns: dict[str, np.ndarray], sentence_maps: np.ndarray | N
 
   written = []
   layers, heads = patterns["cls"].shape
-  fig, axes = plt.subplots(1, len(PATTERNS), figsize=(2.2 + 0.28 * heads * len(PATTERNS), 1.2 + 0.35 * layers),
+  columns = 4
+  rows = -(-len(PATTERNS) // columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(columns * (1.2 + 0.3 * heads), rows * (1.0 + 0.35 * layers)),
                            squeeze=False)
-  for axis, pattern in zip(axes[0], PATTERNS):
+  for axis in axes.ravel()[len(PATTERNS):]:
+    axis.axis("off")
+  for axis, pattern in zip(axes.ravel(), PATTERNS):
     values = patterns[pattern]
     image = axis.imshow(values, cmap="viridis", vmin=0, vmax=None if pattern == "entropy" else 1, aspect="auto")
     axis.set_title(pattern)
-    axis.set_xlabel("head")
+    axis.set_xlabel("head", fontsize=7)
+    axis.set_ylabel("layer", fontsize=7)
     axis.set_xticks(range(heads), [str(h + 1) for h in range(heads)], fontsize=6)
     axis.set_yticks(range(layers), [str(layer + 1) for layer in range(layers)], fontsize=6)
     fig.colorbar(image, ax=axis, fraction=0.05)
-  axes[0][0].set_ylabel("layer")
   fig.tight_layout()
   path = out_dir / "attention_patterns.png"
   fig.savefig(path, dpi=110)
