@@ -284,10 +284,11 @@ def test_analyze_writes_the_report_and_a_pruned_model_that_evaluate_reads(tiny_s
   printed = capsys.readouterr().out
   assert "heads: accuracy" in printed and "prune: 2 heads removed" in printed
   report = (out / "report.md").read_text()
-  for section in ("## Attention patterns", "## Head importance and pruning", "## Pruned model"):
+  for section in ("## Attention patterns", "## Effective attention", "## Head importance and pruning",
+                  "## Pruned model"):
     assert section in report
-  for figure in ("attention_patterns.png", "sentence_attention.png", "head_importance.png", "disable_one_head.png",
-                 "pruning_curve.png"):
+  for figure in ("attention_patterns.png", "sentence_attention.png", "effective_attention.png", "head_importance.png",
+                 "disable_one_head.png", "pruning_curve.png"):
     assert (out / figure).stat().st_size > 1000 and f"]({figure})" in report
   results = json.loads((out / "results.json").read_text())
   heads = results["heads"]
@@ -328,3 +329,47 @@ def test_attention_patterns_of_a_pruned_model_leave_its_missing_heads_blank(tiny
                                                          "--only", "attention"]))
   cls = np.array(results["attention"]["cls"], dtype=float)
   assert np.isnan(cls).sum() == 2 and np.all(np.isfinite(cls[~np.isnan(cls)]))
+
+
+# --- effective attention -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_effective_attention_leaves_the_layer_output_unchanged(norm):
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from bert_jax.analysis import effective
+  from bert_jax.models import Encoder, ModelConfig
+  from bert_jax.models.encoder import SelfAttention
+  config = ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                       max_position_embeddings=64, kernels="off", norm=norm, initializer_range=0.3)
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 50, (1, 24)), jnp.int32)
+  params = nn.unbox(Encoder(config).init(jax.random.key(0), ids)["params"])
+  outputs = Encoder(config).apply({"params": params}, ids, output_attentions=True, output_hidden_states=True)
+  positions = jnp.arange(24)[None]
+  for layer in range(config.num_layers):
+    block = params[f"block_{layer}"]
+    x = outputs["hidden_states"][layer]
+    if norm == "pre":
+      x = nn.LayerNorm(config.layer_norm_eps, use_fast_variance=False).apply({"params": block["attention_norm"]}, x)
+    expected, _ = SelfAttention(config).apply({"params": block["attention"]}, x, None, positions, False, True, False)
+    probs = np.asarray(outputs["attentions"][layer][0], np.float64)
+    transforms = effective.value_output_transforms(config, params, np.asarray(outputs["hidden_states"][layer][0]),
+                                                   layer)
+    effective_hqk = effective.effective_attention(probs, transforms)
+    # 24 keys, head size 8: a 16-dimensional null space per head that effective attention removes.
+    assert np.abs(effective_hqk - probs).max() > 1e-2
+    bias = np.asarray(block["attention"]["output"]["bias"])
+    np.testing.assert_allclose(np.einsum("hqk,hke->qe", effective_hqk, transforms) + bias, np.asarray(expected[0]),
+                               atol=1e-4)
+    np.testing.assert_allclose(np.einsum("hqk,hke->qe", probs, transforms) + bias, np.asarray(expected[0]), atol=1e-4)
+
+
+def test_effective_attention_of_a_short_line_is_the_raw_attention():
+  from bert_jax.analysis import effective
+  rng = np.random.default_rng(0)
+  probs = rng.dirichlet(np.ones(5), size=(2, 5))
+  transforms = rng.normal(size=(2, 5, 12))  # full row rank: no null space
+  np.testing.assert_allclose(effective.effective_attention(probs, transforms), probs, atol=1e-10)

@@ -9,6 +9,9 @@ Analyses (--only picks some; default every one the model allows):
   attention  attention to [CLS], [SEP], punctuation, the previous / next token and the token itself, and the
              attention entropy, per layer and head (Clark et al. 2019), on --input (one line per sentence, or
              two sentences separated by a tab) or a fine-tuning run's dev examples; the maps of --sentence.
+  effective  effective attention (Brunner et al. 2020): the attention without its component in the left null
+             space of each head's value-output transform, on the same lines; its correlation with the raw
+             attention against the line length, and raw against effective attention to each token type.
   heads      fine-tuning runs: head importance I_h = E|dL/dxi_h| on the task's dev data, the score with each
              head disabled alone, with one head kept per layer, and the iterative-pruning curve by importance
              and in random order (Michel et al. 2019).
@@ -32,7 +35,8 @@ import numpy as np
 from bert_jax.analysis import attention as attention_lib
 from bert_jax.analysis import heads as heads_lib
 
-ANALYSES = ("attention", "heads", "prune")
+ANALYSES = ("attention", "effective", "heads", "prune")
+TEXT_ANALYSES = ("attention", "effective")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,10 +45,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--model", required=True, help="model directory, pre-training or fine-tuning workdir")
   parser.add_argument("--out", required=True, help="output folder (report.md, results.json, figures)")
   parser.add_argument("--only", help=f"comma-separated subset of {','.join(ANALYSES)}")
-  parser.add_argument("--input", help="attention: text file, a sentence (or two, tab-separated) per line")
+  parser.add_argument("--input", help="attention, effective: text file, a sentence (or two, tab-separated) per line")
   parser.add_argument("--sentence", help="attention: the line whose maps are drawn (default: the first line)")
-  parser.add_argument("--max-lines", type=int, default=256, help="attention: lines read from the input")
-  parser.add_argument("--max-len", type=int, default=128, help="attention: tokens per line")
+  parser.add_argument("--max-lines", type=int, default=256, help="attention, effective: lines read from the input")
+  parser.add_argument("--max-len", type=int, default=128, help="attention, effective: tokens per line")
   parser.add_argument("--data-dir", help="heads, prune: the task's data (default: the run's config.data_dir)")
   parser.add_argument("--max-examples", type=int, help="heads, prune: the first N dev examples (default all)")
   parser.add_argument("--batch-size", type=int, default=32)
@@ -61,7 +65,7 @@ def _is_finetune_run(path: pathlib.Path) -> bool:
 
 def _chosen(args, finetune_run: bool) -> list[str]:
   if args.only is None:
-    return list(ANALYSES) if finetune_run else ["attention"]
+    return list(ANALYSES) if finetune_run else list(TEXT_ANALYSES)
   chosen = [name.strip() for name in args.only.split(",") if name.strip()]
   unknown = [name for name in chosen if name not in ANALYSES]
   if unknown or not chosen:
@@ -88,20 +92,39 @@ def _attention_lines(args, model: pathlib.Path) -> list[str]:
   return lines
 
 
-def run_attention(args, out: pathlib.Path) -> tuple[str, str, dict[str, Any]]:
-  """The attention section: (Markdown, printed summary, results)."""
+@dataclasses.dataclass
+class TextModel:
+  """The encoder and the encoded lines that the text analyses read."""
+
+  initial: Any  # `finetune_model.InitialModel`
+  lines: list[str]
+  encoded: list[tuple[list[int], list[int]]]
+  max_len: int
+  vocab: list[str]
+
+
+def load_text_model(args) -> TextModel:
   from bert_jax.analysis.features import encode_line  # noqa: PLC0415
   from bert_jax.tasks.finetune_model import load_initial_model  # noqa: PLC0415
 
   model = pathlib.Path(args.model)
   lines = _attention_lines(args, model)
   initial = load_initial_model(model)
-  config, params, tokenizer = initial.config, initial.params["encoder"], initial.tokenizer
+  config = initial.config
   max_len = min(args.max_len, config.max_position_embeddings - config.position_offset)
-  encoded = [encode_line(tokenizer, initial.family, line, max_len) for line in lines]
-  vocab = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
-  patterns = attention_lib.attention_patterns(config, params, encoded, tokenizer.cls_id, tokenizer.sep_id,
-                                              attention_lib.punctuation_ids(vocab), max_len, args.batch_size)
+  encoded = [encode_line(initial.tokenizer, initial.family, line, max_len) for line in lines]
+  return TextModel(initial, lines, encoded, max_len,
+                   initial.tokenizer.convert_ids_to_tokens(list(range(config.vocab_size))))
+
+
+def run_attention(text: TextModel, args, out: pathlib.Path) -> tuple[str, str, dict[str, Any]]:
+  """The attention section: (Markdown, printed summary, results)."""
+  from bert_jax.analysis.features import encode_line  # noqa: PLC0415
+
+  initial, lines, max_len = text.initial, text.lines, text.max_len
+  config, params, tokenizer = initial.config, initial.params["encoder"], initial.tokenizer
+  patterns = attention_lib.attention_patterns(config, params, text.encoded, tokenizer.cls_id, tokenizer.sep_id,
+                                              attention_lib.punctuation_ids(text.vocab), max_len, args.batch_size)
   sentence = args.sentence or lines[0]
   ids, segments = encode_line(tokenizer, initial.family, sentence, max_len)
   maps = attention_lib.sentence_attention(config, params, ids, segments)
@@ -114,6 +137,22 @@ def run_attention(args, out: pathlib.Path) -> tuple[str, str, dict[str, Any]]:
   results = {name: patterns[name].tolist() for name in attention_lib.PATTERNS}
   results.update(lines=len(lines), tokens=int(patterns["tokens"]))
   return markdown, attention_lib.patterns_summary(patterns), results
+
+
+def run_effective(text: TextModel, args, out: pathlib.Path) -> tuple[str, str, dict[str, Any]]:
+  """The effective-attention section: (Markdown, printed summary, results)."""
+  from bert_jax.analysis import effective  # noqa: PLC0415
+
+  config, tokenizer = text.initial.config, text.initial.tokenizer
+  cls_token, sep_token = tokenizer.convert_ids_to_tokens([tokenizer.cls_id, tokenizer.sep_id])
+  types = effective.token_types(text.vocab, cls_token, sep_token, attention_lib.punctuation_ids(text.vocab))
+  stats = effective.effective_attention_stats(config, text.initial.params["encoder"], text.encoded, types,
+                                              text.max_len, args.batch_size)
+  effective.write_figure(stats, out)
+  markdown, summary = effective.effective_markdown(stats, config.head_dim)
+  results = {"correlations": stats["correlations"], "raw": stats["raw"].tolist(),
+             "effective": stats["effective"].tolist(), "token_types": list(effective.TOKEN_TYPES)}
+  return markdown, summary, results
 
 
 def _percent_kept(score: float, base: float) -> str:
@@ -254,10 +293,15 @@ def analyze(args) -> dict[str, Any]:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   sections, summaries, results = [f"# Analysis of `{args.model}`", ""], [], {}
-  if "attention" in chosen:
-    markdown, summary, results["attention"] = run_attention(args, out)
-    sections.append(markdown)
-    summaries.append(summary)
+  text = load_text_model(args) if set(chosen) & set(TEXT_ANALYSES) else None
+  if text is not None and args.only is None and (text.initial.config.heads_per_layer
+                                                 or text.initial.config.num_shared_groups):
+    chosen.remove("effective")  # it reads each layer's own, unpruned projections
+  for name, run in (("attention", run_attention), ("effective", run_effective)):
+    if name in chosen:
+      markdown, summary, results[name] = run(text, args, out)
+      sections.append(markdown)
+      summaries.append(summary)
   if set(chosen) & {"heads", "prune"}:
     data = heads_lib.load_task_data(model, args.data_dir, args.max_examples, args.batch_size)
     curve_masks: dict[float, np.ndarray] = {}
