@@ -315,6 +315,16 @@ def test_analyze_attention_only_on_a_model_directory_and_bad_requests(tiny_sst2_
   assert "## Head importance" not in (tmp_path / "a" / "report.md").read_text()
   assert cli.main(["analyze", "--model", str(model), "--out", str(tmp_path / "b")]) == 1
   assert "pass --input FILE" in capsys.readouterr().err
+  conll = tmp_path / "conll"
+  conll.mkdir()
+  for name in ("eng.train", "eng.testa"):
+    rows = ["-DOCSTART- -X- O O", ""]
+    for index in range(12):
+      rows += [f"w{index % 5} NN I-NP O", f"good JJ I-NP I-PER", ". . O O", ""]
+    (conll / name).write_text("\n".join(rows) + "\n")
+  assert cli.main(["analyze", "--model", str(model), "--out", str(tmp_path / "p"), "--only", "probe",
+                   "--conll-dir", str(conll), "--probe-steps", "20"]) == 0
+  assert "probes: best layer pos" in capsys.readouterr().out and (tmp_path / "p" / "probes.png").exists()
   assert cli.main(["analyze", "--model", str(model), "--input", str(text), "--out", str(tmp_path / "c"),
                    "--only", "heads"]) == 1
   assert "must be a fine-tuning workdir" in capsys.readouterr().err
@@ -373,3 +383,33 @@ def test_effective_attention_of_a_short_line_is_the_raw_attention():
   probs = rng.dirichlet(np.ones(5), size=(2, 5))
   transforms = rng.normal(size=(2, 5, 12))  # full row rank: no null space
   np.testing.assert_allclose(effective.effective_attention(probs, transforms), probs, atol=1e-10)
+
+
+# --- layer-wise probing --------------------------------------------------------------------------------------------
+
+
+def test_probes_on_random_features_stay_near_chance_and_learn_informative_ones():
+  from bert_jax.analysis import probe
+  rng = np.random.default_rng(0)
+  labels = [str(label) for label in rng.integers(0, 4, 1200)]
+  noise = rng.normal(size=(1200, 2, 32)).astype(np.float32)
+  informative = noise.copy()
+  informative[:, 1, :4] += 3 * np.eye(4)[[int(label) for label in labels]]  # layer 1 carries the tag
+  results = probe.probe_layers(informative[:800], labels[:800], informative[800:], labels[800:], steps=200)
+  assert results["classes"] == 4 and 20 <= results["majority"] <= 32
+  assert abs(results["accuracy"][0] - 25) < 8  # random features: chance is 25%
+  assert results["accuracy"][1] > 90
+
+
+def test_probes_read_the_conll_columns(minilm, shared_data, tmp_path):
+  from bert_jax.analysis import probe
+  family, config, params, tokenizer = minilm
+  del family
+  results = probe.run_probes(config, params, tokenizer, shared_data / "conll2003", 40, 20, max_len=64, steps=100)
+  assert results["train_words"] > 300 and len(results["pos"]["accuracy"]) == config.num_layers + 1
+  for task in ("pos", "chunk"):  # NER's majority tag (O) is hard to beat from a few dozen sentences
+    assert max(results[task]["accuracy"]) > results[task]["majority"] + 20
+  assert max(results["ner"]["accuracy"]) >= results["ner"]["majority"] - 5
+  markdown, summary = probe.probe_markdown(results)
+  assert "| pos |" in markdown and summary.startswith("probes: best layer pos")
+  assert probe.write_figure(results, tmp_path).stat().st_size > 1000

@@ -15,6 +15,8 @@ Analyses (--only picks some; default every one the model allows):
   heads      fine-tuning runs: head importance I_h = E|dL/dxi_h| on the task's dev data, the score with each
              head disabled alone, with one head kept per layer, and the iterative-pruning curve by importance
              and in random order (Michel et al. 2019).
+  probe      with --conll-dir: linear probes on every layer's frozen features for part-of-speech, chunk and
+             named-entity tags (Tenney et al. 2019; Liu et al. 2019), trained on eng.train, scored on eng.testa.
   prune      fine-tuning runs: the heads of the importance curve at --prune-fraction removed from the weights,
              saved as a fine-tuning workdir (OUT/pruned_model, which `bert-jax evaluate` reads), its parameters
              and measured inference time against the unpruned model.
@@ -35,7 +37,7 @@ import numpy as np
 from bert_jax.analysis import attention as attention_lib
 from bert_jax.analysis import heads as heads_lib
 
-ANALYSES = ("attention", "effective", "heads", "prune")
+ANALYSES = ("attention", "effective", "heads", "prune", "probe")
 TEXT_ANALYSES = ("attention", "effective")
 
 
@@ -55,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--step", type=float, default=0.1, help="heads: pruning-curve step, a fraction of the heads")
   parser.add_argument("--prune-fraction", type=float, default=0.4, help="prune: fraction of the heads removed")
   parser.add_argument("--seed", type=int, default=0, help="heads: the random pruning order")
+  parser.add_argument("--conll-dir", help="probe: CoNLL-2003 folder with eng.train and eng.testa")
+  parser.add_argument("--probe-train-sentences", type=int, default=2000, help="probe: eng.train sentences used")
+  parser.add_argument("--probe-test-sentences", type=int, default=500, help="probe: eng.testa sentences scored")
+  parser.add_argument("--probe-steps", type=int, default=300, help="probe: full-batch optimiser steps per probe")
   return parser
 
 
@@ -65,7 +71,8 @@ def _is_finetune_run(path: pathlib.Path) -> bool:
 
 def _chosen(args, finetune_run: bool) -> list[str]:
   if args.only is None:
-    return list(ANALYSES) if finetune_run else list(TEXT_ANALYSES)
+    chosen = list(ANALYSES) if finetune_run else list(TEXT_ANALYSES)
+    return [name for name in chosen if name != "probe"] + (["probe"] if args.conll_dir else [])
   chosen = [name.strip() for name in args.only.split(",") if name.strip()]
   unknown = [name for name in chosen if name not in ANALYSES]
   if unknown or not chosen:
@@ -73,6 +80,8 @@ def _chosen(args, finetune_run: bool) -> list[str]:
   if not finetune_run and set(chosen) & {"heads", "prune"}:
     raise ValueError(f"--only {args.only}: heads and prune score a task, so --model must be a fine-tuning workdir "
                      f"(finetune_run.json); {args.model} is not one")
+  if "probe" in chosen and not args.conll_dir:
+    raise ValueError("probe needs --conll-dir, the CoNLL-2003 folder with eng.train and eng.testa")
   return chosen
 
 
@@ -152,6 +161,22 @@ def run_effective(text: TextModel, args, out: pathlib.Path) -> tuple[str, str, d
   markdown, summary = effective.effective_markdown(stats, config.head_dim)
   results = {"correlations": stats["correlations"], "raw": stats["raw"].tolist(),
              "effective": stats["effective"].tolist(), "token_types": list(effective.TOKEN_TYPES)}
+  return markdown, summary, results
+
+
+def run_probe(args, out: pathlib.Path) -> tuple[str, str, dict[str, Any]]:
+  """The probing section: (Markdown, printed summary, results)."""
+  from bert_jax.analysis import probe  # noqa: PLC0415
+  from bert_jax.tasks.finetune_model import load_initial_model  # noqa: PLC0415
+
+  initial = load_initial_model(pathlib.Path(args.model))
+  config = initial.config
+  max_len = min(args.max_len, config.max_position_embeddings - config.position_offset)
+  results = probe.run_probes(config, initial.params["encoder"], initial.tokenizer, args.conll_dir,
+                             args.probe_train_sentences, args.probe_test_sentences, max_len, args.batch_size,
+                             args.probe_steps)
+  probe.write_figure(results, out)
+  markdown, summary = probe.probe_markdown(results)
   return markdown, summary, results
 
 
@@ -318,6 +343,10 @@ def analyze(args) -> dict[str, Any]:
       markdown, summary, results["prune"] = run_prune(data, np.asarray(keep_lh) > 0, args, out)
       sections.append(markdown)
       summaries.append(summary)
+  if "probe" in chosen:
+    markdown, summary, results["probe"] = run_probe(args, out)
+    sections.append(markdown)
+    summaries.append(summary)
   (out / "report.md").write_text("\n\n".join(sections) + "\n")
   (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
   print("\n".join(summaries) + f"\nreport: {out / 'report.md'}")
