@@ -35,21 +35,26 @@ def value_output_transforms(config: ModelConfig, encoder: Any, hidden_lth: np.nd
     norm = encoder[f"block_{layer}"]["attention_norm"]
     mean, var = x_th.mean(-1, keepdims=True), x_th.var(-1, keepdims=True)
     x_th = (x_th - mean) / np.sqrt(var + config.layer_norm_eps) * norm["scale"] + norm["bias"]
-  values_thd = np.einsum("te,ehd->thd", x_th, np.asarray(attention["value"]["kernel"], np.float64))
+  value_ehd = np.asarray(attention["value"]["kernel"], np.float64)
+  heads, head_dim = value_ehd.shape[1:]
+  values_thd = (x_th @ value_ehd.reshape(len(value_ehd), -1)).reshape(len(x_th), heads, head_dim)
   values_thd += np.asarray(attention["value"]["bias"], np.float64)
-  return np.einsum("thd,hde->hte", values_thd, np.asarray(attention["output"]["kernel"], np.float64))
+  return np.matmul(values_thd.transpose(1, 0, 2), np.asarray(attention["output"]["kernel"], np.float64))
 
 
 def effective_attention(probs_hqk: np.ndarray, transforms_hke: np.ndarray) -> np.ndarray:
   """A P per head: the attention [heads, Q, K] without its component in the left null space of each head's
-  transform [heads, K, H]."""
-  out = np.empty(probs_hqk.shape, np.float64)
-  for head, (probs, transform) in enumerate(zip(probs_hqk, transforms_hke)):
-    u, s, _ = np.linalg.svd(transform, full_matrices=False)
-    rank = int(np.sum(s > s.max(initial=0.0) * max(transform.shape) * np.finfo(np.float32).eps))
-    basis = u[:, :rank]
-    out[head] = (probs @ basis) @ basis.T
-  return out
+  transform [heads, K, H].
+
+  P = U U^T, U the eigenvectors of T T^T [K, K] whose eigenvalues (the squared singular values of T) are above
+  the rank threshold: one small batched eigendecomposition instead of an SVD of every [K, H] transform.
+  """
+  gram_hkk = np.matmul(transforms_hke, transforms_hke.transpose(0, 2, 1))
+  eigenvalues_hk, vectors_hkk = np.linalg.eigh(gram_hkk)
+  singular_hk = np.sqrt(np.maximum(eigenvalues_hk, 0.0))
+  threshold_h1 = singular_hk.max(-1, keepdims=True) * max(transforms_hke.shape[1:]) * np.finfo(np.float32).eps
+  basis_hkk = vectors_hkk * (singular_hk > threshold_h1)[:, None, :]  # the null space's eigenvectors zeroed
+  return np.matmul(np.matmul(probs_hqk, basis_hkk), basis_hkk.transpose(0, 2, 1))
 
 
 def _pearson(a: np.ndarray, b: np.ndarray) -> float:

@@ -72,7 +72,8 @@ class TaskData:
       batch["seed"] = np.zeros(self.batch_size, np.int32)
       yield len(rows), batch
 
-  def _step(self, name: str):
+  def jitted(self, name: str):
+    """The compiled "predict" (params, batch, head_mask) or "gradient_sums" (the same) function."""
     if name not in self._steps:
       objective = self.objective
 
@@ -99,7 +100,7 @@ class TaskData:
   def outputs(self, head_mask: np.ndarray | None = None, params: Params | None = None) -> np.ndarray:
     """The head's raw outputs for every row under `head_mask` (None: all ones)."""
     head_mask = self.ones() if head_mask is None else np.asarray(head_mask, np.float32)
-    predict = self._step("predict")
+    predict = self.jitted("predict")
     params = self.params if params is None else params
     pending = [(count, predict(params, batch, head_mask)) for count, batch in self.batches()]
     return np.concatenate([np.asarray(out)[:count] for count, out in pending])
@@ -114,7 +115,7 @@ class TaskData:
 def head_importance(data: TaskData, head_mask: np.ndarray | None = None) -> np.ndarray:
   """I_h = mean over the examples of |dL(x)/dxi_h| at `head_mask` (None: all ones): float [layers, heads]."""
   head_mask = data.ones() if head_mask is None else np.asarray(head_mask, np.float32)
-  gradient_sums = data._step("gradient_sums")  # pylint: disable=protected-access
+  gradient_sums = data.jitted("gradient_sums")
   total = sum(np.asarray(gradient_sums(data.params, batch, head_mask), np.float64) for _, batch in data.batches())
   return total / data.num_rows
 
