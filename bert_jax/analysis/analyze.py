@@ -317,7 +317,7 @@ def analyze(args) -> dict[str, Any]:
     raise ValueError(f"--step {args.step}: give a fraction in (0, 1), e.g. 0.1")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  sections, summaries, results = [f"# Analysis of `{args.model}`", ""], [], {}
+  sections, summaries, results = [f"# Analysis of `{args.model}`"], [], {}
   text = load_text_model(args) if set(chosen) & set(TEXT_ANALYSES) else None
   if text is not None and args.only is None and (text.initial.config.heads_per_layer
                                                  or text.initial.config.num_shared_groups):
