@@ -206,9 +206,9 @@ class ModelConfig:
     """
     H, E, F, L = self.hidden_size, self.embed_dim, self.intermediate_size, self.num_layers
     ffn_matmul = (3 if self.ffn == "geglu" else 2) * H * F
-    per_layer = 4 * H * H + ffn_matmul
-    matmul = L * per_layer + (E * H if E != H else 0)
-    attention = 2 * L * seq_len * H  # QK^T and PV, forward, per token
+    attention_width = sum(self.layer_heads(layer) * self.head_dim for layer in range(L))  # H per unpruned layer
+    matmul = 4 * H * attention_width + L * ffn_matmul + (E * H if E != H else 0)
+    attention = 2 * seq_len * attention_width  # QK^T and PV, forward, per token
     head = predictions_per_token * (H * E + E * self.vocab_size)
     return 6 * (matmul + head) + 6 * attention
 
