@@ -328,6 +328,9 @@ def test_analyze_attention_only_on_a_model_directory_and_bad_requests(tiny_sst2_
   assert cli.main(["analyze", "--model", str(model), "--input", str(text), "--out", str(tmp_path / "c"),
                    "--only", "heads"]) == 1
   assert "must be a fine-tuning workdir" in capsys.readouterr().err
+  assert cli.main(["analyze", "--model", str(run), "--out", str(tmp_path / "d"), "--only", "heads",
+                   "--metric", "f1"]) == 1
+  assert "--metric 'f1': glue/sst2 reports accuracy" in capsys.readouterr().err
 
 
 def test_attention_patterns_of_a_pruned_model_leave_its_missing_heads_blank(tiny_sst2_run, tmp_path):

@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--max-len", type=int, default=128, help="attention, effective: tokens per line")
   parser.add_argument("--data-dir", help="heads, prune: the task's data (default: the run's config.data_dir)")
   parser.add_argument("--max-examples", type=int, help="heads, prune: the first N dev examples (default all)")
+  parser.add_argument("--metric", help="heads, prune: the score (default: the task's selection metric)")
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--step", type=float, default=0.1, help="heads: pruning-curve step, a fraction of the heads")
   parser.add_argument("--prune-fraction", type=float, default=0.4, help="prune: fraction of the heads removed")
@@ -193,7 +194,7 @@ def run_heads(data: heads_lib.TaskData, args, out: pathlib.Path) -> tuple[str, s
   fractions = [round(step * args.step, 6) for step in range(int(round(1 / args.step)))]
   by_importance = heads_lib.pruning_curve(data, fractions, "importance")
   by_random = heads_lib.pruning_curve(data, fractions, "random", args.seed)
-  metric = data.task.selection_metric
+  metric = data.metric or data.task.selection_metric
   figures = write_head_figures(importance, disabled, base, by_importance, by_random, metric, out)
   layers = data.config.num_layers
   lines = ["## Head importance and pruning", "",
@@ -286,7 +287,7 @@ def run_prune(data: heads_lib.TaskData, keep_lh: np.ndarray, args, out: pathlib.
   sizes = heads_lib.count_params(data.params), heads_lib.count_params(params)
   encoder_sizes = data.config.num_params(), config.num_params()
   removed = int(np.sum(~keep_lh))
-  metric = data.task.selection_metric
+  metric = data.metric or data.task.selection_metric
   lines = ["## Pruned model", "",
            f"{removed} of {keep_lh.size} heads removed (the importance curve at {100 * args.prune_fraction:.0f}%); "
            f"heads per layer {list(config.heads_per_layer)}; saved to `pruned_model/` "
@@ -328,7 +329,7 @@ def analyze(args) -> dict[str, Any]:
       sections.append(markdown)
       summaries.append(summary)
   if set(chosen) & {"heads", "prune"}:
-    data = heads_lib.load_task_data(model, args.data_dir, args.max_examples, args.batch_size)
+    data = heads_lib.load_task_data(model, args.data_dir, args.max_examples, args.batch_size, args.metric)
     curve_masks: dict[float, np.ndarray] = {}
     if "heads" in chosen:
       markdown, summary, results["heads"] = run_heads(data, args, out)

@@ -11,7 +11,7 @@ gate before the output projection; ones give the model's outputs). On a task's d
   prune_heads         the heads removed from the weights: smaller query/key/value/output projections and
                       `ModelConfig.heads_per_layer`, a model that runs without a mask
 
-The score is the task's selection metric (`Task.selection_metric`, e.g. MRPC's F1 x 100).
+The score is one of the task's metrics (`TaskData.metric`; by default its selection metric, e.g. MRPC's F1).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class TaskData:
     examples: the examples scored.
     features: their feature arrays, rows padded to one length.
     batch_size: rows per device batch (the last batch is padded with weight-0 rows).
+    metric: the metric `score` reports; None: the task's selection metric.
   """
 
   config: ModelConfig
@@ -55,6 +56,7 @@ class TaskData:
   examples: list[Any]
   features: dict[str, np.ndarray]
   batch_size: int = 32
+  metric: str | None = None
   _steps: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
@@ -109,7 +111,7 @@ class TaskData:
     return self.task.evaluate(self.outputs(head_mask), self.features, self.examples)
 
   def score(self, head_mask: np.ndarray | None = None) -> float:
-    return float(self.metrics(head_mask)[self.task.selection_metric])
+    return float(self.metrics(head_mask)[self.metric or self.task.selection_metric])
 
 
 def head_importance(data: TaskData, head_mask: np.ndarray | None = None) -> np.ndarray:
@@ -237,9 +239,9 @@ def save_pruned_run(run_dir: pathlib.Path, out_dir: pathlib.Path, config: ModelC
 
 
 def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max_examples: int | None = None,
-                   batch_size: int = 32) -> TaskData:
+                   batch_size: int = 32, metric: str | None = None) -> TaskData:
   """A fine-tuning workdir's best seed and the first `max_examples` (None: all) of its task's first dev split,
-  read from `data_dir` (None: the run's config.data_dir)."""
+  read from `data_dir` (None: the run's config.data_dir), scored by `metric` (None: the selection metric)."""
   import ml_collections  # noqa: PLC0415
 
   from bert_jax.data.tokenizers import load_tokenizer  # noqa: PLC0415
@@ -258,6 +260,8 @@ def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max
     raise ValueError(f"{workdir} is a feature-based run (frozen encoder, config.feature_based.layers): its heads "
                      "are not gated; analyse a fully fine-tuned run")
   task = get_task(config.task, **config.task_options.to_dict())
+  if metric is not None and metric not in task.metric_names:
+    raise ValueError(f"--metric {metric!r}: {task.name} reports {', '.join(task.metric_names)}")
   model_config = ModelConfig(**run_info["model_config"])
   examples = load_split(task, data_dir or config.data_dir, task.eval_splits[0])[:max_examples]
   if not examples:
@@ -267,4 +271,4 @@ def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max
   objective = FinetuneObjective(build_model(model_config, task.kind, task.num_labels), task.kind,
                                 single_token_type=model_config.type_vocab_size == 1, num_choices=task.num_choices)
   _, params = checkpoint_lib.restore_params(workdir / run_info["best_seed_dir"])
-  return TaskData(model_config, objective, params, task, examples, features, batch_size)
+  return TaskData(model_config, objective, params, task, examples, features, batch_size, metric)
