@@ -339,8 +339,9 @@ def analyze(args) -> dict[str, Any]:
     if "prune" in chosen:
       keep_lh = next((mask for fraction, mask in curve_masks.items() if abs(fraction - args.prune_fraction) < 1e-9),
                      None)
-      if keep_lh is None:
-        keep_lh = heads_lib.pruning_curve(data, [args.prune_fraction], "importance")[-1][2]
+      if keep_lh is None:  # the same steps as the heads analysis's curve, up to the fraction
+        steps = {round(k * args.step, 6) for k in range(1, int(args.prune_fraction / args.step + 1e-9) + 1)}
+        keep_lh = heads_lib.pruning_curve(data, sorted(steps | {args.prune_fraction}), "importance")[-1][2]
       markdown, summary, results["prune"] = run_prune(data, np.asarray(keep_lh) > 0, args, out)
       sections.append(markdown)
       summaries.append(summary)
