@@ -342,7 +342,12 @@ def analyze(args) -> dict[str, Any]:
       if keep_lh is None:  # the same steps as the heads analysis's curve, up to the fraction
         steps = {round(k * args.step, 6) for k in range(1, int(args.prune_fraction / args.step + 1e-9) + 1)}
         keep_lh = heads_lib.pruning_curve(data, sorted(steps | {args.prune_fraction}), "importance")[-1][2]
-      markdown, summary, results["prune"] = run_prune(data, np.asarray(keep_lh) > 0, args, out)
+      try:
+        markdown, summary, results["prune"] = run_prune(data, np.asarray(keep_lh) > 0, args, out)
+      except ValueError as error:  # e.g. a layer left without heads: keep the head analyses' report
+        if "heads" not in chosen:
+          raise
+        markdown, summary = f"## Pruned model\n\nNot pruned: {error}", f"prune: not pruned: {error}"
       sections.append(markdown)
       summaries.append(summary)
   if "probe" in chosen:
