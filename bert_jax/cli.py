@@ -1,4 +1,5 @@
-"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | convert | features | fill-mask | sweep | table | plot.
+"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | convert | features | fill-mask | analyze | sweep |
+table | plot.
 
 Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
     "fill-mask": ("bert_jax.analysis.fill_mask", "top predictions at each [MASK]"),
+    "analyze": ("bert_jax.analysis.analyze", "attention patterns, head importance and pruning: report + figures"),
     "sweep": ("bert_jax.experiments.ablation", "pre-train a table's rows, fine-tune their downstream suite, score"),
     "table": ("bert_jax.experiments.table", "render a sweep's paper-style table with the published numbers, plots"),
     "plot": ("bert_jax.train.plot", "PNG plots of runs' metrics (loss, accuracy, learning rate, throughput)"),
@@ -53,6 +55,7 @@ EXAMPLES = """examples:
   bert-jax finetune --config configs/finetune/glue.py:task=rte --config.init.model=models/minilm \\
       --config.data_dir=GLUE_DIR --workdir runs/rte
   bert-jax fill-mask --model runs/demo "A list is a mutable [MASK] of items."
+  bert-jax analyze --model runs/rte --out analysis/rte --max-examples 200
   bert-jax plot runs/demo runs/rte --out plots/
 
 Run `bert-jax COMMAND --help` for a command's options."""

@@ -34,7 +34,7 @@ from bert_jax.kernels.attention import dot_product_attention, resolve_implementa
 from bert_jax.kernels.attention import self_attention as fused_self_attention
 from bert_jax.kernels.dropout import Dropout
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import bias_init, dense_init, gather_positions, position_and_constrain
+from bert_jax.models.encoder import bias_init, dense_init, gate_heads, gather_positions, position_and_constrain
 
 Array = jax.Array
 
@@ -151,12 +151,13 @@ def embedding_lookup(table: Array, ids: Array, dtype) -> Array:
 
 def self_attention(module: nn.Module, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array,
                    packed: bool, deterministic: bool, return_probs: bool,
-                   query_positions_bq: Array | None) -> tuple[Array | tuple[Array, Array], Array | None]:
+                   query_positions_bq: Array | None,
+                   head_mask_h: Array | None = None) -> tuple[Array | tuple[Array, Array], Array | None]:
   """`encoder.SelfAttention`'s computation, called from its compact `__call__` (`module`): the projections are
-  its children "query", "key", "value" and "output". Post-LN the output is (output without its bias, that bias)
-  for `residual_layer_norm`."""
+  its children "query", "key", "value" and "output"; `head_mask_h` gates the heads (`encoder.gate_heads`).
+  Post-LN the output is (output without its bias, that bias) for `residual_layer_norm`."""
   cfg = module.config
-  heads, head_dim = cfg.num_heads, cfg.head_dim
+  heads, head_dim = module.heads, cfg.head_dim
   projections = {n: Projection(cfg, (heads, head_dim), ("embed", "heads", "kv"), name=n)
                  for n in ("query", "key", "value")}
   dropout_rng = None
@@ -186,7 +187,7 @@ def self_attention(module: nn.Module, x_ble: Array, pack_ids_bl: Array | None, p
     q_blhd, k_blhd, v_blhd = position_and_constrain(cfg, q_blhd, k_blhd, v_blhd, position_ids_bl, query_positions_bq)
     out_blhd, probs = dot_product_attention(q_blhd, k_blhd, v_blhd, query_positions=query_positions_bq, **options)
   output = Projection(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), contract=2, name="output")
-  return output(out_blhd, add_bias=cfg.norm == "pre"), probs
+  return output(gate_heads(out_blhd, head_mask_h), add_bias=cfg.norm == "pre"), probs
 
 
 def feed_forward(module: nn.Module, x_ble: Array) -> Array | tuple[Array, Array]:

@@ -78,6 +78,9 @@ class ModelConfig:
       Applies when the rows are at most half the sequence (not LTR's every
       position). The pre-training configs (`config_lib.model_section`) set
       it.
+    heads_per_layer: a model with pruned attention heads (`bert_jax.analysis.heads.prune_heads`): how many heads
+      each layer keeps, at most num_heads, at least 1; the head size stays hidden_size / num_heads. None: every
+      layer has num_heads.
   """
 
   vocab_size: int = 30522
@@ -112,6 +115,7 @@ class ModelConfig:
   remat: str = "none"
   vocab_pad_multiple: int = 1
   sparse_last_layer: bool = False
+  heads_per_layer: tuple[int, ...] | None = None
 
   def __post_init__(self, attention_impl=None, layer_norm_impl=None, ffn_impl=None, cross_entropy_impl=None):
     del attention_impl, layer_norm_impl, ffn_impl, cross_entropy_impl
@@ -141,6 +145,13 @@ class ModelConfig:
       fail("num_heads", "rotary positions need an even head size")
     if self.type_vocab_size < 1:
       fail("type_vocab_size", "must be at least 1")
+    if self.heads_per_layer is not None:
+      object.__setattr__(self, "heads_per_layer", tuple(int(h) for h in self.heads_per_layer))  # JSON gives a list
+      if len(self.heads_per_layer) != self.num_layers or not all(1 <= h <= self.num_heads
+                                                                 for h in self.heads_per_layer):
+        fail("heads_per_layer", f"needs one count in [1, num_heads={self.num_heads}] per layer ({self.num_layers})")
+      if self.num_shared_groups:
+        fail("heads_per_layer", "layers that share parameters (num_shared_groups) cannot keep different heads")
 
   @property
   def padded_vocab_size(self) -> int:
@@ -150,6 +161,10 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads
+
+  def layer_heads(self, layer: int) -> int:
+    """The attention heads of `layer` (fewer than num_heads where `heads_per_layer` pruned some)."""
+    return self.num_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
   @property
   def embed_dim(self) -> int:
@@ -171,8 +186,10 @@ class ModelConfig:
     """Encoder parameters (no pre-training heads), counted from the config."""
     H, E, F = self.hidden_size, self.embed_dim, self.intermediate_size
     ffn_in = 2 * H * F + 2 * F if self.ffn == "geglu" else H * F + F
-    block = 4 * (H * H + H) + ffn_in + F * H + H + 2 * 2 * H
+    block = ffn_in + F * H + H + 2 * 2 * H
+    attention = lambda heads: 3 * (H * heads * self.head_dim + heads * self.head_dim) + heads * self.head_dim * H + H
     blocks = block * (self.num_shared_groups or self.num_layers)
+    blocks += sum(attention(self.layer_heads(layer)) for layer in range(self.num_shared_groups or self.num_layers))
     embeddings = self.vocab_size * E + self.type_vocab_size * E + 2 * E
     if self.position_embedding == "learned":
       embeddings += self.max_position_embeddings * E
@@ -189,9 +206,9 @@ class ModelConfig:
     """
     H, E, F, L = self.hidden_size, self.embed_dim, self.intermediate_size, self.num_layers
     ffn_matmul = (3 if self.ffn == "geglu" else 2) * H * F
-    per_layer = 4 * H * H + ffn_matmul
-    matmul = L * per_layer + (E * H if E != H else 0)
-    attention = 2 * L * seq_len * H  # QK^T and PV, forward, per token
+    attention_width = sum(self.layer_heads(layer) * self.head_dim for layer in range(L))  # H per unpruned layer
+    matmul = 4 * H * attention_width + L * ffn_matmul + (E * H if E != H else 0)
+    attention = 2 * seq_len * attention_width  # QK^T and PV, forward, per token
     head = predictions_per_token * (H * E + E * self.vocab_size)
     return 6 * (matmul + head) + 6 * attention
 

@@ -186,26 +186,44 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
+def gate_heads(out_bqhd: Array, head_mask_h: Array | None) -> Array:
+  """Each head's attention output times its gate (Michel et al. 2019's xi_h, before the output projection)."""
+  if head_mask_h is None:
+    return out_bqhd
+  return out_bqhd * head_mask_h.astype(out_bqhd.dtype)[:, None]
+
+
 class SelfAttention(nn.Module):
-  """Multi-head self-attention and its output projection."""
+  """Multi-head self-attention and its output projection.
+
+  Attributes:
+    config: the architecture.
+    num_heads: this layer's heads (`ModelConfig.layer_heads`: fewer in a pruned model); None: config.num_heads.
+  """
 
   config: ModelConfig
+  num_heads: int | None = None
+
+  @property
+  def heads(self) -> int:
+    return self.num_heads or self.config.num_heads
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool,
-               deterministic: bool, return_probs: bool,
-               query_positions_bq: Array | None = None) -> tuple[Array, Array | None]:
+               deterministic: bool, return_probs: bool, query_positions_bq: Array | None = None,
+               head_mask_h: Array | None = None) -> tuple[Array, Array | None]:
     """The attention output [B, L, E] and the probabilities [B, heads, L, L] (float32) or None.
 
     With `query_positions_bq` [B, Q], only the rows at those positions ([B, Q, E]): queries there, keys and
     values at every position. `pack_ids_bl` [B, L]: 0 for padding, else the packed example id (None: no padding);
-    `packed` rows attend only inside their own example.
+    `packed` rows attend only inside their own example. `head_mask_h` [heads]: each head's output is scaled by
+    its gate before the output projection (`gate_heads`; None: no gates).
     """
     cfg = self.config
     if fast := _fast(cfg):
       return fast.self_attention(self, x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
-                                 query_positions_bq)
-    heads, head_dim = cfg.num_heads, cfg.head_dim
+                                 query_positions_bq, head_mask_h)
+    heads, head_dim = self.heads, cfg.head_dim
     projection = lambda name: nn.DenseGeneral(  # noqa: E731
         (heads, head_dim), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, name=name,
         kernel_init=dense_init(cfg, ("embed", "heads", "kv")), bias_init=bias_init(("heads", "kv")))
@@ -239,7 +257,7 @@ class SelfAttention(nn.Module):
     output = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                              kernel_init=dense_init(cfg, ("heads", "kv", "embed")), bias_init=bias_init(("embed",)),
                              name="output")
-    return output(out_bqhd), probs_bhql
+    return output(gate_heads(out_bqhd, head_mask_h)), probs_bhql
 
 
 class FeedForward(nn.Module):
@@ -263,31 +281,32 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN."""
+  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN. `num_heads`: as `SelfAttention`'s."""
 
   config: ModelConfig
+  num_heads: int | None = None
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
-               deterministic: bool = True, return_probs: bool = False,
-               output_positions_bk: Array | None = None) -> tuple[Array, Array | None]:
+               deterministic: bool = True, return_probs: bool = False, output_positions_bk: Array | None = None,
+               head_mask_h: Array | None = None) -> tuple[Array, Array | None]:
     """The block's output [B, L, E] and attention probabilities or None. With `output_positions_bk` [B, K], the
     output at those positions only ([B, K, E]): every row-wise part of the block runs on those K rows, the
-    keys and values on all L (`SelfAttention`'s `query_positions_bq`)."""
+    keys and values on all L (`SelfAttention`'s `query_positions_bq`). `head_mask_h` [heads]: the heads' gates."""
     cfg = self.config
     dropout = Dropout(cfg.hidden_dropout, cfg.kernels)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
-    attention = SelfAttention(cfg, name="attention")
+    attention = SelfAttention(cfg, self.num_heads, name="attention")
     ffn = FeedForward(cfg, name="ffn")
     rows = (lambda x: x) if output_positions_bk is None else (lambda x: gather_positions(x, output_positions_bk))
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
-                                  return_probs, output_positions_bk)
+                                  return_probs, output_positions_bk, head_mask_h)
       x_ble = rows(x_ble) + dropout(attn_ble, deterministic=deterministic)
       x_ble = x_ble + dropout(ffn(ffn_norm(x_ble)), deterministic=deterministic)
     else:
       attn_ble, probs = attention(x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
-                                  output_positions_bk)
+                                  output_positions_bk, head_mask_h)
       x_ble = residual_layer_norm(cfg, attention_norm, rows(x_ble), attn_ble, dropout, deterministic)
       x_ble = residual_layer_norm(cfg, ffn_norm, x_ble, ffn(x_ble), dropout, deterministic)
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
@@ -297,7 +316,8 @@ def _remat(block_cls, policy: str):
   if policy == "none":
     return block_cls
   checkpoint_policy = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-  # Arguments 4..6 (packed, deterministic, return_probs) are Python values; 7 (output positions) an array.
+  # Arguments 4..6 (packed, deterministic, return_probs) are Python values; 7, 8 (output positions, head gates)
+  # arrays.
   return nn.remat(block_cls, policy=checkpoint_policy, static_argnums=(4, 5, 6))
 
 
@@ -321,14 +341,15 @@ class Encoder(nn.Module):
       self.embedding_projection = dense(cfg, cfg.hidden_size, (None, "embed"), "embedding_projection")
     block = _remat(TransformerBlock, cfg.remat)
     num_blocks = cfg.num_shared_groups or cfg.num_layers
-    self.blocks = [block(cfg, name=f"block_{i}") for i in range(num_blocks)]
+    self.blocks = [block(cfg, cfg.layer_heads(i) if cfg.heads_per_layer else None, name=f"block_{i}")
+                   for i in range(num_blocks)]
     if cfg.norm == "pre":
       self.final_norm = layer_norm(cfg, "final_norm")
 
   def __call__(self, input_ids: Array, segment_ids: Array | None = None, position_ids: Array | None = None,
                pack_ids: Array | None = None, *, packed: bool = False, deterministic: bool = True,
                output_hidden_states: bool = False, output_attentions: bool = False,
-               output_positions: Array | None = None) -> dict[str, Any]:
+               output_positions: Array | None = None, head_mask: Array | None = None) -> dict[str, Any]:
     """Encodes a batch.
 
     Args:
@@ -347,6 +368,9 @@ class Encoder(nn.Module):
       output_positions: [B, K] int: the last block computes only the rows at
         these positions (its keys and values at every position), and "hidden"
         is [B, K, H] (`ModelConfig.sparse_last_layer`). None: every position.
+      head_mask: [num_layers, num_heads] float gates, one per head (Michel et al. 2019's xi): each head's output
+        is scaled by its gate; ones give the model's outputs, a 0 disables the head. A pruned layer
+        (`ModelConfig.heads_per_layer`) reads its first heads. None: no gates.
 
     Returns:
       dict with "hidden" [B, L, H], and optionally "hidden_states" (tuple) and
@@ -366,8 +390,9 @@ class Encoder(nn.Module):
     for layer in range(cfg.num_layers):
       block = self.blocks[layer * len(self.blocks) // cfg.num_layers]
       last = layer == cfg.num_layers - 1
+      gates = None if head_mask is None else head_mask[layer, :cfg.layer_heads(layer)]
       x_ble, probs = block(x_ble, pack_ids, position_ids, packed, deterministic, output_attentions,
-                           output_positions if last else None)
+                           output_positions if last else None, gates)
       hidden_states.append(x_ble)
       attentions.append(probs)
     if cfg.norm == "pre":

@@ -180,8 +180,8 @@ class FinetuneModel(nn.Module):
       self.head = heads.TokenClassificationHead(self.config, self.num_labels)
 
   def __call__(self, input_ids: Array, *, segment_ids: Array | None = None, position_ids: Array | None = None,
-               pack_ids: Array | None = None, deterministic: bool = True) -> Any:
-    """input_ids [B, L] ([N, C, L] for multiple choice) -> the head's logits.
+               pack_ids: Array | None = None, deterministic: bool = True, head_mask: Array | None = None) -> Any:
+    """input_ids [B, L] ([N, C, L] for multiple choice) -> the head's logits; `head_mask`: `Encoder`'s.
 
     classification [B, labels]; regression [B]; span (start [B,L], end [B,L]);
     multiple_choice [N, C]; tagging [B, L, labels].
@@ -191,7 +191,8 @@ class FinetuneModel(nn.Module):
       choices_shape = input_ids.shape[:2]
       flatten = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
       input_ids, segment_ids, position_ids, pack_ids = map(flatten, (input_ids, segment_ids, position_ids, pack_ids))
-    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic)["hidden"]
+    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic,
+                          head_mask=head_mask)["hidden"]
     if self.top_bilstm:
       lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
       hidden = self.bilstm(hidden.astype(jnp.float32), seq_lengths=lengths).astype(hidden.dtype)

@@ -12,7 +12,8 @@
 Batches hold the task's feature arrays (`bert_jax.tasks.base`) for the fields
 in `device_fields(kind)`, plus `weights` float32 [B] (0 on rows that only pad
 the last batch) and `seed` int32 [B] (the run's seed on every row, so one
-compiled step serves every seed of a multi-seed run).
+compiled step serves every seed of a multi-seed run). The head analyses
+(`bert_jax.analysis.heads`) add `head_mask` float [layers, heads], the heads' gates.
 
 Losses are sums over the batch (the step divides once by `denominators`):
 classification and multiple choice cross-entropy per example, regression
@@ -183,8 +184,10 @@ class FinetuneObjective:
 
   def _apply(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> Any:
     rngs = {"dropout": dropout_key(jax.random.fold_in(rng, inputs["seed"][0]))} if train and rng is not None else {}
+    # Head gates [layers, heads] (`Encoder`'s head_mask) come with the inputs only in the head analyses.
+    gates = {"head_mask": inputs["head_mask"]} if "head_mask" in inputs else {}
     return self.model.apply({"params": params}, inputs["input_ids"], segment_ids=inputs["segment_ids"],
-                            pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs)
+                            pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs, **gates)
 
   def _span_logits(self, outputs: tuple[Array, Array], inputs: dict[str, Array]) -> Array:
     """(start [B, L], end [B, L]) -> float32 [B, L, 2] with padding at the float32 minimum."""

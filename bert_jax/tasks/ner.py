@@ -35,11 +35,15 @@ class TaggedSentence:
     words: the tokens of the sentence.
     tags: one IOB1 tag per word.
     document_index: which document of the file it belongs to (0-based).
+    pos: one part-of-speech tag per word (the file's second column).
+    chunks: one IOB1 syntactic chunk tag per word (the third column).
   """
 
   words: tuple[str, ...]
   tags: tuple[str, ...]
   document_index: int
+  pos: tuple[str, ...] = ()
+  chunks: tuple[str, ...] = ()
 
 
 def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[TaggedSentence]:
@@ -58,13 +62,16 @@ def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[Tag
   sentences: list[TaggedSentence] = []
   words: list[str] = []
   sentence_tags: list[str] = []
+  pos: list[str] = []
+  chunks: list[str] = []
   document_index = -1
 
   def end_sentence() -> None:
     if words:
-      sentences.append(TaggedSentence(tuple(words), tuple(sentence_tags), max(document_index, 0)))
-      words.clear()
-      sentence_tags.clear()
+      sentences.append(TaggedSentence(tuple(words), tuple(sentence_tags), max(document_index, 0), tuple(pos),
+                                      tuple(chunks)))
+      for column in (words, sentence_tags, pos, chunks):
+        column.clear()
 
   with io.StringIO(read_utf8(path), newline=None) as f:
     for line_number, line in enumerate(f, start=1):
@@ -81,6 +88,8 @@ def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[Tag
       if fields[3] not in allowed:
         raise data_error(path, line_number, f"tag {fields[3]!r} is not one of {sorted(allowed)}")
       words.append(fields[0])
+      pos.append(fields[1])
+      chunks.append(fields[2])
       sentence_tags.append(fields[3])
   end_sentence()
   if not sentences:
