@@ -277,6 +277,11 @@ class PretrainingIterator:
   def __next__(self) -> dict[str, Any]:
     return next(self._iterator)
 
+  def start(self) -> None:
+    """Starts building batches in the background now, not at the first `next` (with `prefetch` > 0)."""
+    if isinstance(self._iterator, grain_experimental.ThreadPrefetchDatasetIterator):
+      self._iterator.start_prefetch()
+
   def close(self) -> None:
     """Stops the prefetch thread and the worker processes."""
     self._iterator.close()
