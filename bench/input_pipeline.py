@@ -291,9 +291,12 @@ def main(argv: list[str]) -> int:
     parser.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
   prepared_dir = prepared_corpus(args, out)
   cores = len(os.sched_getaffinity(0))
+  shm_gib = psutil.disk_usage("/dev/shm").total / 2**30 if os.path.isdir("/dev/shm") else None
   report = {"cores": cores, "prepared": str(prepared_dir), "totals": prepare.open_prepared(prepared_dir).manifest[
-      "totals"], "default_workers": pipeline.default_workers(), "host": [], "loop": []}
-  print(f"{cores} host cores, default workers {report['default_workers']}, corpus {report['totals']}", flush=True)
+      "totals"], "default_workers": pipeline.default_workers(), "dev_shm_gib": shm_gib, "host": [], "loop": []}
+  # The workers hand blocks over in /dev/shm (a few MB each, two per worker in flight): a small one stops them.
+  print(f"{cores} host cores, default workers {report['default_workers']}, /dev/shm {shm_gib} GiB, corpus "
+        f"{report['totals']}", flush=True)
 
   for format_name in formats:
     for batch in (int(b) for b in args.batches.split(",") if b):

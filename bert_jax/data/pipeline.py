@@ -16,8 +16,8 @@ packed into rows. The stream of rows is therefore one global sequence that
 does not depend on the number of processes or workers: global batch k is rows
 [kG, (k+1)G), and process p of n takes rows [p*G/n, (p+1)*G/n) of it. Every
 process builds whole blocks (its workers do), so the work of a host does not
-shrink with the process count; in return a worker builds a block with a
-handful of numpy calls, and the main process only slices rows.
+shrink with the process count; in return the main process, which also runs
+the training loop, only cuts rows out of finished blocks.
 
 The iterator's state is the position of the next row in that stream (block,
 row): any number of workers resumes from it.
@@ -253,7 +253,8 @@ def _rows_between(pieces: list[dict[str, np.ndarray]], start: int, stop: int) ->
 
 
 class PretrainingIterator:
-  """Yields process-local batches (see `bert_jax.data.batch`); `get_state`/`set_state` resume exactly.
+  """Yields process-local batches (see `bert_jax.data.batch`; or what `place` makes of them); `get_state`/`set_state`
+  resume exactly.
 
   Attributes:
     corpus: the opened prepared corpus.
