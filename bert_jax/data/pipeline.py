@@ -41,6 +41,7 @@ and the `epoch` field counts epochs (dynamic masking).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -182,7 +183,8 @@ class _GlobalBatchIterator(grain.DatasetIterator):
       if not flags.FLAGS.is_parsed():  # Grain's worker processes read its absl flags; ours are left at their defaults.
         flags.FLAGS.mark_as_parsed()
       blocks = blocks.mp_prefetch(grain.MultiprocessingOptions(num_workers=stream.workers,
-                                                               per_worker_buffer_size=2))
+                                                               per_worker_buffer_size=2),
+                                  worker_init_fn=_freeze_worker_heap)
     return iter(blocks)
 
   def _take(self, count: int) -> list[dict[str, np.ndarray]]:
@@ -238,6 +240,13 @@ class _GlobalBatchIterator(grain.DatasetIterator):
     self._close_blocks()
     self._current = None
     super().close()
+
+
+def _freeze_worker_heap(worker_index: int, worker_count: int) -> None:
+  """Moves a worker's start-up objects (its imports) out of reach of Python's full collections, which otherwise
+  walk them over and over while a block's many small objects are made (a sixth of a worker's time)."""
+  del worker_index, worker_count
+  gc.freeze()
 
 
 def _rows_between(pieces: list[dict[str, np.ndarray]], start: int, stop: int) -> list[dict[str, np.ndarray]]:
