@@ -62,13 +62,14 @@ MASKING = {"token": "token", "wwm": "whole_word", "span": "span"}
 
 
 class CpuMeter:
-  """Cores busy in this process and its children (the batch workers) between `start` and `stop`.
+  """Cores busy in this process and its children (the batch workers): over all of `start`..`stop`, or a part.
 
   A thread samples the CPU time of the process tree: a worker's time counts until its last sample.
   """
 
   def __init__(self, interval: float = 0.2):
     self.interval = interval
+    self.samples: list[tuple[float, float, float]] = []  # (time, this process's CPU s, the tree's CPU s)
     self._seen: dict[int, float] = {}
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
@@ -86,6 +87,7 @@ class CpuMeter:
         self._seen[process.pid] = times.user + times.system
       except psutil.Error:
         pass
+    self.samples.append((time.perf_counter(), self._seen[self._process.pid], sum(self._seen.values())))
 
   def _run(self) -> None:
     while not self._stop.wait(self.interval):
@@ -93,7 +95,6 @@ class CpuMeter:
 
   def start(self) -> "CpuMeter":
     self._sample()
-    self._start = dict(self._seen), time.perf_counter()
     self._thread.start()
     return self
 
@@ -101,11 +102,14 @@ class CpuMeter:
     self._stop.set()
     self._thread.join()
     self._sample()
-    start_times, start_wall = self._start
-    seconds = time.perf_counter() - start_wall
-    own = self._seen[self._process.pid] - start_times[self._process.pid]
-    total = sum(value - start_times.get(pid, 0.0) for pid, value in self._seen.items())
-    return {"main_cores": own / seconds, "total_cores": total / seconds}
+    return self.between(self.samples[0][0], self.samples[-1][0])
+
+  def between(self, begin: float, end: float) -> dict[str, float]:
+    """{"main_cores", "total_cores"} over the samples nearest to `begin` and `end`."""
+    first = min(self.samples, key=lambda sample: abs(sample[0] - begin))
+    last = min(self.samples, key=lambda sample: abs(sample[0] - end))
+    seconds = max(last[0] - first[0], 1e-9)
+    return {"main_cores": (last[1] - first[1]) / seconds, "total_cores": (last[2] - first[2]) / seconds}
 
 
 def prepared_corpus(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
@@ -197,19 +201,32 @@ def loop_config(size: str, format_name: str, masking: str, batch: int, seq_len: 
 
 
 def time_loop(config, steps: int, workdir: pathlib.Path) -> dict[str, Any]:
-  """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, and the host cores it kept busy."""
+  """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, and the host cores busy then."""
   from bert_jax.train import trainer  # pylint: disable=import-outside-toplevel
   config.train.steps = steps
   config.train.log_every = max(1, steps // 20)
+  loop_ends, run = [], trainer.loop.run
+
+  def timed_run(*args, **kwargs):
+    try:
+      return run(*args, **kwargs)
+    finally:
+      loop_ends.append(time.perf_counter())
+
   meter = CpuMeter().start()
   started = time.perf_counter()
-  result = trainer.train_and_evaluate(config, workdir)
+  trainer.loop.run = timed_run
+  try:
+    result = trainer.train_and_evaluate(config, workdir)
+  finally:
+    trainer.loop.run = run
   total_s = time.perf_counter() - started
-  cpu = meter.stop()
+  meter.stop()
   intervals = [row for row in result["history"] if "steps_per_second" in row]
   kept = intervals[len(intervals) * 3 // 10:]
   seconds = sum(config.train.log_every / row["steps_per_second"] for row in kept)
   steps_per_s = len(kept) * config.train.log_every / seconds
+  cpu = meter.between(loop_ends[0] - seconds, loop_ends[0])
   return {"loop_seq_per_s": steps_per_s * config.train.batch_size, "loop_steps_per_s": steps_per_s,
           "loop_total_s": total_s, "loop_main_cores": cpu["main_cores"], "loop_total_cores": cpu["total_cores"]}
 
@@ -261,7 +278,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--loop-seconds", type=float, default=6.0, help="GPU part: about this long a loop")
   parser.add_argument("--loop-workers", default="auto", help="GPU part: data.workers of the loop")
   parser.add_argument("--profile", help="also print a cProfile of one thread building this format's batches")
-  parser.add_argument("--budget-seconds", type=float, default=510,
+  parser.add_argument("--budget-seconds", type=float, default=420,
                       help="GPU part: start no new row after this many seconds of the whole run")
   parser.add_argument("--loop-on-cpu", action="store_true", help="run the GPU part on a CPU too (a smoke test)")
   args = parser.parse_args(argv)
@@ -274,9 +291,12 @@ def main(argv: list[str]) -> int:
     parser.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
   prepared_dir = prepared_corpus(args, out)
   cores = len(os.sched_getaffinity(0))
+  shm_gib = psutil.disk_usage("/dev/shm").total / 2**30 if os.path.isdir("/dev/shm") else None
   report = {"cores": cores, "prepared": str(prepared_dir), "totals": prepare.open_prepared(prepared_dir).manifest[
-      "totals"], "default_workers": pipeline.default_workers(), "host": [], "loop": []}
-  print(f"{cores} host cores, default workers {report['default_workers']}, corpus {report['totals']}", flush=True)
+      "totals"], "default_workers": pipeline.default_workers(), "dev_shm_gib": shm_gib, "host": [], "loop": []}
+  # The workers hand blocks over in /dev/shm (a few MB each, two per worker in flight): a small one stops them.
+  print(f"{cores} host cores, default workers {report['default_workers']}, /dev/shm {shm_gib} GiB, corpus "
+        f"{report['totals']}", flush=True)
 
   for format_name in formats:
     for batch in (int(b) for b in args.batches.split(",") if b):

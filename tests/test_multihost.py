@@ -54,7 +54,9 @@ _DRIVER = textwrap.dedent("""
 
       def __next__(self):
         batch = next(self.inner)
-        fed.append(batch["example_ids"].tolist())
+        # The batch is on the devices already: this process's rows are its shards', in row order.
+        shards = {shard.index[0].start or 0: shard.data for shard in batch["example_ids"].addressable_shards}
+        fed.append([int(i) for start in sorted(shards) for i in shards[start]])
         if len(fed) == sigterm_at and os.environ["BERT_JAX_PROCESS_ID"] == "0":
           os.kill(os.getpid(), signal.SIGTERM)
         return batch

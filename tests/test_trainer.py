@@ -114,7 +114,8 @@ def _tiny_config_file(tmp_path, prepared, steps: int) -> pathlib.Path:
 
 
 def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
-  """A run stopped by SIGTERM mid-way and started again gives the uninterrupted run's losses."""
+  """A run stopped by SIGTERM mid-way and started again gives the uninterrupted run's losses; the interrupted run
+  builds its batches in 2 worker processes, the resumed one in 1, the uninterrupted one in its thread."""
   steps = 30
   overrides = [f"--config.train.{k}={v}" for k, v in dict(log_every=1, checkpoint_every=1000, eval_every=0).items()]
   config_file = _tiny_config_file(tmp_path, prepared, steps)
@@ -124,10 +125,10 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
   env = cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
 
   straight = tmp_path / "straight"
-  subprocess.run(command + ["--workdir", str(straight)], check=True, env=env, cwd=REPO, capture_output=True)
+  subprocess.run(command + ["--workdir", str(straight), "--config.data.workers=0"], check=True, env=env, cwd=REPO, capture_output=True)
 
   interrupted = tmp_path / "interrupted"
-  process = subprocess.Popen(command + ["--workdir", str(interrupted)], env=env, cwd=REPO,
+  process = subprocess.Popen(command + ["--workdir", str(interrupted), "--config.data.workers=2"], env=env, cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   metrics = interrupted / "metrics.jsonl"
   deadline = time.time() + 300
@@ -141,7 +142,8 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
   assert "Preempted at step" in output, output
   stopped_at = len(_losses_by_step(interrupted))
   assert 5 <= stopped_at < steps, output
-  subprocess.run(command + ["--workdir", str(interrupted)], check=True, env=env, cwd=REPO, capture_output=True)
+  subprocess.run(command + ["--workdir", str(interrupted), "--config.data.workers=1"], check=True, env=env, cwd=REPO,
+                 capture_output=True)
 
   expected, resumed = _losses_by_step(straight), _losses_by_step(interrupted)
   assert sorted(resumed) == list(range(1, steps + 1))

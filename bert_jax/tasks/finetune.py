@@ -515,7 +515,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   dummy = objective.example_batch(batch_size, seq_len)
   abstract_params = nn.unbox(jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"])
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
-  tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(feature.layers))
+  tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(config.feature_based.layers))
   fields = device_fields(task.kind)
   run = _Run(config=config, task=task, workdir=workdir, objective=objective, model_config=model_config,
              partitioning=partitioning, tx=tx,

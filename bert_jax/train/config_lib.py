@@ -199,7 +199,7 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       random_next_prob=0.5,
       packing=False,
       max_packs=8,
-      prefetch=2,                             # batches built ahead and put on the devices by a background thread
+      prefetch=4,                             # batches built ahead and put on the devices by a background thread
       workers=config_dict.placeholder(int),   # batch-building processes; None: pipeline.default_workers() (cores)
   ))
   config.optim = ml_collections.ConfigDict(dict(

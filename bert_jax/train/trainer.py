@@ -309,6 +309,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       state = state.replace(params=jax.device_put(_match_params(params, state.params), state_shardings.params))
       log.info("initialised parameters from %s", config.train.init_from)
 
+  train_iter.start()  # The workers start and the first batches are built while the step compiles.
   train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps, rng=step_rng,
                                partitioning=partitioning, state_shardings=state_shardings,
                                param_norms=config.train.log_param_norms)
