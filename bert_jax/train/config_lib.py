@@ -159,7 +159,12 @@ def model_section(family: str, size: str, **fixed: Any) -> ml_collections.Config
   section = ml_collections.ConfigDict({"family": family, "size": size})
   for field in dataclasses.fields(ModelConfig):
     hint = hints[field.name]
-    base = next((t for t in (bool, int, float, str) if t is hint or t in typing.get_args(hint)), None)
+    # The field's type (int for `int | None`, tuple for `tuple[int, ...] | None`): a typed placeholder.
+    base = next((typing.get_origin(t) or t for t in (hint, *typing.get_args(hint))
+                 if (typing.get_origin(t) or t) in (bool, int, float, str, tuple)), None)
+    if base is None:
+      raise TypeError(f"ModelConfig.{field.name}: type {hint} has no config placeholder (bool, int, float, str, "
+                      f"tuple or those | None)")
     section[field.name] = config_dict.placeholder(base)
   section.generator_fraction = 0.25  # ELECTRA: generator hidden size / discriminator hidden size.
   # MLM/SBO logits padded to a multiple of 128 (`ModelConfig.vocab_pad_multiple`; the parameters are unchanged):
