@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax.models import ModelConfig
+from bert_jax.progress import Progress
 from bert_jax.tasks.base import Task
 
 Params = dict[str, Any]
@@ -122,25 +123,34 @@ def head_importance(data: TaskData, head_mask: np.ndarray | None = None) -> np.n
   return total / data.num_rows
 
 
+def _scores_with(data: TaskData, desc: str, mask_for) -> np.ndarray:
+  """float [layers, heads]: the score under `mask_for(layer, head)`, one scoring of the data per head."""
+  scores = np.zeros((data.config.num_layers, data.config.num_heads))
+  progress = Progress(scores.size, desc, unit="score")
+  for layer, head in np.ndindex(*scores.shape):
+    scores[layer, head] = data.score(mask_for(layer, head))
+    progress.update(1)
+  progress.close()
+  return scores
+
+
 def disable_each(data: TaskData) -> np.ndarray:
   """The score with head (l, h) disabled alone: float [layers, heads]."""
-  scores = np.zeros((data.config.num_layers, data.config.num_heads))
-  for layer, head in np.ndindex(*scores.shape):
+  def mask_for(layer, head):
     mask = data.ones()
     mask[layer, head] = 0
-    scores[layer, head] = data.score(mask)
-  return scores
+    return mask
+  return _scores_with(data, "disable each head", mask_for)
 
 
 def keep_one_per_layer(data: TaskData) -> np.ndarray:
   """The score with every head of layer l disabled except h: float [layers, heads]."""
-  scores = np.zeros((data.config.num_layers, data.config.num_heads))
-  for layer, head in np.ndindex(*scores.shape):
+  def mask_for(layer, head):
     mask = data.ones()
     mask[layer] = 0
     mask[layer, head] = 1
-    scores[layer, head] = data.score(mask)
-  return scores
+    return mask
+  return _scores_with(data, "keep one head a layer", mask_for)
 
 
 def pruning_curve(data: TaskData, fractions: Sequence[float], order: str, seed: int = 0
@@ -155,6 +165,7 @@ def pruning_curve(data: TaskData, fractions: Sequence[float], order: str, seed: 
   random_order = [tuple(index) for index in np.argwhere(mask)]
   np.random.default_rng(seed).shuffle(random_order)
   curve = []
+  progress = Progress(len(fractions), f"pruning by {order}", unit="point")
   for fraction in sorted(fractions):
     target = int(round(fraction * layers * heads))
     while int(np.sum(mask == 0)) < target:
@@ -171,6 +182,8 @@ def pruning_curve(data: TaskData, fractions: Sequence[float], order: str, seed: 
       for index in chosen:
         mask[index] = 0
     curve.append((fraction, data.score(mask), mask.copy()))
+    progress.update(1)
+  progress.close()
   return curve
 
 
