@@ -154,7 +154,7 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path, monkeypatch):
   trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=3, eval_every=0), tmp_path)
   # The NaN comes from a changed loss weight, which the resume check would refuse: allow it here.
-  monkeypatch.setattr(trainer.workdir_lib, "check_resume_config", lambda *args: None)
+  monkeypatch.setattr(trainer.workdir_lib, "check_resume_config", lambda *args, **kwargs: None)
   config = tiny_config(prepared, steps=12, checkpoint_every=3, eval_every=0)
   config.unlock()
   config.loss.sentence_weight = float("nan")

@@ -91,9 +91,12 @@ def supported(rows: int, features: int, block_rows: int = BLOCK_ROWS) -> bool:
 
 
 def _row_shards(x: Array, block_rows: int):
-  """`sharding_lib.row_shards`, or None where the kernel does not apply (`supported`, per device)."""
+  """(features, leading shape, mesh, row axes, rows a shard) of [..., E] `x` under `sharding_lib.row_shards`, or None
+  where the kernel does not apply (`supported`, per device)."""
   shards = sharding_lib.row_shards(x)
-  return shards if shards is not None and supported(shards[2], x.shape[-1], block_rows) else None
+  if shards is None or not supported(shards[2], x.shape[-1], block_rows):
+    return None
+  return (x.shape[-1], x.shape[:-1], *shards)
 
 
 def _meta(seeds: Array, row_axes, rows: int) -> Array:
@@ -203,12 +206,10 @@ def _backward(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, seeds
               ) -> list[Array] | None:
   """`_backward_2d` on [..., E] arrays, per row shard under a mesh; the partial sums added. None where the kernel
   does not apply."""
-  features = x.shape[-1]
-  lead = x.shape[:-1]
   shards = _row_shards(x, block_rows)
   if shards is None:
     return None
-  mesh, row_axes, rows = shards
+  features, lead, mesh, row_axes, rows = shards
   full_outputs = 1 + (rate > 0)
   default_step_rows, default_warps = backward_launch(features, branch_sums)
 
@@ -332,12 +333,10 @@ def add_layer_norm_forward(x: Array, branch: Array, scale: Array, bias: Array, s
   when rate is 0); mean and rstd [..., 1] float32; y in `dtype`. None where the kernel does not apply (as
   `layer_norm_backward`): the caller then uses XLA. The launch: `block_rows` a program, `num_warps`.
   """
-  features = x.shape[-1]
-  lead = x.shape[:-1]
   shards = _row_shards(x, block_rows)
   if shards is None:
     return None
-  mesh, row_axes, rows = shards
+  features, lead, mesh, row_axes, rows = shards
   interpret = jax.default_backend() != "gpu"
 
   def call(x, branch, scale, bias, seeds, branch_bias):
