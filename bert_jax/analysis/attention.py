@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.analysis.features import bucket_length
+from bert_jax.analysis.features import padded_batches
 from bert_jax.models import Encoder, ModelConfig
 
 PATTERNS = ("cls", "sep", "punct", "prev", "next", "self", "entropy")
@@ -81,24 +81,6 @@ def attention_fn(config: ModelConfig):
     return jnp.stack([jnp.pad(probs.astype(jnp.float32), pad(probs)) for probs in outputs["attentions"]])
 
   return attentions
-
-
-def padded_batches(encoded: Sequence[tuple[list[int], list[int]]], batch_size: int, max_len: int):
-  """Yields (row indices, ids [B, T], segments [B, T], lengths [B]) over the lines grouped by length bucket
-  (`features.bucket_length`); rows past the lines are empty (length 0)."""
-  by_bucket: dict[int, list[int]] = {}
-  for index, (ids, _) in enumerate(encoded):
-    by_bucket.setdefault(bucket_length(len(ids), max_len), []).append(index)
-  for bucket, indices in sorted(by_bucket.items()):
-    for start in range(0, len(indices), batch_size):
-      rows = indices[start:start + batch_size]
-      ids_bt = np.zeros((batch_size, bucket), np.int32)
-      segments_bt = np.zeros((batch_size, bucket), np.int32)
-      lengths_b = np.zeros((batch_size,), np.int32)
-      for row, index in enumerate(rows):
-        ids, segments = encoded[index]
-        ids_bt[row, :len(ids)], segments_bt[row, :len(ids)], lengths_b[row] = ids, segments, len(ids)
-      yield rows, ids_bt, segments_bt, lengths_b
 
 
 def attention_patterns(config: ModelConfig, params: Any, encoded: Sequence[tuple[list[int], list[int]]],

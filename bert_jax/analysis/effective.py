@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.analysis.attention import padded_batches
+from bert_jax.analysis.features import padded_batches
 from bert_jax.models import Encoder, ModelConfig
 
 TOKEN_TYPES = ("[CLS]", "[SEP]", "punct", "other")

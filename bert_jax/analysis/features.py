@@ -68,6 +68,24 @@ def bucket_length(length: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
+def padded_batches(encoded: Sequence[tuple[list[int], list[int]]], batch_size: int, max_len: int):
+  """Yields (row indices, ids [B, T], segments [B, T], lengths [B]) over the lines grouped by length bucket
+  (`bucket_length`); rows past the lines are empty (length 0)."""
+  by_bucket: dict[int, list[int]] = {}
+  for index, (ids, _) in enumerate(encoded):
+    by_bucket.setdefault(bucket_length(len(ids), max_len), []).append(index)
+  for bucket, indices in sorted(by_bucket.items()):
+    for start in range(0, len(indices), batch_size):
+      rows = indices[start:start + batch_size]
+      ids_bt = np.zeros((batch_size, bucket), np.int32)
+      segments_bt = np.zeros((batch_size, bucket), np.int32)
+      lengths_b = np.zeros((batch_size,), np.int32)
+      for row, index in enumerate(rows):
+        ids, segments = encoded[index]
+        ids_bt[row, :len(ids)], segments_bt[row, :len(ids)], lengths_b[row] = ids, segments, len(ids)
+      yield rows, ids_bt, segments_bt, lengths_b
+
+
 def layer_features_fn(config: ModelConfig, layers: Sequence[int]):
   """A jitted (params, ids [B,T], segments [B,T], pack_ids [B,T]) -> float32 [B, T, len(layers), H]."""
   encoder = Encoder(config)
@@ -92,22 +110,12 @@ def extract_features(config: ModelConfig, params: Params, encoded: list[tuple[li
   longest = max((len(ids) for ids, _ in encoded), default=0)
   out = np.zeros((len(encoded), longest, len(layers), config.hidden_size), np.float32)
   features = layer_features_fn(config, layers)
-  by_bucket: dict[int, list[int]] = {}
-  for index, (ids, _) in enumerate(encoded):
-    by_bucket.setdefault(bucket_length(len(ids), max_len), []).append(index)
-  for bucket, indices in sorted(by_bucket.items()):
-    for start in range(0, len(indices), batch_size):
-      rows = indices[start:start + batch_size]
-      ids_bt = np.zeros((batch_size, bucket), np.int32)
-      segments_bt = np.zeros((batch_size, bucket), np.int32)
-      pack_ids_bt = np.zeros((batch_size, bucket), np.int32)
-      for row, index in enumerate(rows):
-        ids, segments = encoded[index]
-        ids_bt[row, :len(ids)], segments_bt[row, :len(ids)], pack_ids_bt[row, :len(ids)] = ids, segments, 1
-      batch_features = np.asarray(features(params, ids_bt, segments_bt, pack_ids_bt))
-      for row, index in enumerate(rows):
-        length = len(encoded[index][0])
-        out[index, :length] = batch_features[row, :length]
+  for rows, ids_bt, segments_bt, lengths_b in padded_batches(encoded, batch_size, max_len):
+    pack_ids_bt = (np.arange(ids_bt.shape[1])[None, :] < lengths_b[:, None]).astype(np.int32)
+    batch_features = np.asarray(features(params, ids_bt, segments_bt, pack_ids_bt))
+    for row, index in enumerate(rows):
+      length = len(encoded[index][0])
+      out[index, :length] = batch_features[row, :length]
   return out
 
 
