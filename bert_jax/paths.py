@@ -47,6 +47,13 @@ def files(path: epath.Path) -> list[epath.Path]:
   return sorted(found)
 
 
+def _files_under(source: epath.Path) -> list[tuple[epath.Path, str]]:
+  """(file, its path relative to `source`) of a folder's files; a file alone gives itself and ""."""
+  if source.is_file():
+    return [(source, "")]
+  return [(path, os.fspath(path)[len(os.fspath(source)):].lstrip("/")) for path in files(source)]
+
+
 def upload(source: pathlib.Path, target: epath.Path) -> None:
   """Copies a local file, or a folder's files (sub-folders included), to `target` (local or remote)."""
   for path in [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file()):
@@ -61,8 +68,8 @@ def move(source: epath.Path, target: epath.Path) -> None:
   if not is_remote(source) and not is_remote(target):
     shutil.move(os.fspath(source), os.fspath(target))
     return
-  for path in [source] if source.is_file() else files(source):
-    destination = target if path == source else target / os.fspath(path)[len(os.fspath(source)):].lstrip("/")
+  for path, relative in _files_under(source):
+    destination = target / relative if relative else target
     destination.parent.mkdir(parents=True, exist_ok=True)
     path.copy(destination, overwrite=True)
   if source.is_dir():
@@ -99,8 +106,8 @@ def local_copy(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   source = epath.Path(path)
   with tempfile.TemporaryDirectory(prefix="bert_jax-") as temporary:
     local = pathlib.Path(temporary) / source.name
-    for file in [source] if source.is_file() else files(source):
-      destination = local if file == source else local / os.fspath(file)[len(os.fspath(source)):].lstrip("/")
+    for file, relative in _files_under(source):
+      destination = local / relative if relative else local
       destination.parent.mkdir(parents=True, exist_ok=True)
       destination.write_bytes(file.read_bytes())
     yield local

@@ -50,13 +50,20 @@ def sentence_terms(logits: Array, inputs: dict[str, Array]) -> dict[str, Array]:
   return {"sentence_loss": loss, "sentence_correct": correct}
 
 
+RTD_POSITIONS = ("all", "masked")
+
+
+def check_rtd_positions(positions: str) -> str:
+  if positions not in RTD_POSITIONS:
+    raise ValueError(f"config.loss.rtd_positions={positions!r}: expected one of {RTD_POSITIONS}")
+  return positions
+
+
 def rtd_weights(inputs: dict[str, Array], positions: str) -> Array:
   """[B, L] weights of the replaced-token detection loss: every real token ("all"), or only the positions the
   generator filled ("masked": ELECTRA's "ELECTRA 15%" ablation)."""
-  if positions == "all":
+  if check_rtd_positions(positions) == "all":
     return (inputs["pack_ids"] > 0).astype(jnp.float32)
-  if positions != "masked":
-    raise ValueError(f"config.loss.rtd_positions={positions!r}: expected 'all' or 'masked'")
   rows = jnp.arange(inputs["mlm_positions"].shape[0])[:, None]
   return jnp.zeros(inputs["pack_ids"].shape, jnp.float32).at[rows, inputs["mlm_positions"]].max(inputs["mlm_weights"])
 
@@ -263,9 +270,7 @@ class ReplacedTokenDetection(PretrainingObjective):
   @classmethod
   def from_config(cls, config, model_config, mask_id):
     objective = super().from_config(config, model_config, mask_id)
-    rtd_weights({"pack_ids": jnp.zeros((1, 1)), "mlm_positions": jnp.zeros((1, 1), jnp.int32),
-                 "mlm_weights": jnp.zeros((1, 1))}, config.loss.rtd_positions)  # a bad value is named now
-    return dataclasses.replace(objective, rtd_positions=config.loss.rtd_positions,
+    return dataclasses.replace(objective, rtd_positions=check_rtd_positions(config.loss.rtd_positions),
                                generator_config=electra_generator_config(model_config,
                                                                          config.model.generator_fraction))
 

@@ -189,7 +189,7 @@ def evaluate(eval_step, params, config, prepared_dir, mesh, objective) -> dict[s
   return results
 
 
-def unigram_baseline(config, prepared_dir, mesh, objective) -> tuple[str, float]:
+def unigram_baseline(config, prepared_dir, mesh, objective, tokenizer) -> tuple[str, float]:
   """The best frequency guess at the held-out positions `evaluate` masks: always their most frequent answer.
 
   The guess is chosen with the answers in view, so it bounds every model that knows token frequencies only.
@@ -204,7 +204,6 @@ def unigram_baseline(config, prepared_dir, mesh, objective) -> tuple[str, float]
     counts += np.bincount(np.asarray(inputs["mlm_ids"]).ravel(), weights=np.asarray(inputs["mlm_weights"]).ravel(),
                           minlength=len(counts))[:len(counts)]
   most_frequent = int(np.argmax(counts))
-  tokenizer = open_prepared(prepared_dir).load_tokenizer()
   return tokenizer.convert_ids_to_tokens([most_frequent])[0], float(counts[most_frequent] / max(counts.sum(), 1.0))
 
 
@@ -384,7 +383,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     if not eval_results:  # A finished run started again: score it for the report.
       result["eval"] = eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
     if jax.process_count() == 1 and "mlm_accuracy" in eval_results:  # Reads the batches' answers on this host.
-      result["baseline"] = unigram_baseline(config, prepared_dir, mesh, objective)
+      result["baseline"] = unigram_baseline(config, prepared_dir, mesh, objective, tokenizer)
   return result
 
 
