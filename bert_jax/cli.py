@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bert-jax {command}: error: {error}", file=sys.stderr)
     if isinstance(error, OSError):  # Library threads and exit hooks failing on the same storage add nothing.
       sys.unraisablehook = threading.excepthook = lambda *_: None
+      logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Task exception was never retrieved" at exit.
     return 1
 
 
