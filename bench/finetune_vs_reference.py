@@ -94,18 +94,9 @@ def split_squad(source: pathlib.Path, out: pathlib.Path, train_fraction: float =
   return counts
 
 
-def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None) -> None:
-  """Writes the carried folder: float16 MiniLM, GLUE (SST-2 split), SQuAD split, CoNLL, the GLUE reference, wheels."""
-  import safetensors.numpy
-
-  out.mkdir(parents=True, exist_ok=True)
-  model_out = out / "minilm"
-  model_out.mkdir(exist_ok=True)
-  for name in MODEL_FILES:
-    shutil.copy(model_dir / name, model_out / name)
-  tensors = safetensors.numpy.load_file(model_dir / "model.safetensors")
-  safetensors.numpy.save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()},
-                              model_out / "model.safetensors")
+def write_task_data(out: pathlib.Path) -> None:
+  """Writes the downstream data both sides (and bench/reproduce.py's rows) read: GLUE with SST-2's dev carved
+  from its train file, SQuAD v1.1's dev file split by article into train and dev, CoNLL-2003's train and dev."""
   glue = SHARED / "data" / "glue"
   for task, directory in GLUE_DIRS.items():
     (out / "glue" / directory).mkdir(parents=True, exist_ok=True)
@@ -122,13 +113,31 @@ def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None
   counts = split_squad(SHARED / "data" / "squad" / "dev-v1.1.json", out / "squad")
   print("squad: " + ", ".join(f"{name} {articles} articles / {questions} questions"
                               for name, (articles, questions) in counts.items()))
-  (out / "conll2003").mkdir(exist_ok=True)
+  (out / "conll2003").mkdir(parents=True, exist_ok=True)
   for name in CONLL_FILES:
     shutil.copy(SHARED / "data" / "conll2003" / name, out / "conll2003" / name)
+
+
+def copy_wheels(wheels: pathlib.Path | None, out: pathlib.Path) -> None:
+  if wheels is not None and wheels.resolve() != (out / "wheels").resolve():
+    shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
+
+
+def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None) -> None:
+  """Writes the carried folder: float16 MiniLM, GLUE (SST-2 split), SQuAD split, CoNLL, the GLUE reference, wheels."""
+  import safetensors.numpy
+
+  out.mkdir(parents=True, exist_ok=True)
+  model_out = out / "minilm"
+  model_out.mkdir(exist_ok=True)
+  for name in MODEL_FILES:
+    shutil.copy(model_dir / name, model_out / name)
+  tensors = safetensors.numpy.load_file(model_dir / "model.safetensors")
+  safetensors.numpy.save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()},
+                              model_out / "model.safetensors")
+  write_task_data(out)
   shutil.copy(SHARED / "bench" / "anchor_hf_finetune.py", out / "anchor_hf_finetune.py")
-  if wheels is not None:
-    if wheels.resolve() != (out / "wheels").resolve():
-      shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
+  copy_wheels(wheels, out)
   size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
   print(f"packed {out} ({size / 2**20:.1f} MiB)")
 

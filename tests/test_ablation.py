@@ -263,7 +263,8 @@ def test_every_table_config_expands_to_its_papers_rows(path, scale):
     assert set(numbers) <= set(published["columns"]), name
   for task in tab.suite.tasks:
     assert task in suite.TASKS
-  assert set(tab.suite.tasks) <= set(published["columns"]) | {tab.suite.tiny_task}
+  # The paper's columns, or at scale=gpu the fixed suite of the tasks whose data is here.
+  assert set(tab.suite.tasks) <= set(published["columns"]) | {tab.suite.tiny_task} | set(suite.GPU_TASKS)
   if scale == "tiny":
     assert tab.suite.tasks == (tab.suite.tiny_task,) and len(tab.suite.seeds) * len(tab.suite.lrs) <= 2
   for row in tab.rows:
@@ -290,7 +291,7 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   started = []
 
   class FakeProcess:
-    def __init__(self, command, env, stdout, stderr):
+    def __init__(self, command, env, stdout, stderr, preexec_fn):
       started.append((command, env["CUDA_VISIBLE_DEVICES"]))
       self.returncode = 0
 
@@ -305,6 +306,18 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   assert started[2][0][-6:] == ["--workdir", str(tmp_path), "--row-index", "2", "--data-dir=glue=DATA",
                                 "--config.train.steps=4"]
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
+
+
+def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setattr(ablation.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+  slots = [ablation._slot_environment(slot, parallel=4, devices=2) for slot in range(4)]
+  assert [env["CUDA_VISIBLE_DEVICES"] for env, _ in slots] == ["0", "1", "0", "1"]
+  assert {env["XLA_PYTHON_CLIENT_MEM_FRACTION"] for env, _ in slots} == {"0.450"}
+  assert {env[ablation.SHARING_ENV] for env, _ in slots} == {"2"}
+  assert [cores for _, cores in slots] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+  env, cores = ablation._slot_environment(1, parallel=2, devices=2)  # One row per accelerator: memory untouched.
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and env[ablation.SHARING_ENV] == "1" and cores == list(range(8, 16))
 
 
 def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):
@@ -329,7 +342,7 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
   assert list(ablation.collect(tmp_path)["suite"]["seeds"]) == [3, 4, 5]
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
-  assert gpu.tasks == ("mrpc", "sst2") and gpu.seeds == (1, 2, 3) and gpu.lrs == (3e-5,)
+  assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)
 
 
 def test_a_finetuning_configs_sweep_runs_each_row_as_one_finetune(tmp_path):

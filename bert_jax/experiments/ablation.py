@@ -24,7 +24,8 @@ A cluster runs one row per job, all into one shared workdir, then collects:
   bert-jax sweep --workdir /shared/runs/t5 --collect && bert-jax table /shared/runs/t5
 
 A failing row is recorded and the other rows go on. `--parallel N` runs rows
-as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES);
+as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES), or
+sharing `--devices D` of them, each with its share of the host's cores;
 `--rows 0,2` or `--row-index I` runs a subset (one job of a SLURM array or
 one TPU slice per row, all writing into one shared workdir). Each run ends by
 collecting `WORKDIR/results.json` from whatever rows have finished; `--collect`
@@ -172,11 +173,15 @@ def _finetune_state(row_dir: epath.Path, task: str, lr: float, seed: int) -> epa
 
 # Phases ---------------------------------------------------------------------------------------------------------
 
+SHARING_ENV = "BERT_JAX_ROWS_PER_DEVICE"  # Set by `--parallel` for its rows: wall times of shared devices say so.
+
+
 def _device() -> str:
   import jax
 
   devices = jax.devices()
-  return f"{len(devices)} x {devices[0].device_kind}"
+  sharing = int(os.environ.get(SHARING_ENV, "1"))
+  return f"{len(devices)} x {devices[0].device_kind}" + (f", shared by {sharing} rows" if sharing > 1 else "")
 
 
 def _last_eval(metrics_file: epath.Path) -> dict[str, float]:
@@ -346,8 +351,9 @@ def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, st
 
 def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str] | None = None,
               indices: Sequence[int] | None = None, parallel: int = 1, finetune: Callable | None = None,
-              child_args: Sequence[str] = ()) -> dict[str, Any]:
-  """Runs the rows `indices` (default all), in this process or as `parallel` subprocesses; returns the collection."""
+              child_args: Sequence[str] = (), devices: int | None = None) -> dict[str, Any]:
+  """Runs the rows `indices` (default all), in this process or as `parallel` subprocesses on `devices` local
+  accelerators (default: one each); returns the collection."""
   workdir = paths.as_path(workdir)
   data_dirs = dict(data_dirs or {})
   indices = list(range(len(table.rows))) if indices is None else list(indices)
@@ -365,14 +371,33 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
             + (f" in {status['phase']}: {status['error']}" if status["status"] == "failed" else ""), flush=True)
       progress.update()
   else:
-    _run_subprocesses(table, workdir, indices, parallel, child_args, progress)
+    _run_subprocesses(table, workdir, indices, parallel, child_args, progress, devices)
   return collect(workdir)
 
 
+def _slot_environment(slot: int, parallel: int, devices: int) -> tuple[dict[str, str], list[int] | None]:
+  """A row slot's accelerator (slots share the `devices` round-robin) and its share of this host's cores.
+
+  Rows sharing an accelerator split its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set); every slot gets
+  its own cores, so that each row's batch-building workers (`pipeline.default_workers`) size to its share.
+  """
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot % devices))
+  sharing = -(-parallel // devices)
+  env[SHARING_ENV] = str(sharing)
+  if sharing > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / sharing:.3f}"
+  if not hasattr(os, "sched_getaffinity"):
+    return env, None
+  cores = sorted(os.sched_getaffinity(0))
+  share = len(cores) // parallel
+  return env, (cores[slot * share:(slot + 1) * share] if share else None)
+
+
 def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,
-                      child_args: Sequence[str], progress: progress_lib.Progress) -> None:
-  """One subprocess per row, at most `parallel` at once, each on its own accelerator. A row's output goes to
-  rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits)."""
+                      child_args: Sequence[str], progress: progress_lib.Progress, devices: int | None = None) -> None:
+  """One subprocess per row, at most `parallel` at once, on `devices` local accelerators (default: one each). A
+  row's output goes to rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits)."""
+  devices = devices or parallel
   logs = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-sweep-")) if paths.is_remote(workdir) else None
   pending, running, free = list(indices), {}, list(range(parallel))
   while pending or running:
@@ -381,13 +406,16 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
       row_log = workdir / "rows" / table.rows[index].slug / "log.txt"
       log = logs / f"{table.rows[index].slug}.txt" if logs else pathlib.Path(row_log)
       log.parent.mkdir(parents=True, exist_ok=True)
-      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot))
+      env, cores = _slot_environment(slot, parallel, devices)
       command = [sys.executable, "-m", "bert_jax.experiments.ablation", "--config", table.spec, "--workdir",
                  str(workdir), "--row-index", str(index), *child_args,
                  *("--config." + o.removeprefix("--").removeprefix("config.") for o in table.base_overrides)]
+      pin = (lambda cores=cores: os.sched_setaffinity(0, cores)) if cores else None
       with open(log, "a") as out:
-        running[subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)] = (index, slot)
-      print(f"row {index} ({table.rows[index].name}) started on accelerator {slot}; log: {log}", flush=True)
+        running[subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin)] = (
+            index, slot)
+      print(f"row {index} ({table.rows[index].name}) started on accelerator {slot % devices}"
+            + (f", cores {cores[0]}-{cores[-1]}" if cores else "") + f"; log: {log}", flush=True)
     time.sleep(1.0)
     for process in [p for p in running if p.poll() is not None]:
       index, slot = running.pop(process)
@@ -486,6 +514,9 @@ def main(argv: list[str]) -> int:
   subset.add_argument("--row-index", type=int, help="run this one row (for a SLURM array task or one TPU slice)")
   parser.add_argument("--parallel", type=int, default=1,
                       help="run rows as N subprocesses side by side, one per local accelerator")
+  parser.add_argument("--devices", type=int,
+                      help="local accelerators the --parallel rows share round-robin (default: N, one each); "
+                           "rows on one accelerator split its memory")
   parser.add_argument("--collect", action="store_true", help="only build WORKDIR/results.json from finished rows")
   parser.add_argument("--tasks", help="comma-separated downstream tasks replacing the suite's, e.g. mnli_m,sst2 "
                                       f"(known: {','.join(suite_lib.TASKS)})")
@@ -508,7 +539,10 @@ def main(argv: list[str]) -> int:
       indices = [args.row_index] if args.row_index is not None else args.rows
       child_args = [f"--data-dir={item}" for item in args.data_dir] + [
           f"--{name}={value}" for name in ("tasks", "seeds", "lrs") if (value := getattr(args, name))]
-      results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args)
+      if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices must be at least 1, got {args.devices}")
+      results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args,
+                          devices=args.devices)
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as error:
     print(f"bert-jax sweep: {error}")
     return 2

