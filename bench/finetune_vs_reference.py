@@ -94,11 +94,12 @@ def split_squad(source: pathlib.Path, out: pathlib.Path, train_fraction: float =
   return counts
 
 
-def write_task_data(out: pathlib.Path) -> None:
+def write_task_data(out: pathlib.Path, glue_tasks=tuple(GLUE_DIRS), squad: bool = True) -> None:
   """Writes the downstream data both sides (and bench/reproduce.py's rows) read: GLUE with SST-2's dev carved
   from its train file, SQuAD v1.1's dev file split by article into train and dev, CoNLL-2003's train and dev."""
   glue = SHARED / "data" / "glue"
-  for task, directory in GLUE_DIRS.items():
+  for task in glue_tasks:
+    directory = GLUE_DIRS[task]
     (out / "glue" / directory).mkdir(parents=True, exist_ok=True)
     if task == "sst2":
       lines = (glue / directory / "train.tsv").read_text(encoding="utf-8").splitlines()
@@ -110,9 +111,10 @@ def write_task_data(out: pathlib.Path) -> None:
     else:
       for split in ("train", "dev"):
         shutil.copy(glue / directory / f"{split}.tsv", out / "glue" / directory / f"{split}.tsv")
-  counts = split_squad(SHARED / "data" / "squad" / "dev-v1.1.json", out / "squad")
-  print("squad: " + ", ".join(f"{name} {articles} articles / {questions} questions"
-                              for name, (articles, questions) in counts.items()))
+  if squad:
+    counts = split_squad(SHARED / "data" / "squad" / "dev-v1.1.json", out / "squad")
+    print("squad: " + ", ".join(f"{name} {articles} articles / {questions} questions"
+                                for name, (articles, questions) in counts.items()))
   (out / "conll2003").mkdir(parents=True, exist_ok=True)
   for name in CONLL_FILES:
     shutil.copy(SHARED / "data" / "conll2003" / name, out / "conll2003" / name)
@@ -123,18 +125,23 @@ def copy_wheels(wheels: pathlib.Path | None, out: pathlib.Path) -> None:
     shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
 
 
-def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None) -> None:
-  """Writes the carried folder: float16 MiniLM, GLUE (SST-2 split), SQuAD split, CoNLL, the GLUE reference, wheels."""
+def write_float16_model(model_dir: pathlib.Path, out: pathlib.Path) -> None:
+  """The MiniLM's files with its weights as float16 (half the bytes to carry), in out/minilm."""
   import safetensors.numpy
 
-  out.mkdir(parents=True, exist_ok=True)
   model_out = out / "minilm"
-  model_out.mkdir(exist_ok=True)
+  model_out.mkdir(parents=True, exist_ok=True)
   for name in MODEL_FILES:
     shutil.copy(model_dir / name, model_out / name)
   tensors = safetensors.numpy.load_file(model_dir / "model.safetensors")
   safetensors.numpy.save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()},
                               model_out / "model.safetensors")
+
+
+def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None) -> None:
+  """Writes the carried folder: float16 MiniLM, GLUE (SST-2 split), SQuAD split, CoNLL, the GLUE reference, wheels."""
+  out.mkdir(parents=True, exist_ok=True)
+  write_float16_model(model_dir, out)
   write_task_data(out)
   shutil.copy(SHARED / "bench" / "anchor_hf_finetune.py", out / "anchor_hf_finetune.py")
   copy_wheels(wheels, out)
