@@ -185,6 +185,11 @@ def test_pending_metrics_reads_a_log_step_at_the_next_add():
   pending.flush(6)  # steps 4-6: the first non-finite one is 5
   step, averaged, (bad_step, bad) = reads[-1]
   assert step == 6 and bad_step == 5 and np.isnan(bad["loss"]) and np.isnan(averaged["loss"])
+  pending.add({"loss": np.float32(7), "nonfinite": np.int32(0)})
+  pending.add({"loss": np.float32(8), "extra": np.float32(1), "nonfinite": np.int32(0)})  # keys differ: still read
+  pending.flush(8)
+  step, averaged, nonfinite = reads[-1]
+  assert step == 8 and averaged["loss"] == 7.5 and np.isnan(averaged["extra"]) and nonfinite is None
 
 
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
@@ -205,9 +210,10 @@ def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp
       return step(state, batch)
     return counted
 
-  to_python = metrics_lib.to_python
+  fetch = metrics_lib.fetch
   monkeypatch.setattr(trainer, "make_train_step", counting_make_train_step)
-  monkeypatch.setattr(metrics_lib, "to_python", lambda m: fetched_at.append(dispatched[0]) or to_python(m))
+  monkeypatch.setattr(metrics_lib, "fetch",
+                      lambda steps: fetched_at.extend([dispatched[0]] * len(steps)) or fetch(steps))
   result = trainer.train_and_evaluate(tiny_config(prepared, steps=9, log_every=2, checkpoint_every=6, eval_every=0),
                                       tmp_path)
   assert [h["step"] for h in result["history"]] == [2, 4, 6, 8, 9]

@@ -45,6 +45,20 @@ def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
   return {k: float(np.asarray(v)) for k, v in metrics.items()}
 
 
+@jax.jit
+def _stacked(steps: list[dict[str, Any]]) -> dict[str, jax.Array]:
+  # One array per metric: a log step transfers a handful of arrays, not (steps x metrics) scalars one by one.
+  return {key: jax.numpy.stack([metrics[key] for metrics in steps]) for key in steps[-1]}
+
+
+def fetch(steps: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+  """The metrics of several steps on the host, each metric an array over the steps."""
+  if all(metrics.keys() == steps[-1].keys() for metrics in steps):
+    return {key: np.asarray(value) for key, value in jax.device_get(_stacked(list(steps))).items()}
+  rows = [to_python(m) for m in jax.device_get(list(steps))]
+  return {key: np.asarray([row.get(key, np.nan) for row in rows]) for key in rows[-1]}
+
+
 class PendingMetrics:
   """The device metrics of the steps the host has not read yet, for a training loop that logs every few steps.
 
@@ -73,12 +87,13 @@ class PendingMetrics:
   def flush(self, step: int) -> None:
     self._log_step = None
     if self._pending:
-      # One transfer call for all of them: reading each scalar on its own waits for the device once per value.
-      fetched = [to_python(m) for m in jax.device_get(self._pending)]
+      fetched = fetch(self._pending)
+      count = len(self._pending)
       self._pending.clear()
-      first = step - len(fetched) + 1  # the steps read are first, ..., step
-      nonfinite = next(((first + i, m) for i, m in enumerate(fetched) if m["nonfinite"]), None)
-      averaged = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "nonfinite"}
+      first = step - count + 1  # the steps read are first, ..., step
+      bad = np.flatnonzero(fetched["nonfinite"])
+      nonfinite = ((first + int(bad[0]), {k: float(v[bad[0]]) for k, v in fetched.items()}) if bad.size else None)
+      averaged = {k: float(np.mean(v)) for k, v in fetched.items() if k != "nonfinite"}
       self._on_read(step, averaged, nonfinite)
 
 
