@@ -308,6 +308,19 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
 
 
+def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):
+  spec, data_dirs, _ = setup
+  ran = []
+
+  def fake_pretrain(config, row_dir, cross=()):
+    ran.append(row_dir.name)
+    raise InterruptedError(f"pre-training of {row_dir.name} was stopped at step 3")
+
+  monkeypatch.setattr(ablation, "pretrain_phase", fake_pretrain)
+  results = ablation.run_sweep(ablation.load_table(spec), tmp_path, data_dirs)
+  assert len(ran) == 1 and [row["status"] for row in results["rows"]] == ["incomplete", "not run", "not run"]
+
+
 def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.setattr(ablation.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)

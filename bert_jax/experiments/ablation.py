@@ -333,6 +333,8 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
     phase = "finetune"
     finetune_phase(table, row, row_dir, data_dirs, finetune)
     status = {"name": row.name, "status": "done"}
+  except InterruptedError as error:  # SIGTERM or Ctrl-C: the row saved a checkpoint; a rerun resumes it.
+    return {"name": row.name, "status": "stopped", "phase": phase, "error": str(error)}
   except Exception as error:  # A failing row is recorded; the sweep goes on with the others.
     traceback.print_exc()
     status = {"name": row.name, "status": "failed", "phase": phase,
@@ -368,7 +370,10 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
     for index in indices:
       status = run_row(table, index, workdir, data_dirs, finetune)
       print(f"row {index} ({table.rows[index].name}): {status['status']}"
-            + (f" in {status['phase']}: {status['error']}" if status["status"] == "failed" else ""), flush=True)
+            + (f" in {status['phase']}: {status['error']}" if status["status"] != "done" else ""), flush=True)
+      if status["status"] == "stopped":
+        print("sweep stopped on request; run the same command to resume it", flush=True)
+        break
       progress.update()
   else:
     _run_subprocesses(table, workdir, indices, parallel, child_args, progress, devices)
