@@ -308,6 +308,13 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
 
 
+def test_electras_mlm_row_scales_the_steps_given_on_the_command_line():
+  tab = ablation.load_table(str(REPO / "configs/ablations/electra_compute.py:scale=gpu"), ["--config.train.steps=4000"])
+  mlm, electra = (ablation.row_config(tab, row) for row in tab.rows)
+  assert electra.train.steps == 4000 and mlm.objective == "mlm"
+  assert mlm.train.steps == round(4000 * (1 + electra.model.generator_fraction ** 2)) > 4000
+
+
 def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):
   spec, data_dirs, _ = setup
   ran = []

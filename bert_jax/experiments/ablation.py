@@ -6,7 +6,8 @@ r"""Run a paper's ablation table end to end: pre-train every row, fine-tune the 
 
 The config file gives `get_config(arg)` (the base pre-training config),
 `get_sweep(arg)` (the rows: `{"name": ..., "overrides": {key: value},
-"finetune": {key: value}}`, or plain override dicts), `get_suite(arg)` (the
+"finetune": {key: value}}`, or plain override dicts; an override's value may be
+a function of the config the row starts from), `get_suite(arg)` (the
 downstream suite, `bert_jax.experiments.suite.Suite`) and `PUBLISHED` (the
 paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
 
@@ -112,7 +113,10 @@ def load_table(spec: str, base_overrides: Sequence[str] = ()) -> Table:
 def row_config(table: Table, row: Row):
   """The row's pre-training config: the file's config, the command line's overrides, then the row's."""
   config = config_lib.load_config(table.spec, list(table.base_overrides))
-  for key, value in row.overrides.items():
+  # A callable value is computed from the config before any of the row's overrides (steps scaled from the
+  # command line's, say).
+  resolved = {key: value(config) if callable(value) else value for key, value in row.overrides.items()}
+  for key, value in resolved.items():
     config_lib.set_by_path(config, key, str(value))
   return config
 

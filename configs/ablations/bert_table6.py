@@ -5,8 +5,9 @@
   bert-jax table runs/bert_table6
 
 "LM (ppl)" is the masked-LM perplexity of held-out data (the pre-training evaluation). Arguments: scale
-(tiny|gpu|paper); at scale=tiny every #H is divided by 16 (head size 4) so the six rows run on a CPU, with
-#L and #A as the paper's.
+(tiny|gpu|paper); #L and #A are the paper's at every scale, #H is divided by 16 at scale=tiny (head size 4, so
+the six rows run on a CPU) and by 4 at scale=gpu (the largest row then costs about 1.5 BERT-Small, so every row
+fits one GPU's ten minutes).
 """
 
 from bert_jax.experiments import ablation, suite
@@ -40,7 +41,7 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None):
-  divisor = 16 if parse_arg(arg, scale="tiny").scale == "tiny" else 1
+  divisor = {"tiny": 16, "gpu": 4}.get(parse_arg(arg, scale="tiny").scale, 1)
   return [{"name": row_name(layers, hidden, heads),
            "overrides": {"model.num_layers": layers, "model.hidden_size": hidden // divisor,
                          "model.num_heads": heads, "model.intermediate_size": 4 * hidden // divisor}}

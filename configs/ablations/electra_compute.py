@@ -31,13 +31,16 @@ def get_config(arg=None):
   return ablation.base_config("electra.py:size=small", parse_arg(arg, scale="tiny").scale)
 
 
+def _at_equal_compute(key):
+  """The MLM row's `key` (steps, or an interval in steps): (1 + g^2) x ELECTRA's, from the config as given."""
+  return lambda config: int(round(config.train[key] * (1 + config.model.generator_fraction ** 2)))
+
+
 def get_sweep(arg=None):
-  config = get_config(arg)
-  fraction = config.model.generator_fraction
-  mlm_steps = int(round(config.train.steps * (1 + fraction ** 2)))
-  return [{"name": "BERT-Small (MLM)", "overrides": {"objective": "mlm", "train.steps": mlm_steps,
-                                                     "train.eval_every": mlm_steps,
-                                                     "train.checkpoint_every": mlm_steps}},
+  del arg
+  return [{"name": "BERT-Small (MLM)", "overrides": {"objective": "mlm",
+                                                     **{f"train.{key}": _at_equal_compute(key)
+                                                        for key in ("steps", "eval_every", "checkpoint_every")}}},
           {"name": "ELECTRA-Small", "overrides": {"objective": "rtd"}}]
 
 
