@@ -19,7 +19,8 @@ _COLUMNS = ("mnli_m", "qnli", "mrpc", "sst2", "squad1.1_f1")
 PUBLISHED = {
     "paper": "Devlin et al. 2019, BERT: Pre-training of Deep Bidirectional Transformers for Language Understanding",
     "table": "Table 5",
-    "source": "shared/seeds (lecture notes quoting the paper's Table 5); dev set",
+    "source": ("shared/seeds (lecture notes quoting the paper's Table 5); dev set; checked against public copies of "
+               "the text of arXiv:1810.04805 (https://arxiv.org/abs/1810.04805)"),
     "columns": {"mnli_m": "MNLI-m (Acc)", "qnli": "QNLI (Acc)", "mrpc": "MRPC (Acc)", "sst2": "SST-2 (Acc)",
                 "squad1.1_f1": "SQuAD (F1)"},
     "higher_is_better": {column: True for column in _COLUMNS},

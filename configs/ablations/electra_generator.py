@@ -18,10 +18,11 @@ FRACTIONS = ((0.25, "1/4"), (0.5, "1/2"), (0.75, "3/4"), (1.0, "1"))
 PUBLISHED = {
     "paper": "Clark et al. 2020, ELECTRA: Pre-training Text Encoders as Discriminators Rather Than Generators",
     "table": "Figure 3 (left)",
-    "source": "a figure, not in shared/seeds: read the points off the paper's Figure 3",
-    "columns": {"cola": "CoLA", "sst2": "SST", "mrpc": "MRPC", "stsb": "STS", "qqp": "QQP", "mnli_m": "MNLI",
-                "qnli": "QNLI", "rte": "RTE"},
-    "higher_is_better": {task: True for task in GLUE_TASKS},
+    "source": ("arXiv:2003.10555 (ICLR 2020) Figure 3 (left), GLUE dev score against generator size: a plot whose "
+               "points the text does not state, so no numbers are given (the text says generators 1/4-1/2 the "
+               "discriminator's size work best); paper at https://arxiv.org/abs/2003.10555"),
+    "columns": {"glue": "GLUE score"},
+    "higher_is_better": {"glue": True},
     "rows": {f"generator {label} of the discriminator": {} for _, label in FRACTIONS},
 }
 
