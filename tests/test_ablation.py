@@ -420,3 +420,11 @@ def test_sentence_columns_of_a_row_trained_on_another_task_come_from_its_cross_e
   assert table.ours(row, "nsp_acc")["median"] == pytest.approx(90.0)
   assert table.ours(row, "sop_acc")["median"] == pytest.approx(55.0)
   assert table.ours({"tasks": {}, "pretrain": {"objective": "mlm", "eval": {}}}, "sop_acc") is None
+
+
+def test_the_glue_score_averages_each_seeds_glue_tasks_then_takes_the_median():
+  row = {"tasks": {"cola": {"values": [40.0, 30.0, 50.0]}, "rte": {"values": [60.0, 70.0, 50.0]},
+                   "squad1.1_f1": {"values": [1.0, 2.0, 3.0]}}}
+  score = table.ours(row, "glue", ["cola", "rte", "squad1.1_f1"])  # per seed: 50, 50, 50
+  assert score["median"] == 50.0 and score["std"] == 0.0
+  assert table.ours(row, "glue", ["cola", "rte", "mrpc"]) is None  # MRPC was not scored: no score

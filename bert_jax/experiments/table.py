@@ -27,6 +27,7 @@ import io
 import json
 import math
 import os
+import statistics
 from typing import Any, Sequence
 
 from etils import epath
@@ -48,8 +49,26 @@ def columns(results: dict[str, Any]) -> list[str]:
   return out
 
 
-def ours(row: dict[str, Any], column: str) -> dict[str, float] | None:
-  """{median, std, min, max} of our value of `column` for `row`, or None when it was not measured."""
+def glue_score(row: dict[str, Any], tasks: Sequence[str]) -> dict[str, float] | None:
+  """The GLUE score as ELECTRA reports it, the mean over GLUE tasks (CoLA's MCC, STS-B's Spearman, the others'
+  accuracy), over the suite's GLUE `tasks`: per seed, then {median, std, min, max} over the seeds. None unless the
+  row has every one of them with the same number of seeds."""
+  glue = [task for task in tasks if task in suite_lib.GLUE]
+  scored = [row["tasks"].get(task) for task in glue]
+  if not glue or any(s is None or len(s.get("values", [])) != len(scored[0].get("values", [])) for s in scored):
+    return None
+  per_seed = [sum(values) / len(values) for values in zip(*(s["values"] for s in scored))]
+  if not per_seed:
+    return None
+  return {"median": statistics.median(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+          "min": min(per_seed), "max": max(per_seed)}
+
+
+def ours(row: dict[str, Any], column: str, tasks: Sequence[str] = ()) -> dict[str, float] | None:
+  """{median, std, min, max} of our value of `column` for `row`, or None when it was not measured; `tasks` are
+  the suite's (the "glue" column averages its GLUE tasks)."""
+  if column == "glue":
+    return glue_score(row, tasks)
   if column in INTRINSIC:
     pretrain = row.get("pretrain") or {}
     key, scale = INTRINSIC[column]
@@ -72,7 +91,7 @@ def ordering(results: dict[str, Any], column: str) -> tuple[int, int, int] | Non
   points = []
   for row in results["rows"]:
     paper = published_rows.get(row["name"], {}).get(column)
-    mine = ours(row, column)
+    mine = ours(row, column, results["suite"]["tasks"])
     if paper is not None and mine is not None:
       points.append((paper, mine["median"]))
   agree = total = tied = 0
@@ -119,7 +138,13 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"- downstream: {', '.join(suite['tasks']) or 'none'}; seeds {tuple(suite['seeds'])}; "
            f"learning rates {tuple(suite['lrs'])}; ours = median over seeds at the learning rate with the best "
            "dev median, ± std over those seeds",
-           f"- published numbers: {published.get('source', 'none given')}", ""]
+           f"- published numbers: {published.get('source', 'none given')}"]
+  if "glue" in names:
+    run = [task for task in suite["tasks"] if task in suite_lib.GLUE]
+    lines.append(f"- GLUE score: ours is the mean over seeds of each seed's mean over the GLUE tasks run "
+                 f"({', '.join(run) or 'none'}; CoLA MCC, STS-B Spearman, accuracy otherwise), the paper's over all "
+                 "eight GLUE tasks")
+  lines.append("")
   header = ["row", "status"]
   for column in cols:
     label = names.get(column) or _label(column)
@@ -129,7 +154,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     cells = [row["name"], row["status"] or ""]
     paper = published.get("rows", {}).get(row["name"], {})
     for column in cols:
-      mine = ours(row, column)
+      mine = ours(row, column, results["suite"]["tasks"])
       digits = _digits(column)
       if mine is None:
         cells.append("")
@@ -169,7 +194,7 @@ def write_csv(results: dict[str, Any], path: epath.Path) -> None:
     pretrain = row.get("pretrain") or {}
     values = [row["name"], row["status"]]
     for column in cols:
-      mine = ours(row, column) or {}
+      mine = ours(row, column, results["suite"]["tasks"]) or {}
       values += [mine.get("median"), mine.get("std"), mine.get("min"), mine.get("max"), mine.get("best_lr"),
                  published.get(row["name"], {}).get(column)]
     values += [pretrain.get("tokens_seen"), pretrain.get("epochs"), pretrain.get("wall_seconds"),
@@ -229,7 +254,9 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
   plt.close(figure)
 
   tasks = [column for column in columns(results) if column not in INTRINSIC]
-  names = results["published"].get("columns", {})
+  names = dict(results["published"].get("columns", {}))
+  if "glue" in names:
+    names["glue"] = f"{names['glue']} (ours: {', '.join(t for t in results['suite']['tasks'] if t in suite_lib.GLUE)})"
   published = results["published"].get("rows", {})
   figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(tasks) + 2), 5))
   width = 0.8 / max(1, len(results["rows"]))
@@ -237,7 +264,7 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
     xs, heights, low, high, paper_x, paper_y = [], [], [], [], [], []
     for position, task in enumerate(tasks):
       x = position - 0.4 + width * (index + 0.5)
-      mine = row["tasks"].get(task)
+      mine = ours(row, task, results["suite"]["tasks"])
       if mine is not None:
         xs.append(x)
         heights.append(mine["median"])
