@@ -184,6 +184,10 @@ class Task(abc.ABC):
   def load(self, data_dir: str | pathlib.Path, split: str) -> list[Any]:
     """Reads the examples of `split` ("train", "dev", ...) from `data_dir`."""
 
+  def read_file(self, path: str | pathlib.Path) -> list[Any]:
+    """Reads the examples of one file a user names (`bert-jax predict --input`), labelled or not."""
+    raise NotImplementedError(f"{self.name} reads no single input files")
+
   @abc.abstractmethod
   def featurize(self, examples: Sequence[Any], tokenizer: TaskTokenizer,
                 max_len: int) -> dict[str, np.ndarray]:

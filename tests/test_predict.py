@@ -1,0 +1,159 @@
+"""`bert-jax predict` and `load_for_inference`: the same predictions as the fine-tuning evaluation, bucketed lengths
+compiled once each, unlabelled inputs, one-line errors for bad files, the pruned model folder."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from bert_jax import cli
+from bert_jax.analysis import heads
+from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import inference
+from bert_jax.tasks.predict import predict_file
+from bert_jax.train import checkpoint as checkpoint_lib
+
+from test_finetune import _conll, _finetune, _glue_sst2, tiny_model  # noqa: F401 - tiny_model is a fixture
+
+SAVE = "--config.train.save_checkpoint=True"
+
+
+@pytest.fixture(scope="module")
+def sst2_run(tiny_model, tmp_path_factory):  # noqa: F811
+  """A fine-tuned SST-2 run (one seed, checkpoint kept) and its data, with a test.tsv in the test layout holding
+  the dev sentences."""
+  root = tmp_path_factory.mktemp("sst2")
+  data = _glue_sst2(root / "glue", np.random.default_rng(0))
+  dev_rows = (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
+  (data / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
+      f"{index}\t{row.split(chr(9))[0]}\n" for index, row in enumerate(dev_rows)))
+  workdir = root / "run"
+  _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, workdir, "--config.train.epochs=2", SAVE)
+  return workdir, data
+
+
+def test_length_buckets():
+  assert inference.length_buckets(128) == (16, 32, 64, 128)
+  assert inference.length_buckets(100) == (16, 32, 64, 100)
+  assert inference.length_buckets(16) == (16,)
+
+
+def test_classification_predictions_equal_the_evaluation(sst2_run, tmp_path, capsys):
+  workdir, data = sst2_run
+  # The evaluation's predictions of the test split (the dev sentences) as GLUE's submission file.
+  submitted = finetune_lib.evaluate_run(workdir, "test")[1]["test"]
+  output = tmp_path / "SST-2.tsv"
+  assert cli.main(["predict", "--workdir", str(workdir), "--input", str(data / "SST-2" / "test.tsv"),
+                   "--output", str(output), "--format", "submission"]) == 0
+  assert output.read_text() == open(submitted).read()
+  assert "wrote 64 predictions" in capsys.readouterr().out
+
+  # The labelled dev file gives the same labels, and their accuracy is the evaluation's.
+  jsonl = tmp_path / "dev.jsonl"
+  predict_file(str(workdir), str(data / "SST-2" / "dev.tsv"), str(jsonl))
+  records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+  submission_labels = [row.split("\t")[1] for row in output.read_text().splitlines()[1:]]
+  assert [record["label"] for record in records] == submission_labels
+  assert all(sum(record["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for record in records)
+  gold = [row.split("\t")[1] for row in (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+  accuracy = 100.0 * np.mean([record["label"] == label for record, label in zip(records, gold)])
+  assert accuracy == pytest.approx(finetune_lib.evaluate_run(workdir)[1]["dev"]["accuracy"])
+
+
+def test_json_lines_input_reads_like_the_tsv(sst2_run, tmp_path):
+  workdir, data = sst2_run
+  rows = (data / "SST-2" / "test.tsv").read_text().splitlines()[1:]
+  source = tmp_path / "input.jsonl"
+  source.write_text("".join(json.dumps({"idx": int(row.split("\t")[0]), "sentence": row.split("\t")[1]}) + "\n"
+                            for row in rows))
+  predict_file(str(workdir), str(source), str(tmp_path / "from_jsonl.jsonl"), batch_size=16)
+  predict_file(str(workdir), str(data / "SST-2" / "test.tsv"), str(tmp_path / "from_tsv.jsonl"))
+  from_jsonl = [json.loads(line) for line in (tmp_path / "from_jsonl.jsonl").read_text().splitlines()]
+  from_tsv = [json.loads(line) for line in (tmp_path / "from_tsv.jsonl").read_text().splitlines()]
+  assert [r["id"] for r in from_jsonl] == [r["id"] for r in from_tsv] == [str(i) for i in range(len(rows))]
+  assert [r["label"] for r in from_jsonl] == [r["label"] for r in from_tsv]
+
+
+def test_no_recompilation_within_a_bucket(sst2_run, tmp_path):
+  workdir, _ = sst2_run
+  model = inference.load_for_inference(workdir)
+  rng = np.random.default_rng(0)
+  # 8 fake devices, batches of 8: four batches of rows 17 to 30 tokens long, all in the 32 bucket.
+  sentences = [" ".join(rng.choice([f"w{i}" for i in range(30)], n)) for n in rng.integers(15, 29, 32)]
+  features = model.featurize(model.task.read_file(_write_tsv(tmp_path / "rows.tsv", sentences)))
+  lengths = inference.row_lengths(features)
+  assert lengths.min() > 16 and lengths.max() <= 32 and len(set(lengths)) > 4
+  batches = model.batches(features, 8)
+  assert len(batches) == 4 and {length for _, length in batches} == {32}
+  model.predict_outputs(features, 8)
+  assert model.predict_step._cache_size() == 1
+  # A batch of short rows takes the 16 bucket: one more compilation, and none for a second call.
+  short = model.featurize(model.task.read_file(_write_tsv(tmp_path / "short.tsv", ["w1 w2"] * 8)))
+  model.predict_outputs(short, 8)
+  model.predict_outputs(features, 8)
+  assert model.predict_step._cache_size() == 2
+
+
+def _write_tsv(path, sentences):
+  path.write_text("index\tsentence\n" + "".join(f"{i}\t{s}\n" for i, s in enumerate(sentences)))
+  return path
+
+
+def test_bad_inputs_fail_in_one_line(sst2_run, tmp_path, capsys):
+  workdir, _ = sst2_run
+  bad = tmp_path / "bad.tsv"
+  bad.write_text("sentence\tlabel\nw1 w2\t1\nw3\n")
+  assert cli.main(["predict", "--workdir", str(workdir), "--input", str(bad), "--output", str(tmp_path / "o")]) == 1
+  assert f"{bad}:3: expected 2 tab-separated columns, found 1" in capsys.readouterr().err
+  missing = tmp_path / "missing.tsv"
+  assert cli.main(["predict", "--workdir", str(workdir), "--input", str(missing), "--output", "o"]) == 1
+  assert f"--input {missing}: no such file" in capsys.readouterr().err
+  lines = tmp_path / "bad.jsonl"
+  lines.write_text('{"sentence": "w1"}\n{"text": "w2"}\n')
+  assert cli.main(["predict", "--workdir", str(workdir), "--input", str(lines), "--output", "o"]) == 1
+  assert f"{lines}:2: no ['sentence'] field" in capsys.readouterr().err
+  assert cli.main(["predict", "--workdir", str(tmp_path), "--input", str(lines), "--output", "o"]) == 1
+  assert "finetune_run.json not found" in capsys.readouterr().err
+
+
+def test_pruned_model_folder_loads_and_predicts(sst2_run, tmp_path):
+  workdir, data = sst2_run
+  model = inference.load_for_inference(workdir)
+  _, params = checkpoint_lib.restore_params(workdir / f"seed_{model.seed}")
+  keep = np.array([[True, False], [True, True]])
+  config, encoder = heads.prune_heads(model.model_config, params["encoder"], keep)
+  heads.save_pruned_run(workdir, tmp_path / "pruned", config, {**params, "encoder": encoder})
+  pruned = inference.load_for_inference(tmp_path / "pruned")
+  assert pruned.model_config.heads_per_layer == (1, 2)
+  predict_file(str(tmp_path / "pruned"), str(data / "SST-2" / "test.tsv"), str(tmp_path / "pruned.jsonl"))
+  assert len((tmp_path / "pruned.jsonl").read_text().splitlines()) == 64
+
+
+def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tiny_model, tmp_path):  # noqa: F811
+  data = _conll(tmp_path / "conll", np.random.default_rng(4))
+  shutil.copy(data / "eng.testa", data / "eng.testb")
+  workdir = tmp_path / "run"
+  _finetune("configs/finetune/ner.py:document_context=True", tiny_model, data, workdir, "--config.train.epochs=2",
+            SAVE)
+  evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
+  output = tmp_path / "tags.jsonl"
+  predict_file(str(workdir), str(data / "eng.testb"), str(output), batch_size=16)
+  records = [json.loads(line) for line in output.read_text().splitlines()]
+  assert [record["tags"] for record in records] == evaluated
+  # Words only, one a line, as the submission format writes them: the same tags back.
+  words_only = tmp_path / "words.txt"
+  words_only.write_text("".join("-DOCSTART-\n\n" if line.startswith("-DOCSTART-") else
+                                (line.split()[0] + "\n" if line.strip() else "\n")
+                                for line in (data / "eng.testb").read_text().splitlines(keepends=True)))
+  predict_file(str(workdir), str(words_only), str(tmp_path / "tags.conll"), output_format="submission")
+  conll = (tmp_path / "tags.conll").read_text().split("\n\n")
+  sentences = [[line.split() for line in block.splitlines()] for block in conll
+               if block.strip() and not block.startswith("-DOCSTART-")]
+  assert [[tag for _, tag in sentence] for sentence in sentences] == evaluated
+  # JSON lines of tokens: one sentence a line, each its own document.
+  tokens = tmp_path / "tokens.jsonl"
+  tokens.write_text("".join(json.dumps({"tokens": record["words"]}) + "\n" for record in records[:5]))
+  predict_file(str(workdir), str(tokens), str(tmp_path / "few.jsonl"))
+  assert [json.loads(line)["words"] for line in (tmp_path / "few.jsonl").read_text().splitlines()] == [
+      record["words"] for record in records[:5]]
