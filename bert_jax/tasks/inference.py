@@ -182,7 +182,8 @@ class InferenceModel:
 
 def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenizer: TaskTokenizer, max_len: int,
                     model: Any = None, mesh_sizes: dict[str, int] | None = None,
-                    rules: Sequence[Any] | None = None, batch_size: int = 128, **extra: Any) -> InferenceModel:
+                    rules: Sequence[Any] | None = None, batch_size: int = 128, devices: Sequence[Any] | None = None,
+                    **extra: Any) -> InferenceModel:
   """An `InferenceModel` from parts: the task's model (default `FinetuneModel`) with host or device `params`.
 
   Args:
@@ -195,9 +196,10 @@ def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenize
     mesh_sizes: config.mesh.sizes (None: data parallel over every device).
     rules: config.mesh.rules (None: the default rules).
     batch_size: default rows per batch.
+    devices: the devices of the mesh (None: every device).
     **extra: seed, source.
   """
-  mesh = sharding_lib.create_mesh(dict(mesh_sizes or {"data": -1, "fsdp": 1, "tensor": 1}))
+  mesh = sharding_lib.create_mesh(dict(mesh_sizes or {"data": -1, "fsdp": 1, "tensor": 1}), devices)
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(rules))
   model = model if model is not None else build_model(model_config, task.kind, task.num_labels)
   objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
@@ -211,13 +213,15 @@ def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenize
                         partitioning=partitioning, param_shardings=param_shardings, batch_size=batch_size, **extra)
 
 
-def load_for_inference(workdir: str | os.PathLike, seed: int | None = None) -> InferenceModel:
+def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
+                       devices: Sequence[Any] | None = None) -> InferenceModel:
   """The fine-tuned model of `workdir`, ready to predict.
 
   Args:
     workdir: a finished `bert-jax finetune` workdir, or a folder laid out like one (finetune_run.json, config.json,
       tokenizer/, seed_<s>/checkpoints: the pruned model of `bert-jax analyze ... prune`).
     seed: whose parameters; None for the run's best seed.
+    devices: the devices to run on (None: every device, on the run's mesh; else data parallel over these).
 
   Raises:
     FileNotFoundError: when `workdir` is not such a folder or the seed has no saved parameters.
@@ -242,5 +246,6 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None) -> I
   model_config = ModelConfig(**run_info["model_config"])
   return inference_model(task, model_config, params, task_tokenizer(load_tokenizer(workdir / "tokenizer")),
                          fitted_max_len(config.max_len, model_config), model=_task_model(config, model_config, task),
-                         mesh_sizes=config.mesh.sizes.to_dict(), rules=config.mesh.rules,
+                         mesh_sizes=None if devices is not None else config.mesh.sizes.to_dict(),
+                         rules=config.mesh.rules, devices=devices,
                          batch_size=config.train.eval_batch_size or 128, seed=seed, source=workdir)
