@@ -104,6 +104,14 @@ class InferenceModel:
       self._predict_step = make_predict_step(self.objective, self.partitioning, self.param_shardings)
     return self._predict_step
 
+  def with_seed(self, seed: int) -> "InferenceModel":
+    """The same fine-tuned model with another seed's parameters; the compiled predict step is shared."""
+    if self.source is None:
+      raise ValueError("with_seed needs a model loaded from a fine-tuning workdir (load_for_inference)")
+    params = _seed_params(self.source, json.loads((self.source / RUN_FILE).read_text()), seed)
+    return dataclasses.replace(self, params=jax.device_put(params, self.param_shardings), seed=seed,
+                               _predict_step=self.predict_step)
+
   def featurize(self, examples: Sequence[Any]) -> dict[str, np.ndarray]:
     """The task's features of `examples` at max_len (see `bert_jax.tasks.base`)."""
     if not examples:
@@ -235,13 +243,7 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
   run_info = json.loads((workdir / RUN_FILE).read_text())
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   seed = run_info["best_seed"] if seed is None else seed
-  if seed not in run_info["seeds"]:
-    raise ValueError(f"seed {seed}: {workdir} has seeds {run_info['seeds']}")
-  seed_dir = workdir / f"seed_{seed}"
-  if not (seed_dir / "checkpoints").is_dir():
-    raise FileNotFoundError(f"{seed_dir} holds no saved parameters (a run with --config.train.save_checkpoint="
-                            "False keeps none): fine-tune again with checkpoints saved")
-  _, params = checkpoint_lib.restore_params(seed_dir)
+  params = _seed_params(workdir, run_info, seed)
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
   return inference_model(task, model_config, params, task_tokenizer(load_tokenizer(workdir / "tokenizer")),
@@ -249,3 +251,14 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
                          mesh_sizes=None if devices is not None else config.mesh.sizes.to_dict(),
                          rules=config.mesh.rules, devices=devices,
                          batch_size=config.train.eval_batch_size or 128, seed=seed, source=workdir)
+
+
+def _seed_params(workdir: epath.Path, run_info: dict[str, Any], seed: int) -> Any:
+  """The saved parameters of one seed of a fine-tuning run, as host arrays."""
+  if seed not in run_info["seeds"]:
+    raise ValueError(f"seed {seed}: {workdir} has seeds {run_info['seeds']}")
+  seed_dir = workdir / f"seed_{seed}"
+  if not (seed_dir / "checkpoints").is_dir():
+    raise FileNotFoundError(f"{seed_dir} holds no saved parameters (a run with --config.train.save_checkpoint="
+                            "False keeps none): fine-tune again with checkpoints saved")
+  return checkpoint_lib.restore_params(seed_dir)[1]
