@@ -11,10 +11,12 @@ from bert_jax import cli
 from bert_jax.analysis import heads
 from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks import inference
+from bert_jax.tasks.glue import SPECS, tsv_has_labels
+from bert_jax.tasks.registry import get_task
 from bert_jax.tasks.predict import predict_file
 from bert_jax.train import checkpoint as checkpoint_lib
 
-from test_finetune import _conll, _finetune, _glue_sst2, tiny_model  # noqa: F401 - tiny_model is a fixture
+from test_finetune import _conll, _finetune, _glue_sst2, _squad, tiny_model  # noqa: F401 - tiny_model is a fixture
 
 SAVE = "--config.train.save_checkpoint=True"
 
@@ -157,3 +159,49 @@ def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tiny
   predict_file(str(workdir), str(tokens), str(tmp_path / "few.jsonl"))
   assert [json.loads(line)["words"] for line in (tmp_path / "few.jsonl").read_text().splitlines()] == [
       record["words"] for record in records[:5]]
+
+
+# First lines of the GLUE files (train/dev, test) as download_glue_data.py leaves them.
+_GLUE_FIRST_LINES = {
+    "cola": ("gj04\t1\t\tThe sailors rode the breeze clear of the rocks.", "index\tsentence"),
+    "sst2": ("sentence\tlabel", "index\tsentence"),
+    "mrpc": ("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String", "index\t#1 ID\t#2 ID\t#1 String\t#2 String"),
+    "stsb": ("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore",
+             "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"),
+    "qqp": ("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate", "id\tquestion1\tquestion2"),
+    "mnli": ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
+             "sentence2_parse\tsentence1\tsentence2\tlabel1\tgold_label",
+             "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
+             "sentence2_parse\tsentence1\tsentence2"),
+    "qnli": ("index\tquestion\tsentence\tlabel", "index\tquestion\tsentence"),
+    "rte": ("index\tsentence1\tsentence2\tlabel", "index\tsentence1\tsentence2"),
+    "wnli": ("index\tsentence1\tsentence2\tlabel", "index\tsentence1\tsentence2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_glue_tsv_layout_is_told_by_the_first_line(name, tmp_path):
+  labelled, unlabelled = _GLUE_FIRST_LINES[name]
+  for first_line, expected in ((labelled, True), (unlabelled, False)):
+    path = tmp_path / "file.tsv"
+    path.write_text(first_line + "\n")
+    assert tsv_has_labels(SPECS[name], path) is expected
+
+
+def test_span_predictions_equal_the_evaluation_on_questions_without_answers(tiny_model, tmp_path):  # noqa: F811
+  data = _squad(tmp_path / "squad", np.random.default_rng(2))
+  dev = json.loads((data / "dev-v1.1.json").read_text())
+  (data / "test-v1.1.json").write_text(json.dumps(dev))
+  workdir = tmp_path / "run"
+  _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, workdir, "--config.train.epochs=1", SAVE)
+  evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
+  for article in dev["data"]:
+    for paragraph in article["paragraphs"]:
+      for question in paragraph["qas"]:
+        del question["answers"]
+  unanswered = tmp_path / "questions-v1.1.json"
+  unanswered.write_text(json.dumps(dev))
+  with pytest.raises(ValueError, match="has no .answers. field"):  # training data must have answers
+    get_task("squad/v1.1").load(tmp_path, "questions")
+  predict_file(str(workdir), str(unanswered), str(tmp_path / "answers.json"), output_format="submission")
+  assert json.loads((tmp_path / "answers.json").read_text()) == evaluated
