@@ -4,6 +4,8 @@ compiled once each, unlabelled inputs, one-line errors for bad files, the pruned
 import json
 import shutil
 
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -11,12 +13,15 @@ from bert_jax import cli
 from bert_jax.analysis import heads
 from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks import inference
+from bert_jax.tasks.finetune_model import (FinetuneObjective, build_model, device_fields, load_initial_model,
+                                           task_tokenizer)
 from bert_jax.tasks.glue import SPECS, tsv_has_labels
-from bert_jax.tasks.registry import get_task
 from bert_jax.tasks.predict import predict_file
+from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 
-from test_finetune import _conll, _finetune, _glue_sst2, _squad, tiny_model  # noqa: F401 - tiny_model is a fixture
+# tiny_model is a module-scoped fixture: a random 2-layer BERT and its vocabulary.
+from test_finetune import TINY, _conll, _finetune, _glue_sst2, _squad, _swag, tiny_model  # noqa: F401
 
 SAVE = "--config.train.save_checkpoint=True"
 
@@ -205,3 +210,25 @@ def test_span_predictions_equal_the_evaluation_on_questions_without_answers(tiny
     get_task("squad/v1.1").load(tmp_path, "questions")
   predict_file(str(workdir), str(unanswered), str(tmp_path / "answers.json"), output_format="submission")
   assert json.loads((tmp_path / "answers.json").read_text()) == evaluated
+
+
+@pytest.mark.parametrize("task_name, make_data, data_file", [
+    ("glue/sst2", _glue_sst2, "SST-2/dev.tsv"), ("swag", _swag, "val.csv"), ("conll2003", _conll, "eng.testa"),
+    ("squad/v1.1", _squad, "dev-v1.1.json")])
+def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_file, tiny_model, tmp_path):  # noqa: F811
+  """Every kind's outputs from rows cut to their buckets equal those of rows at max_len, on the real tokens."""
+  task = get_task(task_name)
+  objective = FinetuneObjective(build_model(TINY, task.kind, task.num_labels), task.kind, num_choices=task.num_choices)
+  params = nn.unbox(objective.init_variables(jax.random.key(0), objective.example_batch(1, 16))["params"])
+  tokenizer = task_tokenizer(load_initial_model(tiny_model).tokenizer)
+  model = inference.inference_model(task, TINY, params, tokenizer, 64, batch_size=8)
+  examples = task.read_file(make_data(tmp_path / "data", np.random.default_rng(0)) / data_file)
+  features = model.featurize(examples)
+  assert max(length for _, length in model.batches(features)) < 64  # rows are cut
+  bucketed = model.predict_outputs(features)
+  full = finetune_lib.predict_outputs(model.predict_step, model.params, features,
+                                      finetune_lib.BatchMaker(device_fields(task.kind), 8, model.partitioning.mesh))
+  if task.kind in ("span", "tagging"):
+    real = np.arange(64) < features["lengths"][:, None]
+    bucketed, full = bucketed[real], full[real]
+  np.testing.assert_allclose(bucketed, full, rtol=1e-5, atol=1e-5)
