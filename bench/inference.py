@@ -226,7 +226,8 @@ def main(argv: list[str]) -> int:
     except ImportError:
       sys.exit("the reference needs torch and transformers (pip install 'bert_jax[hf]'), or pass --no-reference")
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch._dynamo.config.cache_size_limit = 64  # One compilation per (batch, length) of every model.  # pylint: disable=protected-access
+    # One compilation per (batch, length) of every model, more than dynamo keeps by default.
+    torch._dynamo.config.cache_size_limit = 64  # pylint: disable=protected-access
 
   models: dict[str, tuple[InferenceModel, Callable[[], Any] | None]] = {}
   for name in (m for m in args.models.split(",") if m):

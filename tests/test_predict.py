@@ -215,7 +215,8 @@ def test_span_predictions_equal_the_evaluation_on_questions_without_answers(tiny
 @pytest.mark.parametrize("task_name, make_data, data_file", [
     ("glue/sst2", _glue_sst2, "SST-2/dev.tsv"), ("swag", _swag, "val.csv"), ("conll2003", _conll, "eng.testa"),
     ("squad/v1.1", _squad, "dev-v1.1.json")])
-def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_file, tiny_model, tmp_path):  # noqa: F811
+def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_file,
+                                                    tiny_model, tmp_path):  # noqa: F811
   """Every kind's outputs from rows cut to their buckets equal those of rows at max_len, on the real tokens."""
   task = get_task(task_name)
   objective = FinetuneObjective(build_model(TINY, task.kind, task.num_labels), task.kind, num_choices=task.num_choices)

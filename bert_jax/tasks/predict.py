@@ -107,7 +107,7 @@ def predict_file(workdir: str, input_path: str, output_path: str, seed: int | No
 
 
 def main(argv: list[str]) -> int:
-  """bert-jax predict --workdir DIR --input FILE --output FILE [--seed S] [--batch-size N] [--format jsonl|submission]."""
+  """bert-jax predict --workdir DIR --input FILE --output FILE [--seed S] [--batch-size N] [--format FORMAT]."""
   parser = argparse.ArgumentParser(prog="bert-jax predict", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   parser.add_argument("--workdir", required=True, help="a fine-tuning run, or the pruned model of `analyze`")
