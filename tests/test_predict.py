@@ -2,7 +2,9 @@
 compiled once each, unlabelled inputs, one-line errors for bad files, the pruned model folder."""
 
 import json
+import pathlib
 import shutil
+import sys
 
 import flax.linen as nn
 import jax
@@ -233,3 +235,19 @@ def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_f
     real = np.arange(64) < features["lengths"][:, None]
     bucketed, full = bucketed[real], full[real]
   np.testing.assert_allclose(bucketed, full, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_bench_times_a_fine_tuned_variant(sst2_run, tmp_path, capsys):
+  workdir, _ = sst2_run
+  bench_dir = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
+  sys.path.insert(0, bench_dir)
+  try:
+    import inference as bench  # bench/inference.py
+  finally:
+    sys.path.remove(bench_dir)
+  assert bench.main(["--models", "", "--variant", f"sst2={workdir}", "--no-reference", "--batches", "1,8",
+                     "--lengths", "16,128", "--seconds", "0.01", "--latency-calls", "3", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "inference_cpu.json").read_text())["rows"]
+  assert [(row["model"], row["batch"], row["length"]) for row in rows] == [("sst2", 1, 16), ("sst2", 8, 16)]
+  assert all(row["ours_seq_per_s"] > 0 and "compiled_seq_per_s" not in row for row in rows)
+  assert "length 128 is longer than its 64 positions" in capsys.readouterr().out
