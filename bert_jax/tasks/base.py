@@ -1,8 +1,9 @@
 """The fine-tuning task interface shared by GLUE, SQuAD, SWAG and CoNLL-2003.
 
-A `Task` turns raw files into examples (`load`), examples into fixed-shape
-numpy features (`featurize`), and the model's raw head outputs back into
-predictions and official metrics (`predict`, `evaluate`). The fine-tuning loop
+A `Task` turns raw files into examples (`load` a split, `read_file` one file
+to predict on), examples into fixed-shape numpy features (`featurize`), and
+the model's raw head outputs back into predictions and official metrics
+(`predict`, `evaluate`). The fine-tuning loop
 only needs this interface and `Task.kind` to pick the head and the loss.
 
 Features are a dict of numpy arrays padded to `max_len`, in the example order

@@ -382,7 +382,7 @@ class GlueTask(Task):
     return path
 
   def submission_text(self, examples: Sequence[TextPairExample], predictions: Sequence[Any]) -> str:
-    """GLUE's `index\tprediction` rows (scores to 3 decimals) for `predict`'s output on `examples`."""
+    """GLUE's `index\\tprediction` rows (scores to 3 decimals) for `predict`'s output on `examples`."""
     rows = ["index\tprediction"]
     for example, prediction in zip(examples, predictions):
       value = f"{prediction:.3f}" if self.kind == "regression" else str(prediction)

@@ -180,13 +180,6 @@ class InferenceModel:
     collect(*pending)
     return outputs
 
-  def predict(self, examples: Sequence[Any], batch_size: int | None = None,
-              progress: progress_lib.Progress | None = None) -> tuple[Any, np.ndarray, dict[str, np.ndarray]]:
-    """(`Task.predict`'s predictions, raw outputs, features) for `examples`."""
-    features = self.featurize(examples)
-    outputs = self.predict_outputs(features, batch_size, progress)
-    return self.task.predict(outputs, features, examples), outputs, features
-
 
 def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenizer: TaskTokenizer, max_len: int,
                     model: Any = None, mesh_sizes: dict[str, int] | None = None,
