@@ -1,5 +1,5 @@
-"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | convert | features | fill-mask | analyze | sweep |
-table | plot.
+"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | predict | convert | features | fill-mask | analyze |
+sweep | table | plot.
 
 Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "pretrain": ("bert_jax.train.trainer", "pre-train from a config (resumes in the same workdir)"),
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
+    "predict": ("bert_jax.tasks.predict", "a fine-tuned model's predictions for a file (JSON lines or submission)"),
     "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
     "fill-mask": ("bert_jax.analysis.fill_mask", "top predictions at each [MASK]"),
@@ -54,6 +55,7 @@ EXAMPLES = """examples:
   bert-jax convert --from-hf path/to/hf_model --out models/minilm
   bert-jax finetune --config configs/finetune/glue.py:task=rte --config.init.model=models/minilm \\
       --config.data_dir=GLUE_DIR --workdir runs/rte
+  bert-jax predict --workdir runs/rte --input GLUE_DIR/RTE/test.tsv --output rte.jsonl
   bert-jax fill-mask --model runs/demo "A list is a mutable [MASK] of items."
   bert-jax analyze --model runs/rte --out analysis/rte --max-examples 200
   bert-jax plot runs/demo runs/rte --out plots/

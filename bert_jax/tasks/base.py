@@ -1,8 +1,9 @@
 """The fine-tuning task interface shared by GLUE, SQuAD, SWAG and CoNLL-2003.
 
-A `Task` turns raw files into examples (`load`), examples into fixed-shape
-numpy features (`featurize`), and the model's raw head outputs back into
-predictions and official metrics (`predict`, `evaluate`). The fine-tuning loop
+A `Task` turns raw files into examples (`load` a split, `read_file` one file
+to predict on), examples into fixed-shape numpy features (`featurize`), and
+the model's raw head outputs back into predictions and official metrics
+(`predict`, `evaluate`). The fine-tuning loop
 only needs this interface and `Task.kind` to pick the head and the loss.
 
 Features are a dict of numpy arrays padded to `max_len`, in the example order
@@ -183,6 +184,10 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def load(self, data_dir: str | pathlib.Path, split: str) -> list[Any]:
     """Reads the examples of `split` ("train", "dev", ...) from `data_dir`."""
+
+  def read_file(self, path: str | pathlib.Path) -> list[Any]:
+    """Reads the examples of one file a user names (`bert-jax predict --input`), labelled or not."""
+    raise NotImplementedError(f"{self.name} reads no single input files")
 
   @abc.abstractmethod
   def featurize(self, examples: Sequence[Any], tokenizer: TaskTokenizer,

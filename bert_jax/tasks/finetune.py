@@ -60,7 +60,6 @@ from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_mo
                                            frozen_encoder_optimizer, load_initial_model, merge_initial_params,
                                            task_tokenizer)
 from bert_jax.tasks.registry import get_task
-from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
@@ -583,42 +582,28 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   Returns:
     {seed: {split: metrics}} for dev, {seed: {split: written file}} for test.
   """
+  from bert_jax.tasks.inference import load_for_inference  # noqa: PLC0415 - it builds on this module
+
   if split not in ("dev", "test"):
     raise ValueError(f"split must be 'dev' or 'test', got {split!r}")
-  distributed.initialize()
-  workdir = paths.as_path(workdir)
-  if not (workdir / RUN_FILE).exists():
-    raise FileNotFoundError(f"{workdir / RUN_FILE} not found: is {workdir} a finished fine-tuning run?")
+  model = load_for_inference(workdir, seeds[0] if seeds else None)
+  workdir, task = model.source, model.task
   run_info = json.loads((workdir / RUN_FILE).read_text())
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
-  partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
-  task = get_task(config.task, **config.task_options.to_dict())
-  model_config = ModelConfig(**run_info["model_config"])
-  tokenizer = task_tokenizer(load_tokenizer(workdir / "tokenizer"))
-  objective = FinetuneObjective(_task_model(config, model_config, task), task.kind,
-                                single_token_type=model_config.type_vocab_size == 1, num_choices=task.num_choices)
   data_dir = data_dir or config.data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
-  max_len = fitted_max_len(config.max_len, model_config)
   eval_sets = []
   for name in splits:
     examples = load_split(task, data_dir, name)
-    features = _featurize(task, examples, tokenizer, max_len, name)
-    seq_len = max(run_info["seq_len"], padded_length([features], max_len))
-    eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, max_len, seq_len)))
-  make_batch = BatchMaker(device_fields(task.kind), config.train.eval_batch_size, mesh)
+    features = _featurize(task, examples, model.tokenizer, model.max_len, name)
+    # The fine-tuning evaluation's padded length (or longer, for longer rows), so its scores come back exactly.
+    seq_len = max(run_info["seq_len"], padded_length([features], model.max_len))
+    eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, model.max_len, seq_len)))
+  make_batch = BatchMaker(device_fields(task.kind), model.batch_size, model.partitioning.mesh)
   outcome: dict[int, dict[str, Any]] = {}
-  predict_step = None
   for seed in seeds or run_info["seeds"]:
-    _, params = checkpoint_lib.restore_params(workdir / f"seed_{seed}")
-    if predict_step is None:
-      dummy = objective.example_batch(config.train.eval_batch_size, eval_sets[0].features["input_ids"].shape[-1])
-      with partitioning.context():
-        abstract = jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"]
-        param_shardings = sharding_lib.logical_shardings(abstract, mesh, partitioning.rules)
-      predict_step = make_predict_step(objective, partitioning, param_shardings)
-    params = jax.device_put(params, param_shardings)
+    model = model.with_seed(seed) if seed != model.seed else model
+    predict_step, params = model.predict_step, model.params
     if split == "dev":
       outcome[seed] = evaluate_splits(task, predict_step, params, eval_sets, make_batch)
       continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import os
 import pathlib
@@ -24,6 +25,8 @@ from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_out
                                  encode_segments, read_utf8)
 
 STSB_SCORE_RANGE = (0.0, 5.0)
+# The label column's header in the labelled (train/dev) files; the test files lack that column.
+_LABEL_HEADERS = frozenset({"label", "Quality", "score", "is_duplicate", "gold_label"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +190,54 @@ def read_glue_tsv(spec: GlueSpec, path: str | pathlib.Path, labelled: bool) -> l
   return examples
 
 
+def tsv_has_labels(spec: GlueSpec, path: str | pathlib.Path) -> bool:
+  """Whether a GLUE TSV has the labelled (train/dev) layout rather than the test one, told by its first line.
+
+  The header of a labelled file names the label column ("label", MRPC's "Quality", ...); CoLA's labelled files have
+  no header and four columns, its test file a two-column header.
+  """
+  first_line = read_utf8(path, strip_bom=True).split("\n", 1)[0].removesuffix("\r")
+  fields = first_line.split("\t")
+  columns = spec.labelled
+  if not columns.header:
+    return len(fields) == columns.width
+  return -len(fields) <= columns.label < len(fields) and fields[columns.label] in _LABEL_HEADERS
+
+
+def read_glue_jsonl(spec: GlueSpec, path: str | pathlib.Path) -> list[TextPairExample]:
+  """Reads JSON lines with the task's TFDS (and Hugging Face datasets) field names.
+
+  Each line is an object with the text fields `spec.tfds_text_keys` ("sentence", or "sentence1" and "sentence2",
+  "question" and "sentence", ...), optionally "label" (a label string, a "0"/"1" index for the binary tasks, the
+  score for STS-B; -1 or null for none) and "idx" (the guid; default "STEM-ROW").
+
+  Raises:
+    ValueError: naming the file and line, for a line that is not a JSON object, lacks a text field or has a label
+      outside the task's label set.
+  """
+  path = pathlib.Path(path)
+  examples = []
+  for line_number, line in enumerate(read_utf8(path, strip_bom=True).splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as error:
+      raise data_error(path, line_number, f"not JSON ({error.msg}); expected one JSON object per line") from None
+    missing = [key for key in spec.tfds_text_keys if not isinstance(record, dict) or key not in record]
+    if missing:
+      raise data_error(path, line_number, f"no {missing} field: {spec.name} lines are objects with "
+                       f"{list(spec.tfds_text_keys)} (and optionally 'label', 'idx')")
+    label = record.get("label")
+    label = None if label is None or label == -1 else _parse_label(spec, str(label), path, line_number)
+    texts = [str(record[key]) for key in spec.tfds_text_keys]
+    guid = str(record["idx"]) if "idx" in record else f"{path.stem}-{len(examples)}"
+    examples.append(TextPairExample(guid, texts[0], texts[1] if len(texts) > 1 else None, label))
+  if not examples:
+    raise data_error(path, None, "file has no examples (empty?)")
+  return examples
+
+
 class GlueTask(Task):
   """One GLUE task; see `SPECS` for the per-task layout and metrics."""
 
@@ -208,6 +259,14 @@ class GlueTask(Task):
     self._check_split(split)
     path = pathlib.Path(data_dir) / self.spec.directory / f"{split}.tsv"
     return read_glue_tsv(self.spec, path, labelled=not split.startswith("test"))
+
+  def read_file(self, path: str | pathlib.Path) -> list[TextPairExample]:
+    """A file a user gives: a TSV of this task, labelled or not (`tsv_has_labels`), or JSON lines (`.jsonl`,
+    `read_glue_jsonl`)."""
+    path = pathlib.Path(path)
+    if path.suffix == ".jsonl":
+      return read_glue_jsonl(self.spec, path)
+    return read_glue_tsv(self.spec, path, labelled=tsv_has_labels(self.spec, path))
 
   def load_tfds(self, split: str, data_dir: str | None = None) -> list[TextPairExample]:
     """Reads the split from TFDS `glue/NAME` (needs the `[tfds]` extra).
@@ -319,9 +378,13 @@ class GlueTask(Task):
       raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
     path = epath.Path(output_dir) / self.spec.submissions[split]
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(self.submission_text(examples, predictions), encoding="utf-8")
+    return path
+
+  def submission_text(self, examples: Sequence[TextPairExample], predictions: Sequence[Any]) -> str:
+    """GLUE's `index\\tprediction` rows (scores to 3 decimals) for `predict`'s output on `examples`."""
     rows = ["index\tprediction"]
     for example, prediction in zip(examples, predictions):
       value = f"{prediction:.3f}" if self.kind == "regression" else str(prediction)
       rows.append(f"{example.guid}\t{value}")
-    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    return path
+    return "\n".join(rows) + "\n"

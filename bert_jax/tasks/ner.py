@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import json
 import pathlib
 from typing import Sequence
 
@@ -46,12 +47,14 @@ class TaggedSentence:
   chunks: tuple[str, ...] = ()
 
 
-def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[TaggedSentence]:
+def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS, words_only: bool = False) -> list[TaggedSentence]:
   """Reads a CoNLL-2003 file into sentences, in file order.
 
   Args:
     path: an eng.train / eng.testa / eng.testb style file.
     tags: the allowed tags.
+    words_only: read only the first column, the word (a file to predict on, which may have no other columns);
+      the sentences then have no tags, POS or chunks.
 
   Raises:
     ValueError: naming the file and line, for an empty file, a line without
@@ -79,11 +82,14 @@ def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[Tag
       if not fields:
         end_sentence()
         continue
-      if len(fields) != 4:
+      if len(fields) != 4 and not words_only:
         raise data_error(path, line_number, f"expected 4 space-separated columns, found {len(fields)}")
       if fields[0] == _DOCUMENT_START:
         end_sentence()
         document_index += 1
+        continue
+      if words_only:
+        words.append(fields[0])
         continue
       if fields[3] not in allowed:
         raise data_error(path, line_number, f"tag {fields[3]!r} is not one of {sorted(allowed)}")
@@ -92,6 +98,30 @@ def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS) -> list[Tag
       chunks.append(fields[2])
       sentence_tags.append(fields[3])
   end_sentence()
+  if not sentences:
+    raise data_error(path, None, "file has no sentences (empty?)")
+  return sentences
+
+
+def read_tokens_jsonl(path: str | pathlib.Path) -> list[TaggedSentence]:
+  """Reads JSON lines of {"tokens": [word, ...]} (Hugging Face datasets' field name), one sentence (and document)
+  a line, without tags.
+
+  Raises:
+    ValueError: naming the file and line, for a line that is not a JSON object with a list of strings "tokens".
+  """
+  sentences = []
+  for line_number, line in enumerate(read_utf8(path).splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as error:
+      raise data_error(path, line_number, f"not JSON ({error.msg}); expected one JSON object per line") from None
+    tokens = record.get("tokens") if isinstance(record, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+      raise data_error(path, line_number, 'expected an object with "tokens": a list of words')
+    sentences.append(TaggedSentence(tuple(tokens), (), len(sentences)))
   if not sentences:
     raise data_error(path, None, "file has no sentences (empty?)")
   return sentences
@@ -230,6 +260,11 @@ class Conll2003Task(Task):
       raise ValueError(f"{self.name} has no split {split!r}; valid: {list(SPLIT_FILES)}")
     return read_conll(pathlib.Path(data_dir) / SPLIT_FILES[split])
 
+  def read_file(self, path: str | pathlib.Path) -> list[TaggedSentence]:
+    """Untagged sentences from a CoNLL file (only its word column is read) or JSON lines (`.jsonl`,
+    `read_tokens_jsonl`)."""
+    return read_tokens_jsonl(path) if pathlib.Path(path).suffix == ".jsonl" else read_conll(path, words_only=True)
+
   def featurize(self, examples: Sequence[TaggedSentence], tokenizer: TaskTokenizer,
                 max_len: int) -> dict[str, np.ndarray]:
     """Rows of [CLS] (left context) centre (right context) [SEP]; see `bert_jax.tasks.base`.
@@ -271,7 +306,8 @@ class Conll2003Task(Task):
         word_ids = np.full((max_len,), -1, np.int32)
         word_ids[positions] = words[words >= 0]
         labels = np.full((max_len,), -1, np.int32)
-        labels[positions] = [tag_ids[sentence.tags[w]] for w in words[words >= 0]]
+        if sentence.tags:
+          labels[positions] = [tag_ids[sentence.tags[w]] for w in words[words >= 0]]
         rows["input_ids"].append(input_ids)
         rows["segment_ids"].append(np.zeros((max_len,), np.int32))
         rows["lengths"].append(len(tokens))

@@ -75,8 +75,11 @@ class SpanPrediction:
     return self.nbest[0][0] if self.nbest else ""
 
 
-def read_squad(source: str | pathlib.Path | dict[str, Any]) -> list[SquadExample]:
+def read_squad(source: str | pathlib.Path | dict[str, Any], require_answers: bool = True) -> list[SquadExample]:
   """Reads SQuAD JSON (v1.1 or v2.0) from a file or an already-loaded dict.
+
+  With `require_answers` False, a question without answers (a file to predict on) reads as one with no gold answer
+  instead of failing.
 
   Raises:
     ValueError: naming the file (and line, or question) when the file is not
@@ -101,11 +104,12 @@ def read_squad(source: str | pathlib.Path | dict[str, Any]) -> list[SquadExample
       for qa in _field(paragraph, "qas", where, f"a paragraph of data[{article_index}]"):
         qid = _field(qa, "id", where, f"a question of data[{article_index}]")
         is_impossible = bool(qa.get("is_impossible", False))
-        answers = () if is_impossible else tuple(
+        unlabelled = not require_answers and not qa.get("answers")
+        answers = () if is_impossible or unlabelled else tuple(
             (_field(a, "text", where, f"an answer of question {qid}"),
              int(_field(a, "answer_start", where, f"an answer of question {qid}")))
             for a in _field(qa, "answers", where, f"question {qid}"))
-        if not is_impossible and not answers:
+        if not is_impossible and not answers and not unlabelled:
           raise data_error(where, None, f"question {qa['id']} has no answers and is not marked impossible")
         for text, start in answers:
           if not 0 <= start <= len(context) - len(text):
@@ -254,6 +258,10 @@ class SquadTask(Task):
     if self.version == "1.1" and any(e.is_impossible for e in examples):
       raise data_error(path, None, "has unanswerable (v2.0) questions; use squad/v2.0")
     return examples
+
+  def read_file(self, path: str | pathlib.Path) -> list[SquadExample]:
+    """SQuAD JSON (`read_squad`); questions may come without answers."""
+    return read_squad(path, require_answers=False)
 
   def _windows(self, num_context_tokens: int, max_context_tokens: int) -> list[tuple[int, int]]:
     """(start, length) of each window; the last one reaches the end of the context."""

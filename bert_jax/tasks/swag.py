@@ -95,6 +95,10 @@ class SwagTask(Task):
       raise ValueError(f"{self.name} has no split {split!r}; valid: {list(SPLIT_FILES)}")
     return read_swag_csv(pathlib.Path(data_dir) / SPLIT_FILES[split])
 
+  def read_file(self, path: str | pathlib.Path) -> list[MultipleChoiceExample]:
+    """A swagaf CSV (`read_swag_csv`), with or without its label column."""
+    return read_swag_csv(path)
+
   def featurize(self, examples: Sequence[MultipleChoiceExample], tokenizer: TaskTokenizer,
                 max_len: int) -> dict[str, np.ndarray]:
     """[N, C, L] rows of [CLS] context [SEP] start_ending ending [SEP]; see `bert_jax.tasks.base`."""

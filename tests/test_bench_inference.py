@@ -1,0 +1,30 @@
+"""bench/inference.py's smoke setting: both sides timed on the CPU, the table and the md/json report written."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_inference_bench_smoke(tmp_path, capsys):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  sys.path.insert(0, str(BENCH))
+  try:
+    import inference as bench
+  finally:
+    sys.path.remove(str(BENCH))
+  assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+  report = json.loads((tmp_path / "inference_cpu.json").read_text())
+  assert {"jax", "flax", "torch", "transformers"} <= set(report["versions"]) and report["device"] == "cpu"
+  assert [(row["batch"], row["length"]) for row in report["rows"]] == [(1, 32), (4, 32)]
+  for row in report["rows"]:
+    assert all(row[f"{side}_seq_per_s"] > 0 for side in ("ours", "eager", "compiled"))
+  assert report["rows"][0]["ours_p90_ms"] >= report["rows"][0]["ours_p50_ms"] > 0
+  table = capsys.readouterr().out.rstrip().splitlines()
+  assert table[-4].startswith("| model | batch | length | ours seq/s | ref eager seq/s | ref compiled seq/s")
+  assert "| tiny | 4 | 32 |" in table[-1]
+  assert "| tiny | 1 | 32 |" in (tmp_path / "inference_cpu.md").read_text()
