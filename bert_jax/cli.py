@@ -1,5 +1,5 @@
-"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | convert | features | fill-mask | analyze | sweep |
-table | plot.
+"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | quantize | convert | features | fill-mask |
+analyze | sweep | table | plot.
 
 Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "pretrain": ("bert_jax.train.trainer", "pre-train from a config (resumes in the same workdir)"),
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
+    "quantize": ("bert_jax.tasks.quantize", "int8 post-training quantisation of a fine-tuned model"),
     "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
     "fill-mask": ("bert_jax.analysis.fill_mask", "top predictions at each [MASK]"),

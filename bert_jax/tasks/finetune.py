@@ -56,9 +56,9 @@ from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.glue import GlueTask
-from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model, device_fields,
-                                           frozen_encoder_optimizer, load_initial_model, merge_initial_params,
-                                           task_tokenizer)
+from bert_jax.tasks.finetune_model import (QUANTIZATION_FILE, RUN_FILE, FinetuneObjective, build_model,
+                                           device_fields, frozen_encoder_optimizer, load_initial_model,
+                                           merge_initial_params, task_tokenizer)
 from bert_jax.tasks.registry import get_task
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
@@ -572,7 +572,7 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   """Re-scores the saved checkpoints of a fine-tuning run.
 
   Args:
-    workdir: a finished `finetune` workdir.
+    workdir: a finished `finetune` workdir, or a `bert-jax quantize` folder (it holds quantization.json).
     split: "dev" scores the task's evaluation splits and writes
       evaluate_dev.json; "test" predicts the test splits and writes GLUE
       submission files (submission/seed_<s>/TASK.tsv) or, for other tasks,
@@ -598,6 +598,10 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   tokenizer = task_tokenizer(load_tokenizer(workdir / "tokenizer"))
   objective = FinetuneObjective(_task_model(config, model_config, task), task.kind,
                                 single_token_type=model_config.type_vocab_size == 1, num_choices=task.num_choices)
+  quantized = (workdir / QUANTIZATION_FILE).exists()
+  if quantized:  # A `bert-jax quantize` folder: the same model with int8 dense layers (Qwix: the `quant` extra).
+    from bert_jax.models import quantization  # pylint: disable=g-import-not-at-top
+    objective = dataclasses.replace(objective, model=quantization.quantized_model(objective.model))
   data_dir = data_dir or config.data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
   max_len = fitted_max_len(config.max_len, model_config)
@@ -618,6 +622,8 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
         abstract = jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"]
         param_shardings = sharding_lib.logical_shardings(abstract, mesh, partitioning.rules)
       predict_step = make_predict_step(objective, partitioning, param_shardings)
+    if quantized:
+      params = quantization.from_storage(abstract, params)
     params = jax.device_put(params, param_shardings)
     if split == "dev":
       outcome[seed] = evaluate_splits(task, predict_step, params, eval_sets, make_batch)
