@@ -103,6 +103,20 @@ def test_dense_matmuls_are_int8_with_int32_accumulation(small_model):
   assert 0 < np.max(np.abs(apply(quantized) - float_logits)) < 0.1 * np.max(np.abs(float_logits))
 
 
+def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
+  config = SMALL.replace(dtype="bfloat16")
+  ids, pack_ids = np.full((2, 8), 7, np.int32), np.ones((2, 8), np.int32)
+  model = FinetuneModel(config, "span")
+  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
+  start, end = qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids)
+  assert start.dtype == end.dtype == jax.numpy.bfloat16
+  # Every float matmul (attention's) still takes bfloat16 operands, as in the float model.
+  jaxpr = jax.make_jaxpr(lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids))(quantized).jaxpr
+  dots = [[v.aval.dtype for v in eqn.invars] for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+  assert dots and all(dtypes in ([np.int8, np.int8], [jax.numpy.bfloat16] * 2) for dtypes in dots)
+
+
 def test_stored_tree_of_another_model_is_refused_naming_the_array(small_model):
   model, params, ids, pack_ids = small_model
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)

@@ -44,11 +44,22 @@ def rules() -> list[qwix.QuantizationRule]:
                                 act_calibration_method="absmax")]
 
 
+class _Provider(qwix.PtqProvider):
+  """Qwix's PTQ provider, the dense layers' outputs in their inputs' dtype.
+
+  Qwix returns a quantised matmul in its scales' dtype, float32 for the weights' scales: without the cast a
+  bfloat16 model would run everything after its first dense layer (attention included) in float32.
+  """
+
+  def dot_general(self, lhs, rhs, *args, **kwargs):
+    return super().dot_general(lhs, rhs, *args, **kwargs).astype(lhs.dtype)
+
+
 def quantized_model(model: nn.Module) -> nn.Module:
   """`model` (any module with a `ModelConfig` field `config`: `FinetuneModel`, `FeatureBasedTagger`...) with its
   dense layers in int8; apply it to `quantize_params`' tree. Its encoder runs the plain path without remat."""
   plain = model.clone(config=model.config.replace(kernels="off", remat="none"))
-  return qwix.quantize_model(plain, qwix.PtqProvider(rules()))
+  return qwix.quantize_model(plain, _Provider(rules()))
 
 
 def quantize_params(params: Any, abstract_quantized: Any) -> Any:

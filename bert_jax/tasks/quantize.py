@@ -137,8 +137,8 @@ def load_quantized(folder: str | os.PathLike, seed: int | None = None) -> tuple[
   return objective, quantization.from_storage(_abstract_params(objective, run_info["seq_len"]), stored)
 
 
-def _megabytes(count: int) -> str:
-  return f"{count / 2**20:.1f} MiB"
+def _size(count: int) -> str:
+  return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
 
 
 def main(argv: list[str]) -> int:
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
   params, disk = report["param_bytes"], report["disk_bytes"]
   print(f"bert_jax quantize: seed {report['seed']} of {report['source']}: {report['quantized_layers']} dense layers "
         f"in int8 ({report['library']})\n"
-        f"  parameters {_megabytes(params['float'])} -> {_megabytes(params['int8'])} "
-        f"({params['compression']:.2f}x); on disk {_megabytes(disk['float'])} -> {_megabytes(disk['int8'])} "
+        f"  parameters {_size(params['float'])} -> {_size(params['int8'])} "
+        f"({params['compression']:.2f}x); on disk {_size(disk['float'])} -> {_size(disk['int8'])} "
         f"({disk['compression']:.2f}x)\n  wrote {args.out}; score it with bert-jax evaluate --workdir {args.out}")
   return 0
