@@ -25,8 +25,9 @@ from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (tiny_
 SMALL = ModelConfig(vocab_size=64, hidden_size=48, num_layers=2, num_heads=3, intermediate_size=96,
                     max_position_embeddings=32, embedding_size=24, kernels="off")
 # The dense layers of a FinetuneModel on SMALL: per block query, key, value, output, wi, wo; the embedding
-# projection (E != H); the head's pooler and classifier.
+# projection (E != H); the head's pooler and classifier. And its word, position and token-type tables.
 SMALL_DENSE_LAYERS = 2 * 6 + 1 + 2
+SMALL_TABLES = 3
 
 
 def _quantized(model: nn.Module, params, *inputs, **kwargs):
@@ -36,6 +37,17 @@ def _quantized(model: nn.Module, params, *inputs, **kwargs):
   return qmodel, quantization.quantize_params(params, abstract)
 
 
+def _equations(jaxpr):
+  """Every equation of a jaxpr, those of the jaxprs inside it (jit, custom rules...) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for inner in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
+
+
 @pytest.fixture(scope="module")
 def small_model():
   """A random classification model with widely varying output-channel magnitudes, its params and inputs."""
@@ -43,38 +55,46 @@ def small_model():
   pack_ids = (np.arange(12) < np.array([[12], [7]])).astype(np.int32)
   model = FinetuneModel(SMALL, "classification", 3)
   params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
-  # Each output channel of each kernel scaled by its own factor in [0.01, 10]: per-channel scales must follow it.
-  channel_gain = lambda path, x: x * np.geomspace(0.01, 10, x.shape[-1], dtype=np.float32) if (  # noqa: E731
-      path[-1].key == "kernel") else x
-  params = jax.tree_util.tree_map_with_path(channel_gain, jax.tree.map(np.asarray, params))
+  # Each output channel of each kernel, and each row of each table, scaled by its own factor in [0.01, 10]: the
+  # per-channel and per-row scales must follow it.
+  def gain(path, x):
+    if path[-1].key == "kernel":
+      return x * np.geomspace(0.01, 10, x.shape[-1], dtype=np.float32)
+    return x * np.geomspace(0.01, 10, x.shape[0], dtype=np.float32)[:, None] if path[-1].key == "embedding" else x
+
+  params = jax.tree_util.tree_map_with_path(gain, jax.tree.map(np.asarray, params))
   return model, params, ids, pack_ids
 
 
 def test_rounding_error_is_at_most_half_a_scale_per_output_channel(small_model):
   model, params, ids, pack_ids = small_model
   _, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
-  assert quantization.count_quantized(quantized) == SMALL_DENSE_LAYERS
+  assert quantization.quantized_counts(quantized) == {"dense_layers": SMALL_DENSE_LAYERS,
+                                                     "embedding_tables": SMALL_TABLES}
   leaves = lambda tree: {jax.tree_util.keystr(path): leaf  # noqa: E731
                          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
   flat_float, flat_quantized = leaves(params), leaves(quantized)
   flat_restored = leaves(quantization.dequantize(quantized))
-  kernels = [name.removesuffix(".array.qvalue") for name in flat_quantized if name.endswith(".array.qvalue")]
-  assert len(kernels) == SMALL_DENSE_LAYERS
-  for name in kernels:
-    qvalue, scale = flat_quantized[name + ".array.qvalue"], np.asarray(flat_quantized[name + ".array.scale"])
+  # A kernel's int8 values and scales sit under ".array" (Qwix's WithAux), a table's under its own name.
+  quantized_names = {name.removesuffix(".qvalue"): name.removesuffix(".qvalue").removesuffix(".array")
+                     for name in flat_quantized if name.endswith(".qvalue")}
+  assert sum(name.endswith("['kernel']") for name in quantized_names.values()) == SMALL_DENSE_LAYERS
+  assert sum(name.endswith("['embedding']") for name in quantized_names.values()) == SMALL_TABLES
+  for stored_name, name in quantized_names.items():
+    qvalue, scale = flat_quantized[stored_name + ".qvalue"], np.asarray(flat_quantized[stored_name + ".scale"])
     weight, dequantized = flat_float[name], np.asarray(flat_restored[name])
     assert qvalue.dtype == np.int8 and np.all(np.abs(np.asarray(qvalue)) <= 127)
-    # The kernel's input axes: Dense [in, out]; attention's query/key/value [in, heads, head size]; its output
-    # projection [heads, head size, out].
-    in_axes = (0, 1) if "['output']" in name else (0,)
-    # Closed form: one scale per output feature, the feature's largest |weight| mapped to 127.5 (Qwix's
-    # symmetric bound; round-to-nearest then saturates at 127), so every weight is off by at most scale / 2.
+    # The axes one scale spans: a Dense kernel [in, out] and attention's query/key/value [in, heads, head size]
+    # its input, attention's output projection [heads, head size, out] its two, a table [rows, E] a row's E.
+    in_axes = (0, 1) if "['output']" in name else (1,) if name.endswith("['embedding']") else (0,)
+    # Closed form: one scale per output feature (per table row), its largest |weight| mapped to 127.5 (Qwix's
+    # symmetric bound; round-to-nearest then saturates at 127), so every weight is off by at most scale / 2
     np.testing.assert_allclose(scale, np.max(np.abs(weight), axis=in_axes, keepdims=True) / 127.5, rtol=1e-6)
     # (plus float32 rounding of q * scale, a few ulps of the weight)
     assert np.all(np.abs(weight - dequantized) <= scale / 2 + 4 * np.finfo(np.float32).eps * np.abs(weight)), name
-  # Everything else (embeddings, LayerNorms, biases) is kept as it was.
+  # Everything else (LayerNorms, biases) is kept as it was.
   for name, leaf in flat_restored.items():
-    if name not in kernels:
+    if name not in quantized_names.values():
       np.testing.assert_array_equal(leaf, flat_float[name])
 
 
@@ -82,13 +102,17 @@ def test_dense_matmuls_are_int8_with_int32_accumulation(small_model):
   model, params, ids, pack_ids = small_model
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
   apply = lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids)  # noqa: E731
-  dots = [eqn for eqn in jax.make_jaxpr(apply)(quantized).jaxpr.eqns if eqn.primitive.name == "dot_general"]
+  equations = list(_equations(jax.make_jaxpr(apply)(quantized).jaxpr))
+  dots = [eqn for eqn in equations if eqn.primitive.name == "dot_general"]
   int8 = [eqn for eqn in dots if [v.aval.dtype for v in eqn.invars] == [np.int8, np.int8]]
   assert len(int8) == SMALL_DENSE_LAYERS
   assert all(eqn.params["preferred_element_type"] == np.int32 and eqn.outvars[0].aval.dtype == np.int32
              for eqn in int8)
   # Attention's scores and weighted values (two per block) stay float, as in Q8BERT.
   assert len(dots) - len(int8) == 2 * SMALL.num_layers
+  # The tables are gathered in int8 (each lookup scales only its rows).
+  gathers = [eqn for eqn in equations if eqn.primitive.name == "gather"]
+  assert sum(eqn.invars[0].aval.dtype == np.int8 for eqn in gathers) == SMALL_TABLES
   # The lowered program XLA compiles holds the same: s8 x s8 -> s32 dots, one per dense layer.
   hlo = jax.jit(apply).lower(quantized).as_text()
   assert len(re.findall(r"stablehlo\.dot_general.*tensor<[^>]*xi8>, tensor<[^>]*xi8>\) -> tensor<[^>]*xi32>",
@@ -113,7 +137,7 @@ def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
   assert start.dtype == end.dtype == jax.numpy.bfloat16
   # Every float matmul (attention's) still takes bfloat16 operands, as in the float model.
   jaxpr = jax.make_jaxpr(lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids))(quantized).jaxpr
-  dots = [[v.aval.dtype for v in eqn.invars] for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+  dots = [[v.aval.dtype for v in eqn.invars] for eqn in _equations(jaxpr) if eqn.primitive.name == "dot_general"]
   assert dots and all(dtypes in ([np.int8, np.int8], [jax.numpy.bfloat16] * 2) for dtypes in dots)
 
 
@@ -128,11 +152,14 @@ def test_stored_tree_of_another_model_is_refused_naming_the_array(small_model):
 
 
 def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
-  """Tolerance: int8 rounding of every dense layer's weights (per output feature) and inputs (per token) perturbs
-  each of MiniLM's 36 matmuls by about absmax / (127.5 * sqrt(12) * rms) of its operands, roughly 1-3% for these
-  heavy-tailed weights and activations, and the errors add up along the residual stream: the last hidden states
-  come out about 7% off in L2 (cosine 0.996 per token). The bounds, 12% and 0.99, leave room for other BLAS
-  summation orders while a wrong scale (2x off: ~30%) or a broken layer fails them."""
+  """Tolerances: int8 rounding of every dense layer's weights (per output feature) and inputs (per token) and of
+  the embedding rows perturbs each of MiniLM's 38 matmuls by about absmax / (127.5 * sqrt(12) * rms) of its
+  operands, 1-3% for these heavy-tailed weights and activations, and the errors add up along the residual stream:
+  the last hidden states come out about 8% off in L2 (cosine >= 0.993 per token). A freshly initialised classifier
+  reads the pooled [CLS] vector along a random direction, which sees that error as much as the signal (about 12%);
+  a fine-tuned one reads the signal's directions (the SST-2 test below checks its accuracy). The bounds (0.985 and
+  15% on the hidden states, 25% on the logits) leave room for other summation orders while a wrong scale (2x off:
+  over 30%) or a broken layer fails them."""
   initial = load_initial_model(minilm_dir)
   config = initial.config.replace(kernels="off")
   tokenizer = initial.tokenizer
@@ -144,21 +171,23 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   params, reused, _ = merge_initial_params(init, initial.params)
   assert reused  # MiniLM's pooler
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
-  assert quantization.count_quantized(quantized) == 6 * config.num_layers + 2
+  assert quantization.quantized_counts(quantized) == {"dense_layers": 6 * config.num_layers + 2,
+                                                     "embedding_tables": 3}
 
   encoder, qencoder = Encoder(config), quantization.quantized_model(Encoder(config))
   hidden = encoder.apply({"params": params["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
   qhidden = qencoder.apply({"params": quantized["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
   cosine = np.sum(hidden * qhidden, -1) / np.linalg.norm(hidden, axis=-1) / np.linalg.norm(qhidden, axis=-1)
-  assert cosine.min() > 0.99
-  assert 0 < np.linalg.norm(qhidden - hidden) / np.linalg.norm(hidden) < 0.12
+  assert cosine.min() > 0.985
+  assert 0 < np.linalg.norm(qhidden - hidden) / np.linalg.norm(hidden) < 0.15
 
   logits = model.apply({"params": params}, ids, pack_ids=pack_ids)
   qlogits = qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids)
-  assert 0 < np.linalg.norm(qlogits - logits) / np.linalg.norm(logits) < 0.12
-  # The dense kernels shrink 4x (int8 plus one float32 scale per output feature); the float embedding tables stay.
+  assert 0 < np.linalg.norm(qlogits - logits) / np.linalg.norm(logits) < 0.25
+  # Nearly 4x smaller: every kernel and table in int8 plus a float32 scale per output feature or row; LayerNorms
+  # and biases stay float32.
   float_bytes, int8_bytes = quantization.param_bytes(params), quantization.param_bytes(quantized)
-  assert 1.5 < float_bytes / int8_bytes < 4
+  assert 3.8 < float_bytes / int8_bytes < 4
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +208,9 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   out = tmp_path / "int8"
   assert cli.main(["quantize", "--workdir", str(workdir), "--out", str(out)]) == 0
   printed = capsys.readouterr().out
-  assert "dense layers in int8" in printed and "bert-jax evaluate --workdir" in printed
+  assert "14 dense layers and 3 embedding tables in int8" in printed and "bert-jax evaluate --workdir" in printed
   report = json.loads((out / "quantization.json").read_text())
-  assert report["seed"] == 1 and report["quantized_layers"] == 2 * 6 + 2
+  assert report["seed"] == 1 and report["quantized"] == {"dense_layers": 2 * 6 + 2, "embedding_tables": 3}
   assert report["library"].startswith("qwix ")
   assert report["param_bytes"]["int8"] < report["param_bytes"]["float"]
   assert report["disk_bytes"]["int8"] < report["disk_bytes"]["float"]
@@ -194,7 +223,7 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   assert int8_accuracy >= float_accuracy - 3.2
 
   objective, params = quantize_lib.load_quantized(out)
-  assert quantization.count_quantized(params) == report["quantized_layers"]
+  assert quantization.quantized_counts(params) == report["quantized"]
   batch = objective.example_batch(4, 16)
   logits = objective.predict(params, objective.prepare(batch))
   assert logits.shape == (4, 2) and np.all(np.isfinite(logits))

@@ -1,12 +1,12 @@
-"""`bert-jax quantize`: a fine-tuned model with int8 dense layers (Q8BERT-style post-training quantisation).
+"""`bert-jax quantize`: a fine-tuned model in int8 (Q8BERT-style post-training quantisation).
 
   bert-jax quantize --workdir runs/rte --out runs/rte-int8 [--seed S]
   bert-jax evaluate --workdir runs/rte-int8
 
 Reads one seed of a fine-tuning run (its best by default), quantises its parameters
-(`bert_jax.models.quantization`: int8 weights with one scale per output feature, activations per token at run
-time, int8 matmuls accumulated in int32) and writes a folder that reads like a one-seed fine-tuning run, so
-`bert-jax evaluate` scores it:
+(`bert_jax.models.quantization`: dense layers with int8 weights, one scale per output feature, and activations
+quantised per token at run time, int8 matmuls accumulated in int32; int8 embedding tables) and writes a folder
+that reads like a one-seed fine-tuning run, so `bert-jax evaluate` scores it:
 
   config.json, tokenizer/             the run's
   finetune_run.json, model_config.json  the run's, for the one seed, the model on its plain path (no kernels, remat)
@@ -40,9 +40,9 @@ from bert_jax.tasks.finetune_model import QUANTIZATION_FILE, RUN_FILE, FinetuneO
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 
-METHOD = ("int8 dense layers (Q8BERT-style post-training quantisation): weights symmetric per output feature "
-          "(absmax), activations symmetric per token at run time, int8 matmuls with int32 accumulation; "
-          "embeddings, LayerNorms, biases and attention's products in the compute dtype")
+METHOD = ("Q8BERT-style int8 post-training quantisation: dense-layer weights symmetric per output feature (absmax), "
+          "their input activations symmetric per token at run time, int8 matmuls with int32 accumulation; embedding "
+          "tables int8 per row; LayerNorms, biases and attention's products in the compute dtype")
 
 
 def _read_run(workdir: epath.Path) -> tuple[dict[str, Any], ml_collections.ConfigDict]:
@@ -83,7 +83,8 @@ def quantize_run(workdir: str | os.PathLike, out: str | os.PathLike, seed: int |
   """Quantises `seed` (default: the best) of the fine-tuning run in `workdir` into the folder `out`.
 
   Returns:
-    The content of out/quantization.json: method, library, source run and seed, the quantised layers, and
+    The content of out/quantization.json: method, library, source run and seed, the quantised dense layers and
+    embedding tables, and
     "param_bytes" / "disk_bytes" of the float and int8 parameters with their ratios ("compression").
 
   Raises:
@@ -109,7 +110,7 @@ def quantize_run(workdir: str | os.PathLike, out: str | os.PathLike, seed: int |
   with tempfile.TemporaryDirectory(prefix="bert_jax-float-") as scratch:  # The float checkpoint alone, to compare.
     float_disk = _save_params(epath.Path(scratch), step, params, {})
   report = {"method": METHOD, "library": f"qwix {metadata.version('qwix')}", "source": str(workdir), "seed": seed,
-            "step": step, "quantized_layers": quantization.count_quantized(quantized),
+            "step": step, "quantized": quantization.quantized_counts(quantized),
             "param_bytes": {"float": float_bytes, "int8": int8_bytes, "compression": float_bytes / int8_bytes}}
   out.mkdir(parents=True, exist_ok=True)
   int8_disk = _save_params(out / f"seed_{seed}", step, stored, {"step": step, "seed": seed})
@@ -150,8 +151,9 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
   report = quantize_run(args.workdir, args.out, args.seed)
   params, disk = report["param_bytes"], report["disk_bytes"]
-  print(f"bert_jax quantize: seed {report['seed']} of {report['source']}: {report['quantized_layers']} dense layers "
-        f"in int8 ({report['library']})\n"
+  counts = report["quantized"]
+  print(f"bert_jax quantize: seed {report['seed']} of {report['source']}: {counts['dense_layers']} dense layers and "
+        f"{counts['embedding_tables']} embedding tables in int8 ({report['library']})\n"
         f"  parameters {_size(params['float'])} -> {_size(params['int8'])} "
         f"({params['compression']:.2f}x); on disk {_size(disk['float'])} -> {_size(disk['int8'])} "
         f"({disk['compression']:.2f}x)\n  wrote {args.out}; score it with bert-jax evaluate --workdir {args.out}")
