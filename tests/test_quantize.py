@@ -221,6 +221,11 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   assert "seed 1 dev: accuracy=" in capsys.readouterr().out
   # 64 dev rows: a 3-point drop is two predictions.
   assert int8_accuracy >= float_accuracy - 3.2
+  # Sharded over FSDP and tensor parallelism (every scale placed by its own shape), the same predictions.
+  config = json.loads((out / "config.json").read_text())
+  config["mesh"]["sizes"] = {"data": 2, "fsdp": 2, "tensor": 2}
+  (out / "config.json").write_text(json.dumps(config))
+  assert finetune_lib.evaluate_run(out)[1]["dev"]["accuracy"] == int8_accuracy
 
   objective, params = quantize_lib.load_quantized(out)
   assert quantization.quantized_counts(params) == report["quantized"]
