@@ -18,7 +18,7 @@ from bert_jax.models import Encoder, FinetuneModel, ModelConfig
 from bert_jax.models import quantization
 from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks import quantize as quantize_lib
-from bert_jax.tasks.finetune_model import load_initial_model, merge_initial_params
+from bert_jax.tasks.finetune_model import build_model, load_initial_model, merge_initial_params
 
 from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (tiny_model is a fixture)
 
@@ -139,6 +139,27 @@ def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
   jaxpr = jax.make_jaxpr(lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids))(quantized).jaxpr
   dots = [[v.aval.dtype for v in eqn.invars] for eqn in _equations(jaxpr) if eqn.primitive.name == "dot_general"]
   assert dots and all(dtypes in ([np.int8, np.int8], [jax.numpy.bfloat16] * 2) for dtypes in dots)
+
+
+@pytest.mark.parametrize("kind, shape, options, dense_layers", [
+    ("tagging", (2, 8), dict(top_bilstm=True), 2 * 6 + 1),  # the BiLSTM's cells stay float
+    ("multiple_choice", (2, 3, 8), {}, 2 * 6 + 2),
+    ("tagging", (2, 8), dict(feature_layers=(-1, -2), feature_head="mlp", feature_head_layers=1), 2 * 6 + 2),
+    ("regression", (2, 8), dict(albert=True), 6 + 1 + 2),  # one shared block, the embedding projection
+])
+def test_every_task_kind_quantises_close_to_float(kind, shape, options, dense_layers):
+  config = SMALL.replace(embedding_size=None, num_shared_groups=0)
+  if options.pop("albert", False):
+    config = SMALL.replace(num_shared_groups=1)
+  model = build_model(config, kind, 4, **options)
+  ids, pack_ids = np.random.default_rng(1).integers(5, 64, shape).astype(np.int32), np.ones(shape, np.int32)
+  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
+  assert quantization.quantized_counts(quantized) == {"dense_layers": dense_layers, "embedding_tables": 3}
+  outputs = np.asarray(model.apply({"params": params}, ids, pack_ids=pack_ids))
+  int8_outputs = np.asarray(qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids))
+  assert int8_outputs.shape == outputs.shape
+  assert np.max(np.abs(int8_outputs - outputs)) < 0.1 * np.max(np.abs(outputs))
 
 
 def test_stored_tree_of_another_model_is_refused_naming_the_array(small_model):
