@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import tempfile
 from importlib import metadata
 from typing import Any
 
@@ -72,7 +71,8 @@ def _disk_bytes(directory: epath.Path) -> int:
 
 
 def _save_params(seed_dir: epath.Path, step: int, tree: Any, meta: dict[str, Any]) -> int:
-  """Writes `tree` as a fine-tuning checkpoint's params; returns the checkpoint's bytes on disk."""
+  """Writes `tree` as a fine-tuning checkpoint's params (`checkpoint.restore_params` reads them); returns the
+  checkpoint's bytes on disk."""
   checkpointer = checkpoint_lib.Checkpointer(seed_dir, keep=1, async_save=False)
   checkpointer.save(step, {"params": tree}, {}, meta, force=True)
   checkpointer.close()
@@ -84,8 +84,8 @@ def quantize_run(workdir: str | os.PathLike, out: str | os.PathLike, seed: int |
 
   Returns:
     The content of out/quantization.json: method, library, source run and seed, the quantised dense layers and
-    embedding tables, and
-    "param_bytes" / "disk_bytes" of the float and int8 parameters with their ratios ("compression").
+    embedding tables, and "param_bytes" / "disk_bytes" of the float and int8 parameters with their ratios
+    ("compression").
 
   Raises:
     FileNotFoundError: `workdir` is not a finished fine-tuning run.
@@ -104,23 +104,23 @@ def quantize_run(workdir: str | os.PathLike, out: str | os.PathLike, seed: int |
   objective = _objective(run_info, config)
   quantized = quantization.quantize_params(params, _abstract_params(objective, run_info["seq_len"]))
   stored = jax.tree.map(np.asarray, quantization.to_storage(quantized))
-
   model_config = dataclasses.asdict(objective.model.config)
   float_bytes, int8_bytes = quantization.param_bytes(params), quantization.param_bytes(stored)
-  with tempfile.TemporaryDirectory(prefix="bert_jax-float-") as scratch:  # The float checkpoint alone, to compare.
-    float_disk = _save_params(epath.Path(scratch), step, params, {})
   report = {"method": METHOD, "library": f"qwix {metadata.version('qwix')}", "source": str(workdir), "seed": seed,
             "step": step, "quantized": quantization.quantized_counts(quantized),
             "param_bytes": {"float": float_bytes, "int8": int8_bytes, "compression": float_bytes / int8_bytes}}
   out.mkdir(parents=True, exist_ok=True)
   int8_disk = _save_params(out / f"seed_{seed}", step, stored, {"step": step, "seed": seed})
+  # The fine-tuning checkpoint holds the float parameters alone, saved the same way.
+  float_disk = _disk_bytes(workdir / f"seed_{seed}" / "checkpoints" / str(step))
   report["disk_bytes"] = {"float": float_disk, "int8": int8_disk, "compression": float_disk / int8_disk}
   (out / "config.json").write_text((workdir / "config.json").read_text())
   load_tokenizer(workdir / "tokenizer").save(out / "tokenizer")
   (out / "model_config.json").write_text(json.dumps(model_config, indent=2) + "\n")
+  (out / QUANTIZATION_FILE).write_text(json.dumps(report, indent=2) + "\n")
+  # Last: RUN_FILE marks a finished folder.
   (out / RUN_FILE).write_text(json.dumps({**run_info, "model_config": model_config, "seeds": [seed],
                                           "best_seed": seed, "best_seed_dir": f"seed_{seed}"}, indent=2) + "\n")
-  (out / QUANTIZATION_FILE).write_text(json.dumps(report, indent=2) + "\n")
   return report
 
 
