@@ -1,5 +1,5 @@
-"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | predict | convert | features | fill-mask | analyze |
-sweep | table | plot.
+"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | predict | quantize | convert | features |
+fill-mask | analyze | sweep | table | plot.
 
 Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
     "predict": ("bert_jax.tasks.predict", "a fine-tuned model's predictions for a file (JSON lines or submission)"),
+    "quantize": ("bert_jax.tasks.quantize", "int8 post-training quantisation of a fine-tuned model"),
     "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
     "fill-mask": ("bert_jax.analysis.fill_mask", "top predictions at each [MASK]"),

@@ -30,7 +30,8 @@ def test_fill_mask_without_a_mask_says_so(capsys, tmp_path):
   assert "no [MASK] in 'A sentence without a mask.'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["pretrain", "finetune", "predict", "prepare", "sweep", "table", "plot"])
+@pytest.mark.parametrize("command", ["pretrain", "finetune", "predict", "prepare", "sweep", "table", "plot",
+                                     "quantize"])
 def test_every_command_has_help(command, capsys):
   with pytest.raises(SystemExit) as exit_info:
     cli.main([command, "--help"])

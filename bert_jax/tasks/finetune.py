@@ -56,9 +56,9 @@ from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.glue import GlueTask
-from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model, device_fields,
-                                           frozen_encoder_optimizer, load_initial_model, merge_initial_params,
-                                           task_tokenizer)
+from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model,
+                                           device_fields, frozen_encoder_optimizer, load_initial_model,
+                                           merge_initial_params, task_tokenizer)
 from bert_jax.tasks.registry import get_task
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
@@ -571,7 +571,7 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   """Re-scores the saved checkpoints of a fine-tuning run.
 
   Args:
-    workdir: a finished `finetune` workdir.
+    workdir: a finished `finetune` workdir, or a `bert-jax quantize` folder (it holds quantization.json).
     split: "dev" scores the task's evaluation splits and writes
       evaluate_dev.json; "test" predicts the test splits and writes GLUE
       submission files (submission/seed_<s>/TASK.tsv) or, for other tasks,

@@ -49,6 +49,9 @@ Params = dict[str, Any]
 
 # Written into every fine-tuning workdir; its presence marks one.
 RUN_FILE = "finetune_run.json"
+# Written by `bert-jax quantize` beside RUN_FILE: the folder's checkpoints hold int8 dense layers
+# (`bert_jax.models.quantization`).
+QUANTIZATION_FILE = "quantization.json"
 FEATURE_HEADS = ("bilstm", "mlp")
 _LABEL_FIELDS: dict[str, tuple[str, ...]] = {
     "classification": ("labels",), "regression": ("labels",), "multiple_choice": ("labels",),

@@ -19,9 +19,10 @@ bucket, never per batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from etils import epath
 import jax
@@ -36,7 +37,8 @@ from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task, TaskTokenizer
 from bert_jax.tasks.finetune import BatchMaker, _task_model, fitted_max_len
-from bert_jax.tasks.finetune_model import RUN_FILE, FinetuneObjective, build_model, task_tokenizer
+from bert_jax.tasks.finetune_model import (QUANTIZATION_FILE, RUN_FILE, FinetuneObjective, build_model,
+                                           task_tokenizer)
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train.step import Partitioning, make_predict_step
@@ -91,6 +93,7 @@ class InferenceModel:
   seed: int | None = None
   source: epath.Path | None = None
   _predict_step: Any = None
+  _from_storage: Any = None  # saved parameters -> the model's tree (an int8 folder's; None: as saved)
 
   @property
   def model(self):
@@ -109,6 +112,8 @@ class InferenceModel:
     if self.source is None:
       raise ValueError("with_seed needs a model loaded from a fine-tuning workdir (load_for_inference)")
     params = _seed_params(self.source, json.loads((self.source / RUN_FILE).read_text()), seed)
+    if self._from_storage is not None:
+      params = self._from_storage(params)
     return dataclasses.replace(self, params=jax.device_put(params, self.param_shardings), seed=seed,
                                _predict_step=self.predict_step)
 
@@ -184,7 +189,7 @@ class InferenceModel:
 def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenizer: TaskTokenizer, max_len: int,
                     model: Any = None, mesh_sizes: dict[str, int] | None = None,
                     rules: Sequence[Any] | None = None, batch_size: int = 128, devices: Sequence[Any] | None = None,
-                    **extra: Any) -> InferenceModel:
+                    from_storage: Callable[[Any, Any], Any] | None = None, **extra: Any) -> InferenceModel:
   """An `InferenceModel` from parts: the task's model (default `FinetuneModel`) with host or device `params`.
 
   Args:
@@ -198,6 +203,8 @@ def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenize
     rules: config.mesh.rules (None: the default rules).
     batch_size: default rows per batch.
     devices: the devices of the mesh (None: every device).
+    from_storage: `(abstract params, params as saved) -> params` where the saved layout is not the model's tree
+      (an int8 model's, `quantization.from_storage`); None: `params` are the model's tree.
     **extra: seed, source.
   """
   mesh = sharding_lib.create_mesh(dict(mesh_sizes or {"data": -1, "fsdp": 1, "tensor": 1}), devices)
@@ -209,9 +216,13 @@ def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenize
   with partitioning.context():
     abstract = jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"]
     param_shardings = sharding_lib.logical_shardings(abstract, mesh, partitioning.rules)
+  if from_storage is not None:
+    from_storage = functools.partial(from_storage, abstract)
+    params = from_storage(params)
   return InferenceModel(task=task, objective=objective, model_config=model_config,
                         params=jax.device_put(params, param_shardings), tokenizer=tokenizer, max_len=max_len,
-                        partitioning=partitioning, param_shardings=param_shardings, batch_size=batch_size, **extra)
+                        partitioning=partitioning, param_shardings=param_shardings, batch_size=batch_size,
+                        _from_storage=from_storage, **extra)
 
 
 def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
@@ -220,7 +231,8 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
 
   Args:
     workdir: a finished `bert-jax finetune` workdir, or a folder laid out like one (finetune_run.json, config.json,
-      tokenizer/, seed_<s>/checkpoints: the pruned model of `bert-jax analyze ... prune`).
+      tokenizer/, seed_<s>/checkpoints: the pruned model of `bert-jax analyze ... prune`, the int8 model of
+      `bert-jax quantize`, which its quantization.json marks).
     seed: whose parameters; None for the run's best seed.
     devices: the devices to run on (None: every device, on the run's mesh; else data parallel over these).
 
@@ -239,8 +251,13 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
   params = _seed_params(workdir, run_info, seed)
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
+  model, from_storage = _task_model(config, model_config, task), None
+  if (workdir / QUANTIZATION_FILE).exists():  # int8 dense layers and tables through Qwix (the `quant` extra).
+    from bert_jax.models import quantization  # noqa: PLC0415
+
+    model, from_storage = quantization.quantized_model(model), quantization.from_storage
   return inference_model(task, model_config, params, task_tokenizer(load_tokenizer(workdir / "tokenizer")),
-                         fitted_max_len(config.max_len, model_config), model=_task_model(config, model_config, task),
+                         fitted_max_len(config.max_len, model_config), model=model, from_storage=from_storage,
                          mesh_sizes=None if devices is not None else config.mesh.sizes.to_dict(),
                          rules=config.mesh.rules, devices=devices,
                          batch_size=config.train.eval_batch_size or 128, seed=seed, source=workdir)

@@ -1,0 +1,170 @@
+"""int8 post-training quantisation (Q8BERT, Zafrir et al. 2019), through Qwix.
+
+Every dense layer of the encoder and of a task head (attention's query, key, value and output projections, the
+feed-forward layers, ALBERT's embedding projection, the pooler, the classifier...) computes
+
+  y = (q_x @ q_w) * s_x * s_w + b
+
+q_w: the kernel in int8 with one scale s_w per output feature (absmax / 127.5, fixed once by `quantize_params`);
+q_x: the layer's input in int8 with one scale s_x per token, computed at run time (dynamic absmax); q_x @ q_w: an
+int8 matmul accumulated in int32 (a `dot_general` of s8 operands with preferred_element_type s32, which XLA runs on
+the GPU's and TPU's integer units). The embedding tables are int8 too, one scale per row, and a lookup scales
+only the rows it gathers. LayerNorms, biases, softmax and attention's two products between activations stay in
+the compute dtype, as in Q8BERT.
+
+Qwix (google/qwix) quantises the dense layers: `quantized_model` wraps a Flax module so that Qwix's PTQ provider
+intercepts `jax.lax.dot_general` inside the modules `DENSE_LAYERS` names, and `quantize_params` turns the float
+parameters into the model's int8 tree (each quantised kernel a `WithAux(QArray(qvalue int8, scale float32))`,
+shapes [in..., out...] and [1..., out...]). Qwix's PTQ quantises only what enters a matmul, so the tables (a
+`QArray`, shapes [rows, E] and [rows, 1]) are quantised and looked up by the few lines of `_Provider` with Qwix's
+own `quantize`. The quantised model runs the plain path (`kernels="off"`): the hand-written kernels take float
+operands.
+
+`to_storage` / `from_storage` turn that tree into nested dicts of arrays (what Orbax saves and
+`checkpoint.restore_params` reads back) and back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+
+# Module paths (as Qwix writes them: "encoder/block_0/attention/query") of the dense layers quantised. The attention
+# module itself ("encoder/block_0/attention") does not match, so its products between activations stay float.
+DENSE_LAYERS = r"(.*/)?(query|key|value|output|wi|wi_gate|wo|embedding_projection|dense(_\d+)?|classifier|qa_outputs)"
+
+
+def rules() -> list[qwix.QuantizationRule]:
+  """int8 weights (per output feature) and int8 activations (per token, scales computed at run time)."""
+  return [qwix.QuantizationRule(module_path=DENSE_LAYERS, weight_qtype=jnp.int8, act_qtype=jnp.int8,
+                                act_static_scale=False, weight_calibration_method="absmax",
+                                act_calibration_method="absmax")]
+
+
+def _quantize_table(table: jax.Array) -> qwix.QArray:
+  """An embedding table [rows, E] in int8, one scale per row."""
+  return qwix.quantize(table, jnp.int8, channelwise_axes=[0])
+
+
+class _Provider(qwix.PtqProvider):
+  """Qwix's PTQ provider with int8 embedding tables, the dense layers' outputs in their inputs' dtype."""
+
+  def dot_general(self, lhs, rhs, *args, **kwargs):
+    # Qwix returns a quantised matmul in its scales' dtype, float32 for the weights': without the cast a bfloat16
+    # model would run everything after its first dense layer (attention included) in float32.
+    return super().dot_general(lhs, rhs, *args, **kwargs).astype(lhs.dtype)
+
+  def nn_param(self, module: nn.Module, name: str, *args, **kwargs):
+    """At init, an `nn.Embed` table is created in int8 (stored boxed as the float one was)."""
+    value = super().nn_param(module, name, *args, **kwargs)
+    if not (isinstance(module, nn.Embed) and module.is_initializing()):
+      return value
+    value = _quantize_table(value)
+    boxed = module.get_variable("params", name)
+    if isinstance(boxed, nn.meta.AxisMetadata):
+      module.put_variable("params", name, jax.tree.map(boxed.replace_boxed, value))
+    else:
+      module.put_variable("params", name, value)
+    return value
+
+  def take(self, table, indices, axis=None, **kwargs):
+    """`jnp.take`, which `nn.Embed` looks rows up with; an int8 table's rows are scaled after the gather."""
+    if isinstance(table, qwix.QArray):
+      return (jnp.take(table.qvalue, indices, axis=0).astype(table.scale.dtype)
+              * jnp.take(table.scale, indices, axis=0))
+    return jnp.take(table, indices, axis=axis, **kwargs)
+
+  def get_intercept_map(self):
+    return super().get_intercept_map() | {"jax.numpy.take": self.take}
+
+
+def quantized_model(model: nn.Module) -> nn.Module:
+  """`model` (any module with a `ModelConfig` field `config`: `FinetuneModel`, `FeatureBasedTagger`...) with its
+  dense layers and embedding tables in int8; apply it to `quantize_params`' tree. Its encoder runs the plain path
+  without remat."""
+  plain = model.clone(config=model.config.replace(kernels="off", remat="none"))
+  return qwix.quantize_model(plain, _Provider(rules()))
+
+
+def quantize_params(params: Any, abstract_quantized: Any) -> Any:
+  """The float `params` as the quantised model's tree (int8 kernels and tables with their scales, the rest
+  unchanged).
+
+  Args:
+    params: the float model's parameters (host or device arrays).
+    abstract_quantized: the quantised model's parameters as `jax.eval_shape` of its init gives them (boxed or not);
+      they tell Qwix which kernels to quantise and along which axes, and which leaves are int8 tables.
+  """
+  abstract = nn.unbox(abstract_quantized)
+  quantized = qwix.quantize_params(jax.tree.map(jnp.asarray, params), abstract)
+  # The tables: where the abstract tree has a QArray and Qwix left an array (a kernel's QArray sits one level down,
+  # inside Qwix's WithAux, so its path names no array of `quantized`).
+  is_qarray = lambda x: isinstance(x, qwix.QArray)  # noqa: E731
+  tables = {path for path, leaf in jax.tree_util.tree_leaves_with_path(abstract, is_leaf=is_qarray) if is_qarray(leaf)}
+  return jax.tree_util.tree_map_with_path(lambda path, x: _quantize_table(x) if path in tables else x, quantized)
+
+
+def dequantize(tree: Any) -> Any:
+  """The float parameters the quantised tree stands for (each int8 kernel and table as qvalue * scale), in the
+  float model's structure."""
+  def restore(x):
+    if isinstance(x, qwix.QArray):
+      return qwix.dequantize(x)
+    return qwix.dequantize(x.array) if isinstance(getattr(x, "array", None), qwix.QArray) else x
+
+  quantized = lambda x: isinstance(x, qwix.QArray) or isinstance(getattr(x, "array", None), qwix.QArray)  # noqa: E731
+  return jax.tree.map(restore, tree, is_leaf=quantized)
+
+
+def _key_name(key: Any) -> str:
+  for field in ("key", "name", "idx"):
+    if hasattr(key, field):
+      return str(getattr(key, field))
+  raise TypeError(f"unexpected tree key {key!r}")
+
+
+def to_storage(tree: Any) -> dict[str, Any]:
+  """Nested dicts of arrays, a quantised kernel as {"array": {"qvalue", "scale"}} under its parameter's name."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return flax.traverse_util.unflatten_dict({tuple(map(_key_name, path)): leaf for path, leaf in leaves})
+
+
+def from_storage(abstract_quantized: Any, stored: dict[str, Any]) -> Any:
+  """The quantised tree from `to_storage`'s dicts; `abstract_quantized` (boxed or not) gives its structure.
+
+  Raises:
+    ValueError: naming the missing or mis-shaped arrays (a folder written for another model).
+  """
+  abstract = nn.unbox(abstract_quantized)
+  flat = flax.traverse_util.flatten_dict(stored)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  values, problems = [], []
+  for path, leaf in leaves:
+    name = tuple(map(_key_name, path))
+    value = flat.get(name)
+    if value is None or tuple(np.shape(value)) != tuple(leaf.shape):
+      problems.append(f"{'/'.join(name)}: expected {tuple(leaf.shape)} {leaf.dtype}, "
+                      f"{'missing' if value is None else f'got {tuple(np.shape(value))}'}")
+    values.append(value if value is None else np.asarray(value, leaf.dtype))
+  if problems:
+    raise ValueError("the stored int8 parameters do not fit this model:\n  " + "\n  ".join(problems))
+  return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def param_bytes(tree: Any) -> int:
+  """Bytes of every array in `tree` (int8 values and their float32 scales alike)."""
+  return sum(int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def quantized_counts(tree: Any) -> dict[str, int]:
+  """{"dense_layers": int8 kernels, "embedding_tables": int8 tables} of a quantised tree."""
+  is_qarray = lambda x: isinstance(x, qwix.QArray)  # noqa: E731
+  paths = [path for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qarray) if is_qarray(leaf)]
+  kernels = sum(isinstance(path[-1], jax.tree_util.GetAttrKey) for path in paths)  # inside Qwix's WithAux
+  return {"dense_layers": kernels, "embedding_tables": len(paths) - kernels}
