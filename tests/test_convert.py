@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -288,6 +289,11 @@ def test_export_refuses_options_transformers_lacks(tmp_path):
   _, config, params, _ = load_hf_checkpoint(save_hf(hf_model("bert", "base"), tmp_path / "hf"))
   with pytest.raises(CheckpointError, match="norm='pre'"):
     save_hf_checkpoint("bert", config.replace(norm="pre"), params, tmp_path / "out")
+  _, albert, _, _ = load_hf_checkpoint(save_hf(hf_model("albert", "base"), tmp_path / "albert"))
+  shared_attention = albert.replace(shared_sublayers="attention")
+  encoder = Encoder(shared_attention).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  with pytest.raises(CheckpointError, match="shared_sublayers='attention' .Hugging Face shares whole layers only"):
+    save_hf_checkpoint("albert", shared_attention, jax.tree.map(np.asarray, nn.unbox(encoder)), tmp_path / "out2")
 
 
 def test_electra_warns_when_generator_embeddings_differ(tmp_path):

@@ -138,6 +138,8 @@ def config_to_hf(family: str, config: ModelConfig, architecture: str) -> dict[st
     bad.append(f"position_offset={config.position_offset} (a {family} checkpoint implies {expected_offset})")
   if family == "albert" and config.embed_dim == config.hidden_size:
     bad.append("ALBERT with embedding_size == hidden_size")
+  if config.shared_sublayers != "all":
+    bad.append(f"shared_sublayers={config.shared_sublayers!r} (Hugging Face shares whole layers only)")
   if bad:
     raise CheckpointError(f"cannot export to Hugging Face {architecture}: {', '.join(bad)}")
   hf_config = dict(
