@@ -473,6 +473,9 @@ def _architecture_for(family: str, kind: str, params: Params, extras: dict[str, 
       return "ElectraForPreTraining", "discriminator"
     return f"{title}Model", "base"
   if kind == "electra":
+    if "rtd" not in params:
+      raise CheckpointError("cannot export to Hugging Face an ELECTRA tree trained with replace_mlm or "
+                            "all_tokens_mlm: its discriminator has an MLM head, which ElectraForPreTraining lacks")
     return "ElectraForPreTraining", "discriminator"
   if "sentence" in params:
     if family not in ("bert", "albert"):

@@ -19,6 +19,9 @@ maps the config's `objective` to the class.
   mlm+nsp  BERT          mlm+sop  ALBERT         mlm  RoBERTa
   mlm+sbo  SpanBERT      ltr      left-to-right LM (BERT's "LTR & No NSP")
   rtd      ELECTRA: generator MLM + 50 x replaced-token detection
+  replace_mlm / all_tokens_mlm   ELECTRA's Table 5: generator MLM + the
+           discriminator's MLM on the generator's samples, at the masked
+           positions / at every token through a copy gate
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import ml_collections
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
-from bert_jax.train.losses import binary_cross_entropy_sums, cross_entropy_sums, dropout_key
+from bert_jax.train.losses import binary_cross_entropy_sums, copy_mixture_sums, cross_entropy_sums, dropout_key
 
 Array = jax.Array
 
@@ -263,6 +266,7 @@ class ReplacedTokenDetection(PretrainingObjective):
   """ELECTRA: a small generator's MLM + the discriminator's replaced-token detection on its samples."""
 
   name = "rtd"
+  head: ClassVar[str] = "rtd"  # what the discriminator predicts (`ElectraModel.head`)
 
   generator_config: ModelConfig | None = None
   rtd_positions: str = "all"  # `rtd_weights`
@@ -280,7 +284,7 @@ class ReplacedTokenDetection(PretrainingObjective):
 
   @property
   def model(self):
-    return ElectraModel(self.model_config, self.generator_config)
+    return ElectraModel(self.model_config, self.generator_config, self.head)
 
   @property
   def model_configs(self):
@@ -306,10 +310,56 @@ class ReplacedTokenDetection(PretrainingObjective):
             **rtd_terms(outputs["rtd_logits"], outputs["replaced"], rtd_weights(inputs, self.rtd_positions))}
 
 
+class ReplaceMLM(ReplacedTokenDetection):
+  """ELECTRA's Replace MLM (its Table 5): the masked positions hold the generator's samples instead of [MASK], and
+  the discriminator predicts the original tokens there (term "mlm"). No replaced-token detection; the generator
+  trains jointly on its own MLM (term "generator")."""
+
+  name = "replace_mlm"
+  head = "mlm"
+
+  @classmethod
+  def from_config(cls, config, model_config, mask_id):
+    if config.loss.rtd_positions != "all":
+      raise ValueError(f"config.loss.rtd_positions={config.loss.rtd_positions!r} applies to objective 'rtd' only "
+                       f"(objective {cls.name!r} has no replaced-token detection): leave it at 'all'")
+    return super().from_config(config, model_config, mask_id)
+
+  @classmethod
+  def loss_weights(cls, loss):
+    return {"generator": loss.generator_weight, "mlm": 1.0}
+
+  def denominators(self, inputs):
+    masked = jnp.sum(inputs["mlm_weights"])
+    return {"generator": masked, "mlm": masked}
+
+  def terms(self, outputs, inputs):
+    return {**mlm_terms(outputs["mlm_logits"], inputs, self.kernels, "generator"),
+            **mlm_terms(outputs["token_logits"], inputs, self.kernels)}
+
+
+class AllTokensMLM(ReplaceMLM):
+  """ELECTRA's All-Tokens MLM: Replace MLM, the discriminator predicting the original of every real token
+  (term "mlm") through the paper's copy mechanism: p = D [input token] + (1 - D) p_MLM, D a sigmoid per token
+  (`losses.copy_mixture_sums`)."""
+
+  name = "all_tokens_mlm"
+  head = "all_tokens"
+
+  def denominators(self, inputs):
+    return {"generator": jnp.sum(inputs["mlm_weights"]), "mlm": jnp.sum(inputs["pack_ids"] > 0).astype(jnp.float32)}
+
+  def terms(self, outputs, inputs):
+    loss, correct = copy_mixture_sums(outputs["token_logits"], outputs["copy_logits"], outputs["corrupted_ids"],
+                                      inputs["original_ids"], inputs["pack_ids"] > 0)
+    return {**mlm_terms(outputs["mlm_logits"], inputs, self.kernels, "generator"), "mlm_loss": loss,
+            "mlm_correct": correct}
+
+
 # The config's `objective` -> its class; a new objective is one class added here.
 OBJECTIVES: dict[str, type[PretrainingObjective]] = {
     cls.name: cls for cls in (NextSentencePrediction, SentenceOrderPrediction, PretrainingObjective, SpanBoundary,
-                              LeftToRight, ReplacedTokenDetection)}
+                              LeftToRight, ReplacedTokenDetection, ReplaceMLM, AllTokensMLM)}
 # Each sentence objective's default example format (its first).
 SENTENCE_FORMATS = {name: cls.sentence_formats[0] for name, cls in OBJECTIVES.items() if cls.sentence_formats}
 
