@@ -122,3 +122,12 @@ def test_gradients_are_finite_and_reach_the_generator_and_the_discriminator(name
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(grads))
   for module in ("generator", "generator_mlm", "discriminator", "embeddings") + heads:
     assert any(np.any(leaf != 0) for leaf in jax.tree.leaves(grads[module])), module
+
+
+def test_flops_charge_each_networks_vocabulary_head_for_the_tokens_it_predicts():
+  """The generator predicts the masked positions; the discriminator none (RTD), those (Replace MLM) or every token."""
+  flops = {name: objectives.make_objective(make_config(name), tiny_model(embedding_size=32), mask_id=4)
+           .flops_per_token(max_predictions=16, seq_len=128) for name in ("rtd", "replace_mlm", "all_tokens_mlm")}
+  head = 6 * (32 * 32 + 32 * VOCAB)  # the discriminator's transform and tied projection, per predicted token
+  assert flops["replace_mlm"] - flops["rtd"] == pytest.approx(head * 16 / 128)
+  assert flops["all_tokens_mlm"] - flops["rtd"] == pytest.approx(head)

@@ -8,7 +8,8 @@ The train step (`bert_jax.train.step`) knows an objective only through:
                           (float32), so gradient accumulation divides once;
   forward(params, inputs, rng, train) -> {term}_loss and {term}_correct sums;
 and the commands also call example_batch(rows, seq_len) (zeros of the batch's
-fields and shapes) and init_variables(rng, batch). The fine-tuning objective
+fields and shapes) and init_variables(rng, batch); pre-training also
+flops_per_token(max_predictions, seq_len). The fine-tuning objective
 (`bert_jax.tasks.finetune_model.FinetuneObjective`) has the same interface.
 
 A pre-training objective is one `PretrainingObjective` subclass: its name in
@@ -120,6 +121,11 @@ class PretrainingObjective:
 
   def predictions_per_token(self, max_predictions: int, seq_len: int) -> float:
     return max_predictions / seq_len
+
+  def flops_per_token(self, max_predictions: int, seq_len: int) -> float:
+    """Training FLOPs per token of every network the step runs (`ModelConfig.flops_per_token`)."""
+    predictions = self.predictions_per_token(max_predictions, seq_len)
+    return sum(cfg.flops_per_token(seq_len, predictions) for cfg in self.model_configs)
 
   def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
     """A batch of the pipeline's fields and shapes (zeros), to initialise the model and trace the step."""
@@ -290,6 +296,16 @@ class ReplacedTokenDetection(PretrainingObjective):
   def model_configs(self):
     return (self.model_config, self.generator_config)
 
+  def discriminator_predictions(self, masked: float) -> float:
+    """Vocabulary predictions per token of the discriminator's head, given the masked fraction: RTD has none."""
+    del masked
+    return 0.0
+
+  def flops_per_token(self, max_predictions, seq_len):
+    masked = self.predictions_per_token(max_predictions, seq_len)
+    return (self.generator_config.flops_per_token(seq_len, masked)
+            + self.model_config.flops_per_token(seq_len, self.discriminator_predictions(masked)))
+
   def denominators(self, inputs):
     return {**super().denominators(inputs), "rtd": jnp.sum(rtd_weights(inputs, self.rtd_positions))}
 
@@ -329,6 +345,9 @@ class ReplaceMLM(ReplacedTokenDetection):
   def loss_weights(cls, loss):
     return {"generator": loss.generator_weight, "mlm": 1.0}
 
+  def discriminator_predictions(self, masked):
+    return masked
+
   def denominators(self, inputs):
     masked = jnp.sum(inputs["mlm_weights"])
     return {"generator": masked, "mlm": masked}
@@ -345,6 +364,10 @@ class AllTokensMLM(ReplaceMLM):
 
   name = "all_tokens_mlm"
   head = "all_tokens"
+
+  def discriminator_predictions(self, masked):
+    del masked
+    return 1.0
 
   def denominators(self, inputs):
     return {"generator": jnp.sum(inputs["mlm_weights"]), "mlm": jnp.sum(inputs["pack_ids"] > 0).astype(jnp.float32)}
