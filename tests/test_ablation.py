@@ -243,8 +243,7 @@ EXPECTED = {"bert_table5", "bert_table6", "roberta_table1", "roberta_table2", "a
             "albert_embedding", "electra_compute", "electra_generator", "electra_variants", "spanbert_masking",
             "spanbert_sbo"}
 # Rows that name a config key the code lacks (a missing capability); every other row must load.
-MISSING = {"albert_sharing": {"E=768 shared-attention", "E=768 shared-FFN", "E=128 shared-attention",
-                              "E=128 shared-FFN"}}
+MISSING = {}
 
 
 def test_every_paper_table_has_a_config():

@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,6 +184,26 @@ def test_electra_export_round_trips(tmp_path):
   assert_params_equal(params, params_again)
 
 
+@pytest.mark.parametrize("head", ["mlm", "all_tokens"])
+def test_electra_trees_of_the_table_5_objectives_save_in_our_format_and_refuse_hugging_face(tmp_path, head):
+  """Replace MLM / All-Tokens MLM runs: the discriminator has an MLM head (and a copy gate), no RTD head."""
+  from bert_jax.models import ElectraModel, electra_generator_config, model_config
+  config = model_config("electra", "small", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                        intermediate_size=37, embedding_size=16, max_position_embeddings=40)
+  generator_config = electra_generator_config(config, 0.5)
+  ids = jnp.zeros((1, 4), jnp.int32)
+  variables = ElectraModel(config, generator_config, head).init(
+      {"params": jax.random.key(0), "sample": jax.random.key(1)}, ids, jnp.zeros((1, 2), jnp.int32), ids)
+  params = jax.tree.map(np.asarray, nn.unbox(variables["params"]))
+  assert build_model(config, params, generator_config).head == head
+  save_pretrained(tmp_path / "ours", "electra", config, params, extras={"generator_config": generator_config})
+  (_, _, params_again, _), _ = load_pretrained(tmp_path / "ours", return_extras=True)
+  assert_params_equal(params, params_again)
+  assert set(encoder_params(params)) == {"embeddings", "embedding_projection", "block_0", "block_1"}
+  with pytest.raises(CheckpointError, match="replace_mlm or all_tokens_mlm: its discriminator has an MLM head"):
+    save_hf_checkpoint("electra", config, params, tmp_path / "hf", extras={"generator_config": generator_config})
+
+
 def test_our_format_round_trips_through_the_cli(tmp_path):
   model = hf_model("bert", seed=3)
   hf_dir = save_hf(model, tmp_path / "hf")
@@ -288,6 +309,11 @@ def test_export_refuses_options_transformers_lacks(tmp_path):
   _, config, params, _ = load_hf_checkpoint(save_hf(hf_model("bert", "base"), tmp_path / "hf"))
   with pytest.raises(CheckpointError, match="norm='pre'"):
     save_hf_checkpoint("bert", config.replace(norm="pre"), params, tmp_path / "out")
+  _, albert, _, _ = load_hf_checkpoint(save_hf(hf_model("albert", "base"), tmp_path / "albert"))
+  shared_attention = albert.replace(shared_sublayers="attention")
+  encoder = Encoder(shared_attention).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  with pytest.raises(CheckpointError, match="shared_sublayers='attention' .Hugging Face shares whole layers only"):
+    save_hf_checkpoint("albert", shared_attention, jax.tree.map(np.asarray, nn.unbox(encoder)), tmp_path / "out2")
 
 
 def test_electra_warns_when_generator_embeddings_differ(tmp_path):

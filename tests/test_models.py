@@ -120,6 +120,40 @@ def test_albert_sharing_and_factorised_embeddings():
   assert sorted(k for k in two_groups["params"] if k.startswith("block_")) == ["block_0", "block_1"]
 
 
+@pytest.mark.parametrize("embedding", [768, 128])
+@pytest.mark.parametrize("groups,sublayers,published", [(0, "all", {768: 108, 128: 89}), (1, "all", {768: 31, 128: 12}),
+                                                         (1, "attention", {768: 83, 128: 64}),
+                                                         (1, "ffn", {768: 57, 128: 38})])
+def test_albert_sharing_strategies_match_the_papers_parameter_counts(embedding, groups, sublayers, published):
+  """ALBERT Table 4's ALBERT-base counts: not-shared, all-shared, shared-attention, shared-FFN."""
+  cfg = model_config("albert", "base", embedding_size=embedding, num_shared_groups=groups, shared_sublayers=sublayers)
+  encoder, pooler = encoder_params(cfg)
+  total = (count(encoder) + count(pooler)) / 1e6
+  assert abs(total - published[embedding]) <= max(0.02 * published[embedding], 0.55), total
+  assert count(encoder) == cfg.num_params()
+
+
+@pytest.mark.parametrize("sublayers", ["attention", "ffn"])
+def test_a_shared_sublayer_is_one_set_of_weights_used_by_every_layer_of_its_group(sublayers):
+  shared = tiny(num_layers=4, num_shared_groups=2, shared_sublayers=sublayers)
+  ids = jnp.asarray(np.random.default_rng(5).integers(5, 97, (2, 8)).astype(np.int32))
+  params = Encoder(shared).init(jax.random.key(0), ids)["params"]
+  assert sorted(k for k in params if k.startswith("shared_")) == [f"shared_{sublayers}_0", f"shared_{sublayers}_1"]
+  own = {"attention": "ffn", "ffn": "attention"}[sublayers]
+  for layer in range(4):
+    assert sorted(params[f"block_{layer}"]) == sorted([own, "attention_norm", "ffn_norm"])
+  # The same model written out as four unshared blocks, each with a copy of its group's sub-layer.
+  unshared = {k: v for k, v in params.items() if not k.startswith("shared_")}
+  for layer in range(4):
+    unshared[f"block_{layer}"] = {**params[f"block_{layer}"], sublayers: params[f"shared_{sublayers}_{layer // 2}"]}
+  np.testing.assert_allclose(Encoder(shared).apply({"params": params}, ids)["hidden"],
+                             Encoder(tiny(num_layers=4)).apply({"params": unshared}, ids)["hidden"], atol=1e-6)
+  with pytest.raises(ValueError, match="num_shared_groups"):
+    tiny(shared_sublayers=sublayers)
+  with pytest.raises(ValueError, match="shared_sublayers"):
+    tiny(num_shared_groups=1, shared_sublayers="embeddings")
+
+
 def test_rotary_attention_is_translation_invariant():
   cfg = tiny(position_embedding="rotary", type_vocab_size=1)
   ids = jnp.asarray(np.random.default_rng(4).integers(5, 97, (1, 8)).astype(np.int32))

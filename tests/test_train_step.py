@@ -386,6 +386,13 @@ def test_layerwise_lr_factors():
   assert factors["encoder"]["block_1"]["w"] == 0.5
   assert factors["encoder"]["block_0"]["w"] == 0.25
   assert factors["encoder"]["embeddings"]["w"] == 0.125
+  # Four layers, each its own block, in two groups that share their attention: a group's copy takes the depth of
+  # its last layer.
+  shared = {"block_0": {"w": 0}, "block_3": {"w": 0}, "shared_attention_0": {"w": 0}, "shared_attention_1": {"w": 0}}
+  factors = optim.layerwise_lr_factors({"encoder": shared}, num_layers=4, num_blocks=4, decay=0.5, num_groups=2)
+  assert factors["encoder"]["block_0"]["w"] == 0.5 ** 4 and factors["encoder"]["block_3"]["w"] == 0.5
+  assert factors["encoder"]["shared_attention_0"]["w"] == 0.5 ** 3
+  assert factors["encoder"]["shared_attention_1"]["w"] == 0.5
 
 
 def test_global_norm_and_clipping_equal_optax():

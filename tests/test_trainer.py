@@ -42,7 +42,8 @@ def prepared(tmp_path_factory):
 
 
 FORMATS = {"mlm+nsp": "segment_pair", "mlm+sop": "sop", "mlm": "full_sentences", "mlm+sbo": "doc_sentences",
-           "ltr": "full_sentences", "rtd": "full_sentences"}
+           "ltr": "full_sentences", "rtd": "full_sentences", "replace_mlm": "full_sentences",
+           "all_tokens_mlm": "full_sentences"}
 
 
 def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
@@ -50,7 +51,7 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
   config.objective = objective
   config.model = config_lib.model_section("bert", "tiny", num_layers=2, hidden_size=64, num_heads=2,
                                           intermediate_size=128, max_position_embeddings=64, dtype="float32")
-  if objective == "rtd":
+  if objective in ("rtd", "replace_mlm", "all_tokens_mlm"):
     config.model.embedding_size = 64
     config.model.generator_fraction = 0.5
   if objective == "mlm+sbo":

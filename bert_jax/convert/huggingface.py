@@ -138,6 +138,8 @@ def config_to_hf(family: str, config: ModelConfig, architecture: str) -> dict[st
     bad.append(f"position_offset={config.position_offset} (a {family} checkpoint implies {expected_offset})")
   if family == "albert" and config.embed_dim == config.hidden_size:
     bad.append("ALBERT with embedding_size == hidden_size")
+  if config.shared_sublayers != "all":
+    bad.append(f"shared_sublayers={config.shared_sublayers!r} (Hugging Face shares whole layers only)")
   if bad:
     raise CheckpointError(f"cannot export to Hugging Face {architecture}: {', '.join(bad)}")
   hf_config = dict(
@@ -471,6 +473,9 @@ def _architecture_for(family: str, kind: str, params: Params, extras: dict[str, 
       return "ElectraForPreTraining", "discriminator"
     return f"{title}Model", "base"
   if kind == "electra":
+    if "rtd" not in params:
+      raise CheckpointError("cannot export to Hugging Face an ELECTRA tree trained with replace_mlm or "
+                            "all_tokens_mlm: its discriminator has an MLM head, which ElectraForPreTraining lacks")
     return "ElectraForPreTraining", "discriminator"
   if "sentence" in params:
     if family not in ("bert", "albert"):

@@ -6,7 +6,7 @@ its top-level keys:
   "encoder"      `Encoder`           {embeddings, block_*, embedding_projection?}
   "pretraining"  `PretrainingModel`  {encoder, mlm, sentence?, sbo?}
   "electra"      `ElectraModel`      {embeddings, generator, generator_mlm,
-                                      discriminator, rtd}
+                                      discriminator, rtd | mlm (+ copy)}
 
 Trees are nested dicts of numpy float32 arrays (the "params" collection's
 content, unboxed): `module.apply({"params": params}, ...)` takes them directly.
@@ -77,7 +77,12 @@ def build_model(config: ModelConfig, params: Params, generator_config: ModelConf
     return PretrainingModel(config, sentence_head="sentence" in params, span_boundary_head="sbo" in params)
   if generator_config is None:
     raise ValueError("an ElectraModel tree needs its generator config")
-  return ElectraModel(config, generator_config)
+  return ElectraModel(config, generator_config, electra_head(params))
+
+
+def electra_head(params: Params) -> str:
+  """The `ElectraModel.head` of an "electra" tree: what its discriminator predicts."""
+  return "rtd" if "rtd" in params else "all_tokens" if "copy" in params else "mlm"
 
 
 def encoder_params(params: Params) -> Params:

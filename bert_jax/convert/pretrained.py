@@ -41,7 +41,7 @@ PARAMS_FILE = "params.safetensors"
 FORMAT_VERSION = 1
 FORMATS = ("bert_jax", "huggingface")
 _EXTRAS_PREFIX = "extras/"
-_HEADS = {"encoder": (), "pretraining": ("mlm", "sentence", "sbo"), "electra": ("generator_mlm", "rtd")}
+_HEADS = {"encoder": (), "pretraining": ("mlm", "sentence", "sbo"), "electra": ("generator_mlm", "rtd", "mlm", "copy")}
 
 
 class Pretrained(NamedTuple):

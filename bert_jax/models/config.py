@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 FAMILIES = ("bert", "roberta", "albert", "electra")
+SHARED_SUBLAYERS = ("all", "attention", "ffn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,11 @@ class ModelConfig:
     causal: left-to-right attention (BERT's "LTR & No NSP" ablation).
     num_shared_groups: 0 = every layer has its own parameters; k >= 1 = ALBERT
       cross-layer sharing, the L layers use k parameter groups in order.
+    shared_sublayers: what the k groups share (ALBERT's Table 4): "all" (the
+      whole block), "attention" (the attention projections; each layer keeps
+      its feed-forward) or "ffn" (the feed-forward; each layer keeps its
+      attention). With "attention" or "ffn" the LayerNorms stay per layer.
+      Only "all" without sharing (num_shared_groups=0).
     dtype: compute dtype ("float32" or "bfloat16"); softmax, LayerNorm
       statistics and losses stay float32.
     param_dtype: parameter dtype (float32).
@@ -104,6 +110,7 @@ class ModelConfig:
   rotary_base: float = 10000.0
   causal: bool = False
   num_shared_groups: int = 0
+  shared_sublayers: str = "all"
   dtype: str = "float32"
   param_dtype: str = "float32"
   kernels: str = "auto"
@@ -135,12 +142,14 @@ class ModelConfig:
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
                "position_embedding": ("learned", "rotary"), "kernels": ("auto", "off"),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
-               "param_dtype": ("float32", "bfloat16")}
+               "param_dtype": ("float32", "bfloat16"), "shared_sublayers": SHARED_SUBLAYERS}
     for field, allowed in choices.items():
       if getattr(self, field) not in allowed:
         fail(field, f"expected one of {allowed}")
     if self.num_shared_groups < 0 or (self.num_shared_groups and self.num_layers % self.num_shared_groups):
       fail("num_shared_groups", f"must be 0 or divide num_layers={self.num_layers}")
+    if self.shared_sublayers != "all" and not self.num_shared_groups:
+      fail("shared_sublayers", "shares sub-layers across the layers of a group: set num_shared_groups >= 1 too")
     if self.position_embedding == "rotary" and self.head_dim % 2:
       fail("num_heads", "rotary positions need an even head size")
     if self.type_vocab_size < 1:
@@ -182,14 +191,22 @@ class ModelConfig:
   def replace(self, **changes: Any) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 
+  @property
+  def num_blocks(self) -> int:
+    """The encoder's `block_{i}` modules: one per group when whole blocks are shared, else one per layer."""
+    whole_blocks = self.num_shared_groups and self.shared_sublayers == "all"
+    return self.num_shared_groups if whole_blocks else self.num_layers
+
   def num_params(self, include_embeddings: bool = True) -> int:
     """Encoder parameters (no pre-training heads), counted from the config."""
     H, E, F = self.hidden_size, self.embed_dim, self.intermediate_size
-    ffn_in = 2 * H * F + 2 * F if self.ffn == "geglu" else H * F + F
-    block = ffn_in + F * H + H + 2 * 2 * H
+    ffn = (2 * H * F + 2 * F if self.ffn == "geglu" else H * F + F) + F * H + H
+    norms = 2 * 2 * H
     attention = lambda heads: 3 * (H * heads * self.head_dim + heads * self.head_dim) + heads * self.head_dim * H + H
-    blocks = block * (self.num_shared_groups or self.num_layers)
-    blocks += sum(attention(self.layer_heads(layer)) for layer in range(self.num_shared_groups or self.num_layers))
+    ffn_copies = self.num_shared_groups if self.shared_sublayers == "ffn" else self.num_blocks
+    attention_copies = self.num_shared_groups if self.shared_sublayers == "attention" else self.num_blocks
+    blocks = norms * self.num_blocks + ffn * ffn_copies
+    blocks += sum(attention(self.layer_heads(layer)) for layer in range(attention_copies))
     embeddings = self.vocab_size * E + self.type_vocab_size * E + 2 * E
     if self.position_embedding == "learned":
       embeddings += self.max_position_embeddings * E

@@ -281,10 +281,16 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN. `num_heads`: as `SelfAttention`'s."""
+  """Attention + feed-forward with residuals; post-LN (BERT) or pre-LN. `num_heads`: as `SelfAttention`'s.
+
+  `shared_attention` / `shared_ffn`: a sub-layer owned by the encoder and used by every layer of a group
+  (`ModelConfig.shared_sublayers`) in place of the block's own; None: the block owns it.
+  """
 
   config: ModelConfig
   num_heads: int | None = None
+  shared_attention: SelfAttention | None = None
+  shared_ffn: FeedForward | None = None
 
   @nn.compact
   def __call__(self, x_ble: Array, pack_ids_bl: Array | None, position_ids_bl: Array, packed: bool = False,
@@ -296,8 +302,10 @@ class TransformerBlock(nn.Module):
     cfg = self.config
     dropout = Dropout(cfg.hidden_dropout, cfg.kernels)
     attention_norm, ffn_norm = layer_norm(cfg, "attention_norm"), layer_norm(cfg, "ffn_norm")
-    attention = SelfAttention(cfg, self.num_heads, name="attention")
-    ffn = FeedForward(cfg, name="ffn")
+    attention = self.shared_attention
+    if attention is None:
+      attention = SelfAttention(cfg, self.num_heads, name="attention")
+    ffn = self.shared_ffn if self.shared_ffn is not None else FeedForward(cfg, name="ffn")
     rows = (lambda x: x) if output_positions_bk is None else (lambda x: gather_positions(x, output_positions_bk))
     if cfg.norm == "pre":
       attn_ble, probs = attention(attention_norm(x_ble), pack_ids_bl, position_ids_bl, packed, deterministic,
@@ -322,7 +330,7 @@ def _remat(block_cls, policy: str):
 
 
 class Encoder(nn.Module):
-  """Embeddings -> (E->H projection) -> L transformer blocks.
+  """Embeddings -> (E->H projection) -> L transformer blocks, whole or in part shared across layers (ALBERT).
 
   Attributes:
     config: the architecture.
@@ -340,9 +348,15 @@ class Encoder(nn.Module):
     if cfg.embed_dim != cfg.hidden_size:
       self.embedding_projection = dense(cfg, cfg.hidden_size, (None, "embed"), "embedding_projection")
     block = _remat(TransformerBlock, cfg.remat)
-    num_blocks = cfg.num_shared_groups or cfg.num_layers
-    self.blocks = [block(cfg, cfg.layer_heads(i) if cfg.heads_per_layer else None, name=f"block_{i}")
-                   for i in range(num_blocks)]
+    groups = range(cfg.num_shared_groups)
+    # Sharing one kind of sub-layer: the encoder owns each group's copy, every layer its own block for the rest.
+    attention = ([SelfAttention(cfg, name=f"shared_attention_{g}") for g in groups]
+                 if cfg.shared_sublayers == "attention" else None)
+    ffn = [FeedForward(cfg, name=f"shared_ffn_{g}") for g in groups] if cfg.shared_sublayers == "ffn" else None
+    group = lambda i: i * cfg.num_shared_groups // cfg.num_layers  # noqa: E731
+    self.blocks = [block(cfg, cfg.layer_heads(i) if cfg.heads_per_layer else None,
+                         attention and attention[group(i)], ffn and ffn[group(i)], name=f"block_{i}")
+                   for i in range(cfg.num_blocks)]
     if cfg.norm == "pre":
       self.final_norm = layer_norm(cfg, "final_norm")
 

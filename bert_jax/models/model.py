@@ -2,7 +2,9 @@
 
   PretrainingModel  BERT / RoBERTa / ALBERT / SpanBERT / LTR: MLM at gathered
                     positions, optional NSP/SOP head, optional SBO head.
-  ElectraModel      generator + discriminator sharing one embedding table.
+  ElectraModel      generator + discriminator sharing one embedding table; the
+                    discriminator detects replaced tokens, or (ELECTRA's
+                    Table 5) predicts the originals: Replace / All-Tokens MLM.
   FinetuneModel     encoder + one task head (classification, regression,
                     span extraction, multiple choice, tagging).
 
@@ -89,26 +91,41 @@ class PretrainingModel(nn.Module):
     return outputs
 
 
+ELECTRA_HEADS = ("rtd", "mlm", "all_tokens")
+
+
 class ElectraModel(nn.Module):
   """ELECTRA: a small MLM generator and a discriminator sharing embeddings.
 
   The generator fills the masked positions with samples from its own
   distribution (no gradient flows through the sampling); the discriminator
-  predicts, for every token, whether it was replaced.
+  reads the corrupted tokens. What it predicts is `head` (ELECTRA's Table 5):
+  "rtd", for every token whether it was replaced (ELECTRA); "mlm", the
+  original token at the masked positions (Replace MLM); "all_tokens", the
+  original token at every position, as a copy gate D (a sigmoid per token)
+  mixed with the MLM softmax (All-Tokens MLM).
   """
 
   config: ModelConfig            # discriminator
   generator_config: ModelConfig
+  head: str = "rtd"
 
   def setup(self):
     if self.generator_config.embed_dim != self.config.embed_dim:
       raise ValueError("ELECTRA generator and discriminator must share the embedding size "
                        f"({self.generator_config.embed_dim} != {self.config.embed_dim})")
+    if self.head not in ELECTRA_HEADS:
+      raise ValueError(f"ElectraModel head={self.head!r}: expected one of {ELECTRA_HEADS}")
     self.embeddings = Embeddings(self.config)
     self.generator = Encoder(self.generator_config, shared_embeddings=self.embeddings)
     self.generator_mlm = heads.MLMHead(self.generator_config)
     self.discriminator = Encoder(self.config, shared_embeddings=self.embeddings)
-    self.rtd = heads.ReplacedTokenHead(self.config)
+    if self.head == "rtd":
+      self.rtd = heads.ReplacedTokenHead(self.config)
+    else:
+      self.mlm = heads.MLMHead(self.config)
+    if self.head == "all_tokens":
+      self.copy = heads.ReplacedTokenHead(self.config)  # the copy gate's logit: one per token, as RTD's
 
   def __call__(self, input_ids: Array, mlm_positions: Array, original_ids: Array, *,
                segment_ids: Array | None = None, position_ids: Array | None = None, pack_ids: Array | None = None,
@@ -123,8 +140,9 @@ class ElectraModel(nn.Module):
         False takes the argmax (for deterministic evaluation).
 
     Returns:
-      {"mlm_logits" [B,M,V] generator logits (V: `padded_vocab_size`), "rtd_logits" [B,L],
-       "corrupted_ids" [B,L], "replaced" [B,L] bool}.
+      {"mlm_logits" [B,M,V] generator logits (V: `padded_vocab_size`), "corrupted_ids" [B,L], "replaced" [B,L]
+       bool} and the head's: "rtd_logits" [B,L]; "token_logits" [B,M,V] at the masked positions ("mlm") or
+       [B,L,V] at every position ("all_tokens", with "copy_logits" [B,L]).
     """
     kwargs = dict(segment_ids=segment_ids, position_ids=position_ids, pack_ids=pack_ids, packed=packed,
                   deterministic=deterministic)
@@ -141,9 +159,19 @@ class ElectraModel(nn.Module):
     corrupted = input_ids.at[rows, mlm_positions].set(sampled_bm.astype(input_ids.dtype))
     # Unused prediction slots point at position 0 ([CLS]); restore it.
     corrupted = corrupted.at[:, 0].set(original_ids[:, 0])
-    disc_hidden = self.discriminator(corrupted, **kwargs)["hidden"]
-    return {"mlm_logits": mlm_logits, "rtd_logits": self.rtd(disc_hidden), "corrupted_ids": corrupted,
-            "replaced": corrupted != original_ids}
+    outputs = {"mlm_logits": mlm_logits, "corrupted_ids": corrupted, "replaced": corrupted != original_ids}
+    if self.head == "rtd":
+      outputs["rtd_logits"] = self.rtd(self.discriminator(corrupted, **kwargs)["hidden"])
+    elif self.head == "mlm":
+      output_positions, positions = head_rows(self.config, input_ids.shape[1], {"mlm": mlm_positions})
+      disc_hidden = self.discriminator(corrupted, output_positions=output_positions, **kwargs)["hidden"]
+      outputs["token_logits"] = self.mlm(disc_hidden, positions["mlm"], self.embeddings.attend)
+    else:
+      disc_hidden = self.discriminator(corrupted, **kwargs)["hidden"]
+      every_position = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+      outputs["token_logits"] = self.mlm(disc_hidden, every_position, self.embeddings.attend)
+      outputs["copy_logits"] = self.copy(disc_hidden)
+    return outputs
 
 
 class FinetuneModel(nn.Module):

@@ -426,9 +426,8 @@ def _optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_par
   optim_config.warmup_steps = int(config.optim.warmup_proportion * total_steps)
   lr_factors = None
   if config.optim.layerwise_lr_decay < 1.0:
-    lr_factors = optim.layerwise_lr_factors(abstract_params, model_config.num_layers,
-                                            model_config.num_shared_groups or model_config.num_layers,
-                                            config.optim.layerwise_lr_decay)
+    lr_factors = optim.layerwise_lr_factors(abstract_params, model_config.num_layers, model_config.num_blocks,
+                                            config.optim.layerwise_lr_decay, model_config.num_shared_groups)
   tx, schedule = optim.make_optimizer(optim_config, total_steps, lr_factors=lr_factors)
   return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
 

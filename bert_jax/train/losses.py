@@ -47,6 +47,34 @@ def binary_cross_entropy_sums(logits: Array, labels: Array, weights: Array) -> t
   return loss, correct
 
 
+def copy_mixture_sums(logits: Array, copy_logits: Array, input_ids: Array, targets: Array,
+                      weights: Array) -> tuple[Array, Array]:
+  """Weighted sums of -log p(target) and of [argmax p == target] under ELECTRA's All-Tokens MLM copy mechanism.
+
+  p(t) = D [t == input] + (1 - D) softmax(logits)_t, with the copy probability D = sigmoid(copy_logits): the
+  model may copy its input token, or predict from the MLM softmax. Log-space arithmetic in float32.
+
+  Args:
+    logits: [..., V] MLM logits at each position.
+    copy_logits: [...] the copy gate's logits.
+    input_ids: [...] the tokens the model read (a copy predicts these).
+    targets: [...] the original tokens.
+    weights: [...] per-position weights.
+  """
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  pick = lambda ids: jnp.take_along_axis(log_probs, ids.astype(jnp.int32)[..., None], axis=-1)[..., 0]  # noqa: E731
+  log_copy, log_predict = jax.nn.log_sigmoid(copy_logits.astype(jnp.float32)), jax.nn.log_sigmoid(-copy_logits)
+  copied = input_ids == targets
+  log_p = log_predict + pick(targets)
+  log_p = jnp.where(copied, jnp.logaddexp(log_copy, log_p), log_p)
+  # The mixture's argmax: the input token unless another token's (1 - D) p_t outweighs its D + (1 - D) p_input.
+  input_score = jnp.logaddexp(log_copy, log_predict + pick(input_ids))
+  prediction = jnp.where(input_score >= log_predict + jnp.max(log_probs, axis=-1), input_ids,
+                         jnp.argmax(log_probs, axis=-1))
+  weights = weights.astype(jnp.float32)
+  return -jnp.sum(log_p * weights), jnp.sum((prediction == targets) * weights)
+
+
 def dropout_key(key: Array) -> Array:
   """The key of the model's "dropout" RNG stream, drawn from a step's key: an "rbg" key.
 

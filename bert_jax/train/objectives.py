@@ -8,7 +8,8 @@ The train step (`bert_jax.train.step`) knows an objective only through:
                           (float32), so gradient accumulation divides once;
   forward(params, inputs, rng, train) -> {term}_loss and {term}_correct sums;
 and the commands also call example_batch(rows, seq_len) (zeros of the batch's
-fields and shapes) and init_variables(rng, batch). The fine-tuning objective
+fields and shapes) and init_variables(rng, batch); pre-training also
+flops_per_token(max_predictions, seq_len). The fine-tuning objective
 (`bert_jax.tasks.finetune_model.FinetuneObjective`) has the same interface.
 
 A pre-training objective is one `PretrainingObjective` subclass: its name in
@@ -19,6 +20,9 @@ maps the config's `objective` to the class.
   mlm+nsp  BERT          mlm+sop  ALBERT         mlm  RoBERTa
   mlm+sbo  SpanBERT      ltr      left-to-right LM (BERT's "LTR & No NSP")
   rtd      ELECTRA: generator MLM + 50 x replaced-token detection
+  replace_mlm / all_tokens_mlm   ELECTRA's Table 5: generator MLM + the
+           discriminator's MLM on the generator's samples, at the masked
+           positions / at every token through a copy gate
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import ml_collections
 
 from bert_jax.data.masking import MaskingConfig, mask_batch
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
-from bert_jax.train.losses import binary_cross_entropy_sums, cross_entropy_sums, dropout_key
+from bert_jax.train.losses import binary_cross_entropy_sums, copy_mixture_sums, cross_entropy_sums, dropout_key
 
 Array = jax.Array
 
@@ -117,6 +121,11 @@ class PretrainingObjective:
 
   def predictions_per_token(self, max_predictions: int, seq_len: int) -> float:
     return max_predictions / seq_len
+
+  def flops_per_token(self, max_predictions: int, seq_len: int) -> float:
+    """Training FLOPs per token of every network the step runs (`ModelConfig.flops_per_token`)."""
+    predictions = self.predictions_per_token(max_predictions, seq_len)
+    return sum(cfg.flops_per_token(seq_len, predictions) for cfg in self.model_configs)
 
   def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
     """A batch of the pipeline's fields and shapes (zeros), to initialise the model and trace the step."""
@@ -263,6 +272,7 @@ class ReplacedTokenDetection(PretrainingObjective):
   """ELECTRA: a small generator's MLM + the discriminator's replaced-token detection on its samples."""
 
   name = "rtd"
+  head: ClassVar[str] = "rtd"  # what the discriminator predicts (`ElectraModel.head`)
 
   generator_config: ModelConfig | None = None
   rtd_positions: str = "all"  # `rtd_weights`
@@ -280,11 +290,21 @@ class ReplacedTokenDetection(PretrainingObjective):
 
   @property
   def model(self):
-    return ElectraModel(self.model_config, self.generator_config)
+    return ElectraModel(self.model_config, self.generator_config, self.head)
 
   @property
   def model_configs(self):
     return (self.model_config, self.generator_config)
+
+  def discriminator_predictions(self, masked: float) -> float:
+    """Vocabulary predictions per token of the discriminator's head, given the masked fraction: RTD has none."""
+    del masked
+    return 0.0
+
+  def flops_per_token(self, max_predictions, seq_len):
+    masked = self.predictions_per_token(max_predictions, seq_len)
+    return (self.generator_config.flops_per_token(seq_len, masked)
+            + self.model_config.flops_per_token(seq_len, self.discriminator_predictions(masked)))
 
   def denominators(self, inputs):
     return {**super().denominators(inputs), "rtd": jnp.sum(rtd_weights(inputs, self.rtd_positions))}
@@ -306,10 +326,63 @@ class ReplacedTokenDetection(PretrainingObjective):
             **rtd_terms(outputs["rtd_logits"], outputs["replaced"], rtd_weights(inputs, self.rtd_positions))}
 
 
+class ReplaceMLM(ReplacedTokenDetection):
+  """ELECTRA's Replace MLM (its Table 5): the masked positions hold the generator's samples instead of [MASK], and
+  the discriminator predicts the original tokens there (term "mlm"). No replaced-token detection; the generator
+  trains jointly on its own MLM (term "generator")."""
+
+  name = "replace_mlm"
+  head = "mlm"
+
+  @classmethod
+  def from_config(cls, config, model_config, mask_id):
+    if config.loss.rtd_positions != "all":
+      raise ValueError(f"config.loss.rtd_positions={config.loss.rtd_positions!r} applies to objective 'rtd' only "
+                       f"(objective {cls.name!r} has no replaced-token detection): leave it at 'all'")
+    return super().from_config(config, model_config, mask_id)
+
+  @classmethod
+  def loss_weights(cls, loss):
+    return {"generator": loss.generator_weight, "mlm": 1.0}
+
+  def discriminator_predictions(self, masked):
+    return masked
+
+  def denominators(self, inputs):
+    masked = jnp.sum(inputs["mlm_weights"])
+    return {"generator": masked, "mlm": masked}
+
+  def terms(self, outputs, inputs):
+    return {**mlm_terms(outputs["mlm_logits"], inputs, self.kernels, "generator"),
+            **mlm_terms(outputs["token_logits"], inputs, self.kernels)}
+
+
+class AllTokensMLM(ReplaceMLM):
+  """ELECTRA's All-Tokens MLM: Replace MLM, the discriminator predicting the original of every real token
+  (term "mlm") through the paper's copy mechanism: p = D [input token] + (1 - D) p_MLM, D a sigmoid per token
+  (`losses.copy_mixture_sums`)."""
+
+  name = "all_tokens_mlm"
+  head = "all_tokens"
+
+  def discriminator_predictions(self, masked):
+    del masked
+    return 1.0
+
+  def denominators(self, inputs):
+    return {"generator": jnp.sum(inputs["mlm_weights"]), "mlm": jnp.sum(inputs["pack_ids"] > 0).astype(jnp.float32)}
+
+  def terms(self, outputs, inputs):
+    loss, correct = copy_mixture_sums(outputs["token_logits"], outputs["copy_logits"], outputs["corrupted_ids"],
+                                      inputs["original_ids"], inputs["pack_ids"] > 0)
+    return {**mlm_terms(outputs["mlm_logits"], inputs, self.kernels, "generator"), "mlm_loss": loss,
+            "mlm_correct": correct}
+
+
 # The config's `objective` -> its class; a new objective is one class added here.
 OBJECTIVES: dict[str, type[PretrainingObjective]] = {
     cls.name: cls for cls in (NextSentencePrediction, SentenceOrderPrediction, PretrainingObjective, SpanBoundary,
-                              LeftToRight, ReplacedTokenDetection)}
+                              LeftToRight, ReplacedTokenDetection, ReplaceMLM, AllTokensMLM)}
 # Each sentence objective's default example format (its first).
 SENTENCE_FORMATS = {name: cls.sentence_formats[0] for name, cls in OBJECTIVES.items() if cls.sentence_formats}
 

@@ -44,22 +44,27 @@ def decay_mask(params: Any) -> Any:
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def layer_index(path: str, num_layers: int, num_blocks: int) -> int:
-  """Depth of a parameter for layer-wise LR decay: 0 = embeddings, 1..L blocks, L + 1 = heads."""
+def layer_index(path: str, num_layers: int, num_blocks: int, num_groups: int = 0) -> int:
+  """Depth of a parameter for layer-wise LR decay: 0 = embeddings, 1..L blocks, L + 1 = heads.
+
+  `num_blocks` counts the `block_{i}` modules; `num_groups` the `shared_{sublayer}_{g}` ones (ALBERT's groups
+  sharing one kind of sub-layer, `ModelConfig.shared_sublayers`).
+  """
   if "embeddings" in path or "embedding_projection" in path:
     return 0
-  match = re.search(r"block_(\d+)", path)
+  match = re.search(r"(block_|shared_[a-z]+_)(\d+)", path)
   if match:
-    # With sharing, a block serves several layers; it takes the depth of its last one.
-    return (int(match.group(1)) + 1) * num_layers // num_blocks
+    copies = num_blocks if match.group(1) == "block_" else num_groups
+    # With sharing, a module serves several layers; it takes the depth of its last one.
+    return (int(match.group(2)) + 1) * num_layers // copies
   return num_layers + 1
 
 
-def layerwise_lr_factors(params: Any, num_layers: int, num_blocks: int, decay: float) -> Any:
+def layerwise_lr_factors(params: Any, num_layers: int, num_blocks: int, decay: float, num_groups: int = 0) -> Any:
   """decay ** (L + 1 - depth) per parameter (heads 1, top block `decay`, embeddings decay ** (L + 1))."""
   def factor(path, _):
     name = "/".join(str(getattr(k, "key", k)) for k in path)
-    return decay ** (num_layers + 1 - layer_index(name, num_layers, num_blocks))
+    return decay ** (num_layers + 1 - layer_index(name, num_layers, num_blocks, num_groups))
 
   return jax.tree_util.tree_map_with_path(factor, params)
 

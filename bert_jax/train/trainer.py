@@ -315,9 +315,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   eval_step = make_eval_step(objective, partitioning, state_shardings)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
-  predictions_per_token = objective.predictions_per_token(config.masking.max_predictions, config.data.seq_len)
-  flops_per_token = sum(cfg.flops_per_token(config.data.seq_len, predictions_per_token)
-                        for cfg in objective.model_configs)
+  flops_per_token = objective.flops_per_token(config.masking.max_predictions, config.data.seq_len)
   throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
   if primary:  # The steps after the checkpoint are computed again: their rows from the interrupted run go.
     dropped = workdir_lib.drop_rows_after(workdir / "metrics.jsonl", start_step)

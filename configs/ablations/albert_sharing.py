@@ -5,8 +5,9 @@
   bert-jax table runs/albert_sharing
 
 all-shared: one set of block parameters for every layer; shared-attention: only the attention sub-layers
-shared; shared-FFN: only the feed-forward sub-layers shared; not-shared: every layer its own. E is the
-factorised embedding size (at scale=tiny, E=768 -> 64 and E=128 -> 16). Arguments: scale.
+shared; shared-FFN: only the feed-forward sub-layers shared (`model.shared_sublayers`; the LayerNorms stay per
+layer); not-shared: every layer its own. E is the factorised embedding size (at scale=tiny, E=768 -> 64 and
+E=128 -> 16). Arguments: scale.
 """
 
 from bert_jax.experiments import ablation, suite
@@ -56,12 +57,10 @@ def get_config(arg=None):
 
 
 def _sharing(strategy: str) -> dict:
-  if strategy == "all-shared":
-    return {"model.num_shared_groups": 1}
   if strategy == "not-shared":
-    return {"model.num_shared_groups": 0}
-  # Missing capability: sharing one kind of sub-layer across layers while the other stays per layer.
-  return {"model.num_shared_groups": 1, "model.shared_sublayers": strategy.removeprefix("shared-").lower()}
+    return {"model.num_shared_groups": 0, "model.shared_sublayers": "all"}
+  sublayers = {"all-shared": "all", "shared-attention": "attention", "shared-FFN": "ffn"}[strategy]
+  return {"model.num_shared_groups": 1, "model.shared_sublayers": sublayers}
 
 
 def get_sweep(arg=None):

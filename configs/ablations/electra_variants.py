@@ -6,8 +6,9 @@
 
 BERT: masked LM. ELECTRA 15%: the discriminator's loss on the 15% masked-out positions only. Replace MLM:
 masked positions get a generator's sample instead of [MASK], and the model predicts the original token there.
-All-Tokens MLM: Replace MLM predicting the identity of every token. ELECTRA: replaced-token detection on all
-tokens. Arguments: scale.
+All-Tokens MLM: Replace MLM predicting the identity of every token, through the paper's copy mechanism
+(p = D [input token] + (1 - D) p_MLM, D a sigmoid per token). Both train the generator jointly with its MLM, as
+ELECTRA does. ELECTRA: replaced-token detection on all tokens. Arguments: scale.
 """
 
 from bert_jax.experiments import ablation, suite
@@ -36,8 +37,6 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   del arg
-  # Missing capability: the "replace_mlm" / "all_tokens_mlm" objectives (generator samples as corruption, MLM
-  # output on the positions).
   return [{"name": "BERT", "overrides": {"objective": "mlm"}},
           {"name": "ELECTRA 15%", "overrides": {"objective": "rtd", "loss.rtd_positions": "masked"}},
           {"name": "Replace MLM", "overrides": {"objective": "replace_mlm"}},
