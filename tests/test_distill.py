@@ -1,0 +1,160 @@
+"""Distillation as terms of the one train step: soft targets, BERT-PKD, DistilBERT's cosine loss and layer init."""
+
+import json
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax.models import FinetuneModel, ModelConfig
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks.finetune_model import FinetuneObjective
+from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import config_lib, distill, optim, trainer
+from bert_jax.train.losses import soft_target_sums
+from bert_jax.train.step import Partitioning, create_state, make_train_step
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                   max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, kernels="off")
+ROWS, LENGTH = 16, 16
+
+
+def _batch(kind="classification", seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(4, LENGTH + 1, ROWS).astype(np.int32)
+  labels = rng.normal(size=ROWS).astype(np.float32) if kind == "regression" else rng.integers(0, 3, ROWS)
+  return {"input_ids": rng.integers(5, TINY.vocab_size, (ROWS, LENGTH)).astype(np.int32),
+          "segment_ids": np.zeros((ROWS, LENGTH), np.int32), "lengths": lengths,
+          "labels": np.asarray(labels, np.float32 if kind == "regression" else np.int32),
+          "weights": np.ones(ROWS, np.float32), "seed": np.zeros(ROWS, np.int32)}
+
+
+def _task(config=TINY, kind="classification"):
+  return FinetuneObjective(FinetuneModel(config, kind, 3), kind)
+
+
+def _params(task, seed=0):
+  return nn.unbox(task.init_variables(jax.random.key(seed), _batch(task.kind)))["params"]
+
+
+def _optim_config(lr):
+  config = config_lib.pretrain_defaults().optim
+  config.lr, config.warmup_steps = lr, 2
+  return config
+
+
+def _setup(objective, tx, frozen=None, teacher=None):
+  mesh = sharding_lib.create_mesh({"data": 1}, devices=jax.devices()[:1])
+  partitioning = Partitioning(mesh, sharding_lib.DEFAULT_RULES)
+  dummy = {k: jnp.asarray(v) for k, v in _batch().items()}
+  state, shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, jax.random.key(0),
+                                  partitioning)
+  if teacher is not None:
+    placed, frozen_shardings = distill.place_frozen(teacher, frozen, dummy, partitioning)
+    state, shardings = state.replace(frozen=placed), shardings.replace(frozen=frozen_shardings)
+  return state, shardings, partitioning, mesh
+
+
+@pytest.mark.parametrize("kind", ["classification", "regression"])
+def test_a_student_equal_to_its_teacher_has_zero_distillation_losses(kind):
+  """Temperature 1, the teacher's own parameters: KL (or the squared error) 0, PKD 0, cosine 0."""
+  task = _task(kind=kind)
+  params = _params(task)
+  objective = distill.Distillation(task, task, TINY, TINY, temperature=1.0, alpha=0.5, pkd_weight=1.0,
+                                   cos_weight=1.0)
+  inputs = objective.with_frozen(params, task.prepare(_batch(kind)))
+  terms, counts = objective.forward(params, inputs, None, False), objective.denominators(inputs)
+  for name in ("soft", "pkd", "cos"):
+    assert abs(float(terms[f"{name}_loss"] / counts[name])) < 1e-6, (name, terms)
+  assert float(terms["task_loss"]) > 0
+
+
+def test_soft_targets_are_hintons_kl_with_the_temperature_squared():
+  rng = np.random.default_rng(0)
+  student, teacher = rng.normal(size=(4, 5)), rng.normal(size=(4, 5))
+  t = 3.0
+  p = jax.nn.softmax(teacher / t)
+  expected = t ** 2 * np.sum(p * (np.log(p) - jax.nn.log_softmax(student / t)))
+  np.testing.assert_allclose(float(soft_target_sums(student, teacher, np.ones(4), t)), expected, rtol=1e-5)
+  masked = jnp.where(np.arange(5) < 3, teacher, np.finfo(np.float32).min)  # classes the teacher masks add nothing
+  assert np.isfinite(float(soft_target_sums(student, masked, np.ones(4), 0.5)))
+
+
+def test_zero_teacher_weights_give_the_plain_step_and_the_teacher_stays_frozen():
+  """alpha=0 and pkd 0: the same parameters as the plain step after two steps; the teacher's are untouched."""
+  task = _task()
+  teacher_params = _params(task, seed=7)
+  tx, schedule = optim.make_optimizer(_optim_config(1e-3), total_steps=10)
+  plain_state, shardings, partitioning, mesh = _setup(task, tx)
+  plain_step = make_train_step(task, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
+                               state_shardings=shardings)
+  objective = distill.Distillation(task, task, TINY, TINY, temperature=2.0, alpha=0.0)
+  state, shardings, partitioning, _ = _setup(objective, tx, teacher_params, task)
+  step = make_train_step(objective, tx, schedule, accum_steps=2, rng=jax.random.key(1), partitioning=partitioning,
+                         state_shardings=shardings)
+  for seed in range(2):
+    batch = sharding_lib.global_batch(_batch(seed=seed), mesh)
+    plain_state, plain_metrics = plain_step(plain_state, batch)
+    state, metrics = step(state, batch)
+  assert float(metrics["soft_loss"]) > 0 and "soft_loss" not in plain_metrics
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6),
+               state.params, plain_state.params)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), teacher_params)
+
+
+def test_a_narrower_student_learns_a_projection_and_its_pkd_loss_falls():
+  teacher_config = TINY.replace(hidden_size=48, num_layers=4, intermediate_size=96)
+  student, teacher = _task(), _task(teacher_config)
+  objective = distill.Distillation(student, teacher, TINY, teacher_config, alpha=0.5, pkd_weight=10.0,
+                                   cos_weight=1.0, hidden_projection=True)
+  assert objective.pkd_layers() == ((1,), (2,))
+  tx, schedule = optim.make_optimizer(_optim_config(1e-2), total_steps=20)
+  state, shardings, partitioning, mesh = _setup(objective, tx, _params(teacher, seed=3), teacher)
+  assert state.params[distill.PROJECTION]["dense"]["kernel"].shape == (32, 48)
+  step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
+                         state_shardings=shardings)
+  batch = sharding_lib.global_batch(_batch(), mesh)
+  losses = []
+  for _ in range(15):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["pkd_loss"]))
+  assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_bad_distillation_settings_name_the_key():
+  task = _task()
+  with pytest.raises(ValueError, match="hidden_projection"):
+    distill.Distillation(task, task, TINY, TINY.replace(hidden_size=48), cos_weight=1.0)
+  with pytest.raises(ValueError, match="pkd_weight.*multiple"):
+    distill.Distillation(task, task, TINY, TINY.replace(num_layers=3), pkd_weight=1.0)
+  with pytest.raises(ValueError, match="vocabulary"):
+    distill.Distillation(task, task, TINY, TINY.replace(vocab_size=65))
+  with pytest.raises(ValueError, match="distill.alpha"):
+    distill.Distillation(task, task, TINY, TINY, alpha=1.5)
+
+
+def test_student_starts_from_every_other_teacher_layer():
+  from bert_jax.models import PretrainingModel
+  teacher_config = TINY.replace(num_layers=4)
+  ids = np.zeros((1, 8), np.int32)
+
+  def init(config, seed):
+    variables = PretrainingModel(config, sentence_head=False).init(jax.random.key(seed), ids, np.zeros((1, 2), np.int32))
+    return jax.tree.map(np.asarray, nn.unbox(variables["params"]))
+
+  teacher, student = init(teacher_config, 1), init(TINY, 2)
+  merged = distill.init_from_teacher(student, teacher, TINY, teacher_config)
+  for i, j in ((0, 0), (1, 2)):
+    jax.tree.map(np.testing.assert_array_equal, merged["encoder"][f"block_{i}"], teacher["encoder"][f"block_{j}"])
+  jax.tree.map(np.testing.assert_array_equal, merged["encoder"]["embeddings"], teacher["encoder"]["embeddings"])
+  jax.tree.map(np.testing.assert_array_equal, merged["mlm"], teacher["mlm"])
+  with pytest.raises(ValueError, match="init_from_teacher"):
+    distill.init_from_teacher(student, teacher, TINY, TINY.replace(num_layers=3))
+  with pytest.raises(ValueError, match="init_from_teacher.*same width"):
+    wide = TINY.replace(hidden_size=48, num_layers=4)
+    distill.init_from_teacher(student, init(wide, 3), TINY, wide)
