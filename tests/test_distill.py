@@ -17,6 +17,7 @@ from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib, distill, optim, trainer
 from bert_jax.train.losses import soft_target_sums
 from bert_jax.train.step import Partitioning, create_state, make_train_step
+from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -158,3 +159,45 @@ def test_student_starts_from_every_other_teacher_layer():
   with pytest.raises(ValueError, match="init_from_teacher.*same width"):
     wide = TINY.replace(hidden_size=48, num_layers=4)
     distill.init_from_teacher(student, init(wide, 3), TINY, wide)
+
+
+def _train_losses(seed_dir):
+  rows = [json.loads(line) for line in (pathlib.Path(seed_dir) / "metrics.jsonl").read_text().splitlines()]
+  return [row for row in rows if "train/loss" in row]
+
+
+@pytest.mark.slow
+def test_a_tiny_distilled_finetune_learns_from_its_teacher(tiny_model, tmp_path):
+  """A fine-tuned teacher, then a student distilled from it (soft targets + PKD): the loss falls, the student
+  beats chance, its checkpoint is the plain model's (`bert-jax evaluate` reads it), the teacher is untouched, and
+  an interrupted multi-seed run trains its unfinished seed again as before, the teacher read again."""
+  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
+  teacher = tmp_path / "teacher"
+  _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, teacher, "--config.train.epochs=6",
+            "--config.train.save_checkpoint=True")
+  _, teacher_params = checkpoint_lib.restore_params(teacher / "seed_1")
+  student = tmp_path / "student"
+  distill_args = [f"--config.distill.teacher={teacher}", "--config.distill.temperature=1.0",
+                  "--config.distill.pkd_weight=0.1", "--config.train.epochs=4", "--config.train.save_checkpoint=True",
+                  "--config.seeds=(1,2)"]
+  results = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, student, *distill_args)
+  rows = _train_losses(student / "seed_1")
+  assert {"train/soft_loss", "train/pkd_loss", "train/task_loss"} <= set(rows[0])
+  assert rows[-1]["train/loss"] < 0.7 * rows[0]["train/loss"], rows
+  assert min(seed["selected"]["metrics"]["dev"]["accuracy"] for seed in results["seeds"]) > 75.0
+  _, student_params = checkpoint_lib.restore_params(student / "seed_1")
+  assert sorted(student_params) == ["encoder", "head"]
+  assert finetune_lib.evaluate_run(student, seeds=[1])[1]["dev"] == results["seeds"][0]["selected"]["metrics"]["dev"]
+  _, after = checkpoint_lib.restore_params(teacher / "seed_1")
+  jax.tree.map(np.testing.assert_array_equal, after, teacher_params)
+  (student / "seed_2" / "result.json").unlink()  # seed 2 did not finish
+  resumed = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, student, *distill_args)
+  assert resumed["seeds"][0] == results["seeds"][0]
+  assert resumed["seeds"][1]["history"] == results["seeds"][1]["history"]
+
+
+def test_fine_tuning_distillation_config_errors_name_the_key(tiny_model, tmp_path):
+  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
+  with pytest.raises(ValueError, match="config.distill.teacher.*does not exist"):
+    _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run",
+              f"--config.distill.teacher={tmp_path / 'nowhere'}")

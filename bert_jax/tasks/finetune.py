@@ -410,9 +410,10 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
 
   clock = [time.perf_counter()]
   try:
-    _, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
-                                log_every=config.train.log_every, on_log=log_train,
-                                nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress)
+    state, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
+                                    log_every=config.train.log_every, on_log=log_train,
+                                    nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress)
+    run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
   finally:
     if progress is not None:
       progress.close()

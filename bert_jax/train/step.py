@@ -41,7 +41,8 @@ class TrainState:
   params: Any
   opt_state: Any
   # Parameters the loss reads and nothing trains (a distillation teacher): no gradient, no optimizer state, and
-  # left out of checkpoints (a run reads them again from where they came from).
+  # left out of checkpoints (a run reads them again from where they came from). Donated with the rest of the
+  # state and returned unchanged, so the newest state holds the live copy.
   frozen: Any = None
 
 
