@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,7 @@ from bert_jax.train import config_lib, distill, optim, trainer
 from bert_jax.train.losses import soft_target_sums
 from bert_jax.train.step import Partitioning, create_state, make_train_step
 from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (a fixture)
+from test_trainer import prepared, tiny_config  # noqa: F401 (a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -201,3 +203,55 @@ def test_fine_tuning_distillation_config_errors_name_the_key(tiny_model, tmp_pat
   with pytest.raises(ValueError, match="config.distill.teacher.*does not exist"):
     _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run",
               f"--config.distill.teacher={tmp_path / 'nowhere'}")
+
+
+def _pretrain_losses(workdir):
+  rows = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  return {row["step"]: row for row in rows if "train/loss" in row}
+
+
+@pytest.mark.slow
+def test_general_distillation_from_a_pretraining_run_learns_and_resumes_exactly(prepared, tmp_path):
+  """A 4-layer teacher pre-trained briefly; a 2-layer student from its layers 0 and 2 learns from its soft MLM
+  targets and hidden states, and a run stopped after a checkpoint resumes to the straight run's losses (the teacher
+  read again from its workdir)."""
+  teacher = tmp_path / "teacher"
+  teacher_config = tiny_config(prepared, objective="mlm", steps=20, eval_every=0)
+  teacher_config.model.num_layers = 4
+  trainer.train_and_evaluate(teacher_config, teacher)
+
+  def student_config(steps):
+    config = tiny_config(prepared, objective="mlm", steps=steps, eval_every=steps, log_every=1, checkpoint_every=3)
+    config.distill.teacher = str(teacher)
+    config.distill.cos_weight = 1.0
+    config.distill.init_from_teacher = True
+    return config
+
+  straight = trainer.train_and_evaluate(student_config(8), tmp_path / "straight")
+  losses = _pretrain_losses(tmp_path / "straight")
+  assert {"train/soft_loss", "train/cos_loss", "train/mlm_loss"} <= set(losses[1])
+  assert losses[8]["train/loss"] < losses[1]["train/loss"]
+  assert "mlm_loss" in straight["eval"]
+  _, teacher_params = checkpoint_lib.restore_params(teacher)
+  _, student_params = checkpoint_lib.restore_params(tmp_path / "straight")
+  assert sorted(student_params) == sorted(teacher_params)  # the teacher is in no checkpoint of the student
+  assert len(student_params["encoder"]) == len(teacher_params["encoder"]) - 2
+
+  shutil.copytree(tmp_path / "straight", tmp_path / "resumed")  # as if stopped after the checkpoint at step 3
+  for step in (6, 8):
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / str(step))
+  trainer.train_and_evaluate(student_config(8), tmp_path / "resumed")
+  resumed = _pretrain_losses(tmp_path / "resumed")
+  np.testing.assert_allclose([resumed[s]["train/loss"] for s in range(1, 9)],
+                             [losses[s]["train/loss"] for s in range(1, 9)], rtol=1e-6)
+
+
+def test_pretraining_distillation_config_errors_name_the_key(prepared, tmp_path):
+  config = tiny_config(prepared, objective="mlm", steps=2)
+  config.distill.teacher = str(tmp_path / "nowhere")
+  with pytest.raises(ValueError, match="config.distill.teacher.*does not exist"):
+    trainer.train_and_evaluate(config, tmp_path / "run")
+  config = tiny_config(prepared, objective="rtd", steps=2)
+  config.distill.teacher = str(tmp_path)
+  with pytest.raises(ValueError, match="config.objective='rtd'"):
+    trainer.train_and_evaluate(config, tmp_path / "run2")
