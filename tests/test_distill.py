@@ -158,6 +158,11 @@ def test_student_starts_from_every_other_teacher_layer():
   jax.tree.map(np.testing.assert_array_equal, merged["mlm"], teacher["mlm"])
   with pytest.raises(ValueError, match="init_from_teacher"):
     distill.init_from_teacher(student, teacher, TINY, TINY.replace(num_layers=3))
+  encoder, config = distill.every_kth_layer(teacher["encoder"], teacher_config, 2, "config.init.layers")
+  assert config == TINY and sorted(encoder) == sorted(student["encoder"])
+  jax.tree.map(np.testing.assert_array_equal, encoder, merged["encoder"])
+  with pytest.raises(ValueError, match="config.init.layers"):
+    distill.every_kth_layer(teacher["encoder"], teacher_config, 3, "config.init.layers")
   with pytest.raises(ValueError, match="init_from_teacher.*same width"):
     wide = TINY.replace(hidden_size=48, num_layers=4)
     distill.init_from_teacher(student, init(wide, 3), TINY, wide)
@@ -255,3 +260,29 @@ def test_pretraining_distillation_config_errors_name_the_key(prepared, tmp_path)
   config.distill.teacher = str(tmp_path)
   with pytest.raises(ValueError, match="config.objective='rtd'"):
     trainer.train_and_evaluate(config, tmp_path / "run2")
+
+
+def test_a_teacher_without_an_mlm_head_gives_hidden_states_only(tmp_path):
+  """A base model (an encoder without heads, as sentence-transformers' MiniLM) teaches through the cosine loss;
+  soft targets from it are refused, naming the key."""
+  from bert_jax.convert import save_pretrained
+  from bert_jax.models import Encoder
+  from bert_jax.train import objectives
+  from test_train_step import make_config, synthetic_batch, tiny_model as step_model
+
+  config = step_model(num_layers=4, kernels="off")
+  params = nn.unbox(jax.jit(Encoder(config).init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"])
+  directory = save_pretrained(tmp_path / "base", "bert", config, jax.tree.map(np.asarray, params))
+  student = objectives.make_objective(make_config("mlm"), step_model(kernels="off", sparse_last_layer=False),
+                                      mask_id=4)
+  teacher, teacher_params = trainer.load_teacher(str(directory), student)
+  assert not teacher.mlm_head and sorted(teacher_params) == ["encoder"]
+  with pytest.raises(ValueError, match="config.distill.alpha=0.5"):
+    distill.Distillation(student, teacher, student.model_config, teacher.model_config, soft_targets=False)
+  objective = distill.Distillation(student, teacher, student.model_config, teacher.model_config, alpha=0.0,
+                                   cos_weight=1.0, soft_targets=False)
+  assert objective.weights == {"mlm": 1.0, "cos": 1.0}
+  inputs = objective.prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
+  student_params = nn.unbox(student.init_variables(jax.random.key(1), synthetic_batch()))["params"]
+  terms = objective.forward(student_params, objective.with_frozen(teacher_params, inputs), None, False)
+  assert sorted(terms) == ["cos_loss", "mlm_correct", "mlm_loss"] and float(terms["cos_loss"]) > 0

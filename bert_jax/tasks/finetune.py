@@ -499,6 +499,10 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   task = get_task(config.task, **config.task_options.to_dict())
   started = time.perf_counter()
   initial = load_initial_model(config.init.model)
+  if config.init.layers is not None:
+    encoder, cut = distill_lib.every_kth_layer(initial.params["encoder"], initial.config, config.init.layers,
+                                               "config.init.layers")
+    initial = dataclasses.replace(initial, config=cut, params={**initial.params, "encoder": encoder})
   timings = {"load initial model": time.perf_counter() - started}
   model_config = model_config_for(initial.config, config.model)
   max_len = fitted_max_len(config.max_len, model_config)

@@ -239,6 +239,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   "tfds" / "tfds:TFDS_DATA_DIR" for TFDS `glue/*` (the `[tfds]` extra).
   init.model      Hugging Face or converted model directory, pre-training
                   workdir, or fine-tuning workdir (e.g. MNLI for RTE).
+  init.layers     keep this many of its layers: its blocks 0, k, 2k, ... (k =
+                  its layers / init.layers), a shallower student's start for
+                  distillation; None: every layer.
   model.*         dtype, dropouts, kernels, remat (None: the model's own).
   max_len         longest row in tokens.
   seeds           one training run per seed.
@@ -269,7 +272,8 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   config.task = "glue/rte"
   config.task_options = ml_collections.ConfigDict()
   config.data_dir = config_dict.placeholder(str)
-  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str)})
+  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str),
+                                           "layers": config_dict.placeholder(int)})
   config.model = ml_collections.ConfigDict({
       "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
       "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),

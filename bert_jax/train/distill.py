@@ -27,7 +27,8 @@ no optimizer state and no checkpoint; a resumed run reads them again from
 The config's `distill` section (pre-training and fine-tuning alike):
   teacher            path of the teacher (None: no distillation): a fine-tuning workdir (its best seed) or a
                      converted / Hugging Face model with the task's head; for pre-training a pre-training workdir
-                     or a converted / Hugging Face model with its MLM head.
+                     or a converted / Hugging Face model with its MLM head (a base model without one gives no soft
+                     targets: alpha 0, its hidden states through cos_weight only).
   temperature        T of the soft targets.
   alpha              weight of the soft loss; the task's own terms (hard labels, MLM) get 1 - alpha.
   pkd_weight         weight of the PKD loss (0: off).
@@ -49,7 +50,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict
 
-from bert_jax.models import ModelConfig, PretrainingModel
+from bert_jax.models import Encoder, ModelConfig, PretrainingModel
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train.objectives import PretrainingObjective
 from bert_jax.train.losses import (cosine_distance_sums, normalized_distance_sums, soft_target_sums,
@@ -79,12 +80,38 @@ def skip_layers(student_layers: int, teacher_layers: int, key: str = "config.dis
   return teacher_layers // student_layers
 
 
+class EncoderOnly(nn.Module):
+  """A teacher without an MLM head: its encoder's hidden states only (params {"encoder": ...})."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, input_ids: Array, mlm_positions: Array, *, segment_ids: Array | None = None,
+               position_ids: Array | None = None, pack_ids: Array | None = None, packed: bool = False,
+               deterministic: bool = True, output_hidden_states: bool = False) -> dict[str, Any]:
+    del mlm_positions
+    return Encoder(self.config, name="encoder")(input_ids, segment_ids, position_ids, pack_ids, packed=packed,
+                                                deterministic=deterministic,
+                                                output_hidden_states=output_hidden_states)
+
+
+@dataclasses.dataclass(frozen=True)
 class MaskedLMTeacher(PretrainingObjective):
-  """A pre-training teacher: its encoder and MLM head only (a sentence head it may have is not read)."""
+  """A pre-training teacher: its encoder and MLM head (a sentence head it may have is not read), or with
+  `mlm_head=False` its encoder alone, which gives hidden states and no soft targets."""
+
+  mlm_head: bool = True
 
   @property
   def model(self) -> nn.Module:
-    return PretrainingModel(self.model_config, sentence_head=False)
+    return PretrainingModel(self.model_config, sentence_head=False) if self.mlm_head else EncoderOnly(
+        self.model_config)
+
+  def distill_outputs(self, params, inputs, rng, train):
+    if self.mlm_head:
+      return super().distill_outputs(params, inputs, rng, train)
+    outputs = self.apply({"params": params}, inputs, train, rngs=self.rngs(rng, train), output_hidden_states=True)
+    return {"terms": {}, "soft_logits": None, "hidden_states": outputs["hidden_states"]}
 
 
 class HiddenProjection(nn.Module):
@@ -109,6 +136,7 @@ class Distillation:
     student_config, teacher_config: the two encoders.
     temperature, alpha, pkd_weight, cos_weight: as the config's keys.
     hidden_projection: learn `HiddenProjection` (the widths differ).
+    soft_targets: the teacher has a head to give them (False: an encoder alone, alpha must be 0).
   """
 
   student: Any
@@ -120,12 +148,16 @@ class Distillation:
   pkd_weight: float = 0.0
   cos_weight: float = 0.0
   hidden_projection: bool = False
+  soft_targets: bool = True
 
   def __post_init__(self):
     if self.temperature <= 0:
       raise ValueError(f"config.distill.temperature={self.temperature} must be positive")
     if not 0.0 <= self.alpha <= 1.0:
       raise ValueError(f"config.distill.alpha={self.alpha} must be in [0, 1]")
+    if not self.soft_targets and self.alpha:
+      raise ValueError(f"config.distill.alpha={self.alpha}: the teacher has no head to give soft targets; set "
+                       "config.distill.alpha=0 to distil its hidden states only (cos_weight, pkd_weight)")
     for key in ("pkd_weight", "cos_weight"):
       if getattr(self, key) < 0:
         raise ValueError(f"config.distill.{key}={getattr(self, key)} must be >= 0")
@@ -146,7 +178,8 @@ class Distillation:
   @property
   def weights(self) -> dict[str, float]:
     weights = {name: (1.0 - self.alpha) * weight for name, weight in self.student.weights.items()}
-    weights["soft"] = self.alpha
+    if self.soft_targets:
+      weights["soft"] = self.alpha
     if self.pkd_weight:
       weights["pkd"] = self.pkd_weight
     if self.cos_weight:
@@ -172,7 +205,8 @@ class Distillation:
 
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
     counts = dict(self.student.denominators(inputs))
-    counts["soft"] = jnp.sum(self.student.soft_weights(inputs))
+    if self.soft_targets:
+      counts["soft"] = jnp.sum(self.student.soft_weights(inputs))
     if self.pkd_weight:
       counts["pkd"] = jnp.sum(self.student.row_weights(inputs))
     if self.cos_weight:
@@ -182,7 +216,7 @@ class Distillation:
   def with_frozen(self, frozen: Any, inputs: dict[str, Array]) -> dict[str, Array]:
     """Adds the teacher's outputs: teacher_logits, and the hidden states pkd / cos compare."""
     outputs = self.teacher.distill_outputs(frozen, inputs, None, False)
-    added = {"teacher_logits": outputs["soft_logits"]}
+    added = {"teacher_logits": outputs["soft_logits"]} if self.soft_targets else {}
     if self.pkd_weight:
       added["teacher_cls"] = jnp.stack([outputs["hidden_states"][i][:, 0] for i in self.pkd_layers()[1]])
     if self.cos_weight:
@@ -192,12 +226,13 @@ class Distillation:
   def forward(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]:
     outputs = self.student.distill_outputs(self.student_params(params), inputs, rng, train)
     terms = dict(outputs["terms"])
-    soft_weights = self.student.soft_weights(inputs)
-    if self.student.soft_regression:
-      terms["soft_loss"] = squared_error_sums(outputs["soft_logits"], inputs["teacher_logits"], soft_weights)
-    else:
-      terms["soft_loss"] = soft_target_sums(outputs["soft_logits"], inputs["teacher_logits"], soft_weights,
-                                            self.temperature)
+    if self.soft_targets:
+      soft_weights = self.student.soft_weights(inputs)
+      if self.student.soft_regression:
+        terms["soft_loss"] = squared_error_sums(outputs["soft_logits"], inputs["teacher_logits"], soft_weights)
+      else:
+        terms["soft_loss"] = soft_target_sums(outputs["soft_logits"], inputs["teacher_logits"], soft_weights,
+                                              self.temperature)
     project = self._projection(params)
     hidden_states = outputs["hidden_states"]
     if self.pkd_weight:
@@ -261,6 +296,23 @@ def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning) 
   ordered = jax.tree_util.tree_unflatten(jax.tree.structure(nn.unbox(abstract)),
                                          [np.asarray(given[path], value.dtype) for path, value in expected.items()])
   return jax.device_put(ordered, shardings), shardings
+
+
+def every_kth_layer(encoder: Any, config: ModelConfig, layers: int, key: str) -> tuple[Any, ModelConfig]:
+  """An encoder's parameters and config cut to `layers` blocks: its blocks 0, k, 2k, ... (k = its layers /
+  `layers`), embeddings kept (BERT-PKD's and DistilBERT's starting point for a shallower student).
+
+  Raises:
+    ValueError: naming `key` when the depths do not divide, or the model shares or prunes its layers.
+  """
+  if config.num_shared_groups or config.heads_per_layer is not None:
+    raise ValueError(f"{key}: a model with shared layers (ALBERT) or pruned heads cannot be cut by layers")
+  if not 1 <= layers <= config.num_layers:
+    raise ValueError(f"{key}={layers}: expected 1 to {config.num_layers} (the model's layers)")
+  k = skip_layers(layers, config.num_layers, key)
+  kept = {name: value for name, value in encoder.items() if not name.startswith("block_")}
+  kept.update({f"block_{i}": encoder[f"block_{k * i}"] for i in range(layers)})
+  return kept, config.replace(num_layers=layers)
 
 
 def init_from_teacher(student: Any, teacher: Any, student_config: ModelConfig, teacher_config: ModelConfig) -> Any:

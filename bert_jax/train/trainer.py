@@ -280,7 +280,9 @@ def evaluate_run(workdir: str | os.PathLike, overrides: Sequence[str] = ()) -> d
 
 def load_teacher(path: str, student: objectives.PretrainingObjective) -> tuple[objectives.PretrainingObjective, Any]:
   """General distillation's teacher: (its masked-LM task, its host params) from a pre-training workdir (its newest
-  checkpoint) or a converted / Hugging Face model directory with its MLM head."""
+  checkpoint) or a converted / Hugging Face model directory; one without an MLM head (a base model) gives hidden
+  states only."""
+  from bert_jax.convert.params import encoder_params
   from bert_jax.convert.pretrained import load_pretrained
 
   where = paths.as_path(path)
@@ -292,9 +294,9 @@ def load_teacher(path: str, student: objectives.PretrainingObjective) -> tuple[o
     _, params = checkpoint_lib.restore_params(where)
   else:
     _, config, params, _ = load_pretrained(where)
-  if "mlm" not in params:
-    raise ValueError(f"config.distill.teacher={path!r} has no MLM head (its parameters hold {sorted(params)}); "
-                     "general distillation needs a model with one (a masked-LM or pre-training checkpoint)")
+  mlm_head = "mlm" in params
+  if not mlm_head:
+    params = {"encoder": encoder_params(params)}
   # The teacher computes as the student does, every position of its last layer (for the cosine loss); it never
   # trains, so nothing of it is rematerialised.
   student_config = student.model_config
@@ -302,7 +304,7 @@ def load_teacher(path: str, student: objectives.PretrainingObjective) -> tuple[o
                           sparse_last_layer=False, vocab_pad_multiple=student_config.vocab_pad_multiple)
   teacher = distill_lib.MaskedLMTeacher(model_config=config, masking=student.masking, mask_id=student.mask_id,
                                         weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
-                                        max_packs=student.max_packs)
+                                        max_packs=student.max_packs, mlm_head=mlm_head)
   return teacher, params
 
 
@@ -321,7 +323,8 @@ def _distillation(config: ml_collections.ConfigDict, objective: objectives.Pretr
   teacher, teacher_params = load_teacher(settings.teacher, student)
   distillation = distill_lib.Distillation(
       student, teacher, student.model_config, teacher.model_config, temperature=settings.temperature,
-      alpha=settings.alpha, cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection)
+      alpha=settings.alpha, cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection,
+      soft_targets=teacher.mlm_head)
   return distillation, (teacher, teacher_params)
 
 
