@@ -51,8 +51,9 @@ def _optim_config(lr):
   return config
 
 
-def _setup(objective, tx, frozen=None, teacher=None):
-  mesh = sharding_lib.create_mesh({"data": 1}, devices=jax.devices()[:1])
+def _setup(objective, tx, frozen=None, teacher=None, mesh_sizes=None):
+  mesh_sizes = mesh_sizes or {"data": 1}
+  mesh = sharding_lib.create_mesh(mesh_sizes, devices=jax.devices()[:int(np.prod(list(mesh_sizes.values())))])
   partitioning = Partitioning(mesh, sharding_lib.DEFAULT_RULES)
   dummy = {k: jnp.asarray(v) for k, v in _batch().items()}
   state, shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, jax.random.key(0),
@@ -127,6 +128,25 @@ def test_a_narrower_student_learns_a_projection_and_its_pkd_loss_falls():
     state, metrics = step(state, batch)
     losses.append(float(metrics["pkd_loss"]))
   assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_teacher_sharded_by_fsdp_gives_the_single_device_step():
+  """The teacher's weights are sharded like the student's and gathered where its modules read them."""
+  task = _task()
+  teacher = _task(TINY.replace(num_layers=4))
+  teacher_params = _params(teacher, seed=5)
+  objective = distill.Distillation(task, teacher, TINY, TINY.replace(num_layers=4), pkd_weight=1.0, cos_weight=1.0)
+  tx, schedule = optim.make_optimizer(_optim_config(1e-2), total_steps=10)
+  results = []
+  for mesh_sizes in ({"data": 1}, {"data": 2, "fsdp": 4}):
+    state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, teacher, mesh_sizes)
+    step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
+                           state_shardings=shardings)
+    for seed in range(2):
+      state, metrics = step(state, sharding_lib.global_batch(_batch(seed=seed), mesh))
+    results.append((jax.device_get(state.params), float(metrics["loss"])))
+  np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), results[0][0], results[1][0])
 
 
 def test_bad_distillation_settings_name_the_key():
