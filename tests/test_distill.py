@@ -27,18 +27,30 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, int
 ROWS, LENGTH = 16, 16
 
 
+CHOICES = 2
+
+
 def _batch(kind="classification", seed=0):
   rng = np.random.default_rng(seed)
-  lengths = rng.integers(4, LENGTH + 1, ROWS).astype(np.int32)
-  labels = rng.normal(size=ROWS).astype(np.float32) if kind == "regression" else rng.integers(0, 3, ROWS)
-  return {"input_ids": rng.integers(5, TINY.vocab_size, (ROWS, LENGTH)).astype(np.int32),
-          "segment_ids": np.zeros((ROWS, LENGTH), np.int32), "lengths": lengths,
-          "labels": np.asarray(labels, np.float32 if kind == "regression" else np.int32),
-          "weights": np.ones(ROWS, np.float32), "seed": np.zeros(ROWS, np.int32)}
+  shape = (ROWS, CHOICES) if kind == "multiple_choice" else (ROWS,)
+  lengths = rng.integers(4, LENGTH + 1, shape).astype(np.int32)
+  batch = {"input_ids": rng.integers(5, TINY.vocab_size, shape + (LENGTH,)).astype(np.int32),
+           "segment_ids": np.zeros(shape + (LENGTH,), np.int32), "lengths": lengths,
+           "weights": np.ones(ROWS, np.float32), "seed": np.zeros(ROWS, np.int32)}
+  if kind == "regression":
+    batch["labels"] = rng.normal(size=ROWS).astype(np.float32)
+  elif kind == "span":
+    batch["start_positions"] = batch["end_positions"] = rng.integers(0, 4, ROWS).astype(np.int32)
+  elif kind == "tagging":
+    batch["labels"] = rng.integers(-1, 3, (ROWS, LENGTH)).astype(np.int32)
+  else:
+    batch["labels"] = rng.integers(0, CHOICES if kind == "multiple_choice" else 3, ROWS).astype(np.int32)
+  return batch
 
 
 def _task(config=TINY, kind="classification"):
-  return FinetuneObjective(FinetuneModel(config, kind, 3), kind)
+  return FinetuneObjective(FinetuneModel(config, kind, 3), kind,
+                           num_choices=CHOICES if kind == "multiple_choice" else 0)
 
 
 def _params(task, seed=0):
@@ -64,7 +76,7 @@ def _setup(objective, tx, frozen=None, teacher=None, mesh_sizes=None):
   return state, shardings, partitioning, mesh
 
 
-@pytest.mark.parametrize("kind", ["classification", "regression"])
+@pytest.mark.parametrize("kind", ["classification", "regression", "span", "multiple_choice", "tagging"])
 def test_a_student_equal_to_its_teacher_has_zero_distillation_losses(kind):
   """Temperature 1, the teacher's own parameters: KL (or the squared error) 0, PKD 0, cosine 0."""
   task = _task(kind=kind)
