@@ -179,7 +179,8 @@ def test_student_starts_from_every_other_teacher_layer():
   ids = np.zeros((1, 8), np.int32)
 
   def init(config, seed):
-    variables = PretrainingModel(config, sentence_head=False).init(jax.random.key(seed), ids, np.zeros((1, 2), np.int32))
+    model = PretrainingModel(config, sentence_head=False)
+    variables = model.init(jax.random.key(seed), ids, np.zeros((1, 2), np.int32))
     return jax.tree.map(np.asarray, nn.unbox(variables["params"]))
 
   teacher, student = init(teacher_config, 1), init(TINY, 2)
