@@ -224,6 +224,7 @@ def test_a_tiny_distilled_finetune_learns_from_its_teacher(tiny_model, tmp_path)
   rows = _train_losses(student / "seed_1")
   assert {"train/soft_loss", "train/pkd_loss", "train/task_loss"} <= set(rows[0])
   assert rows[-1]["train/loss"] < 0.7 * rows[0]["train/loss"], rows
+  assert f"distilled from: {teacher} (" in (student / "results.md").read_text()
   assert min(seed["selected"]["metrics"]["dev"]["accuracy"] for seed in results["seeds"]) > 75.0
   _, student_params = checkpoint_lib.restore_params(student / "seed_1")
   assert sorted(student_params) == ["encoder", "head"]
@@ -241,6 +242,9 @@ def test_fine_tuning_distillation_config_errors_name_the_key(tiny_model, tmp_pat
   with pytest.raises(ValueError, match="config.distill.teacher.*does not exist"):
     _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run",
               f"--config.distill.teacher={tmp_path / 'nowhere'}")
+  with pytest.raises(ValueError, match=r"config.distill.teacher does not fit .*fine-tuning workdir(.|\n)*classifier"):
+    _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run2",
+              f"--config.distill.teacher={tiny_model}")
 
 
 def _pretrain_losses(workdir):

@@ -243,6 +243,9 @@ def results_markdown(results: dict[str, Any]) -> str:
   train_seconds = [r["train_seconds"] for r in results["seeds"]]
   lines = [f"# {results['task']} fine-tuning", "",
            f"- initial model: {results['init']['path']} ({results['init']['source']})",
+           *([f"- distilled from: {results['distill']['teacher']} ("
+              + ", ".join(f"{k}={v}" for k, v in results["distill"].items() if k != "teacher") + ")"]
+             if results.get("distill") else []),
            f"- seeds: {', '.join(map(str, seeds))}; best seed: {results['best_seed']}",
            f"- selection: {results['selection_rule']}",
            f"- train time per seed (s): {', '.join(f'{seconds:.1f}' for seconds in train_seconds)}",
@@ -296,7 +299,9 @@ def _init_state(run: _Run, seed: int):
     run.state_init, run.state_shardings = make_state_init(
         lambda key: run.objective.init_variables(key, run.dummy_batch), run.tx, run.partitioning, jax.random.key(0))
     if run.teacher is not None:
-      run.frozen, frozen_shardings = distill_lib.place_frozen(*run.teacher, run.dummy_batch, run.partitioning)
+      run.frozen, frozen_shardings = distill_lib.place_frozen(
+          *run.teacher, run.dummy_batch, run.partitioning,
+          hint=f" (a teacher is a fine-tuning workdir of {run.task.name}, whose head it keeps)")
       run.state_shardings = run.state_shardings.replace(frozen=frozen_shardings)
     run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
                                      rng=jax.random.key(0, impl=run.config.train.rng_impl),
@@ -479,7 +484,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     The content of results.json: task, init, selection_rule, seeds (one
     result per seed: selected evaluation, history, train/eval seconds),
     summary ({split: {metric: mean, median, std, min, max, values}}),
-    best_seed, seq_len, num_params.
+    best_seed, seq_len, num_params; with a teacher also distill (the config's
+    `distill` section).
   """
   distributed.initialize()
   workdir = paths.as_path(workdir)
@@ -567,6 +573,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              "seeds": seed_results, "summary": summary, "best_seed": best["seed"], "seq_len": seq_len,
              "num_params": num_params,
              "timings": {**timings, "compile train and predict steps (once)": run.compile_seconds}}
+  if teacher is not None:
+    results["distill"] = config.distill.to_dict()
   if primary:
     _write_json(workdir / "results.json", results)
     (workdir / "results.md").write_text(results_markdown(results))

@@ -271,7 +271,7 @@ def student_params(params: Any) -> Any:
   return {name: value for name, value in params.items() if name != PROJECTION}
 
 
-def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning) -> tuple[Any, Any]:
+def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning, hint: str = "") -> tuple[Any, Any]:
   """The teacher's host parameters on the mesh, sharded by their logical axes, and those shardings.
 
   Args:
@@ -279,6 +279,7 @@ def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning) 
     params: the teacher's parameters (host arrays of the shapes `task` builds).
     batch: an example batch.
     partitioning: the step's mesh and rules.
+    hint: what a teacher should be, added to the error.
 
   Raises:
     ValueError: naming the parameters that are missing or mis-shaped.
@@ -292,7 +293,7 @@ def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning) 
   problems += [f"{jax.tree_util.keystr(path)}: shape {np.shape(given[path])} != {value.shape}"
                for path, value in expected.items() if path in given and np.shape(given[path]) != value.shape]
   if problems:
-    raise ValueError("config.distill.teacher does not fit its model:\n  " + "\n  ".join(problems))
+    raise ValueError(f"config.distill.teacher does not fit its model{hint}:\n  " + "\n  ".join(problems))
   ordered = jax.tree_util.tree_unflatten(jax.tree.structure(nn.unbox(abstract)),
                                          [np.asarray(given[path], value.dtype) for path, value in expected.items()])
   return jax.device_put(ordered, shardings), shardings
