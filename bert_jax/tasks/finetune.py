@@ -28,6 +28,12 @@ Workdir:
 
 A seed whose result.json exists is not trained again, so an interrupted
 multi-seed run continues with the next seed.
+
+With `config.distill.teacher` (a fine-tuning workdir of the same task) the
+objective is `bert_jax.train.distill.Distillation`: the same step and loop, the
+teacher's soft targets (and BERT-PKD's loss) added to the labels' loss, the
+teacher frozen in `TrainState.frozen`; `config.init.layers` starts a shallower
+student from every k-th layer of its initial model.
 """
 
 from __future__ import annotations
