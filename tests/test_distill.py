@@ -323,3 +323,29 @@ def test_a_teacher_without_an_mlm_head_gives_hidden_states_only(tmp_path):
   student_params = nn.unbox(student.init_variables(jax.random.key(1), synthetic_batch()))["params"]
   terms = objective.forward(student_params, objective.with_frozen(teacher_params, inputs), None, False)
   assert sorted(terms) == ["cos_loss", "mlm_correct", "mlm_loss"] and float(terms["cos_loss"]) > 0
+
+
+def test_checkpoints_keep_the_layout_of_states_without_a_frozen_field(tmp_path):
+  """A pre-training checkpoint written before `TrainState.frozen` existed resumes, and one written now is the same
+  tree: the teacher never enters it."""
+  import flax
+  from typing import Any
+  from bert_jax.train.step import TrainState, checkpointed
+
+  @flax.struct.dataclass
+  class EarlierState:
+    step: Any
+    params: Any
+    opt_state: Any
+
+  earlier = EarlierState(step=jnp.array(3), params={"w": jnp.ones((4,))}, opt_state={"m": jnp.zeros((4,))})
+  saver = checkpoint_lib.Checkpointer(tmp_path / "earlier", async_save=False)
+  saver.save(3, earlier, {}, {}, force=True)
+  now = TrainState(step=jnp.array(0), params={"w": jnp.zeros((4,))}, opt_state={"m": jnp.ones((4,))},
+                   frozen={"teacher": jnp.ones((2,))})
+  step, restored, _, _ = saver.restore_latest(checkpointed(now))
+  assert step == 3 and np.array_equal(TrainState(**restored).params["w"], np.ones(4))
+  saver.save(4, checkpointed(now), {}, {}, force=True)
+  step, restored, _, _ = saver.restore_latest(earlier)
+  assert step == 4 and isinstance(restored, EarlierState) and np.array_equal(restored.params["w"], np.zeros(4))
+  saver.close()

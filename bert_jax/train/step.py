@@ -60,6 +60,11 @@ class Task(Protocol):
   # A task that reads `TrainState.frozen` also has `with_frozen(frozen, inputs) -> inputs` (their outputs added).
 
 
+def checkpointed(state: TrainState) -> dict[str, Any]:
+  """What a checkpoint holds of `state`: all but `frozen`, in the layout of checkpoints written before it existed."""
+  return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
 @dataclasses.dataclass(frozen=True)
 class Partitioning:
   mesh: Mesh

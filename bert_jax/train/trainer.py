@@ -38,7 +38,8 @@ from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, objectives, optim
-from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
+from bert_jax.train.step import (Partitioning, TrainState, checkpointed, create_state, make_eval_step,
+                                 make_train_step)
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,7 @@ class _CheckpointHook:
 
   def __call__(self, step: int, state) -> bool:
     # A distillation teacher (`TrainState.frozen`) is read again from its own path on resume, never saved here.
-    self.checkpointer.save(step, state.replace(frozen=None), self.train_iter.get_state(), {"step": step},
-                           force=True)
+    self.checkpointer.save(step, checkpointed(state), self.train_iter.get_state(), {"step": step}, force=True)
     self.writer.flush()
     if self.preempted:
       progress_lib.print_line(self.progress,
@@ -354,15 +354,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   had_checkpoints = bool(checkpointer.steps())
   if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
     workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=config_lib.pretrain_defaults().to_dict())
-  restored = checkpointer.restore_latest(state)
+  restored = checkpointer.restore_latest(checkpointed(state))
   state = state.replace(frozen=frozen)
   if restored is None and had_checkpoints and not config.train.restart_if_unreadable:
     raise ValueError(f"no checkpoint in {checkpointer.directory} can be read (each was moved to "
                      f"{workdir / 'corrupt_checkpoints'}, see the warnings above); rerun with "
                      f"--config.train.restart_if_unreadable=True to start again from step 0")
   if restored is not None:
-    start_step, state, data_state, _ = restored
-    state = state.replace(frozen=frozen)
+    start_step, saved, data_state, _ = restored
+    state = TrainState(**saved, frozen=frozen)
     train_iter.set_state(data_state)
     log.info("resumed from checkpoint at step %d in %s", start_step, checkpointer.directory)
   else:
