@@ -405,6 +405,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
           f"{config.train.batch_size // jax.process_count()} seq_len={config.data.seq_len} "
           f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} steps={start_step}->"
           f"{total_steps}\n  workdir={workdir}", flush=True)
+    if teacher is not None:
+      print(f"  distilling from {config.distill.teacher}: loss weights {objective.weights}", flush=True)
 
   history, eval_results, last_train = [], {}, {}
   progress = progress_lib.Progress(total_steps, "pretrain", initial=start_step) if primary else None
