@@ -5,10 +5,14 @@
 
 TEACHER is a pre-training workdir or a converted / Hugging Face model with its
 MLM head (BertForMaskedLM, BertForPreTraining), and the prepared corpus uses its
-tokenizer. The student is the teacher's width (size L<layers>-H<width>, here
-BERT-Base's 768) and starts from teacher layers 0, k, 2k, ... (k = teacher
-layers / student layers), its embeddings and MLM head
-(`config.distill.init_from_teacher`). The loss is DistilBERT's
+tokenizer. The student has the teacher's architecture but its depth (size
+L<layers>-H<width>, here BERT-Base's 768; override num_heads or
+intermediate_size where the teacher's differ from H/64 and 4H) and starts from
+teacher layers 0, k, 2k, ... (k = teacher layers / student layers), its
+embeddings and MLM head (`config.distill.init_from_teacher`). A base model
+without an MLM head (sentence-transformers' MiniLM) teaches through its hidden
+states only: --config.distill.alpha=0, e.g. a 3-layer student of MiniLM-L6 is
+layers=3,width=384 with --config.model.num_heads=12. The loss is DistilBERT's
 5 L_ce + 2 L_mlm + 1 L_cos, divided by 7 (alpha 5/7 on the soft targets at T=2,
 the MLM loss 1 - alpha, cos_weight 1/7); MLM only, dynamic masking, large
 batches. Arguments: layers, width, steps, batch. `get_sweep()` varies the

@@ -407,8 +407,11 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
                            evaluate)
   seq_len = run.train_features["input_ids"].shape[-1]
+  flops_per_token = run.model_config.flops_per_token(seq_len, 0.0)
+  if run.teacher is not None:  # The teacher's forward pass: a third of its training FLOPs.
+    flops_per_token += run.teacher[0].model.config.flops_per_token(seq_len, 0.0) / 3
   throughput = metrics_lib.Throughput(run.train_batches.batch_size * seq_len * max(task.num_choices, 1),
-                                      run.model_config.flops_per_token(seq_len, 0.0), run.partitioning.mesh.size)
+                                      flops_per_token, run.partitioning.mesh.size)
   # The bar counts examples: a step is one global batch (the last batch of an epoch counts whole).
   progress = (progress_lib.Progress(total_steps, f"seed {seed}", unit="ex", unit_scale=run.train_batches.batch_size)
               if primary else None)

@@ -389,6 +389,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   predictions_per_token = objective.predictions_per_token(config.masking.max_predictions, config.data.seq_len)
   flops_per_token = sum(cfg.flops_per_token(config.data.seq_len, predictions_per_token)
                         for cfg in objective.model_configs)
+  if teacher is not None:  # The teacher's forward pass: a third of its training FLOPs.
+    flops_per_token += teacher[0].model_config.flops_per_token(config.data.seq_len, predictions_per_token) / 3
   throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
   if primary:  # The steps after the checkpoint are computed again: their rows from the interrupted run go.
     dropped = workdir_lib.drop_rows_after(workdir / "metrics.jsonl", start_step)
