@@ -349,3 +349,16 @@ def test_checkpoints_keep_the_layout_of_states_without_a_frozen_field(tmp_path):
   step, restored, _, _ = saver.restore_latest(earlier)
   assert step == 4 and isinstance(restored, EarlierState) and np.array_equal(restored.params["w"], np.zeros(4))
   saver.close()
+
+
+def test_init_layers_starts_a_shallower_student(tiny_model, tmp_path):
+  """`config.init.layers`: the student keeps every k-th layer of its initial model and is recorded so."""
+  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
+  results = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run",
+                      "--config.init.layers=1", "--config.train.epochs=1")
+  run = json.loads((tmp_path / "run" / "finetune_run.json").read_text())
+  assert run["model_config"]["num_layers"] == 1
+  full = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "full", "--config.train.epochs=1")
+  assert results["num_params"] < full["num_params"]
+  with pytest.raises(ValueError, match="config.init.layers=3"):
+    _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "bad", "--config.init.layers=3")
