@@ -68,19 +68,25 @@ class PretrainingModel(nn.Module):
   def __call__(self, input_ids: Array, mlm_positions: Array, *, segment_ids: Array | None = None,
                position_ids: Array | None = None, pack_ids: Array | None = None,
                cls_positions: Array | None = None, sbo_left: Array | None = None, sbo_right: Array | None = None,
-               sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True) -> dict[str, Array]:
+               sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True,
+               output_hidden_states: bool = False) -> dict[str, Array]:
     """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,2]?, "sbo_logits" [B,M,V]?}, V
     the config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it); no "hidden" where the
-    last block computes only the heads' rows (`ModelConfig.sparse_last_layer`, `head_rows`)."""
+    last block computes only the heads' rows (`ModelConfig.sparse_last_layer`, `head_rows`). With
+    `output_hidden_states`, also the encoder's "hidden_states" (`Encoder`'s)."""
     positions = {"mlm": mlm_positions}
     if self.sentence_head:
       positions["cls"] = cls_positions if cls_positions is not None else jnp.zeros_like(mlm_positions[:, :1])
     if self.span_boundary_head:
       positions.update(sbo_left=sbo_left, sbo_right=sbo_right)
     output_positions, positions = head_rows(self.config, input_ids.shape[1], positions)
-    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, packed=packed, deterministic=deterministic,
-                          output_positions=output_positions)["hidden"]
+    encoded = self.encoder(input_ids, segment_ids, position_ids, pack_ids, packed=packed,
+                           deterministic=deterministic, output_positions=output_positions,
+                           output_hidden_states=output_hidden_states)
+    hidden = encoded["hidden"]
     outputs = {"mlm_logits": self.mlm(hidden, positions["mlm"], self.encoder.attend)}
+    if output_hidden_states:
+      outputs["hidden_states"] = encoded["hidden_states"]
     if output_positions is None:
       outputs["hidden"] = hidden
     if self.sentence_head:
@@ -208,25 +214,28 @@ class FinetuneModel(nn.Module):
       self.head = heads.TokenClassificationHead(self.config, self.num_labels)
 
   def __call__(self, input_ids: Array, *, segment_ids: Array | None = None, position_ids: Array | None = None,
-               pack_ids: Array | None = None, deterministic: bool = True, head_mask: Array | None = None) -> Any:
+               pack_ids: Array | None = None, deterministic: bool = True, head_mask: Array | None = None,
+               output_hidden_states: bool = False) -> Any:
     """input_ids [B, L] ([N, C, L] for multiple choice) -> the head's logits; `head_mask`: `Encoder`'s.
 
     classification [B, labels]; regression [B]; span (start [B,L], end [B,L]);
-    multiple_choice [N, C]; tagging [B, L, labels].
+    multiple_choice [N, C]; tagging [B, L, labels]. With `output_hidden_states`, (those logits, the encoder's
+    hidden states: `Encoder`'s, [N * C, L, H] each for multiple choice).
     """
     choices_shape = None
     if self.kind == "multiple_choice":
       choices_shape = input_ids.shape[:2]
       flatten = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
       input_ids, segment_ids, position_ids, pack_ids = map(flatten, (input_ids, segment_ids, position_ids, pack_ids))
-    hidden = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic,
-                          head_mask=head_mask)["hidden"]
+    encoded = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic,
+                           head_mask=head_mask, output_hidden_states=output_hidden_states)
+    hidden = encoded["hidden"]
     if self.top_bilstm:
       lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
       hidden = self.bilstm(hidden.astype(jnp.float32), seq_lengths=lengths).astype(hidden.dtype)
     out = self.head(hidden, deterministic=deterministic)
     if self.kind == "regression":
-      return out[..., 0]
-    if choices_shape is not None:
-      return out.reshape(choices_shape)
-    return out
+      out = out[..., 0]
+    elif choices_shape is not None:
+      out = out.reshape(choices_shape)
+    return (out, encoded["hidden_states"]) if output_hidden_states else out

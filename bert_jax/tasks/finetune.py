@@ -28,6 +28,12 @@ Workdir:
 
 A seed whose result.json exists is not trained again, so an interrupted
 multi-seed run continues with the next seed.
+
+With `config.distill.teacher` (a fine-tuning workdir of the same task) the
+objective is `bert_jax.train.distill.Distillation`: the same step and loop, the
+teacher's soft targets (and BERT-PKD's loss) added to the labels' loss, the
+teacher frozen in `TrainState.frozen`; `config.init.layers` starts a shallower
+student from every k-th layer of its initial model.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
-from bert_jax.train import config_lib, loop, metrics as metrics_lib, optim
+from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, optim
 from bert_jax.train.config_lib import finetune_defaults  # noqa: F401 - the fine-tuning configs import it here
 from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
 
@@ -115,6 +121,9 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     raise ValueError("config.data_dir is not set: add --config.data_dir=DIR, the folder with the task's files "
                      "(for GLUE the folder holding RTE/, SST-2/, ...), or --config.data_dir=tfds for TensorFlow "
                      "Datasets")
+  if config.distill.teacher and config.feature_based.layers:
+    raise ValueError("config.distill.teacher is set with config.feature_based.layers: distillation trains the whole "
+                     "student; leave one of them unset")
 
 
 def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict) -> ModelConfig:
@@ -239,6 +248,9 @@ def results_markdown(results: dict[str, Any]) -> str:
   train_seconds = [r["train_seconds"] for r in results["seeds"]]
   lines = [f"# {results['task']} fine-tuning", "",
            f"- initial model: {results['init']['path']} ({results['init']['source']})",
+           *([f"- distilled from: {results['distill']['teacher']} ("
+              + ", ".join(f"{k}={v}" for k, v in results["distill"].items() if k != "teacher") + ")"]
+             if results.get("distill") else []),
            f"- seeds: {', '.join(map(str, seeds))}; best seed: {results['best_seed']}",
            f"- selection: {results['selection_rule']}",
            f"- train time per seed (s): {', '.join(f'{seconds:.1f}' for seconds in train_seconds)}",
@@ -271,6 +283,8 @@ class _Run:
   dummy_batch: dict[str, jax.Array]
   initial_params: dict[str, Any]
   steps_per_epoch: int
+  teacher: tuple[Any, Any] | None = None  # (the teacher's task, its host params) when distilling
+  frozen: Any = None  # the teacher's params on the mesh (`TrainState.frozen`)
   state_init: Any = None
   state_shardings: Any = None
   train_step: Any = None
@@ -289,6 +303,11 @@ def _init_state(run: _Run, seed: int):
   if first:
     run.state_init, run.state_shardings = make_state_init(
         lambda key: run.objective.init_variables(key, run.dummy_batch), run.tx, run.partitioning, jax.random.key(0))
+    if run.teacher is not None:
+      run.frozen, frozen_shardings = distill_lib.place_frozen(
+          *run.teacher, run.dummy_batch, run.partitioning,
+          hint=f" (a teacher is a fine-tuning workdir of {run.task.name}, whose head it keeps)")
+      run.state_shardings = run.state_shardings.replace(frozen=frozen_shardings)
     run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
                                      rng=jax.random.key(0, impl=run.config.train.rng_impl),
                                      partitioning=run.partitioning, state_shardings=run.state_shardings,
@@ -297,7 +316,7 @@ def _init_state(run: _Run, seed: int):
   state = run.state_init(jax.random.key(seed))
   params, reused, fresh = merge_initial_params(state.params, run.initial_params)
   run.head_report = {"reused": reused, "reinitialised": fresh}
-  state = state.replace(params=jax.device_put(params, run.state_shardings.params))
+  state = state.replace(params=jax.device_put(params, run.state_shardings.params), frozen=run.frozen)
   if first:
     _compile_steps(run, state)
   return state
@@ -367,7 +386,8 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
     if config.train.selection == "last" or improved:
       selected = record
       if checkpointer is not None:
-        checkpointer.save(step, {"params": state.params}, {}, {"step": step, "seed": seed}, force=True)
+        checkpointer.save(step, {"params": distill_lib.student_params(state.params)}, {},
+                          {"step": step, "seed": seed}, force=True)
     if primary:
       progress_lib.print_line(progress, f"seed {seed} step {step} (epoch {record['epoch']:g}): " + "; ".join(
           f"{split} " + ", ".join(f"{k}={v:.2f}" for k, v in values.items()) for split, values in metrics.items()))
@@ -386,8 +406,11 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
                            evaluate)
   seq_len = run.train_features["input_ids"].shape[-1]
+  flops_per_token = run.model_config.flops_per_token(seq_len, 0.0)
+  if run.teacher is not None:  # The teacher's forward pass: a third of its training FLOPs.
+    flops_per_token += run.teacher[0].model.config.flops_per_token(seq_len, 0.0) / 3
   throughput = metrics_lib.Throughput(run.train_batches.batch_size * seq_len * max(task.num_choices, 1),
-                                      run.model_config.flops_per_token(seq_len, 0.0), run.partitioning.mesh.size)
+                                      flops_per_token, run.partitioning.mesh.size)
   # The bar counts examples: a step is one global batch (the last batch of an epoch counts whole).
   progress = (progress_lib.Progress(total_steps, f"seed {seed}", unit="ex", unit_scale=run.train_batches.batch_size)
               if primary else None)
@@ -400,9 +423,10 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
 
   clock = [time.perf_counter()]
   try:
-    _, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
-                                log_every=config.train.log_every, on_log=log_train,
-                                nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress)
+    state, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
+                                    log_every=config.train.log_every, on_log=log_train,
+                                    nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress)
+    run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
   finally:
     if progress is not None:
       progress.close()
@@ -467,7 +491,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     The content of results.json: task, init, selection_rule, seeds (one
     result per seed: selected evaluation, history, train/eval seconds),
     summary ({split: {metric: mean, median, std, min, max, values}}),
-    best_seed, seq_len, num_params.
+    best_seed, seq_len, num_params; with a teacher also distill (the config's
+    `distill` section).
   """
   distributed.initialize()
   workdir = paths.as_path(workdir)
@@ -487,6 +512,10 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   task = get_task(config.task, **config.task_options.to_dict())
   started = time.perf_counter()
   initial = load_initial_model(config.init.model)
+  if config.init.layers is not None:
+    encoder, cut = distill_lib.every_kth_layer(initial.params["encoder"], initial.config, config.init.layers,
+                                               "config.init.layers")
+    initial = dataclasses.replace(initial, config=cut, params={**initial.params, "encoder": encoder})
   timings = {"load initial model": time.perf_counter() - started}
   model_config = model_config_for(initial.config, config.model)
   max_len = fitted_max_len(config.max_len, model_config)
@@ -507,6 +536,11 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   model = _task_model(config, model_config, task)
   objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
                                 num_choices=task.num_choices)
+  teacher = None
+  if config.distill.teacher:
+    started = time.perf_counter()
+    objective, teacher = _distillation(config, task, objective, model_config, max_len)
+    timings["load teacher"] = time.perf_counter() - started
   batch_size = config.train.batch_size
   steps_per_epoch = math.ceil(len(train_features["input_ids"]) / batch_size)
   total_steps = config.train.epochs * steps_per_epoch
@@ -520,7 +554,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              schedule=schedule, train_features=train_features, eval_sets=eval_sets,
              train_batches=BatchMaker(fields, batch_size, mesh),
              eval_batches=BatchMaker(fields, config.train.eval_batch_size, mesh), dummy_batch=dummy,
-             initial_params=initial.params, steps_per_epoch=steps_per_epoch)
+             initial_params=initial.params, steps_per_epoch=steps_per_epoch, teacher=teacher)
 
   if primary:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -533,6 +567,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
           f"seq_len={seq_len} global batch={batch_size} per-host batch={batch_size // jax.process_count()} "
           f"tokens/step={batch_size * seq_len * max(task.num_choices, 1)} devices={mesh.size} "
           f"steps={total_steps} seeds={tuple(config.seeds)}\n  workdir={workdir}", flush=True)
+    if teacher is not None:
+      print(f"  distilling from {config.distill.teacher}: loss weights {objective.weights}", flush=True)
 
   seed_results = [_train_seed(run, seed) for seed in config.seeds]
   summary = summarize_seeds(task, seed_results)
@@ -544,6 +580,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              "seeds": seed_results, "summary": summary, "best_seed": best["seed"], "seq_len": seq_len,
              "num_params": num_params,
              "timings": {**timings, "compile train and predict steps (once)": run.compile_seconds}}
+  if teacher is not None:
+    results["distill"] = config.distill.to_dict()
   if primary:
     _write_json(workdir / "results.json", results)
     (workdir / "results.md").write_text(results_markdown(results))
@@ -552,6 +590,32 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
         "model_config": dataclasses.asdict(model_config), "seq_len": seq_len, "seeds": list(config.seeds),
         "best_seed": best["seed"], "best_seed_dir": f"seed_{best['seed']}"})
   return results
+
+
+def _distillation(config: ml_collections.ConfigDict, task: Task, student: FinetuneObjective,
+                  student_config: ModelConfig, max_len: int) -> tuple[distill_lib.Distillation, tuple[Any, Any]]:
+  """The student's objective with the teacher's terms (`bert_jax.train.distill`), and (the teacher's task, its
+  host params): the teacher is a fine-tuning workdir of this task, or a model directory with its head."""
+  path = config.distill.teacher
+  if not paths.as_path(path).exists():
+    raise ValueError(f"config.distill.teacher={path!r} does not exist: give a fine-tuning workdir of "
+                     f"{task.name} (or a converted model with its task head)")
+  loaded = load_initial_model(path)
+  if loaded.head_kind is not None and loaded.head_kind != task.kind:
+    raise ValueError(f"config.distill.teacher={path!r} was fine-tuned for a {loaded.head_kind} task, not "
+                     f"{task.name} ({task.kind})")
+  # The teacher computes as the student does; it never trains, so nothing of it is rematerialised.
+  teacher_config = model_config_for(loaded.config, config.model).replace(remat="none")
+  if fitted_max_len(max_len, teacher_config) < max_len:
+    raise ValueError(f"config.distill.teacher={path!r} has {teacher_config.max_position_embeddings} positions, "
+                     f"fewer than the student's inputs of {max_len} tokens; lower config.max_len")
+  teacher = FinetuneObjective(build_model(teacher_config, task.kind, task.num_labels), task.kind,
+                              single_token_type=teacher_config.type_vocab_size == 1, num_choices=task.num_choices)
+  settings = config.distill
+  objective = distill_lib.Distillation(
+      student, teacher, student_config, teacher_config, temperature=settings.temperature, alpha=settings.alpha,
+      pkd_weight=settings.pkd_weight, cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection)
+  return objective, (teacher, loaded.params)
 
 
 def _task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):

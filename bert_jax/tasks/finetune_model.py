@@ -185,12 +185,12 @@ class FinetuneObjective:
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
     return {"task": jnp.sum(self._loss_weights(inputs))}
 
-  def _apply(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> Any:
+  def _apply(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool, **kwargs) -> Any:
     rngs = {"dropout": dropout_key(jax.random.fold_in(rng, inputs["seed"][0]))} if train and rng is not None else {}
     # Head gates [layers, heads] (`Encoder`'s head_mask) come with the inputs only in the head analyses.
     gates = {"head_mask": inputs["head_mask"]} if "head_mask" in inputs else {}
     return self.model.apply({"params": params}, inputs["input_ids"], segment_ids=inputs["segment_ids"],
-                            pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs, **gates)
+                            pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs, **gates, **kwargs)
 
   def _span_logits(self, outputs: tuple[Array, Array], inputs: dict[str, Array]) -> Array:
     """(start [B, L], end [B, L]) -> float32 [B, L, 2] with padding at the float32 minimum."""
@@ -199,7 +199,10 @@ class FinetuneObjective:
 
   def forward(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]:
     """task_loss (and task_correct, except for regression) summed over the batch."""
-    outputs = self._apply(params, inputs, rng, train)
+    return self.terms(self._apply(params, inputs, rng, train), inputs)
+
+  def terms(self, outputs: Any, inputs: dict[str, Array]) -> dict[str, Array]:
+    """The loss sums of the head's outputs."""
     weights = self._loss_weights(inputs)
     if self.kind == "regression":
       targets = jnp.where(jnp.isfinite(inputs["labels"]), inputs["labels"], 0.0)
@@ -214,6 +217,37 @@ class FinetuneObjective:
     # Rows of a few labels (or one window's positions): narrower than any fast path's rows.
     loss, correct = cross_entropy_sums(outputs, jnp.maximum(inputs["labels"], 0), weights, "off")
     return {"task_loss": loss, "task_correct": correct}
+
+  # What distillation (`bert_jax.train.distill.Distillation`) reads of a student or teacher.
+
+  @property
+  def soft_regression(self) -> bool:
+    """Whether the soft target is a value to match (squared error) rather than a distribution."""
+    return self.kind == "regression"
+
+  def distill_outputs(self, params: Params, inputs: dict[str, Array], rng: Array | None,
+                      train: bool) -> dict[str, Any]:
+    """{"terms": `terms`, "soft_logits": [..., C] (regression: the values [B]), "hidden_states": the encoder's}."""
+    if not isinstance(self.model, FinetuneModel):
+      raise ValueError("distillation needs full fine-tuning; config.feature_based.layers freezes the encoder")
+    outputs, hidden_states = self._apply(params, inputs, rng, train, output_hidden_states=True)
+    soft_logits = jnp.swapaxes(self._span_logits(outputs, inputs), 1, 2) if self.kind == "span" else outputs
+    return {"terms": self.terms(outputs, inputs), "soft_logits": soft_logits, "hidden_states": hidden_states}
+
+  def soft_weights(self, inputs: dict[str, Array]) -> Array:
+    """The weight of each soft prediction: `soft_logits`' leading shape (span: start and end of each window)."""
+    weights = self._loss_weights(inputs)
+    return jnp.stack([weights, weights], axis=-1) if self.kind == "span" else weights
+
+  def row_weights(self, inputs: dict[str, Array]) -> Array:
+    """[rows] the weight of each encoder row ([N * C] for multiple choice)."""
+    rows = inputs["weights"].astype(jnp.float32)
+    return jnp.repeat(rows, self.num_choices) if self.kind == "multiple_choice" else rows
+
+  def token_weights(self, inputs: dict[str, Array]) -> Array:
+    """[rows, L] the weight of each encoder token: its row's on real tokens, 0 on padding."""
+    pack_ids = inputs["pack_ids"].reshape((-1, inputs["pack_ids"].shape[-1]))
+    return self.row_weights(inputs)[:, None] * (pack_ids > 0)
 
   def predict(self, params: Params, inputs: dict[str, Array]) -> Array:
     """The head's raw float32 outputs in `Task.evaluate`'s layout (span: [B, L, 2])."""

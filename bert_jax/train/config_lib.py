@@ -186,6 +186,7 @@ def model_section(family: str, size: str, **fixed: Any) -> ml_collections.Config
 def pretrain_defaults() -> ml_collections.ConfigDict:
   """Every key a pre-training config may set, with BERT-Base's recipe as defaults."""
   from bert_jax.data.masking import MaskingConfig
+  from bert_jax.train import distill as distill_lib
   import dataclasses
 
   config = ml_collections.ConfigDict()
@@ -217,6 +218,8 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       report_baseline=False,                  # at the end: held-out MLM accuracy beside a unigram baseline, loss PNG
       log_param_norms=False,                  # also param_norm and update_norm (they slow the update, see step.py)
       restart_if_unreadable=False))           # every checkpoint unreadable: start again from step 0 instead of stopping
+  # Distillation from a teacher (off while distill.teacher is None; `bert_jax.train.distill`).
+  config.distill = distill_lib.config_section(pretraining=True)
   config.loss = ml_collections.ConfigDict(dict(sentence_weight=1.0, sbo_weight=1.0, rtd_weight=50.0,
                                                generator_weight=1.0,
                                                rtd_positions="all"))  # all | masked (ELECTRA's "ELECTRA 15%")
@@ -236,6 +239,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   "tfds" / "tfds:TFDS_DATA_DIR" for TFDS `glue/*` (the `[tfds]` extra).
   init.model      Hugging Face or converted model directory, pre-training
                   workdir, or fine-tuning workdir (e.g. MNLI for RTE).
+  init.layers     keep this many of its layers: its blocks 0, k, 2k, ... (k =
+                  its layers / init.layers), a shallower student's start for
+                  distillation; None: every layer.
   model.*         dtype, dropouts, kernels, remat (None: the model's own).
   max_len         longest row in tokens.
   seeds           one training run per seed.
@@ -253,13 +259,21 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   head_layers, dropout.
   top_bilstm      full fine-tuning with a randomly initialised BiLSTM between
                   the encoder and the task head (BERT Table 5's "+ BiLSTM").
+  distill.*       task-specific distillation from a fine-tuned teacher (off
+                  while distill.teacher is None): teacher, temperature, alpha
+                  (the soft loss's weight; the labels' is 1 - alpha),
+                  pkd_weight (BERT-PKD's [CLS] loss), cos_weight,
+                  hidden_projection (`bert_jax.train.distill`).
   mesh.*          mesh sizes and logical rules, as for pre-training.
   """
+  from bert_jax.train import distill as distill_lib
+
   config = ml_collections.ConfigDict()
   config.task = "glue/rte"
   config.task_options = ml_collections.ConfigDict()
   config.data_dir = config_dict.placeholder(str)
-  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str)})
+  config.init = ml_collections.ConfigDict({"model": config_dict.placeholder(str),
+                                           "layers": config_dict.placeholder(int)})
   config.model = ml_collections.ConfigDict({
       "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
       "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),
@@ -275,6 +289,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
                                                         dropout=0.1))
   config.top_bilstm = False
+  config.distill = distill_lib.config_section(pretraining=False)
   config.mesh = ml_collections.ConfigDict(dict(
       sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
   return config

@@ -84,3 +84,43 @@ def dropout_key(key: Array) -> Array:
   step key those of earlier runs.
   """
   return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
+
+
+def soft_target_sums(student_logits: Array, teacher_logits: Array, weights: Array, temperature: float) -> Array:
+  """Weighted sum of temperature**2 * KL(softmax(teacher / T) || softmax(student / T)) over the last axis
+  (Hinton et al. 2015; the T**2 keeps the gradients' scale as T changes). Zero where the two agree.
+
+  Args:
+    student_logits, teacher_logits: [..., C] in any float dtype (the arithmetic is float32); a class that one
+      side masks with a very negative logit has teacher probability 0 and adds nothing.
+    weights: [...] per-prediction weights.
+    temperature: T > 0.
+  """
+  teacher_log_probs = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+  student_log_probs = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+  teacher_probs = jnp.exp(teacher_log_probs)
+  # 0 * log 0 is 0: classes the teacher gives no mass (masked positions) add nothing, not NaN.
+  kl = jnp.sum(jnp.where(teacher_probs > 0, teacher_probs * (teacher_log_probs - student_log_probs), 0.0), axis=-1)
+  return temperature ** 2 * jnp.sum(kl * weights.astype(jnp.float32))
+
+
+def squared_error_sums(predictions: Array, targets: Array, weights: Array) -> Array:
+  """Weighted sum of (prediction - target)**2 (float32): regression's soft target is the teacher's value."""
+  error = predictions.astype(jnp.float32) - targets.astype(jnp.float32)
+  return jnp.sum(jnp.square(error) * weights.astype(jnp.float32))
+
+
+def normalized_distance_sums(student: Array, teacher: Array, weights: Array) -> Array:
+  """BERT-PKD's patient loss: sum over [..., H] rows of ||s / ||s|| - t / ||t|| ||**2, weighted per row."""
+  def unit(x):
+    x = x.astype(jnp.float32)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+  return jnp.sum(jnp.sum(jnp.square(unit(student) - unit(teacher)), axis=-1) * weights.astype(jnp.float32))
+
+
+def cosine_distance_sums(student: Array, teacher: Array, weights: Array) -> Array:
+  """DistilBERT's hidden-state loss: sum over [..., H] rows of 1 - cos(s, t), weighted per row."""
+  s, t = student.astype(jnp.float32), teacher.astype(jnp.float32)
+  cosine = jnp.sum(s * t, axis=-1) / jnp.maximum(jnp.linalg.norm(s, axis=-1) * jnp.linalg.norm(t, axis=-1), 1e-12)
+  return jnp.sum((1.0 - cosine) * weights.astype(jnp.float32))

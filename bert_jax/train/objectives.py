@@ -174,6 +174,26 @@ class PretrainingObjective:
     outputs = self.apply({"params": params}, inputs, train, rngs=self.rngs(rng, train))
     return self.terms(outputs, inputs)
 
+  # What distillation (`bert_jax.train.distill.Distillation`) reads of a student or teacher.
+
+  soft_regression: ClassVar[bool] = False
+
+  def distill_outputs(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Any]:
+    """{"terms": `terms`, "soft_logits": [B, M, vocab] at the predicted positions, "hidden_states": the
+    encoder's (the last at every position only without `ModelConfig.sparse_last_layer`)}."""
+    outputs = self.apply({"params": params}, inputs, train, rngs=self.rngs(rng, train), output_hidden_states=True)
+    return {"terms": self.terms(outputs, inputs), "hidden_states": outputs["hidden_states"],
+            "soft_logits": outputs["mlm_logits"][..., :self.model_config.vocab_size]}
+
+  def soft_weights(self, inputs: dict[str, Array]) -> Array:
+    return inputs["mlm_weights"]
+
+  def row_weights(self, inputs: dict[str, Array]) -> Array:
+    return (inputs["pack_ids"][:, 0] > 0).astype(jnp.float32)
+
+  def token_weights(self, inputs: dict[str, Array]) -> Array:
+    return (inputs["pack_ids"] > 0).astype(jnp.float32)
+
   def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
     """Initialises the model on a batch; returns boxed params with logical axes."""
     return self.apply({"params": rng, "dropout": rng, "sample": rng}, self.prepare(batch), False, method="init")

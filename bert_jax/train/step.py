@@ -8,6 +8,11 @@ already divided by the *whole* batch's counts, so it equals the direct step
 draws its own random numbers, so the two agree in distribution). A step
 whose loss or gradients are not finite leaves the parameters unchanged and
 reports `nonfinite=1`; the loop stops the run on it.
+
+A task whose loss also reads parameters that are not trained (distillation's
+teacher, `bert_jax.train.distill`) gets them from `TrainState.frozen`: the step
+passes them to `task.with_frozen(frozen, inputs)` for each (micro-)batch,
+outside the gradient, and the optimizer never sees them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class TrainState:
   step: Array
   params: Any
   opt_state: Any
+  # Parameters the loss reads and nothing trains (a distillation teacher): no gradient, no optimizer state, and
+  # left out of checkpoints (a run reads them again from where they came from). Donated with the rest of the
+  # state and returned unchanged, so the newest state holds the live copy.
+  frozen: Any = None
 
 
 class Task(Protocol):
@@ -47,6 +56,13 @@ class Task(Protocol):
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]: ...
 
   def forward(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]: ...
+
+  # A task that reads `TrainState.frozen` also has `with_frozen(frozen, inputs) -> inputs` (their outputs added).
+
+
+def checkpointed(state: TrainState) -> dict[str, Any]:
+  """What a checkpoint holds of `state`: all but `frozen`, in the layout of checkpoints written before it existed."""
+  return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +103,9 @@ def _split_microbatches(inputs: dict[str, Array], accum_steps: int) -> dict[str,
   return jax.tree.map(split, inputs)
 
 
-def _loss_and_terms(task: Task, params, inputs, rng, denominators, train):
+def _loss_and_terms(task: Task, params, inputs, rng, denominators, train, frozen=None):
+  if frozen is not None:  # Not an argument the gradient is taken of: the frozen model runs forward only.
+    inputs = task.with_frozen(jax.lax.stop_gradient(frozen), inputs)
   terms = task.forward(params, inputs, rng, train)
   loss = sum(weight * terms[f"{name}_loss"] / jnp.maximum(denominators[name], 1.0)
              for name, weight in task.weights.items())
@@ -122,8 +140,11 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
   extra reductions over every parameter slow the update (docs/performance.md).
   """
   read = _model_params(partitioning, state_shardings.params)
-  grad_fn = jax.value_and_grad(lambda task, params, *args: _loss_and_terms(task, read(params), *args),
-                               argnums=1, has_aux=True)
+  read_frozen = _model_params(partitioning, state_shardings.frozen)
+  grad_fn = jax.value_and_grad(
+      lambda task, params, inputs, rng, denominators, train, frozen: _loss_and_terms(
+          task, read(params), inputs, rng, denominators, train, None if frozen is None else read_frozen(frozen)),
+      argnums=1, has_aux=True)
 
   def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
     with partitioning.context():
@@ -131,7 +152,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       inputs = task.prepare(batch)
       denominators = task.denominators(inputs)
       if accum_steps == 1:
-        (loss, terms), grads = grad_fn(task, state.params, inputs, step_rng, denominators, True)
+        (loss, terms), grads = grad_fn(task, state.params, inputs, step_rng, denominators, True, state.frozen)
       else:
         micro = _split_microbatches(inputs, accum_steps)
 
@@ -139,13 +160,13 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
           grads_sum, loss_sum, terms_sum = carry
           micro_inputs, index = xs
           (loss, terms), grads = grad_fn(task, state.params, micro_inputs, jax.random.fold_in(step_rng, index),
-                                         denominators, True)
+                                         denominators, True, state.frozen)
           add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
           return (add(grads_sum, grads), loss_sum + loss, add(terms_sum, terms)), None
 
         zeros_grads = jax.tree.map(jnp.zeros_like, state.params)
-        abstract_terms = jax.eval_shape(lambda: task.forward(state.params, jax.tree.map(lambda x: x[0], micro),
-                                                             step_rng, True))
+        abstract_terms = jax.eval_shape(lambda: _loss_and_terms(
+            task, state.params, jax.tree.map(lambda x: x[0], micro), step_rng, denominators, True, state.frozen)[1])
         zeros_terms = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_terms)
         (grads, loss, terms), _ = jax.lax.scan(body, (zeros_grads, jnp.zeros((), jnp.float32), zeros_terms),
                                                (micro, jnp.arange(accum_steps)))
@@ -156,8 +177,8 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-      new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
-                             opt_state=keep(opt_state, state.opt_state))
+      new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                                opt_state=keep(opt_state, state.opt_state))
       metrics = summarize(task, terms, denominators)
       metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
                      nonfinite=1 - finite.astype(jnp.int32))

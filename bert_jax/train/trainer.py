@@ -10,6 +10,7 @@ clear error; the state it stops on never reaches a checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -36,8 +37,9 @@ from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
-from bert_jax.train import config_lib, loop, metrics as metrics_lib, objectives, optim
-from bert_jax.train.step import Partitioning, create_state, make_eval_step, make_train_step
+from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, objectives, optim
+from bert_jax.train.step import (Partitioning, TrainState, checkpointed, create_state, make_eval_step,
+                                 make_train_step)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ class _CheckpointHook:
     return self.preempted or bool(self.every and step % self.every == 0) or last
 
   def __call__(self, step: int, state) -> bool:
-    self.checkpointer.save(step, state, self.train_iter.get_state(), {"step": step}, force=True)
+    # A distillation teacher (`TrainState.frozen`) is read again from its own path on resume, never saved here.
+    self.checkpointer.save(step, checkpointed(state), self.train_iter.get_state(), {"step": step}, force=True)
     self.writer.flush()
     if self.preempted:
       progress_lib.print_line(self.progress,
@@ -275,8 +278,63 @@ def evaluate_run(workdir: str | os.PathLike, overrides: Sequence[str] = ()) -> d
   return evaluate(make_eval_step(objective, partitioning, shardings), params, config, prepared_dir, mesh, objective)
 
 
+def load_teacher(path: str, student: objectives.PretrainingObjective) -> tuple[objectives.PretrainingObjective, Any]:
+  """General distillation's teacher: (its masked-LM task, its host params) from a pre-training workdir (its newest
+  checkpoint) or a converted / Hugging Face model directory; one without an MLM head (a base model) gives hidden
+  states only."""
+  from bert_jax.convert.params import encoder_params
+  from bert_jax.convert.pretrained import load_pretrained
+
+  where = paths.as_path(path)
+  if not where.exists():
+    raise ValueError(f"config.distill.teacher={path!r} does not exist: give a pre-training workdir or a model "
+                     "directory with its MLM head")
+  if (where / "checkpoints").is_dir() and (where / "model_config.json").exists():
+    config = ModelConfig(**json.loads((where / "model_config.json").read_text()))
+    _, params = checkpoint_lib.restore_params(where)
+  else:
+    _, config, params, _ = load_pretrained(where)
+  mlm_head = "mlm" in params
+  if not mlm_head:
+    params = {"encoder": encoder_params(params)}
+  # The teacher computes as the student does, every position of its last layer (for the cosine loss); it never
+  # trains, so nothing of it is rematerialised.
+  student_config = student.model_config
+  config = config.replace(dtype=student_config.dtype, kernels=student_config.kernels, remat="none",
+                          sparse_last_layer=False, vocab_pad_multiple=student_config.vocab_pad_multiple)
+  teacher = distill_lib.MaskedLMTeacher(model_config=config, masking=student.masking, mask_id=student.mask_id,
+                                        weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
+                                        max_packs=student.max_packs, mlm_head=mlm_head)
+  return teacher, params
+
+
+def _distillation(config: ml_collections.ConfigDict, objective: objectives.PretrainingObjective):
+  """(the student's objective with the teacher's terms, (the teacher's task, its host params))."""
+  if objective.name not in distill_lib.PRETRAINING_OBJECTIVES:
+    raise ValueError(f"config.distill.teacher is set with config.objective={objective.name!r}: general "
+                     f"distillation serves the MLM objectives {distill_lib.PRETRAINING_OBJECTIVES}")
+  settings = config.distill
+  if settings.pkd_weight:
+    raise ValueError("config.distill.pkd_weight applies to fine-tuning; pre-training's hidden-state loss is "
+                     "config.distill.cos_weight")
+  # The cosine loss compares every position's last hidden state, which the sparse last layer does not compute.
+  student = dataclasses.replace(objective, model_config=objective.model_config.replace(
+      sparse_last_layer=objective.model_config.sparse_last_layer and not settings.cos_weight))
+  teacher, teacher_params = load_teacher(settings.teacher, student)
+  distillation = distill_lib.Distillation(
+      student, teacher, student.model_config, teacher.model_config, temperature=settings.temperature,
+      alpha=settings.alpha, cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection,
+      soft_targets=teacher.mlm_head)
+  return distillation, (teacher, teacher_params)
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
   mesh, partitioning, prepared_dir, tokenizer, model_cfg, objective = _setup(config, workdir)
+  teacher = None
+  if config.distill.teacher:
+    objective, teacher = _distillation(config, objective)
+  elif config.distill.init_from_teacher:
+    raise ValueError("config.distill.init_from_teacher is set without config.distill.teacher")
   total_steps = config.train.steps
   tx, schedule = optim.make_optimizer(config.optim, total_steps)
 
@@ -284,6 +342,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   init_rng, step_rng = jax.random.split(rng)
   dummy = objective.example_batch(config.train.batch_size, config.data.seq_len)
   state, state_shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, init_rng, partitioning)
+  frozen = None
+  if teacher is not None:
+    frozen, frozen_shardings = distill_lib.place_frozen(*teacher, dummy, partitioning)
+    state_shardings = state_shardings.replace(frozen=frozen_shardings)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.train.keep_checkpoints,
@@ -292,13 +354,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   had_checkpoints = bool(checkpointer.steps())
   if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
     workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=config_lib.pretrain_defaults().to_dict())
-  restored = checkpointer.restore_latest(state)
+  restored = checkpointer.restore_latest(checkpointed(state))
+  state = state.replace(frozen=frozen)
   if restored is None and had_checkpoints and not config.train.restart_if_unreadable:
     raise ValueError(f"no checkpoint in {checkpointer.directory} can be read (each was moved to "
                      f"{workdir / 'corrupt_checkpoints'}, see the warnings above); rerun with "
                      f"--config.train.restart_if_unreadable=True to start again from step 0")
   if restored is not None:
-    start_step, state, data_state, _ = restored
+    start_step, saved, data_state, _ = restored
+    state = TrainState(**saved, frozen=frozen)
     train_iter.set_state(data_state)
     log.info("resumed from checkpoint at step %d in %s", start_step, checkpointer.directory)
   else:
@@ -307,15 +371,25 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       _, params = checkpoint_lib.restore_params(config.train.init_from)
       state = state.replace(params=jax.device_put(_match_params(params, state.params), state_shardings.params))
       log.info("initialised parameters from %s", config.train.init_from)
+    elif config.distill.init_from_teacher:
+      params = distill_lib.init_from_teacher(jax.device_get(state.params), teacher[1], objective.model_config,
+                                             objective.teacher_config)
+      state = state.replace(params=jax.device_put(params, state_shardings.params))
+      log.info("initialised the student from the teacher %s", config.distill.teacher)
 
   train_iter.start()  # The workers start and the first batches are built while the step compiles.
   train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps, rng=step_rng,
                                partitioning=partitioning, state_shardings=state_shardings,
                                param_norms=config.train.log_param_norms)
-  eval_step = make_eval_step(objective, partitioning, state_shardings)
+  # Evaluation scores the student's own objective: the teacher's terms need the teacher's outputs.
+  eval_objective = objective.student if teacher is not None else objective
+  eval_step = make_eval_step(eval_objective, partitioning, state_shardings)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
   flops_per_token = objective.flops_per_token(config.masking.max_predictions, config.data.seq_len)
+  if teacher is not None:  # The teacher's forward pass: a third of its training FLOPs.
+    predictions_per_token = objective.predictions_per_token(config.masking.max_predictions, config.data.seq_len)
+    flops_per_token += teacher[0].model_config.flops_per_token(config.data.seq_len, predictions_per_token) / 3
   throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
   if primary:  # The steps after the checkpoint are computed again: their rows from the interrupted run go.
     dropped = workdir_lib.drop_rows_after(workdir / "metrics.jsonl", start_step)
@@ -332,6 +406,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
           f"{config.train.batch_size // jax.process_count()} seq_len={config.data.seq_len} "
           f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} steps={start_step}->"
           f"{total_steps}\n  workdir={workdir}", flush=True)
+    if teacher is not None:
+      print(f"  distilling from {config.distill.teacher}: loss weights {objective.weights}", flush=True)
 
   history, eval_results, last_train = [], {}, {}
   progress = progress_lib.Progress(total_steps, "pretrain", initial=start_step) if primary else None
@@ -353,7 +429,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
 
   def evaluate_now(step: int, state) -> None:
     nonlocal eval_results
-    eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+    eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, eval_objective)
     writer.write(step, eval_results, prefix="eval/")
     if primary:
       progress_lib.print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
@@ -379,9 +455,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
             "prepared_dir": str(prepared_dir)}
   if config.train.report_baseline and not preempted:
     if not eval_results:  # A finished run started again: score it for the report.
-      result["eval"] = eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh, objective)
+      result["eval"] = eval_results = evaluate(eval_step, state.params, config, prepared_dir, mesh,
+                                                 eval_objective)
     if jax.process_count() == 1 and "mlm_accuracy" in eval_results:  # Reads the batches' answers on this host.
-      result["baseline"] = unigram_baseline(config, prepared_dir, mesh, objective, tokenizer)
+      result["baseline"] = unigram_baseline(config, prepared_dir, mesh, eval_objective, tokenizer)
   return result
 
 

@@ -13,6 +13,17 @@ Defaults follow BERT (Devlin et al. 2019, Sec. 4.1 and App. A.3): batch 32,
 3 epochs, AdamW with 10% linear warmup then linear decay, weight decay 0.01,
 max_len 128, dropout 0.1, several restarts (seeds) with the best on dev.
 `get_sweep()` is BERT's learning-rate grid {5e-5, 3e-5, 2e-5}.
+
+Task-specific distillation (`config.distill`, `bert_jax.train.distill`): a
+student learns from a teacher fine-tuned on the same task, here a 3-layer
+student started from every other layer of a 6-layer model, with BERT-PKD's
+[CLS] loss (Sun et al. 2019):
+
+  bert-jax finetune --config configs/finetune/glue.py:task=sst2 --workdir runs/glue/sst2_3l \
+      --config.init.model=MODEL_DIR --config.init.layers=3 --config.distill.teacher=runs/glue/sst2 \
+      --config.distill.temperature=10 --config.distill.alpha=0.7 --config.distill.pkd_weight=100
+
+A student narrower than its teacher sets --config.distill.hidden_projection=True.
 """
 
 from bert_jax.tasks import TASK_NAMES
