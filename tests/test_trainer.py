@@ -75,7 +75,8 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", sorted(FORMATS))
+# Replace MLM trains All-Tokens MLM's networks on a subset of its positions (its loss: tests/test_objectives.py).
+@pytest.mark.parametrize("objective", sorted(set(FORMATS) - {"replace_mlm"}))
 def test_every_objective_learns(prepared, tmp_path, objective):
   result = trainer.train_and_evaluate(tiny_config(prepared, objective, steps=200), tmp_path)
   history = result["history"]
