@@ -55,6 +55,7 @@ from __future__ import annotations
 import abc
 import codecs
 import dataclasses
+import json
 import pathlib
 from typing import Any, Literal, Protocol, Sequence
 
@@ -296,6 +297,23 @@ def data_error(path: str | pathlib.Path, line: int | None, message: str) -> Valu
   """A ValueError that names the file (and line) where the data is wrong."""
   where = f"{path}:{line}" if line is not None else str(path)
   return ValueError(f"{where}: {message}")
+
+
+def read_json_lines(path: str | pathlib.Path) -> list[tuple[int, Any]]:
+  """(line number, parsed value) of every non-blank line of a JSON-lines file (a leading BOM is dropped).
+
+  Raises:
+    ValueError: naming the file and line of a line that is not JSON.
+  """
+  records = []
+  for line_number, line in enumerate(read_utf8(path, strip_bom=True).splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      records.append((line_number, json.loads(line)))
+    except json.JSONDecodeError as error:
+      raise data_error(path, line_number, f"not JSON ({error.msg}); expected one JSON object per line") from None
+  return records
 
 
 def read_utf8(path: str | pathlib.Path, strip_bom: bool = False) -> str:

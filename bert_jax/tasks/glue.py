@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import math
 import os
 import pathlib
@@ -22,7 +21,7 @@ import numpy as np
 
 from bert_jax.tasks import metrics
 from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_outputs, data_error,
-                                 encode_segments, read_utf8)
+                                 encode_segments, read_json_lines, read_utf8)
 
 STSB_SCORE_RANGE = (0.0, 5.0)
 # The label column's header in the labelled (train/dev) files; the test files lack that column.
@@ -217,13 +216,7 @@ def read_glue_jsonl(spec: GlueSpec, path: str | pathlib.Path) -> list[TextPairEx
   """
   path = pathlib.Path(path)
   examples = []
-  for line_number, line in enumerate(read_utf8(path, strip_bom=True).splitlines(), start=1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as error:
-      raise data_error(path, line_number, f"not JSON ({error.msg}); expected one JSON object per line") from None
+  for line_number, record in read_json_lines(path):
     missing = [key for key in spec.tfds_text_keys if not isinstance(record, dict) or key not in record]
     if missing:
       raise data_error(path, line_number, f"no {missing} field: {spec.name} lines are objects with "

@@ -14,13 +14,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
-import json
 import pathlib
 from typing import Sequence
 
 import numpy as np
 
-from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, read_utf8
+from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, read_json_lines, read_utf8
 
 ENTITY_TYPES = ("LOC", "MISC", "ORG", "PER")
 TAGS = ("O",) + tuple(f"{prefix}-{kind}" for prefix in ("B", "I") for kind in ENTITY_TYPES)
@@ -111,13 +110,7 @@ def read_tokens_jsonl(path: str | pathlib.Path) -> list[TaggedSentence]:
     ValueError: naming the file and line, for a line that is not a JSON object with a list of strings "tokens".
   """
   sentences = []
-  for line_number, line in enumerate(read_utf8(path).splitlines(), start=1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as error:
-      raise data_error(path, line_number, f"not JSON ({error.msg}); expected one JSON object per line") from None
+  for line_number, record in read_json_lines(path):
     tokens = record.get("tokens") if isinstance(record, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
       raise data_error(path, line_number, 'expected an object with "tokens": a list of words')
