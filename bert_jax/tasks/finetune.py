@@ -533,7 +533,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
                                                                   seq_len)) for split in task.eval_splits]
   timings["read and featurise"] = time.perf_counter() - started
 
-  model = _task_model(config, model_config, task)
+  model = task_model(config, model_config, task)
   objective = FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
                                 num_choices=task.num_choices)
   teacher = None
@@ -618,7 +618,7 @@ def _distillation(config: ml_collections.ConfigDict, task: Task, student: Finetu
   return objective, (teacher, loaded.params)
 
 
-def _task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):
+def task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):
   """The model `config` fine-tunes on `task` (a run written before `top_bilstm` existed has none)."""
   feature = config.feature_based
   return build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,

@@ -36,7 +36,7 @@ from bert_jax.models import ModelConfig
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task, TaskTokenizer
-from bert_jax.tasks.finetune import BatchMaker, _task_model, fitted_max_len
+from bert_jax.tasks.finetune import BatchMaker, task_model, fitted_max_len
 from bert_jax.tasks.finetune_model import (QUANTIZATION_FILE, RUN_FILE, FinetuneObjective, build_model,
                                            task_tokenizer)
 from bert_jax.tasks.registry import get_task
@@ -251,7 +251,7 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
   params = _seed_params(workdir, run_info, seed)
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
-  model, from_storage = _task_model(config, model_config, task), None
+  model, from_storage = task_model(config, model_config, task), None
   if (workdir / QUANTIZATION_FILE).exists():  # int8 dense layers and tables through Qwix (the `quant` extra).
     from bert_jax.models import quantization  # noqa: PLC0415
 

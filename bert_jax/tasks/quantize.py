@@ -34,7 +34,7 @@ from bert_jax import paths
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.models import quantization
-from bert_jax.tasks.finetune import _task_model
+from bert_jax.tasks.finetune import task_model
 from bert_jax.tasks.finetune_model import QUANTIZATION_FILE, RUN_FILE, FinetuneObjective
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
@@ -55,7 +55,7 @@ def _objective(run_info: dict[str, Any], config: ml_collections.ConfigDict) -> F
   """The run's objective with the quantised model."""
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
-  model = quantization.quantized_model(_task_model(config, model_config, task))
+  model = quantization.quantized_model(task_model(config, model_config, task))
   return FinetuneObjective(model, task.kind, single_token_type=model_config.type_vocab_size == 1,
                            num_choices=task.num_choices)
 
