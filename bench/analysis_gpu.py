@@ -48,12 +48,20 @@ def run(args: argparse.Namespace) -> int:
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   report = {"card": reproduce._card(), "versions": reproduce._versions(), "steps": []}
 
+  def copy_reports() -> None:
+    for path in sorted((scratch / "analysis").rglob("*")):
+      relative = path.relative_to(scratch / "analysis")
+      if path.is_file() and "pruned_model" not in relative.parts:
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, out / relative)
+
   def bert_jax(name: str, *argv: str) -> None:
     started = time.time()
     completed = subprocess.run([sys.executable, "-m", "bert_jax.cli", *argv], env=env, cwd=REPO)
     report["steps"].append({"name": name, "command": "bert-jax " + " ".join(argv), "status": completed.returncode,
                             "seconds": round(time.time() - started, 1)})
     (out / "analysis_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
+    copy_reports()  # After every step: a call cut off at its time limit still brings back what finished.
     print(f"== {name}: status {completed.returncode} in {report['steps'][-1]['seconds']} s", flush=True)
 
   for task in args.tasks.split(","):
@@ -66,11 +74,6 @@ def run(args: argparse.Namespace) -> int:
   bert_jax("probe", "analyze", "--model", str(model), "--only", "probe", "--conll-dir", str(carry / "conll2003"),
            "--probe-train-sentences", "100000", "--probe-test-sentences", "100000", "--out",
            str(scratch / "analysis" / "minilm_probe"))
-  for path in sorted((scratch / "analysis").rglob("*")):
-    relative = path.relative_to(scratch / "analysis")
-    if path.is_file() and "pruned_model" not in relative.parts:
-      (out / relative).parent.mkdir(parents=True, exist_ok=True)
-      shutil.copy(path, out / relative)
   for task in args.tasks.split(","):  # The fine-tuning runs' own dev results, for the page.
     for name in ("results.md", "results.json"):
       if (scratch / "runs" / task / name).exists():
