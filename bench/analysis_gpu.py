@@ -8,8 +8,8 @@
 
 `run` fine-tunes the MiniLM on each --tasks task (BERT's recipe: 3 epochs, lr 5e-5, batch 32, seed 1), runs
 `bert-jax analyze --only heads,prune` on the task's whole dev set, and the layer-wise probes on all of
-eng.train and eng.testa; every report (Markdown, results.json, PNGs; not the pruned weights) goes to --out with
-`analysis_gpu.json`: the commands, card, versions and seconds each took.
+eng.train and eng.testa; every report (Markdown, results.json, PNGs; not the pruned weights) goes into
+--out/analysis.tar.gz, with `analysis_gpu.json`: the commands, card, versions and seconds each took.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
   report = {"card": reproduce._card(), "versions": reproduce._versions(), "steps": []}
 
   def copy_reports() -> None:
-    for path in sorted((scratch / "analysis").rglob("*")):
-      relative = path.relative_to(scratch / "analysis")
-      if path.is_file() and "pruned_model" not in relative.parts:
-        (out / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, out / relative)
+    for task in args.tasks.split(","):  # The fine-tuning runs' own dev results, for the page.
+      for name in ("results.md", "results.json"):
+        if (scratch / "runs" / task / name).exists():
+          (scratch / "analysis" / task).mkdir(parents=True, exist_ok=True)
+          shutil.copy(scratch / "runs" / task / name, scratch / "analysis" / task / f"finetune_{name}")
+    reproduce.pack_results(scratch / "analysis", out / "analysis.tar.gz",
+                           skip=lambda relative: "pruned_model" in relative.parts)
 
   def bert_jax(name: str, *argv: str) -> None:
     started = time.time()
@@ -74,10 +76,6 @@ def run(args: argparse.Namespace) -> int:
   bert_jax("probe", "analyze", "--model", str(model), "--only", "probe", "--conll-dir", str(carry / "conll2003"),
            "--probe-train-sentences", "100000", "--probe-test-sentences", "100000", "--out",
            str(scratch / "analysis" / "minilm_probe"))
-  for task in args.tasks.split(","):  # The fine-tuning runs' own dev results, for the page.
-    for name in ("results.md", "results.json"):
-      if (scratch / "runs" / task / name).exists():
-        shutil.copy(scratch / "runs" / task / name, out / task / f"finetune_{name}")
   return 0 if all(step["status"] == 0 for step in report["steps"]) else 1
 
 

@@ -7,7 +7,8 @@
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry_repro/wheels/*.whl &&
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table bert_table5 \\
       --parallel 4 --devices 1 --deadline 540 --out $OUT/bert_table5
-  # here again, on what came back:
+  # here again, on what came back (the sweep's small files come as one archive):
+  mkdir -p results/bert_table5 && tar -xzf OUT/bert_table5/sweep.tar.gz -C results/bert_table5
   bert-jax table results/bert_table5
 
 `run` prepares the corpus (every row of every table sees the same tokens: the
@@ -15,8 +16,8 @@ MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
 perplexity), runs `bert-jax sweep --config configs/ablations/TABLE.py:scale=gpu`
 until it finishes or the deadline comes (then it stops the rows and keeps what
 finished: the sweep records every phase, task and seed), collects and renders
-the table, and copies the sweep's small files (results, state, metrics, logs,
-table and figures; no checkpoints) to --out with `reproduce.json`: the
+the table, and packs the sweep's small files (results, state, metrics, logs,
+table and figures; no checkpoints) into --out/sweep.tar.gz, beside `reproduce.json`: the
 command, card, versions and the seconds each part took. Arguments after the
 known ones (`--config.train.steps=4000`, `--seeds 1,2`, `--rows 0,1`) go to the sweep.
 """
@@ -33,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -91,19 +93,23 @@ def _stop(process: subprocess.Popen, grace: float = 5.0) -> None:
       continue
 
 
-def copy_results(workdir: pathlib.Path, out: pathlib.Path) -> int:
-  """Copies the sweep's small files (no checkpoints) under `out`, keeping their paths; returns how many."""
-  copied = 0
-  for path in sorted(workdir.rglob("*")):
-    relative = path.relative_to(workdir)
-    if not path.is_file() or "checkpoints" in relative.parts or path.stat().st_size > MAX_COPIED_BYTES:
-      continue
-    if relative.parts[-1].startswith(".") or "tokenizer" in relative.parts:
-      continue
-    (out / relative).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(path, out / relative)
-    copied += 1
-  return copied
+def pack_results(root: pathlib.Path, archive: pathlib.Path, skip=lambda relative: False) -> int:
+  """Writes `root`'s small files (no checkpoints, tokenizers or hidden files) into one .tar.gz; returns how many.
+
+  One archive because a device call brings back a few files only, two folders deep at most.
+  """
+  files = 0
+  archive.parent.mkdir(parents=True, exist_ok=True)
+  with tarfile.open(archive, "w:gz") as tar:
+    for path in sorted(root.rglob("*")):
+      relative = path.relative_to(root)
+      if not path.is_file() or "checkpoints" in relative.parts or path.stat().st_size > MAX_COPIED_BYTES:
+        continue
+      if relative.parts[-1].startswith(".") or "tokenizer" in relative.parts or skip(relative):
+        continue
+      tar.add(path, arcname=str(relative))
+      files += 1
+  return files
 
 
 def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
@@ -141,7 +147,10 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   table.render(workdir)
   report["rows"] = {row["name"]: row["status"] for row in results["rows"]}
   out.mkdir(parents=True, exist_ok=True)
-  report["files"] = copy_results(workdir, out)
+  report["files"] = pack_results(workdir, out / "sweep.tar.gz")
+  for name in ("table.md", "table.csv", "results.json"):  # Also loose, to read at once.
+    if (workdir / name).exists():
+      shutil.copy(workdir / name, out / name)
   report["total_seconds"] = round(time.time() - started, 1)
   (out / "reproduce.json").write_text(json.dumps(report, indent=1) + "\n")
   print((workdir / "table.md").read_text() if (workdir / "table.md").exists() else "no table rendered")

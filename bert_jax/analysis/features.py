@@ -21,6 +21,7 @@ The .npz holds:
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import sys
 from typing import Sequence
@@ -86,8 +87,10 @@ def padded_batches(encoded: Sequence[tuple[list[int], list[int]]], batch_size: i
       yield rows, ids_bt, segments_bt, lengths_b
 
 
-def layer_features_fn(config: ModelConfig, layers: Sequence[int]):
-  """A jitted (params, ids [B,T], segments [B,T], pack_ids [B,T]) -> float32 [B, T, len(layers), H]."""
+@functools.lru_cache(maxsize=8)
+def layer_features_fn(config: ModelConfig, layers: tuple[int, ...]):
+  """A jitted (params, ids [B,T], segments [B,T], pack_ids [B,T]) -> float32 [B, T, len(layers), H]; one per
+  (config, layers), so callers that pass lines in chunks compile each length bucket once."""
   encoder = Encoder(config)
 
   @jax.jit
@@ -109,7 +112,7 @@ def extract_features(config: ModelConfig, params: Params, encoded: list[tuple[li
   """
   longest = max((len(ids) for ids, _ in encoded), default=0)
   out = np.zeros((len(encoded), longest, len(layers), config.hidden_size), np.float32)
-  features = layer_features_fn(config, layers)
+  features = layer_features_fn(config, tuple(layers))
   for rows, ids_bt, segments_bt, lengths_b in padded_batches(encoded, batch_size, max_len):
     pack_ids_bt = (np.arange(ids_bt.shape[1])[None, :] < lengths_b[:, None]).astype(np.int32)
     batch_features = np.asarray(features(params, ids_bt, segments_bt, pack_ids_bt))
