@@ -109,6 +109,31 @@ def test_causal_mode_never_looks_right():
   assert not np.allclose(bi[:, :6], bi_changed[:, :6], atol=1e-3)
 
 
+def test_causal_classifier_pools_the_last_real_token():
+  """A left-to-right encoder's [CLS] sees only itself: its classifier must read the last real token instead."""
+  cfg = tiny(causal=True)
+  model = FinetuneModel(cfg, "classification", num_labels=3)
+  ids = np.random.default_rng(4).integers(5, 97, (2, 10)).astype(np.int32)
+  lengths = np.array([10, 7])
+  pack_ids = (np.arange(10)[None] < lengths[:, None]).astype(np.int32)
+  params = model.init(jax.random.key(0), jnp.asarray(ids), pack_ids=jnp.asarray(pack_ids))["params"]
+  logits = model.apply({"params": params}, jnp.asarray(ids), pack_ids=jnp.asarray(pack_ids))
+  # Independently: the encoder's hidden state at each row's last real token through the pooler and classifier.
+  hidden = Encoder(cfg).apply({"params": params["encoder"]}, jnp.asarray(ids), pack_ids=jnp.asarray(pack_ids))["hidden"]
+  last = hidden[np.arange(2), lengths - 1].astype(jnp.float32)
+  head = nn.unbox(params["head"])
+  pooled = np.tanh(last @ head["pooler"]["dense"]["kernel"] + head["pooler"]["dense"]["bias"])
+  expected = pooled @ head["classifier"]["kernel"] + head["classifier"]["bias"]
+  np.testing.assert_allclose(logits, expected, atol=1e-5)
+  # A middle token changes the prediction (a [CLS]-pooled causal classifier would ignore it); padding does not.
+  changed, padded = ids.copy(), ids.copy()
+  changed[:, 3] = (changed[:, 3] + 1 - 5) % 92 + 5
+  padded[1, 7:] = 0
+  run = lambda x: model.apply({"params": params}, jnp.asarray(x), pack_ids=jnp.asarray(pack_ids))  # noqa: E731
+  assert np.abs(run(changed) - logits).max() > 1e-6  # exactly 0 under [CLS] pooling
+  np.testing.assert_allclose(run(padded)[1], logits[1], atol=1e-6)
+
+
 def test_albert_sharing_and_factorised_embeddings():
   cfg = tiny(num_layers=4, num_shared_groups=1, embedding_size=16)
   params = Encoder(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]

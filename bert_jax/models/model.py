@@ -21,11 +21,13 @@ import jax.numpy as jnp
 
 from bert_jax.models import heads
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import Embeddings, Encoder
+from bert_jax.models.encoder import Embeddings, Encoder, gather_positions
 
 Array = jax.Array
 
 TASK_KINDS = ("classification", "regression", "span", "multiple_choice", "tagging")
+# Kinds whose head pools one position per row ([CLS], or the last token of a left-to-right encoder).
+POOLED_KINDS = ("classification", "regression", "multiple_choice")
 
 
 def head_rows(config: ModelConfig, length: int, positions: dict[str, Array]) -> tuple[Array | None, dict[str, Array]]:
@@ -189,6 +191,9 @@ class FinetuneModel(nn.Module):
     num_labels: classes (classification, tagging); ignored otherwise.
     top_bilstm: a randomly initialised one-layer BiLSTM between the encoder and the head (hidden/2 units a
       direction, so the head's input keeps its width): BERT Table 5's "+ BiLSTM" row, for every task kind.
+
+  A left-to-right encoder (`config.causal`) pools its last real token for the sentence-level kinds, as GPT does:
+  its [CLS] attends to itself alone. With `top_bilstm` the BiLSTM has read the whole row, so [CLS] is pooled.
   """
 
   config: ModelConfig
@@ -233,6 +238,9 @@ class FinetuneModel(nn.Module):
     if self.top_bilstm:
       lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
       hidden = self.bilstm(hidden.astype(jnp.float32), seq_lengths=lengths).astype(hidden.dtype)
+    elif self.config.causal and self.kind in POOLED_KINDS:
+      last_b = (hidden.shape[1] if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)) - 1
+      hidden = gather_positions(hidden, jnp.broadcast_to(last_b, hidden.shape[:1])[:, None])  # [B, 1, E]
     out = self.head(hidden, deterministic=deterministic)
     if self.kind == "regression":
       out = out[..., 0]
