@@ -1,6 +1,7 @@
 """Ablation tables end to end on CPU: pre-training, a one-task downstream suite, scoring and `bert-jax table`."""
 
 import csv
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from bert_jax.experiments import ablation, suite, table
+from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.train import config_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -378,6 +380,36 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
   assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)
+
+
+def test_rows_side_by_side_start_their_suites_at_different_tasks(setup, tmp_path):
+  """Row i starts at task i (wrapping), so rows sharing a machine compile different tasks first."""
+  spec, data_dirs, _ = setup
+  tab = ablation.load_table(spec)
+  tab = dataclasses.replace(tab, suite=dataclasses.replace(tab.suite, tasks=("mrpc", "rte", "cola"), seeds=(1,)))
+  order = []
+
+  def finetune(config, directory):
+    order.append(directory.parent.name)
+    return {"seeds": [{"seed": 1, "selected": {"metrics": {"dev": {"accuracy": 1.0, "mcc": 1.0}}}}]}
+
+  ablation.finetune_phase(tab, tab.rows[0], tmp_path, data_dirs, finetune, first_task=4)
+  assert order == ["rte", "cola", "mrpc"]
+  ablation.finetune_phase(tab, tab.rows[0], tmp_path, data_dirs, finetune)
+  assert order == ["rte", "cola", "mrpc"]  # Every task's seeds are recorded: nothing runs again.
+
+
+def test_the_gpu_suite_trains_every_row_on_the_same_subset_and_scores_the_last_evaluation(setup, tmp_path):
+  spec, data_dirs, _ = setup
+  tab = ablation.load_table(spec)
+  tab = dataclasses.replace(tab, suite=suite.scaled(tab.suite, "gpu"))
+  config = ablation.finetune_config(tab, tab.rows[0], suite.TASKS["sst2"], suite.GPU_LR, tmp_path, data_dirs)
+  assert config.train_examples == suite.GPU_TRAIN_EXAMPLES
+  assert (config.train.eval_every, config.train.selection) == ("end", "last")
+  examples = list(range(50))
+  picked = finetune_lib.subset(examples, 20)
+  assert picked == finetune_lib.subset(examples, 20) == sorted(picked) and len(set(picked)) == 20
+  assert finetune_lib.subset(examples, 50) is examples and finetune_lib.subset(examples, None) is examples
 
 
 def test_a_finetuning_configs_sweep_runs_each_row_as_one_finetune(tmp_path):

@@ -292,6 +292,9 @@ def test_bad_config_keys_fail_naming_the_key(tmp_path, capsys):
   with pytest.raises(ValueError, match="train.selection"):
     finetune_lib.validate(config_lib.load_config(str(REPO / "configs/finetune/glue.py"),
                                                  ["--config.train.selection=worst"]), 1)
+  with pytest.raises(ValueError, match="config.train_examples=0"):
+    finetune_lib.validate(config_lib.load_config(str(REPO / "configs/finetune/glue.py"),
+                                                 ["--config.train_examples=0"]), 1)
 
 
 @pytest.mark.parametrize("spec", ["glue.py:task=mnli", "squad.py:version=2.0", "swag.py", "ner.py:features=last"])

@@ -108,6 +108,8 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   if train.early_stopping_patience < 0:
     raise ValueError(f"config.train.early_stopping_patience={train.early_stopping_patience} must be >= 0")
   _eval_interval(train.eval_every)
+  if config.train_examples is not None and config.train_examples < 1:
+    raise ValueError(f"config.train_examples={config.train_examples} must be a positive count (or None: all)")
   if not config.seeds or len(set(config.seeds)) != len(config.seeds):
     raise ValueError(f"config.seeds={config.seeds!r} must name at least one seed, each once")
   if not 0.0 <= config.optim.warmup_proportion < 1.0:
@@ -465,6 +467,15 @@ def load_split(task: Task, data_dir: str, split: str) -> list[Any]:
   return task.load(data_dir, split)
 
 
+def subset(examples: list[Any], count: int | None) -> list[Any]:
+  """`count` of the examples, drawn without replacement by a fixed generator and kept in file order: the same
+  subset for every seed and model (all of them when count is None or at least their number)."""
+  if count is None or count >= len(examples):
+    return examples
+  keep = np.sort(np.random.default_rng(0).choice(len(examples), count, replace=False))
+  return [examples[i] for i in keep]
+
+
 def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: str) -> dict[str, np.ndarray]:
   if not examples:
     raise ValueError(f"{task.name}: the {what} split has no examples")
@@ -522,7 +533,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   tokenizer = task_tokenizer(initial.tokenizer)
 
   started = time.perf_counter()
-  train_examples = load_split(task, config.data_dir, "train")
+  train_examples = subset(load_split(task, config.data_dir, "train"), config.train_examples)
   train_features = _featurize(task, train_examples, tokenizer, max_len, "train")
   eval_examples = {split: load_split(task, config.data_dir, split) for split in task.eval_splits}
   eval_features = {split: _featurize(task, examples, tokenizer, max_len, split)

@@ -244,6 +244,8 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   distillation; None: every layer.
   model.*         dtype, dropouts, kernels, remat (None: the model's own).
   max_len         longest row in tokens.
+  train_examples  train on this many examples of the train split, a fixed random subset (the same for every
+                  seed, run and model); None: all of them.
   seeds           one training run per seed.
   optim.*         AdamW/LAMB, lr, weight decay, clipping, linear decay with
                   warmup_proportion of the steps, layerwise_lr_decay (1 = off).
@@ -279,6 +281,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
       "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),
       "remat": config_dict.placeholder(str)})
   config.max_len = 128
+  config.train_examples = config_dict.placeholder(int)
   config.seeds = (1, 2, 3)
   config.optim = ml_collections.ConfigDict(dict(
       name="adamw", lr=2e-5, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0, schedule="linear",

@@ -4,7 +4,7 @@
       --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --parallel 4
   bert-jax table runs/bert_table5
 
-Arguments: scale (tiny: CPU minutes on the built-in corpus; gpu: one GPU per row; paper: BERT-Base's recipe).
+Arguments: scale (tiny: CPU minutes on the built-in corpus; gpu: four rows side by side on one GPU; paper: BERT-Base's recipe).
 Rows: MLM+NSP on segment pairs; No NSP (MLM on the same segment pairs); LTR & No NSP (a left-to-right LM);
 + BiLSTM (the LTR model with a randomly initialised BiLSTM added on top at fine-tuning, for every task).
 """
