@@ -3,10 +3,12 @@
   # here: the Wikipedia sample, the WordPiece vocabulary and the downstream data (GLUE with SST-2's dev carved
   # from its train file, SQuAD v1.1 split by article, CoNLL-2003) and wheels, into one carried folder (~40 MiB)
   python bench/reproduce.py pack --out .carry_repro --wheels DIR_OF_WHEELS
-  # on the GPU machine, one call per table (its rows side by side, sharing the GPUs):
+  # on the GPU machine, one call per table (its rows side by side, sharing the GPU), or two small tables at once:
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry_repro/wheels/*.whl &&
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table bert_table5 \\
-      --parallel 4 --devices 1 --deadline 540 --out $OUT/bert_table5
+      --devices 1 --deadline 540 --out $OUT
+  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
+      --table roberta_table1,electra_compute --devices 1 --deadline 540 --out $OUT
   # here again, on what came back (the sweep's small files come as one archive):
   mkdir -p results/bert_table5 && tar -xzf OUT/bert_table5/sweep.tar.gz -C results/bert_table5
   bert-jax table results/bert_table5
@@ -14,12 +16,16 @@
 `run` prepares the corpus (every row of every table sees the same tokens: the
 MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
 perplexity), runs `bert-jax sweep --config configs/ablations/TABLE.py:scale=gpu`
-until it finishes or the deadline comes (then it stops the rows and keeps what
+for each table with all its rows at once (the tables side by side, each on its
+share of the host's cores, memory split over every row on an accelerator)
+until they finish or the deadline comes (then it stops the rows and keeps what
 finished: the sweep records every phase, task and seed), collects and renders
-the table, and packs the sweep's small files (results, state, metrics, logs,
-table and figures; no checkpoints) into --out/sweep.tar.gz, beside `reproduce.json`: the
-command, card, versions and the seconds each part took. Arguments after the
-known ones (`--config.train.steps=4000`, `--seeds 1,2`, `--rows 0,1`) go to the sweep.
+each table, and packs the sweep's small files (results, state, metrics, logs,
+table and figures; no checkpoints) into OUT/TABLE/sweep.tar.gz, beside
+table.md and `reproduce.json`: the command, card, versions and the seconds each
+part took. Arguments after the known ones (`--config.train.steps=2000`,
+`--config.seed=2` for a second pre-training seed, `--rows 0,1` with one table)
+go to every sweep.
 """
 
 from __future__ import annotations
@@ -112,51 +118,91 @@ def pack_results(root: pathlib.Path, archive: pathlib.Path, skip=lambda relative
   return files
 
 
+def _row_count(table_name: str, scale: str, sweep_args: list[str]) -> int:
+  from bert_jax.experiments import ablation
+
+  if "--rows" in sweep_args:
+    return len(sweep_args[sweep_args.index("--rows") + 1].split(","))
+  return len(ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}")).rows)
+
+
+def _core_shares(counts: list[int]) -> list[list[int]]:
+  """This host's cores split between sweeps in proportion to their rows."""
+  cores = sorted(os.sched_getaffinity(0))
+  total, shares, start = sum(counts), [], 0
+  for count in counts:
+    size = max(1, len(cores) * count // total)
+    shares.append(cores[start:start + size])
+    start += size
+  return shares
+
+
 def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
+  """Prepares the corpus, runs each table's sweep side by side until done or the deadline, packs the results."""
+  from bert_jax.experiments import ablation
+
   started = time.time()
   deadline = started + args.deadline
   carry, scratch, out = pathlib.Path(args.carry), pathlib.Path(args.scratch), pathlib.Path(args.out)
-  prepared, workdir = scratch / "wiki", scratch / "runs" / args.table
-  report = {"table": args.table, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  tables = args.table.split(",")
+  if len(tables) > 1 and "--rows" in sweep_args:
+    raise SystemExit("--rows selects rows of one table; run one --table with it")
+  prepared = scratch / "wiki"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   if not (prepared / "manifest.json").exists():
     subprocess.run([sys.executable, "-m", "bert_jax.cli", "prepare", "--input", str(carry / CORPUS.name), "--out",
                     str(prepared), "--tokenizer", str(carry / "vocab.txt"), "--eval-documents",
                     str(HELD_OUT_DOCUMENTS)], check=True, env=env, cwd=REPO)
-  report["prepare_seconds"] = round(time.time() - started, 1)
-  command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
-             f"configs/ablations/{args.table}.py:scale={args.scale}", "--workdir", str(workdir),
-             "--parallel", str(args.parallel), *(["--devices", str(args.devices)] if args.devices else []),
-             "--data-dir", f"glue={carry / 'glue'}", "--data-dir", f"squad={carry / 'squad'}",
-             "--data-dir", f"conll2003={carry / 'conll2003'}", f"--config.data.prepared={prepared}", *sweep_args]
-  report["sweep_command"] = " ".join(command[2:])
-  print("$ bert-jax " + " ".join(command[3:]), flush=True)
-  sweep_started = time.time()
-  process = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True)
-  try:
-    report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
-  except subprocess.TimeoutExpired:
-    _stop(process)
-    report["sweep_status"] = f"stopped at the deadline ({args.deadline} s after the start)"
-  report["sweep_seconds"] = round(time.time() - sweep_started, 1)
+  prepare_seconds = round(time.time() - started, 1)
+  counts = [_row_count(name, args.scale, sweep_args) for name in tables]
+  devices = args.devices or sum(counts)
+  # Every row of every table side by side: each sweep splits memory by all the rows on its accelerator.
+  env[ablation.SHARING_ENV] = str(-(-sum(counts) // devices))
+  sweeps = []
+  for name, count, cores in zip(tables, counts, _core_shares(counts)):
+    workdir = scratch / "runs" / name
+    command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
+               f"configs/ablations/{name}.py:scale={args.scale}", "--workdir", str(workdir),
+               "--parallel", str(count), "--devices", str(min(devices, count)),
+               "--data-dir", f"glue={carry / 'glue'}", "--data-dir", f"squad={carry / 'squad'}",
+               "--data-dir", f"conll2003={carry / 'conll2003'}", f"--config.data.prepared={prepared}", *sweep_args]
+    print("$ bert-jax " + " ".join(command[3:]) + f"   # cores {cores[0]}-{cores[-1]}", flush=True)
+    process = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True,
+                               preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores))
+    sweeps.append((name, workdir, command, process, time.time()))
+  summary = {}
+  for name, workdir, command, process, sweep_started in sweeps:
+    report = {"table": name, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "prepare_seconds": prepare_seconds, "sweep_command": " ".join(command[2:]),
+              "tables_side_by_side": tables}
+    try:
+      report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      _stop(process)
+      report["sweep_status"] = f"stopped at the deadline ({args.deadline} s after the start)"
+    report["sweep_seconds"] = round(time.time() - sweep_started, 1)
+    summary[name] = _collect(workdir, out / name, report)
+    report["total_seconds"] = round(time.time() - started, 1)
+    (out / name / "reproduce.json").write_text(json.dumps(report, indent=1) + "\n")
+  print(json.dumps(summary, indent=1))
+  return 0
 
+
+def _collect(workdir: pathlib.Path, out: pathlib.Path, report: dict) -> dict:
+  """Renders the table of a finished or stopped sweep and packs its small files into `out`; returns a summary."""
   from bert_jax.experiments import ablation, table
 
   results = ablation.collect(workdir)
   table.render(workdir)
   report["rows"] = {row["name"]: row["status"] for row in results["rows"]}
   out.mkdir(parents=True, exist_ok=True)
+  # A device call brings back few files: the archive and, to read at once, the table.
   report["files"] = pack_results(workdir, out / "sweep.tar.gz")
-  for name in ("table.md", "table.csv", "results.json"):  # Also loose, to read at once.
-    if (workdir / name).exists():
-      shutil.copy(workdir / name, out / name)
-  report["total_seconds"] = round(time.time() - started, 1)
-  (out / "reproduce.json").write_text(json.dumps(report, indent=1) + "\n")
-  print((workdir / "table.md").read_text() if (workdir / "table.md").exists() else "no table rendered")
-  print(json.dumps({key: report[key] for key in ("card", "prepare_seconds", "sweep_seconds", "sweep_status",
-                                                 "rows", "total_seconds")}, indent=1))
-  return 0
+  if (workdir / "table.md").exists():
+    shutil.copy(workdir / "table.md", out / "table.md")
+    print((workdir / "table.md").read_text())
+  return {key: report[key] for key in ("card", "prepare_seconds", "sweep_seconds", "sweep_status", "rows")}
 
 
 def main() -> int:
@@ -167,13 +213,14 @@ def main() -> int:
   pack_parser.add_argument("--wheels", help="folder of wheels the GPU machine lacks (ml_collections, grain, ...)")
   run_parser = sub.add_parser("run", help="prepare, sweep one table until done or the deadline, collect, copy")
   run_parser.add_argument("--carry", default=".carry_repro")
-  run_parser.add_argument("--table", required=True, help="a configs/ablations/ name, e.g. bert_table5")
+  run_parser.add_argument("--table", required=True,
+                          help="a configs/ablations/ name, e.g. bert_table5; several, comma-separated, run side by side")
   run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
-  run_parser.add_argument("--parallel", type=int, default=1, help="rows side by side")
-  run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row)")
+  run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row); every "
+                          "row of every table runs at once")
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
-  run_parser.add_argument("--out", required=True, help="where the small result files go ($OUT/TABLE on a device)")
+  run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")
   args, rest = parser.parse_known_args()
   if args.command == "pack":
     if rest:

@@ -355,6 +355,9 @@ def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkey
   assert [cores for _, cores in slots] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
   env, cores = ablation._slot_environment(1, parallel=2, devices=2)  # One row per accelerator: memory untouched.
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and env[ablation.SHARING_ENV] == "1" and cores == list(range(8, 16))
+  monkeypatch.setenv(ablation.SHARING_ENV, "4")  # Another sweep's two rows share the accelerator too.
+  env, _ = ablation._slot_environment(1, parallel=2, devices=1)
+  assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.225" and env[ablation.SHARING_ENV] == "4"
 
 
 def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):

@@ -178,7 +178,9 @@ def _finetune_state(row_dir: epath.Path, task: str, lr: float, seed: int) -> epa
 
 # Phases ---------------------------------------------------------------------------------------------------------
 
-SHARING_ENV = "BERT_JAX_ROWS_PER_DEVICE"  # Set by `--parallel` for its rows: wall times of shared devices say so.
+# Rows per accelerator, set by `--parallel` for its rows (or beforehand by whoever runs several sweeps on the same
+# accelerators, e.g. bench/reproduce.py): wall times of shared devices say so, and memory is split by it.
+SHARING_ENV = "BERT_JAX_ROWS_PER_DEVICE"
 
 
 def _device() -> str:
@@ -393,11 +395,12 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
 def _slot_environment(slot: int, parallel: int, devices: int) -> tuple[dict[str, str], list[int] | None]:
   """A row slot's accelerator (slots share the `devices` round-robin) and its share of this host's cores.
 
-  Rows sharing an accelerator split its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set); every slot gets
-  its own cores, so that each row's batch-building workers (`pipeline.default_workers`) size to its share.
+  Rows sharing an accelerator split its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set), counting the rows
+  of other sweeps that $BERT_JAX_ROWS_PER_DEVICE announces; every slot gets its own share of this process's
+  cores, so that each row's batch-building workers (`pipeline.default_workers`) size to its share.
   """
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot % devices))
-  sharing = -(-parallel // devices)
+  sharing = max(-(-parallel // devices), int(os.environ.get(SHARING_ENV) or 1))
   env[SHARING_ENV] = str(sharing)
   if sharing > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / sharing:.3f}"
