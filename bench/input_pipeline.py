@@ -17,7 +17,8 @@ Part 2, only when a GPU is present: per size (`--sizes`), format and masking
 (`--masking`), the synthetic step (`bench/train_step.py`'s `measure`) and the
 real loop (`trainer.train_and_evaluate` on the same config over the prepared
 data, no evaluation) side by side: seq/s of each, their ratio and the host
-cores the loop kept busy. Mini also runs at `--mini-batch` when it differs.
+cores the loop kept busy, and per step the loop's wall time, the main thread's wait for its batch and the
+step's dispatch (the rest is the loop's own work). Mini also runs at `--mini-batch` when it differs.
 
 Writes OUT/input_pipeline.md (the tables), OUT/input_pipeline.json and the
 loops' output in OUT/loop.log, and prints the tables. `--profile FORMAT` also prints where one thread's time goes
@@ -206,10 +207,24 @@ def time_loop(config, steps: int, workdir: pathlib.Path) -> dict[str, Any]:
   config.train.steps = steps
   config.train.log_every = max(1, steps // 20)
   loop_ends, run = [], trainer.loop.run
+  waits, dispatches = [], []  # Per step: the main thread waiting for its batch, and in the step's dispatch.
 
-  def timed_run(*args, **kwargs):
+  def timed_run(train_step, state, batches, **kwargs):
+    def timed_step(state, batch):
+      started = time.perf_counter()
+      out = train_step(state, batch)
+      dispatches.append(time.perf_counter() - started)
+      return out
+
+    def timed_batches():
+      while True:
+        started = time.perf_counter()
+        batch = next(batches)
+        waits.append(time.perf_counter() - started)
+        yield batch
+
     try:
-      return run(*args, **kwargs)
+      return run(timed_step, state, timed_batches(), **kwargs)
     finally:
       loop_ends.append(time.perf_counter())
 
@@ -227,8 +242,11 @@ def time_loop(config, steps: int, workdir: pathlib.Path) -> dict[str, Any]:
   seconds = sum(config.train.log_every / row["steps_per_second"] for row in kept)
   steps_per_s = len(kept) * config.train.log_every / seconds
   cpu = meter.between(loop_ends[0] - seconds, loop_ends[0])
+  tail = len(dispatches) * 3 // 10  # The same last 70% of the steps.
   return {"loop_seq_per_s": steps_per_s * config.train.batch_size, "loop_steps_per_s": steps_per_s,
-          "loop_total_s": total_s, "loop_main_cores": cpu["main_cores"], "loop_total_cores": cpu["total_cores"]}
+          "loop_total_s": total_s, "loop_main_cores": cpu["main_cores"], "loop_total_cores": cpu["total_cores"],
+          "loop_step_us": 1e6 / steps_per_s, "loop_wait_us": 1e6 * sum(waits[tail:]) / max(1, len(waits[tail:])),
+          "loop_dispatch_us": 1e6 * sum(dispatches[tail:]) / max(1, len(dispatches[tail:]))}
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -248,10 +266,11 @@ def host_table(results: list[dict[str, Any]]) -> str:
 def loop_table(results: list[dict[str, Any]]) -> str:
   return markdown_table(
       ["size", "format", "masking", "batch", "synthetic seq/s", "loop seq/s", "loop / synthetic", "main cores",
-       "all cores"],
+       "all cores", "loop us/step", "batch wait us", "dispatch us"],
       [[r["size"], r["format"], r["masking"], str(r["batch"]), f"{r['seq_per_s']:,.0f}",
         f"{r['loop_seq_per_s']:,.0f}", f"{r['loop_seq_per_s'] / r['seq_per_s']:.1%}", f"{r['loop_main_cores']:.2f}",
-        f"{r['loop_total_cores']:.2f}"] for r in results])
+        f"{r['loop_total_cores']:.2f}", f"{r['loop_step_us']:,.0f}", f"{r['loop_wait_us']:,.0f}",
+        f"{r['loop_dispatch_us']:,.0f}"] for r in results])
 
 
 def parse_workers(text: str) -> list[int]:
