@@ -9,9 +9,8 @@
       --devices 1 --deadline 540 --out $OUT
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
       --table roberta_table1,electra_compute --devices 1 --deadline 540 --out $OUT
-  # here again, on what came back (the sweep's small files come as one archive):
-  mkdir -p results/bert_table5 && tar -xzf OUT/bert_table5/sweep.tar.gz -C results/bert_table5
-  bert-jax table results/bert_table5
+  # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
+  python bench/reproduce.py publish OUT/bert_table5
 
 `run` prepares the corpus (every row of every table sees the same tokens: the
 MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
@@ -205,6 +204,27 @@ def _collect(workdir: pathlib.Path, out: pathlib.Path, report: dict) -> dict:
   return {key: report[key] for key in ("card", "prepare_seconds", "sweep_seconds", "sweep_status", "rows")}
 
 
+PUBLISHED_FILES = ("table.md", "table.csv", "results.json", "reproduce.json", "pretrain_loss.png", "downstream.png")
+
+
+def publish(returned: pathlib.Path, docs: pathlib.Path) -> None:
+  """A table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) -> docs/reproductions/TABLE: the sweep
+  unpacked beside it (under OUT/TABLE/sweep), the table rendered again here, and its small files copied."""
+  from bert_jax.experiments import table
+
+  sweep = returned / "sweep"
+  with tarfile.open(returned / "sweep.tar.gz") as tar:
+    tar.extractall(sweep, filter="data")
+  shutil.copy(returned / "reproduce.json", sweep / "reproduce.json")
+  table.render(sweep)
+  target = docs / returned.name
+  target.mkdir(parents=True, exist_ok=True)
+  for name in PUBLISHED_FILES:
+    if (sweep / name).exists():
+      shutil.copy(sweep / name, target / name)
+  print(f"published {returned.name} to {target}")
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -221,7 +241,14 @@ def main() -> int:
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
   run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")
+  publish_parser = sub.add_parser("publish", help="unpack what a call brought back and copy the table's files to docs")
+  publish_parser.add_argument("returned", nargs="+", help="OUT/TABLE folders as they came back")
+  publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
   args, rest = parser.parse_known_args()
+  if args.command == "publish":
+    for returned in args.returned:
+      publish(pathlib.Path(returned), pathlib.Path(args.docs))
+    return 0
   if args.command == "pack":
     if rest:
       parser.error(f"unrecognised arguments {rest}")
