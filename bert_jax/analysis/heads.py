@@ -258,8 +258,8 @@ def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max
   import ml_collections  # noqa: PLC0415
 
   from bert_jax.data.tokenizers import load_tokenizer  # noqa: PLC0415
-  from bert_jax.tasks.finetune import load_split, padded_length, trim_features  # noqa: PLC0415
-  from bert_jax.tasks.finetune_model import RUN_FILE, FinetuneObjective, build_model, task_tokenizer  # noqa: PLC0415
+  from bert_jax.tasks.finetune import load_split, padded_length, task_model, trim_features  # noqa: PLC0415
+  from bert_jax.tasks.finetune_model import RUN_FILE, FinetuneObjective, task_tokenizer  # noqa: PLC0415
   from bert_jax.tasks.registry import get_task  # noqa: PLC0415
   from bert_jax.train import checkpoint as checkpoint_lib  # noqa: PLC0415
 
@@ -281,7 +281,7 @@ def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max
     raise ValueError(f"{task.name}: no {task.eval_splits[0]} examples in {data_dir or config.data_dir}")
   features = task.featurize(examples, task_tokenizer(load_tokenizer(workdir / "tokenizer")), config.max_len)
   features = trim_features(features, task.kind, config.max_len, padded_length([features], config.max_len))
-  objective = FinetuneObjective(build_model(model_config, task.kind, task.num_labels), task.kind,
+  objective = FinetuneObjective(task_model(config, model_config, task), task.kind,
                                 single_token_type=model_config.type_vocab_size == 1, num_choices=task.num_choices)
   _, params = checkpoint_lib.restore_params(workdir / run_info["best_seed_dir"])
   return TaskData(model_config, objective, params, task, examples, features, batch_size, metric)
