@@ -234,7 +234,7 @@ def main() -> int:
   run_parser = sub.add_parser("run", help="prepare, sweep one table until done or the deadline, collect, copy")
   run_parser.add_argument("--carry", default=".carry_repro")
   run_parser.add_argument("--table", required=True,
-                          help="a configs/ablations/ name, e.g. bert_table5; several, comma-separated, run side by side")
+                          help="a configs/ablations/ name, e.g. bert_table5; several, comma-separated, side by side")
   run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
   run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row); every "
                           "row of every table runs at once")

@@ -385,6 +385,40 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
   assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)
 
 
+def test_a_row_can_fine_tune_another_rows_pretrained_model(setup, tmp_path, monkeypatch):
+  """BERT Table 5's "+ BiLSTM": no pre-training of its own, the named row's model, waiting for it; run after it."""
+  _, data_dirs, root = setup
+  shared = root / "table_shared.py"
+  broken = '{"name": "broken", "overrides": {"model.num_heads": 3}},  # 64 is not divisible by 3 heads.'
+  shared.write_text(TABLE_CONFIG.replace(
+      broken, '{"name": "on MLM", "pretrained": "MLM", "finetune": {"top_bilstm": True}},'))
+  tab = ablation.load_table(str(shared))
+  log, models = [], []
+  fake = _fake_phases(monkeypatch, log)
+
+  def finetune(config, directory):
+    models.append((directory.parent.parent.parent.name, pathlib.Path(config.init.model).parent.name,
+                   config.top_bilstm))
+    return fake(config, directory)
+
+  results = ablation.run_sweep(tab, tmp_path / "run", data_dirs, finetune=finetune)
+  assert [entry for entry in log if entry[0] == "pretrain"] == [("pretrain", "MLM+NSP"), ("pretrain", "MLM")]
+  assert models == [("MLM+NSP", "MLM+NSP", False), ("MLM", "MLM", False), ("on_MLM", "MLM", True)]
+  row = results["rows"][1]
+  assert row["status"] == "done" and row["pretrain"]["pretrained_by"] == "MLM" and row["tasks"]["sst2"]
+  assert "the model of MLM" in table.render_markdown(results)
+  # The named row failed: the waiting row says so instead of waiting for ever.
+  (tmp_path / "run" / "rows" / "MLM" / "state" / "pretrain.json").unlink()
+  ablation._write_json(tmp_path / "run" / "rows" / "MLM" / "row.json", {"status": "failed", "error": "boom"})
+  with pytest.raises(RuntimeError, match="'MLM'.* ended failed without one: boom"):
+    ablation.wait_for_pretraining(tab, tab.rows[1], tmp_path / "run", poll_seconds=0.01)
+  for bad, match in (('"pretrained": "nowhere"', "not a row that pre-trains"),
+                     ('"pretrained": "MLM", "overrides": {"objective": "mlm"}', "no pre-training overrides")):
+    shared.write_text(TABLE_CONFIG.replace('"overrides": {"model.num_heads": 3}', bad))
+    with pytest.raises(config_lib.ConfigError, match=match):
+      ablation.load_table(str(shared))
+
+
 def test_rows_side_by_side_start_their_suites_at_different_tasks(setup, tmp_path):
   """Row i starts at task i (wrapping), so rows sharing a machine compile different tasks first."""
   spec, data_dirs, _ = setup

@@ -7,7 +7,8 @@ r"""Run a paper's ablation table end to end: pre-train every row, fine-tune the 
 The config file gives `get_config(arg)` (the base pre-training config),
 `get_sweep(arg)` (the rows: `{"name": ..., "overrides": {key: value},
 "finetune": {key: value}}`, or plain override dicts; an override's value may be
-a function of the config the row starts from), `get_suite(arg)` (the
+a function of the config the row starts from; a row with `"pretrained": NAME`
+fine-tunes row NAME's pre-trained model, waiting for it, instead of its own), `get_suite(arg)` (the
 downstream suite, `bert_jax.experiments.suite.Suite`) and `PUBLISHED` (the
 paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
 
@@ -65,10 +66,13 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  """One table row: its display name, pre-training overrides and fine-tuning overrides."""
+  """One table row: its display name, pre-training overrides and fine-tuning overrides; or, with `pretrained`,
+  the name of the row whose pre-trained model it fine-tunes (BERT Table 5's "+ BiLSTM" on the LTR model) instead
+  of pre-training its own."""
   name: str
   overrides: dict[str, Any]
   finetune: dict[str, Any] = dataclasses.field(default_factory=dict)
+  pretrained: str | None = None
 
   @property
   def slug(self) -> str:
@@ -86,11 +90,15 @@ class Table:
 
 def _row_from(entry: dict[str, Any]) -> Row:
   if "overrides" in entry or "name" in entry:
-    unknown = set(entry) - {"name", "overrides", "finetune"}
+    unknown = set(entry) - {"name", "overrides", "finetune", "pretrained"}
     if unknown:
       raise config_lib.ConfigError(f"sweep row {entry.get('name')!r}: unknown fields {sorted(unknown)}; "
-                                   "a row has name, overrides and finetune")
-    return Row(entry["name"], dict(entry.get("overrides", {})), dict(entry.get("finetune", {})))
+                                   "a row has name, overrides, finetune and pretrained")
+    if entry.get("pretrained") and entry.get("overrides"):
+      raise config_lib.ConfigError(f"sweep row {entry.get('name')!r}: a row that fine-tunes the model of row "
+                                   f"{entry['pretrained']!r} has no pre-training overrides of its own")
+    return Row(entry["name"], dict(entry.get("overrides", {})), dict(entry.get("finetune", {})),
+               entry.get("pretrained"))
   text = ",".join(f"{k}={v}" for k, v in entry.items()) or "base"
   return Row(text, dict(entry))
 
@@ -105,6 +113,11 @@ def load_table(spec: str, base_overrides: Sequence[str] = ()) -> Table:
   slugs = [row.slug for row in rows]
   if len(set(slugs)) != len(slugs):
     raise config_lib.ConfigError(f"{path}: two sweep rows share a name: {[row.name for row in rows]}")
+  trained = {row.name for row in rows if row.pretrained is None}
+  for row in rows:
+    if row.pretrained is not None and row.pretrained not in trained:
+      raise config_lib.ConfigError(f"{path}: row {row.name!r} fine-tunes the model of {row.pretrained!r}, which is "
+                                   f"not a row that pre-trains; rows that do: {sorted(trained)}")
   suite = module.get_suite(arg) if hasattr(module, "get_suite") else suite_lib.Suite(tasks=())
   published = getattr(module, "PUBLISHED", {})
   return Table(spec, tuple(base_overrides), rows, suite, published)
@@ -266,6 +279,27 @@ def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, mod
   return config_lib.load_config(str(CONFIGS / task.config), overrides)
 
 
+def pretrained_dir(table: Table, row: Row, workdir: epath.Path) -> epath.Path:
+  """The row folder whose pre-training `row` fine-tunes from: its own, or that of the row it names."""
+  name = row.pretrained or row.name
+  return workdir / "rows" / next(other.slug for other in table.rows if other.name == name)
+
+
+def wait_for_pretraining(table: Table, row: Row, workdir: epath.Path, poll_seconds: float = 5.0) -> dict[str, Any]:
+  """The pre-training state of the row `row.pretrained`, once that row (run by this sweep, side by side, or by
+  another job) has recorded it; raises if that row ended without it."""
+  source_dir = pretrained_dir(table, row, workdir)
+  while True:
+    state = _read_json(source_dir / "state" / "pretrain.json")
+    if state is not None:
+      return state
+    status = _read_json(source_dir / "row.json")
+    if status is not None:
+      raise RuntimeError(f"row {row.pretrained!r}, whose pre-trained model this row fine-tunes, ended "
+                         f"{status.get('status')} without one: {status.get('error')}")
+    time.sleep(poll_seconds)
+
+
 def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[str, str],
                    finetune: Callable | None = None, first_task: int = 0) -> None:
   """Fine-tunes every (task, lr) of the suite over its seeds, from the row's pre-training workdir.
@@ -287,7 +321,8 @@ def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[
       for lr in table.suite.lrs:
         if all(_finetune_state(row_dir, task_name, lr, seed).exists() for seed in table.suite.seeds):
           continue
-        config = finetune_config(table, row, task, lr, row_dir / "pretrain", data_dirs)
+        config = finetune_config(table, row, task, lr, pretrained_dir(table, row, row_dir.parent.parent) / "pretrain",
+                                 data_dirs)
         started = time.perf_counter()
         results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}")
         for seed_result in results["seeds"]:
@@ -339,9 +374,12 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
       _write_json(row_dir / "row.json", status)
       return status
     phase = "pretrain"
-    cross = [pair for column, pair in suite_lib.SENTENCE_COLUMNS.items()
-             if column in table.published.get("columns", {}) and pair[0] != config.objective]
-    pretrain_phase(config, row_dir, cross)
+    if row.pretrained is not None:
+      wait_for_pretraining(table, row, workdir)
+    else:
+      cross = [pair for column, pair in suite_lib.SENTENCE_COLUMNS.items()
+               if column in table.published.get("columns", {}) and pair[0] != config.objective]
+      pretrain_phase(config, row_dir, cross)
     phase = "finetune"
     finetune_phase(table, row, row_dir, data_dirs, finetune, first_task=index)
     status = {"name": row.name, "status": "done"}
@@ -374,6 +412,8 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   bad = [i for i in indices if not 0 <= i < len(table.rows)]
   if bad:
     raise ValueError(f"row indices {bad} out of range: the sweep has {len(table.rows)} rows (0..{len(table.rows) - 1})")
+  # A row that fine-tunes another's pre-trained model waits for it: that row runs first.
+  indices.sort(key=lambda i: table.rows[i].pretrained is not None)
   _write_sweep_file(table, workdir, data_dirs)
   # Rows take minutes to hours and each shows its own bar: the sweep reports in lines, one per finished row.
   progress = progress_lib.Progress(len(indices), "sweep", unit="row", every_seconds=0, plain=True,
@@ -476,9 +516,12 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
     for split, metrics in (own or {}).get("summary", {}).items():
       for metric, stats in metrics.items():
         tasks[f"{split}/{metric}"] = {"metric": metric, "seeds_done": len(stats["values"]), **stats}
+    pretrain = _read_json(pretrained_dir(table, row, workdir) / "state" / "pretrain.json")
+    if pretrain is not None and row.pretrained is not None:
+      pretrain = {**pretrain, "wall_seconds": 0.0, "pretrained_by": row.pretrained}
     rows.append({"name": row.name, "slug": row.slug, "overrides": row.overrides, "finetune": row.finetune,
-                 "status": status.get("status"), "phase": status.get("phase"), "error": status.get("error"),
-                 "pretrain": _read_json(row_dir / "state" / "pretrain.json"), "tasks": tasks})
+                 "pretrained": row.pretrained, "status": status.get("status"), "phase": status.get("phase"),
+                 "error": status.get("error"), "pretrain": pretrain, "tasks": tasks})
   results = {"config": table.spec, "overrides": list(table.base_overrides),
              "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows}
   _write_json(workdir / "results.json", results)

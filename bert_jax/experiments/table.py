@@ -173,8 +173,10 @@ def render_markdown(results: dict[str, Any]) -> str:
   for row in results["rows"]:
     pretrain = row.get("pretrain") or {}
     error = (f"{row.get('phase')}: {row['error']}" if row.get("error") else "").replace("|", "/").replace("\n", " ")
+    wall = (f"the model of {pretrain['pretrained_by']}" if pretrain.get("pretrained_by")
+            else _number(pretrain.get("wall_seconds")))
     lines.append(f"| {row['name']} | {pretrain.get('tokens_seen', '')} | {_number(pretrain.get('epochs'), 2)} | "
-                 f"{_number(pretrain.get('wall_seconds'))} | {pretrain.get('device', '')} | "
+                 f"{wall} | {pretrain.get('device', '')} | "
                  f"{pretrain.get('num_params', '')} | {error} |")
   return "\n".join(lines) + "\n"
 
