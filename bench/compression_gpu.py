@@ -186,7 +186,7 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
         str(model / "vocab.txt"), "--eval-documents", "10" if args.smoke else "200"]))
     steps_count, batch, seq_len = (4, 8, 64) if args.smoke else (args.general_steps, 256, 128)
     values = {"model.num_heads": 12, "distill.teacher": model, "distill.alpha": 0.0, "data.prepared": wiki,
-              "data.seq_len": seq_len, "masking.max_predictions": seq_len // 6,
+              "data.seq_len": seq_len, "masking.max_predictions": seq_len * 5 // 32,  # BERT: 20 at 128
               "optim.warmup_steps": max(1, steps_count // 10), "train.checkpoint_every": steps_count,
               "train.eval_every": steps_count, "train.log_every": 1 if args.smoke else 100,
               **({"model.dtype": "float32", "train.eval_batches": 2} if args.smoke else {})}
@@ -198,7 +198,7 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
       finetune(task, runs / task, "general", "general", {"init.model": pretrain}, after=["general/pretrain"])
   if "speed" in stages:
     made = "tasks" in stages and "sst2" in tasks
-    folder = runs / "sst2" if made else runs / "speed" / "models"
+    folder = runs / "sst2" if made else runs / "speed" / "models" / "sst2"
     if not made:
       derive("sst2", folder, "speed", seeds[:1], baseline=False)
     variants = {"teacher": folder / "teacher", f"distilled_{STUDENT_LAYERS}l": folder / "distilled",
@@ -212,9 +212,9 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
   return steps
 
 
-def _stage_paths(stage: str, steps: list[Step], runs: pathlib.Path) -> list[pathlib.Path]:
-  """The folders of `stage`'s results under `runs` (relative), from its steps' workdirs and outputs."""
-  found = {pathlib.Path("reports"), pathlib.Path("logs") / stage}
+def _stage_paths(stage: str, steps: list[Step], runs: pathlib.Path, label: str) -> list[pathlib.Path]:
+  """What of `runs` goes into `stage`'s archive (relative): its report, its logs, its steps' workdirs and outputs."""
+  found = {pathlib.Path("reports") / f"{stage}_{label}.json", pathlib.Path("logs") / stage}
   for step in steps:
     if step.stage != stage:
       continue
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
       (runs / "reports" / f"{stage}_{label}.json").write_text(text)
       out.mkdir(parents=True, exist_ok=True)
       (out / f"{stage}.json").write_text(text)
-      prefixes = [path.parts for path in _stage_paths(stage, steps, runs)]
+      prefixes = [path.parts for path in _stage_paths(stage, steps, runs, label)]
       reproduce.pack_results(runs, out / f"{stage}.tar.gz", skip=lambda relative: (
           not any(relative.parts[:len(p)] == p for p in prefixes) or "pruned_model" in relative.parts
           or relative.parts[:2] == ("general", "wiki")))
@@ -388,6 +388,7 @@ def collect(roots: list[pathlib.Path]) -> dict:
       int8 = found["int8"]
       int8.update(score=int8["metrics"][teacher["split"]][teacher["metric"]],
                   reference=teacher["by_seed"][int8["seed"]], metric=teacher["metric"])
+  reports.sort(key=lambda report: (STAGES.index(report["stage"]), report["tasks"]))
   return {"tasks": {task: found for task, found in tasks.items() if found}, "speed": speed, "reports": reports}
 
 

@@ -1,0 +1,97 @@
+"""bench/compression_gpu.py: the stages' steps and their order, and docs/compression.md rendered from fake results."""
+
+import argparse
+import json
+import pathlib
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+_PATH = list(sys.path)
+sys.path.insert(0, str(BENCH))
+try:
+  import compression_gpu as bench  # it puts the checkout and bench/ on the path for its helpers
+finally:
+  sys.path[:] = _PATH
+
+
+def _args(**overrides):
+  values = dict(stage="tasks,speed", tasks="sst2", seeds="1,2,3", smoke=False, general_steps=6000,
+                general_seconds=300.0)
+  return argparse.Namespace(**{**values, **overrides})
+
+
+def test_students_quantisation_and_pruning_wait_for_their_teacher_and_the_bench_for_all_four(tmp_path):
+  steps = {step.name: step for step in bench.plan(_args(), tmp_path / "data", tmp_path / "minilm", tmp_path / "runs")}
+  assert list(steps) == ["sst2/teacher", "sst2/distilled", "sst2/baseline", "sst2/int8", "sst2/int8 evaluate",
+                         "sst2/pruned", "speed/inference"]
+  assert steps["sst2/baseline"].after == () and steps["sst2/distilled"].after == ("sst2/teacher",)
+  assert f"--config.distill.teacher={tmp_path / 'runs' / 'sst2' / 'teacher'}" in steps["sst2/distilled"].argv
+  assert "--config.init.layers=3" in steps["sst2/baseline"].argv and "--config.seeds=(1, 2, 3)" in \
+      steps["sst2/teacher"].argv
+  bench_step = steps["speed/inference"]
+  assert set(bench_step.after) == {"sst2/teacher", "sst2/distilled", "sst2/int8", "sst2/pruned"}
+  assert f"--variant=pruned={tmp_path / 'runs' / 'sst2' / 'pruned' / 'pruned_model'}" in bench_step.argv
+  assert bench._command(steps["sst2/int8"]).startswith("bert-jax quantize --workdir ")
+
+
+def test_speed_alone_derives_one_seed_of_sst2_and_general_fine_tunes_its_student(tmp_path):
+  steps = bench.plan(_args(stage="speed,general", tasks="mrpc,rte"), tmp_path / "data", tmp_path / "m",
+                     tmp_path / "runs")
+  names = [step.name for step in steps]
+  assert names[:3] == ["general/prepare", "general/pretrain", "mrpc/general"]
+  teacher = next(step for step in steps if step.name == "sst2/teacher")
+  assert teacher.stage == "speed" and "--config.seeds=(1,)" in teacher.argv
+  assert str(tmp_path / "runs" / "speed" / "models" / "sst2" / "teacher") in teacher.argv
+  pretrain = steps[1]
+  assert pretrain.stop_after == 300.0 and "--config.distill.alpha=0.0" in pretrain.argv
+  assert f"--config.init.model={tmp_path / 'runs' / 'general' / 'pretrain'}" in steps[2].argv
+  assert bench._stage_paths("general", steps, tmp_path / "runs", "mrpc-rte") == [
+      pathlib.Path(p) for p in ("general/pretrain", "general/wiki", "logs/general", "mrpc/general",
+                                "reports/general_mrpc-rte.json", "rte/general")]
+
+
+def _finetune_results(scores, params, metric="accuracy"):
+  return {"selection_metric": metric, "num_params": params,
+          "summary": {"dev": {metric: {"mean": sum(scores) / len(scores), "std": 0.5, "values": scores}}},
+          "seeds": [{"seed": seed, "selected": {"metrics": {"dev": {metric: score}}}}
+                    for seed, score in enumerate(scores, 1)]}
+
+
+def _write(path, content):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(content))
+
+
+def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path):
+  root = tmp_path / "results"
+  for task, teacher in (("sst2", [90.0, 92.0, 91.0]), ("mrpc", [80.0, 80.0, 80.0])):
+    _write(root / task / "teacher" / "results.json", _finetune_results(teacher, 22_000_000))
+    _write(root / task / "distilled" / "results.json", _finetune_results([x - 10 for x in teacher], 17_600_000))
+    _write(root / task / "baseline" / "results.json", _finetune_results([x - 20 for x in teacher], 17_600_000))
+    _write(root / task / "int8" / "quantization.json", {"seed": 2, "param_bytes": {"compression": 3.9}})
+    _write(root / task / "int8" / "evaluate_dev.json", {"2": {"dev": {"accuracy": teacher[1] - 1}}})
+    _write(root / task / "pruned" / "results.json",
+           {"heads": {"metric": "accuracy", "base_score": teacher[1]},
+            "prune": {"pruned_score": teacher[1] / 2, "params": [22_000_000, 20_000_000], "heads_removed": 29}})
+  rows = [{"model": model, "batch": batch, "length": 128, "ours_seq_per_s": rate * batch}
+          for model, rate in (("teacher", 100.0), ("distilled_3l", 200.0), ("int8", 150.0), ("pruned", 125.0))
+          for batch in (1, 256)]
+  rows[0].update(ours_p50_ms=1.5, ours_p90_ms=2.0)
+  _write(root / "speed" / "inference_NVIDIA_H200.json", {"device": "NVIDIA H200", "backend": "gpu",
+                                                         "dtype": "bfloat16", "rows": rows})
+  report = {"stage": "tasks", "tasks": ["sst2", "mrpc"], "card": "1 x NVIDIA H200", "date": "2026-12-01T10:00:00",
+            "versions": {"jax": "0.11.2"}, "argv": ["run", "--stage", "tasks"], "seconds": 400.0, "smoke": False,
+            "steps": [{"name": "sst2/teacher", "seconds": 130.0, "status": 0, "command": "bert-jax finetune ..."}]}
+  _write(root / "reports" / "tasks_sst2-mrpc.json", report)
+  page = bench.render(bench.collect([root]))
+  summary = {line.split(" | ")[1]: line.split(" | ")[2:5] for line in page.splitlines() if line.startswith("| ")}
+  assert summary[bench.SUMMARY_ROWS[0][2]] == ["×1.25", f"{100 * 151 / 171:.0f}%", "×2.0"]  # (81+70)/(91+80)
+  assert summary[bench.SUMMARY_ROWS[2][2]] == ["×1.25", f"{100 * 131 / 171:.0f}%", "×2.0"]
+  assert summary[bench.SUMMARY_ROWS[3][2]] == ["×3.90", f"{100 * 170 / 172:.0f}%", "×1.5"]  # seed 2: 92 and 80
+  assert summary[bench.SUMMARY_ROWS[4][2]] == ["×1.10", "50%", "×1.2"]
+  assert summary[bench.SUMMARY_ROWS[1][2]] == ["-", "-", "-"]  # general distillation not run
+  assert "| SST-2 | accuracy | 91.00 ± 0.50 | 81.00 ± 0.50 (89%) | 71.00 ± 0.50 (78%) | - | 91.00 (99%) | " \
+         "46.00 (50%) |" in page
+  assert "| distilled_3l | 256 | 128 | 51,200 | ×2.00 | - |" in page
+  assert "| teacher | 1 | 128 | 100 | ×1.00 | 1.50 / 2.00 |" in page
+  assert "1 x NVIDIA H200" in page and "`bert-jax finetune ...`" in page and "SMOKE" not in page
