@@ -28,9 +28,10 @@ each step as soon as the steps it needs are done; the GPU is shared, memory take
            (`bert-jax quantize`, then `bert-jax evaluate`) and with 40% of its heads pruned by importance
            (`bert-jax analyze --only heads,prune` on the whole dev set).
   general  DistilBERT-style general distillation of a 3-layer, width-384 student from the MiniLM on the carried
-           Wikipedia text (configs/distilbert.py: the MiniLM has no MLM head, so alpha 0: the student's own MLM loss
-           and the hidden-state cosine loss), --general-steps at batch 256 and length 128, stopped after
-           --general-seconds (a checkpoint kept) if slower; then that student fine-tuned on every --tasks task.
+           Wikipedia text (configs/distilbert.py; the MiniLM has no MLM head, so alpha 0: the student's own MLM loss
+           and the hidden-state cosine loss at DistilBERT's 2:1, cos_weight 0.5), --general-steps at batch 256 and
+           length 128, stopped after --general-seconds (a checkpoint kept) if slower; then that student fine-tuned
+           on every --tasks task.
   speed    bench/inference.py on SST-2's teacher, distilled student, int8 and pruned models (ours, --no-reference:
            the page's speed-up is against the teacher), batches 1, 32, 256 at length 128; it derives the models
            (one seed) unless the same call's tasks stage made them.
@@ -185,7 +186,9 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
         *CLI, "prepare", "--input", str(data / "wiki" / "wiki.txt"), "--out", str(wiki), "--tokenizer",
         str(model / "vocab.txt"), "--eval-documents", "10" if args.smoke else "200"]))
     steps_count, batch, seq_len = (4, 8, 64) if args.smoke else (args.general_steps, 256, 128)
-    values = {"model.num_heads": 12, "distill.teacher": model, "distill.alpha": 0.0, "data.prepared": wiki,
+    # No MLM head in the MiniLM, so no soft targets (alpha 0); DistilBERT's 2:1 of L_mlm to L_cos kept.
+    values = {"model.num_heads": 12, "distill.teacher": model, "distill.alpha": 0.0, "distill.cos_weight": 0.5,
+              "data.prepared": wiki,
               "data.seq_len": seq_len, "masking.max_predictions": seq_len * 5 // 32,  # BERT: 20 at 128
               "optim.warmup_steps": max(1, steps_count // 10), "train.checkpoint_every": steps_count,
               "train.eval_every": steps_count, "train.log_every": 1 if args.smoke else 100,
@@ -270,26 +273,40 @@ def run(args: argparse.Namespace) -> int:
           not any(relative.parts[:len(p)] == p for p in prefixes) or "pruned_model" in relative.parts
           or relative.parts[:2] == ("general", "wiki")))
 
-  def record(step: Step, status, seconds: float) -> None:
+  def record(step: Step, status, seconds: float, started_at: float) -> None:
     records[step.name] = {"name": step.name, "command": _command(step), "status": status, "seconds": round(seconds, 1),
-                          "started_at": round(seconds_from_start.get(step.name, 0.0), 1)}
+                          "started_at": round(started_at, 1)}
     write_reports()
     print(f"== {step.name}: {status} in {seconds:.0f} s", flush=True)
 
-  waiting, running, seconds_from_start = list(steps), {}, {}
-  status: dict[str, object] = {}
+  status = execute(steps, args.parallel, deadline, env, runs / "logs", record)
+  write_reports()
+  print(json.dumps({name: record["status"] for name, record in records.items()}, indent=1))
+  return 0 if all(code == 0 for code in status.values()) else 1
+
+
+def execute(steps: list[Step], parallel: int, deadline: float, env: dict, logs: pathlib.Path, record) -> dict:
+  """Runs `steps`, at most `parallel` at once, each once the steps it needs finished with status 0; stops what
+  runs at `deadline` (a time.time()). Calls record(step, status, seconds, started_at) as each ends; returns
+  {name: status}: the exit code, or why it did not finish. Each step's output goes to logs/STAGE/NAME.log."""
+  started = time.time()
+  waiting, running, status = list(steps), {}, {}
+
+  def finish(step: Step, code, seconds: float, began: float, shown=None) -> None:
+    status[step.name] = code
+    record(step, code if shown is None else shown, seconds, began - started)
+
   while waiting or running:
     now = time.time()
     for step in list(waiting):
       failed = [name for name in step.after if name in status and status[name] != 0]
       if failed:
         waiting.remove(step)
-        status[step.name] = f"not run: {failed[0]} failed"
-        record(step, status[step.name], 0.0)
+        finish(step, f"not run: {failed[0]} failed", 0.0, now)
     for step in [s for s in waiting if all(status.get(name) == 0 for name in s.after)]:
-      if len(running) >= args.parallel or now >= deadline:
+      if len(running) >= parallel or now >= deadline:
         break
-      log = runs / "logs" / step.stage / (step.name.replace("/", "_").replace(" ", "_") + ".log")
+      log = logs / step.stage / (step.name.replace("/", "_").replace(" ", "_") + ".log")
       log.parent.mkdir(parents=True, exist_ok=True)
       with open(log, "w") as handle:
         process = subprocess.Popen([sys.executable, *step.argv], env=env, cwd=REPO, stdout=handle,
@@ -297,13 +314,12 @@ def run(args: argparse.Namespace) -> int:
       print(f"$ {_command(step)}", flush=True)
       waiting.remove(step)
       running[step.name] = (step, process, now, log, False)
-      seconds_from_start[step.name] = now - started
     for name, (step, process, began, log, stopping) in list(running.items()):
       code = process.poll()
       if code is None:
         if now >= deadline:
           reproduce._stop(process)
-          code = f"stopped at the deadline ({args.deadline:.0f} s after the start)"
+          code = f"stopped at the deadline ({deadline - started:.0f} s after the start)"
         elif step.stop_after and not stopping and now - began > step.stop_after:
           os.kill(process.pid, signal.SIGTERM)  # The trainer saves a checkpoint and returns.
           running[name] = (step, process, began, log, True)
@@ -311,21 +327,16 @@ def run(args: argparse.Namespace) -> int:
         else:
           continue
       del running[name]
-      status[name] = code
       if code != 0:
         print(log.read_text(errors="replace")[-3000:], flush=True)
-      elif stopping:
-        code = f"0 (stopped after {step.stop_after:.0f} s; checkpoint kept)"
-      record(step, code, now - began)
+      shown = f"0 (stopped after {step.stop_after:.0f} s; checkpoint kept)" if stopping and code == 0 else None
+      finish(step, code, now - began, began, shown)
     if now >= deadline and not running:
       for step in waiting:
-        status[step.name] = "not started: deadline"
-        record(step, status[step.name], 0.0)
+        finish(step, "not started: deadline", 0.0, now)
       waiting = []
-    time.sleep(0.5)
-  write_reports()
-  print(json.dumps({name: record["status"] for name, record in records.items()}, indent=1))
-  return 0 if all(code == 0 for code in status.values()) else 1
+    time.sleep(0.2)
+  return status
 
 
 def _command(step: Step) -> str:
@@ -351,7 +362,7 @@ def collect(roots: list[pathlib.Path]) -> dict:
   """Per task and role: score, the teacher's score it is measured against, and compression; the speed rows; the
   stage reports."""
   tasks: dict[str, dict] = {}
-  speed, reports = None, []
+  speed, general, reports = None, None, []
   for root in roots:
     for task in TASKS:
       folder = root / task
@@ -374,6 +385,14 @@ def collect(roots: list[pathlib.Path]) -> dict:
         found["pruned"] = {"score": analysis["prune"]["pruned_score"], "reference": analysis["heads"]["base_score"],
                            "compression": params[0] / params[1], "metric": analysis["heads"]["metric"],
                            "heads_removed": analysis["prune"]["heads_removed"]}
+    if (root / "general" / "pretrain" / "metrics.jsonl").exists():
+      rows = [json.loads(line) for line in (root / "general" / "pretrain" / "metrics.jsonl").read_text().splitlines()]
+      config = json.loads((root / "general" / "pretrain" / "config.json").read_text())
+      train = [row for row in rows if "train/loss" in row]
+      general = {"steps": config["train"]["steps"], "batch": config["train"]["batch_size"],
+                 "seq_len": config["data"]["seq_len"], "first": train[0] if train else {},
+                 "last": train[-1] if train else {}, "eval": next((row for row in reversed(rows)
+                                                                   if "eval/mlm_loss" in row), {})}
     for path in sorted(root.glob("speed/inference_*.json")):
       speed = json.loads(path.read_text())
     reports += [json.loads(path.read_text()) for path in sorted(root.glob("reports/*.json"))]
@@ -389,7 +408,8 @@ def collect(roots: list[pathlib.Path]) -> dict:
       int8.update(score=int8["metrics"][teacher["split"]][teacher["metric"]],
                   reference=teacher["by_seed"][int8["seed"]], metric=teacher["metric"])
   reports.sort(key=lambda report: (STAGES.index(report["stage"]), report["tasks"]))
-  return {"tasks": {task: found for task, found in tasks.items() if found}, "speed": speed, "reports": reports}
+  return {"tasks": {task: found for task, found in tasks.items() if found}, "speed": speed, "general": general,
+          "reports": reports}
 
 
 SPEED_VARIANTS = {"teacher": "teacher", "distilled": f"distilled_{STUDENT_LAYERS}l",
@@ -444,7 +464,7 @@ def render(collected: dict) -> str:
       + ", ".join(f"{name} {version}" for name, version in versions.items()) + ".", "",
       "| | Model | Compression | Performance | Speed-up | Teacher | Evaluation |", "|---|---|---|---|---|---|---|"]
   for section, role, words in SUMMARY_ROWS:
-    measured = [task for task, found in tasks.items() if role in found and "score" in found[role]]
+    measured = [task for task, found in tasks.items() if "reference" in found.get(role, {})]
     if not measured:
       lines.append(f"| {section} | {words} | - | - | - | MiniLM-L6 | not run |")
       continue
@@ -459,7 +479,6 @@ def render(collected: dict) -> str:
             "the percentage of the teacher's score in brackets.", "",
             "| task | metric | " + " | ".join(ROLES.values()) + " |", "|---|---|" + "---|" * len(ROLES)]
   for task, found in tasks.items():
-    teacher = found.get("teacher")
     cells = []
     for role in ROLES:
       value = found.get(role)
@@ -469,8 +488,18 @@ def render(collected: dict) -> str:
       spread = f" ± {value['std']:.2f}" if value.get("seeds", 1) > 1 else ""
       kept = f" ({100 * value['score'] / value['reference']:.0f}%)" if value.get("reference") else ""
       cells.append(f"{value['score']:.2f}{spread}{kept}")
-    metric = teacher["metric"] if teacher else "-"
+    metric = next(value["metric"] for value in found.values() if "metric" in value)
     lines.append(f"| {TASK_NAMES[task]} | {metric} | " + " | ".join(cells) + " |")
+  general = collected.get("general")
+  if general and general["last"]:
+    first, last, held_out = general["first"], general["last"], general["eval"]
+    lines += ["", "## General distillation", "",
+              f"The {STUDENT_LAYERS}-layer student (the MiniLM's layers 0, 2, 4, its embeddings) trained "
+              f"{last['step']:,} of {general['steps']:,} steps at batch {general['batch']} and length "
+              f"{general['seq_len']} on the start of the Wikipedia sample: its MLM loss {first['train/mlm_loss']:.2f} "
+              f"-> {last['train/mlm_loss']:.2f}, the cosine loss to the teacher's last hidden states "
+              f"{first['train/cos_loss']:.3f} -> {last['train/cos_loss']:.3f}"
+              + (f"; held-out MLM accuracy {held_out['eval/mlm_accuracy']:.3f}." if held_out else ".")]
   if speed:
     lines += ["", "## Inference speed (SST-2's models)", "",
               f"bench/inference.py on {speed['device']} ({speed['backend']}), compute {speed['dtype']}, our predict "

@@ -79,6 +79,13 @@ def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path
   rows[0].update(ours_p50_ms=1.5, ours_p90_ms=2.0)
   _write(root / "speed" / "inference_NVIDIA_H200.json", {"device": "NVIDIA H200", "backend": "gpu",
                                                          "dtype": "bfloat16", "rows": rows})
+  _write(root / "sst2" / "general" / "results.json", _finetune_results([86.0, 86.0], 17_600_000))
+  _write(root / "general" / "pretrain" / "config.json", {"train": {"steps": 6000, "batch_size": 256},
+                                                          "data": {"seq_len": 128}})
+  (root / "general" / "pretrain" / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in (
+      {"step": 100, "train/loss": 9.0, "train/mlm_loss": 8.5, "train/cos_loss": 0.5},
+      {"step": 4000, "train/loss": 3.0, "train/mlm_loss": 2.9, "train/cos_loss": 0.1},
+      {"step": 4000, "eval/mlm_loss": 3.1, "eval/mlm_accuracy": 0.45})) + "\n")
   report = {"stage": "tasks", "tasks": ["sst2", "mrpc"], "card": "1 x NVIDIA H200", "date": "2026-12-01T10:00:00",
             "versions": {"jax": "0.11.2"}, "argv": ["run", "--stage", "tasks"], "seconds": 400.0, "smoke": False,
             "steps": [{"name": "sst2/teacher", "seconds": 130.0, "status": 0, "command": "bert-jax finetune ..."}]}
@@ -89,9 +96,32 @@ def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path
   assert summary[bench.SUMMARY_ROWS[2][2]] == ["×1.25", f"{100 * 131 / 171:.0f}%", "×2.0"]
   assert summary[bench.SUMMARY_ROWS[3][2]] == ["×3.90", f"{100 * 170 / 172:.0f}%", "×1.5"]  # seed 2: 92 and 80
   assert summary[bench.SUMMARY_ROWS[4][2]] == ["×1.10", "50%", "×1.2"]
-  assert summary[bench.SUMMARY_ROWS[1][2]] == ["-", "-", "-"]  # general distillation not run
-  assert "| SST-2 | accuracy | 91.00 ± 0.50 | 81.00 ± 0.50 (89%) | 71.00 ± 0.50 (78%) | - | 91.00 (99%) | " \
-         "46.00 (50%) |" in page
+  assert summary[bench.SUMMARY_ROWS[1][2]] == ["×1.25", f"{100 * 86 / 91:.0f}%", "×2.0"]  # SST-2 alone
+  assert "| SST-2 | accuracy | 91.00 ± 0.50 | 81.00 ± 0.50 (89%) | 71.00 ± 0.50 (78%) | 86.00 ± 0.50 (95%) | " \
+         "91.00 (99%) | 46.00 (50%) |" in page
+  assert "| MRPC | accuracy | 80.00 ± 0.50 | 70.00 ± 0.50 (88%) | 60.00 ± 0.50 (75%) | - |" in page
+  assert "trained 4,000 of 6,000 steps at batch 256 and length 128" in page and "accuracy 0.450." in page
   assert "| distilled_3l | 256 | 128 | 51,200 | ×2.00 | - |" in page
   assert "| teacher | 1 | 128 | 100 | ×1.00 | 1.50 / 2.00 |" in page
   assert "1 x NVIDIA H200" in page and "`bert-jax finetune ...`" in page and "SMOKE" not in page
+
+
+def test_steps_wait_for_what_they_need_and_stop_at_their_limit_or_the_deadline(tmp_path):
+  """A failed step's dependents do not run; a step past its stop_after gets SIGTERM (and counts as done when it
+  exits cleanly, as a pre-training run does); what still runs at the deadline is stopped, what waits never starts."""
+  sleep = ["-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(30)"]
+  steps = [bench.Step("fails", "tasks", ["-c", "raise SystemExit(3)"]),
+           bench.Step("after fails", "tasks", ["-c", "pass"], ("fails",)),
+           bench.Step("stopped", "general", sleep, stop_after=0.5),
+           bench.Step("after stopped", "general", ["-c", "pass"], ("stopped",)),
+           bench.Step("slow", "speed", ["-c", "import time; time.sleep(30)"]),
+           bench.Step("after slow", "speed", ["-c", "pass"], ("slow",))]
+  recorded = {}
+  status = bench.execute(steps, 4, bench.time.time() + 4.0, dict(bench.os.environ), tmp_path,
+                         lambda step, shown, seconds, started: recorded.update({step.name: (shown, seconds)}))
+  assert status["fails"] == 3 and status["after fails"] == "not run: fails failed"
+  assert status["stopped"] == 0 and recorded["stopped"][0].startswith("0 (stopped after 0 s")
+  assert status["after stopped"] == 0
+  assert status["slow"].startswith("stopped at the deadline") and recorded["slow"][1] < 10
+  assert status["after slow"] == "not started: deadline"
+  assert (tmp_path / "tasks" / "fails.log").exists()
