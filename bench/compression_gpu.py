@@ -176,6 +176,8 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
     steps.append(Step(f"{task}/pruned", stage, [*CLI, "analyze", "--model", str(teacher), "--only",
                                                 "heads,prune", "--prune-fraction", str(PRUNE_FRACTION), "--out",
                                                 str(folder / "pruned"), *analyze_extra], (f"{task}/teacher",)))
+    steps.append(Step(f"{task}/pruned evaluate", stage, [*CLI, "evaluate", "--workdir",
+                                                         str(folder / "pruned" / "pruned_model")], (f"{task}/pruned",)))
 
   if "tasks" in stages:
     for task in tasks:
@@ -205,13 +207,17 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
     if not made:
       derive("sst2", folder, "speed", seeds[:1], baseline=False)
     variants = {"teacher": folder / "teacher", f"distilled_{STUDENT_LAYERS}l": folder / "distilled",
-                "int8": folder / "int8", "pruned": folder / "pruned" / "pruned_model"}
+                "pruned": folder / "pruned" / "pruned_model"}
     bench = ["--batches", "1,4", "--lengths", "32", "--dtype", "float32", "--warmup", "1", "--seconds", "0.05",
              "--latency-calls", "5"] if args.smoke else ["--batches", "1,32,256", "--lengths", "128"]
+    # After every SST-2 step, on a quiet GPU; int8 in a run of its own, so that a failure there loses nothing else.
+    sst2_steps = tuple(step.name for step in steps if step.name.startswith("sst2/"))
     steps.append(Step("speed/inference", "speed", [
-        "bench/inference.py", "--models=", "--no-reference", "--out", str(runs / "speed"), *bench,
-        *[f"--variant={name}={path}" for name, path in variants.items()]],
-        ("sst2/teacher", "sst2/distilled", "sst2/int8", "sst2/pruned")))
+        "bench/inference.py", "--models=", "--no-reference", "--out", str(runs / "speed" / "float"), *bench,
+        *[f"--variant={name}={path}" for name, path in variants.items()]], sst2_steps))
+    steps.append(Step("speed/inference int8", "speed", [
+        "bench/inference.py", "--models=", "--no-reference", "--out", str(runs / "speed" / "int8"), *bench,
+        f"--variant=int8={folder / 'int8'}"], ("speed/inference",)))
   return steps
 
 
@@ -270,8 +276,7 @@ def run(args: argparse.Namespace) -> int:
       (out / f"{stage}.json").write_text(text)
       prefixes = [path.parts for path in _stage_paths(stage, steps, runs, label)]
       reproduce.pack_results(runs, out / f"{stage}.tar.gz", skip=lambda relative: (
-          not any(relative.parts[:len(p)] == p for p in prefixes) or "pruned_model" in relative.parts
-          or relative.parts[:2] == ("general", "wiki")))
+          not any(relative.parts[:len(p)] == p for p in prefixes) or relative.parts[:2] == ("general", "wiki")))
 
   def record(step: Step, status, seconds: float, started_at: float) -> None:
     records[step.name] = {"name": step.name, "command": _command(step), "status": status, "seconds": round(seconds, 1),
@@ -385,6 +390,10 @@ def collect(roots: list[pathlib.Path]) -> dict:
         found["pruned"] = {"score": analysis["prune"]["pruned_score"], "reference": analysis["heads"]["base_score"],
                            "compression": params[0] / params[1], "metric": analysis["heads"]["metric"],
                            "heads_removed": analysis["prune"]["heads_removed"]}
+        run_info = _read(folder / "pruned" / "pruned_model" / "finetune_run.json")
+        scored = _read(folder / "pruned" / "pruned_model" / "evaluate_dev.json")
+        if run_info and scored:  # `bert-jax evaluate` of the saved folder on the whole dev set
+          found["pruned"].update(seed=run_info["best_seed"], metrics=scored[str(run_info["best_seed"])])
     if (root / "general" / "pretrain" / "metrics.jsonl").exists():
       rows = [json.loads(line) for line in (root / "general" / "pretrain" / "metrics.jsonl").read_text().splitlines()]
       config = json.loads((root / "general" / "pretrain" / "config.json").read_text())
@@ -393,8 +402,9 @@ def collect(roots: list[pathlib.Path]) -> dict:
                  "seq_len": config["data"]["seq_len"], "first": train[0] if train else {},
                  "last": train[-1] if train else {}, "eval": next((row for row in reversed(rows)
                                                                    if "eval/mlm_loss" in row), {})}
-    for path in sorted(root.glob("speed/inference_*.json")):
-      speed = json.loads(path.read_text())
+    for path in sorted(root.glob("speed/*/inference_*.json")):  # float and int8 runs: one table
+      report = json.loads(path.read_text())
+      speed = {**report, "rows": (speed or {}).get("rows", []) + report["rows"]}
     reports += [json.loads(path.read_text()) for path in sorted(root.glob("reports/*.json"))]
   for found in tasks.values():  # Scores against the teacher: its mean, or the same seed's score where derived from one.
     teacher = found.get("teacher")
@@ -403,10 +413,11 @@ def collect(roots: list[pathlib.Path]) -> dict:
     for role in ("distilled", "baseline", "general"):
       if role in found:
         found[role].update(reference=teacher["score"], compression=teacher["params"] / found[role]["params"])
-    if "int8" in found:
-      int8 = found["int8"]
-      int8.update(score=int8["metrics"][teacher["split"]][teacher["metric"]],
-                  reference=teacher["by_seed"][int8["seed"]], metric=teacher["metric"])
+    for role in ("int8", "pruned"):
+      if "metrics" in found.get(role, {}):
+        value = found[role]
+        value.update(score=value["metrics"][teacher["split"]][teacher["metric"]],
+                     reference=teacher["by_seed"][value["seed"]], metric=teacher["metric"])
   reports.sort(key=lambda report: (STAGES.index(report["stage"]), report["tasks"]))
   return {"tasks": {task: found for task, found in tasks.items() if found}, "speed": speed, "general": general,
           "reports": reports}
