@@ -5,16 +5,19 @@
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
       --platform manylinux2014_x86_64 -d /tmp/qwix_wheel qwix==0.1.8
   python bench/compression_gpu.py pack --out .carry_compress --wheels .carry_repro/wheels --wheels /tmp/qwix_wheel
-  # on the GPU machine, one call each, .carry_compress carried; every call starts with
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-      .carry_compress/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD &&
-  # call 1: SST-2's models, then their inference speed
-  python3 bench/compression_gpu.py run --carry .carry_compress --stage tasks,speed --tasks sst2 --out $OUT/compress
-  # call 2: the other tasks side by side
-  python3 bench/compression_gpu.py run --carry .carry_compress --stage tasks --tasks mrpc,stsb,cola,rte,conll2003 \\
-      --parallel 8 --out $OUT/compress
-  # call 3: general distillation, then the student fine-tuned on every task
-  python3 bench/compression_gpu.py run --carry .carry_compress --stage general --out $OUT/compress
+  # on the GPU machine, one call each, .carry_compress carried (each ends with OUT/compress/<stage>.tar.gz, .json):
+  # call 1: SST-2's models, then their inference speed (~450 s)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
+      --carry .carry_compress --stage tasks,speed --tasks sst2 --out $OUT/compress
+  # call 2: the other tasks side by side (~350 s)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
+      --carry .carry_compress --stage tasks --tasks mrpc,stsb,cola,rte,conll2003 --parallel 8 --out $OUT/compress
+  # call 3: general distillation, then its student fine-tuned on every task (~450 s)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
+      --carry .carry_compress --stage general --out $OUT/compress
   # here again, each call's archives into one folder, then the page:
   mkdir -p results/compress && for a in CALL_DIRS/compress/*.tar.gz; do tar -xzf $a -C results/compress; done
   python bench/compression_gpu.py render --results results/compress --out docs/compression.md
@@ -39,12 +42,15 @@ Each stage writes --out/<stage>.tar.gz (results, reports, logs; no checkpoints) 
 commands, card, versions, each step's seconds and status), again after every step: a call stopped at its limit keeps
 what finished. --deadline stops what still runs that many seconds after the start.
 
-Estimates on one H200 (from the MiniLM fine-tuning SST-2's 3 epochs in ~31 s of steps + ~16 s of compilation,
-MRPC ~4 s; ~15 s to start a process): call 1 ~480 s (teacher 3 seeds ~130 s; then the distilled student ~110 s, the
-baseline, quantize + evaluate and the head analysis beside it; the bench ~150 s); call 2 ~350 s (per task ~3
-processes of ~45 s in a row, the tasks side by side); call 3 ~500 s (prepare ~30 s, distillation <= 300 s, fine-tuning
-~150 s). `--smoke` runs every stage on a CPU in minutes: the first 48 rows of each task, one seed, one epoch, float32,
-a few pre-training steps on the first lines of the corpus, a short bench.
+Estimates on one H200, not measured (from the MiniLM fine-tuning SST-2's 3 epochs in ~31 s of steps + ~16 s of
+compilation, MRPC's in ~4 s, and ~15 s to start a process): call 1 ~450 s (the teacher's 3 seeds ~130 s with the
+teacher-less student beside it; then the distilled student ~110 s with quantize + evaluate and the head analysis +
+evaluate beside it; the bench ~130 s); call 2 ~350 s (35 processes of ~50 s, 8 at once); call 3 ~450 s (prepare
+~15 s, distillation <= 300 s, the six fine-tunings side by side ~120 s). Read each step's seconds in <stage>.json
+and set --general-steps, --parallel or --deadline from them.
+
+`--smoke` runs every stage on a CPU in minutes: the first 48 rows of each task, one seed, one epoch, float32, four
+pre-training steps on the first lines of the corpus, a short bench.
 """
 
 from __future__ import annotations
@@ -256,9 +262,10 @@ def run(args: argparse.Namespace) -> int:
   model = finetune_vs_reference.float32_model(carry, scratch / "minilm")
   steps = plan(args, data, model, runs)
   stages = list(dict.fromkeys(step.stage for step in steps))
-  # Processes share the GPU: each takes memory as it needs it, not most of the card up front.
+  # Processes share the GPU: each takes memory as it needs it, not most of the card up front. No persistent
+  # compilation cache: processes side by side would write and read its entries at once.
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-             XLA_PYTHON_CLIENT_PREALLOCATE="false", BERT_JAX_COMPILATION_CACHE=str(scratch / "xla_cache"))
+             XLA_PYTHON_CLIENT_PREALLOCATE="false", BERT_JAX_COMPILATION_CACHE="none")
   common = {"card": reproduce._card(), "versions": reproduce._versions(), "argv": sys.argv[1:],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": args.smoke}
   records: dict[str, dict] = {}
@@ -550,7 +557,7 @@ def main() -> int:
   run_parser.add_argument("--stage", required=True, help=f"comma-separated, of {', '.join(STAGES)}")
   run_parser.add_argument("--tasks", default=",".join(TASKS))
   run_parser.add_argument("--seeds", default="1,2,3")
-  run_parser.add_argument("--parallel", type=int, default=4, help="processes at once (they share the GPU)")
+  run_parser.add_argument("--parallel", type=int, default=6, help="processes at once (they share the GPU)")
   run_parser.add_argument("--general-steps", type=int, default=6000, help="general distillation's steps")
   run_parser.add_argument("--general-seconds", type=float, default=300.0,
                           help="general distillation stops after this long (a checkpoint kept) if not done")
