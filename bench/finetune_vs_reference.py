@@ -60,7 +60,9 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# The shared data folder beside the checkout, or beside the folder of worktrees that holds it.
+SHARED = next((folder / "shared" for folder in REPO.parents if (folder / "shared" / "data").is_dir()),
+              REPO.parent / "shared")
 GLUE_DIRS = {"rte": "RTE", "mrpc": "MRPC", "stsb": "STS-B", "cola": "CoLA", "sst2": "SST-2"}
 # Our metric names; the GLUE reference names some differently (REFERENCE_KEYS), the SQuAD/CoNLL one does not.
 METRICS = {"rte": ("accuracy",), "mrpc": ("f1", "accuracy"), "stsb": ("pearson", "spearman"), "cola": ("mcc",),

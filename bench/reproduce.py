@@ -44,7 +44,10 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
-CORPUS = REPO.parent / "shared" / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
+# The shared data folder beside the checkout, or beside the folder of worktrees that holds it.
+SHARED = next((folder / "shared" for folder in REPO.parents if (folder / "shared" / "data").is_dir()),
+              REPO.parent / "shared")
+CORPUS = SHARED / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
 HELD_OUT_DOCUMENTS = 500
 MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
 
