@@ -23,13 +23,14 @@ os.environ.setdefault("BERT_JAX_COMPILATION_CACHE", "none")
 # Many tests compile the same programs (a tiny model's steps) again, in this process and in the processes they start:
 # JAX's persistent cache serves them, from a fresh directory made for this run and removed at its end, so no run
 # reads what another compiled. xdist's workers and every test subprocess inherit the variables set here. The size
-# limit turns on the cache's file lock: several processes read and write the directory at once.
+# limit turns on the cache's file lock: several processes read and write the directory at once. Only compilations of
+# a second or more are written: storing every small program (the eager tests compile hundreds) costs more than it saves.
 if "BERT_JAX_TEST_COMPILATION_CACHE" not in os.environ:
   os.environ["BERT_JAX_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bert_jax_test_xla_")
   atexit.register(shutil.rmtree, os.environ["BERT_JAX_TEST_COMPILATION_CACHE"], ignore_errors=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["BERT_JAX_TEST_COMPILATION_CACHE"]
 os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 << 30)
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
 
 import pathlib
 
