@@ -1,6 +1,9 @@
 """Test setup: 8 fake CPU devices so sharding is exercised (set before JAX loads)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from multiprocess_util import FAST_COMPILE_FLAGS  # imports no JAX
 
@@ -15,8 +18,19 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# The CLI's persistent compilation cache stays off in tests (test_cli_compilation_cache turns it on).
+# The CLI's own cache variable stays off in tests (test_cli_compilation_cache turns it on); the run's cache is below.
 os.environ.setdefault("BERT_JAX_COMPILATION_CACHE", "none")
+# Many tests compile the same programs (a tiny model's steps) again, in this process and in the processes they start:
+# JAX's persistent cache serves them, from a fresh directory made for this run and removed at its end, so no run
+# reads what another compiled. xdist's workers and every test subprocess inherit the variables set here. The size
+# limit turns on the cache's file lock: several processes read and write the directory at once. Only compilations of
+# a second or more are written: storing every small program (the eager tests compile hundreds) costs more than it saves.
+if "BERT_JAX_TEST_COMPILATION_CACHE" not in os.environ:
+  os.environ["BERT_JAX_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="bert_jax_test_xla_")
+  atexit.register(shutil.rmtree, os.environ["BERT_JAX_TEST_COMPILATION_CACHE"], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["BERT_JAX_TEST_COMPILATION_CACHE"]
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 << 30)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
 
 import pathlib
 

@@ -25,9 +25,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags (conftest.py)."""
+  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags and compilation cache
+  (conftest.py); a test that gives BERT_JAX_COMPILATION_CACHE gets the CLI's own cache there instead."""
   flags = " ".join(["--xla_force_host_platform_device_count=1", *FAST_COMPILE_FLAGS])
-  return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
+  if "BERT_JAX_COMPILATION_CACHE" in extra:
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # it would win over the CLI's variable
+  return env
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +50,7 @@ FORMATS = {"mlm+nsp": "segment_pair", "mlm+sop": "sop", "mlm": "full_sentences",
            "all_tokens_mlm": "full_sentences"}
 
 
-def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
+def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, schedule="linear", **train):
   config = config_lib.pretrain_defaults()
   config.objective = objective
   config.model = config_lib.model_section("bert", "tiny", num_layers=2, hidden_size=64, num_heads=2,
@@ -62,6 +66,7 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
   config.masking.max_predictions = 10
   config.optim.lr = 2e-3
   config.optim.warmup_steps = 10
+  config.optim.schedule = schedule
   config.train.batch_size = 16
   config.train.steps = steps
   config.train.log_every = 10
@@ -74,11 +79,29 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, **train):
   return config
 
 
+# A 200-step run in a process of its own with one CPU device: the numbers are those of the 8 fake devices (sharded
+# steps equal the single-device one: tests/test_train_step.py), which share the same cores and only slow each step.
+# The run is compared with no other, so XLA optimises it fully: slower to compile, faster for 200 steps.
+_LEARNING_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_trainer import tiny_config
+from bert_jax.train import trainer
+result = trainer.train_and_evaluate(tiny_config({prepared!r}, {objective!r}, steps=200), {workdir!r})
+print("RESULT " + json.dumps({{"history": result["history"], "eval": result["eval"]}}, default=float))
+"""
+
+
 @pytest.mark.slow
 # Replace MLM trains All-Tokens MLM's networks on a subset of its positions (its loss: tests/test_objectives.py).
 @pytest.mark.parametrize("objective", sorted(set(FORMATS) - {"replace_mlm"}))
 def test_every_objective_learns(prepared, tmp_path, objective):
-  result = trainer.train_and_evaluate(tiny_config(prepared, objective, steps=200), tmp_path)
+  code = _LEARNING_RUN.format(tests=str(REPO / "tests"), prepared=str(prepared), objective=objective,
+                              workdir=str(tmp_path / "run"))
+  env = dict(cli_env(), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+  assert out.returncode == 0, out.stdout + out.stderr
+  result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
   history = result["history"]
   assert history[-1]["loss"] < 0.85 * history[0]["loss"], (history[0]["loss"], history[-1]["loss"])
   evaluation = result["eval"]
@@ -95,6 +118,12 @@ def test_every_objective_learns(prepared, tmp_path, objective):
     assert evaluation["rtd_accuracy"] > 0.85, evaluation
   if objective == "mlm+sbo":
     assert evaluation["sbo_accuracy"] > 0.01, evaluation
+
+
+def short_config(prepared_dir, steps, **train):
+  """`tiny_config` for the short runs that test checkpoints, resumes and logs: a constant rate after the warmup
+  leaves `steps` out of the compiled step, so runs of every length load it from the suite's compilation cache."""
+  return tiny_config(prepared_dir, steps=steps, schedule="constant", **train)
 
 
 def _losses_by_step(workdir):
@@ -154,10 +183,10 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path, monkeypatch):
-  trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=3, eval_every=0), tmp_path)
+  trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=3, eval_every=0), tmp_path)
   # The NaN comes from a changed loss weight, which the resume check would refuse: allow it here.
   monkeypatch.setattr(trainer.workdir_lib, "check_resume_config", lambda *args, **kwargs: None)
-  config = tiny_config(prepared, steps=12, checkpoint_every=3, eval_every=0)
+  config = short_config(prepared, steps=12, checkpoint_every=3, eval_every=0)
   config.unlock()
   config.loss.sentence_weight = float("nan")
   with pytest.raises(trainer.NonFiniteLossError, match=r"non-finite loss or gradients at step 7.*checkpoint: 6"):
@@ -216,7 +245,7 @@ def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp
   monkeypatch.setattr(trainer, "make_train_step", counting_make_train_step)
   monkeypatch.setattr(metrics_lib, "fetch",
                       lambda steps: fetched_at.extend([dispatched[0]] * len(steps)) or fetch(steps))
-  result = trainer.train_and_evaluate(tiny_config(prepared, steps=9, log_every=2, checkpoint_every=6, eval_every=0),
+  result = trainer.train_and_evaluate(short_config(prepared, steps=9, log_every=2, checkpoint_every=6, eval_every=0),
                                       tmp_path)
   assert [h["step"] for h in result["history"]] == [2, 4, 6, 8, 9]
   # Steps 1-2 read when step 3 was dispatched, 3-4 at 5, 5-6 at once (checkpoint), 7-8 at 9, then 9 (last).
@@ -270,13 +299,13 @@ def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slice
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(prepared, tmp_path, caplog):
-  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
+  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
   newest = tmp_path / "checkpoints" / "4" / "state"
   for path in newest.rglob("*"):
     if path.is_file() and path.stat().st_size > 0 and "manifest" not in path.name:
       path.write_bytes(b"\0" * 7)
   with caplog.at_level(logging.WARNING):
-    result = trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=2, eval_every=0), tmp_path)
+    result = trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=2, eval_every=0), tmp_path)
   assert "checkpoint at step 4" in caplog.text and "cannot be restored" in caplog.text
   assert list((tmp_path / "corrupt_checkpoints").iterdir())  # set aside, not deleted
   assert result["step"] == 6
@@ -363,7 +392,7 @@ def test_one_loop_runs_a_pretraining_and_a_finetuning_job(prepared, tmp_path, mo
   real_run = loop.run
   monkeypatch.setattr(loop, "run", lambda *args, **kwargs: runs.append(kwargs["total_steps"]) or real_run(
       *args, **kwargs))
-  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=4, eval_every=0), tmp_path / "pre")
+  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=4, eval_every=0), tmp_path / "pre")
   glue = tmp_path / "glue" / "SST-2"
   glue.mkdir(parents=True)
   rng = np.random.default_rng(0)
@@ -414,9 +443,9 @@ def test_import_graph_models_import_kernels_only_lazily():
 
 
 def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, tmp_path):
-  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
+  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
   saved = (tmp_path / "config.json").read_text()
-  config = tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0)
+  config = short_config(prepared, steps=4, checkpoint_every=2, eval_every=0)
   config.unlock()
   config.model.num_layers = 3
   with pytest.raises(ValueError, match=r"model.num_layers: 2 in the workdir, 3 now.*--config.model.num_layers=2"):
@@ -425,28 +454,28 @@ def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, tmp_
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
   assert not (tmp_path / "corrupt_checkpoints").exists()
   # A longer run of the same experiment is a resume, not a change.
-  assert trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=2, eval_every=0),
+  assert trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=2, eval_every=0),
                                     tmp_path)["history"][0]["step"] == 6
 
 
 def test_every_checkpoint_unreadable_stops_unless_a_restart_is_asked_for(prepared, tmp_path):
-  trainer.train_and_evaluate(tiny_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
+  trainer.train_and_evaluate(short_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
   for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
     if path.is_file() and path.stat().st_size > 0 and "manifest" not in path.name:
       path.write_bytes(b"\0" * 7)
   with pytest.raises(ValueError, match="can be read.*restart_if_unreadable=True"):
-    trainer.train_and_evaluate(tiny_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
+    trainer.train_and_evaluate(short_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
   result = trainer.train_and_evaluate(
-      tiny_config(prepared, steps=2, checkpoint_every=2, eval_every=0, restart_if_unreadable=True), tmp_path)
+      short_config(prepared, steps=2, checkpoint_every=2, eval_every=0, restart_if_unreadable=True), tmp_path)
   assert result["step"] == 2 and result["history"][0]["step"] == 2
 
 
 def test_resumed_run_drops_the_rows_it_logs_again(prepared, tmp_path):
-  trainer.train_and_evaluate(tiny_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1),
+  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1),
                              tmp_path)
   with open(tmp_path / "metrics.jsonl", "a") as metrics:  # Rows a run killed after its last checkpoint logged.
     metrics.write(json.dumps({"step": 5, "train/loss": 1.0}) + "\n" + json.dumps({"step": 6, "train/loss": 1.0}))
-  trainer.train_and_evaluate(tiny_config(prepared, steps=6, checkpoint_every=2, eval_every=0, log_every=1),
+  trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=2, eval_every=0, log_every=1),
                              tmp_path)
   steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
            if "train/loss" in line]
@@ -458,7 +487,7 @@ def test_a_second_run_on_a_busy_workdir_refuses(prepared, tmp_path):
   holder = workdir_lib.WorkdirLock.acquire(tmp_path)
   try:
     with pytest.raises(ValueError, match=rf"in use by another run \(host .*, pid {os.getpid()}"):
-      trainer.train_and_evaluate(tiny_config(prepared, steps=2, eval_every=0), tmp_path)
+      trainer.train_and_evaluate(short_config(prepared, steps=2, eval_every=0), tmp_path)
   finally:
     holder.release()
   assert not (tmp_path / "checkpoints").exists()
@@ -466,14 +495,18 @@ def test_a_second_run_on_a_busy_workdir_refuses(prepared, tmp_path):
 
 def test_ctrl_c_asks_for_a_checkpoint_like_sigterm_and_a_second_one_stops_at_once():
   from bert_jax.train import loop
-  with loop.Preemption() as preemption:
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.1)
-    assert preemption.should_stop(1)
-    with pytest.raises(KeyboardInterrupt):
+  outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (an xdist worker ignores it)
+  try:
+    with loop.Preemption() as preemption:
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(0.1)
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+      assert preemption.should_stop(1)
+      with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGINT, outer)
 
 
 def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, gcs_bucket):
