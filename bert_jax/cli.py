@@ -106,28 +106,10 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(f"bert-jax {command}: error: {error}", file=sys.stderr)
     if isinstance(error, OSError):  # Library threads and exit hooks failing on the same storage add nothing.
-      global _storage_failed
-      _storage_failed = True
       sys.unraisablehook = threading.excepthook = lambda *_: None
       logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Task exception was never retrieved" at exit.
     return 1
 
 
-_storage_failed = False
-
-
-def run() -> None:
-  """The `bert-jax` command: `main`, then exit with its status. After a storage error the process ends at once
-  with its output flushed: library threads still writing to the failed storage would print their tracebacks
-  while the interpreter shuts down, under the one line that names the error and the last complete checkpoint."""
-  status = main()
-  if _storage_failed:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(status)
-  sys.exit(status)
-
-
 if __name__ == "__main__":
-  run()
+  sys.exit(main())
