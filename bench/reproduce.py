@@ -149,6 +149,8 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   tables = args.table.split(",")
   if len(tables) > 1 and "--rows" in sweep_args:
     raise SystemExit("--rows selects rows of one table; run one --table with it")
+  if len(tables) > 1 and args.devices != 1:  # Each sweep numbers its accelerators from 0.
+    raise SystemExit("several tables side by side share one accelerator: give --devices 1")
   prepared = scratch / "wiki"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   if not (prepared / "manifest.json").exists():
@@ -239,8 +241,8 @@ def main() -> int:
   run_parser.add_argument("--table", required=True,
                           help="a configs/ablations/ name, e.g. bert_table5; several, comma-separated, side by side")
   run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
-  run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row); every "
-                          "row of every table runs at once")
+  run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row; 1 with "
+                          "several tables); every row of every table runs at once")
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
   run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")
