@@ -313,6 +313,7 @@ def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[
   if finetune is None:
     from bert_jax.tasks.finetune import finetune
   errors = []
+  model_dir = pretrained_dir(table, row, row_dir.parent.parent) / "pretrain"
   tasks = table.suite.tasks
   start = first_task % len(tasks)
   for task_name in tasks[start:] + tasks[:start]:
@@ -321,8 +322,7 @@ def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[
       for lr in table.suite.lrs:
         if all(_finetune_state(row_dir, task_name, lr, seed).exists() for seed in table.suite.seeds):
           continue
-        config = finetune_config(table, row, task, lr, pretrained_dir(table, row, row_dir.parent.parent) / "pretrain",
-                                 data_dirs)
+        config = finetune_config(table, row, task, lr, model_dir, data_dirs)
         started = time.perf_counter()
         results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}")
         for seed_result in results["seeds"]:
