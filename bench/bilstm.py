@@ -4,75 +4,27 @@
   python bench/bilstm.py --smoke         # CPU, seconds
 
 BERT Table 5's "+ BiLSTM" row puts a one-layer BiLSTM (hidden/2 units a direction) between the encoder and every
-task head. `FinetuneModel` builds it as flax's `nn.Bidirectional(nn.RNN(OptimizedLSTMCell), ...)`: two scans one
-after the other, each step multiplying its input by the input kernel inside the loop. On an accelerator such a
-loop is bound by its steps, so the candidate here (`OneScanBiLSTM`) projects every input before the loop (one GEMM
-for both directions), steps both directions together (one batched matmul a step) and unrolls the loop. The bench
-first checks that both give the same outputs and gradients on padded rows, then times a jitted forward + backward
-of each at batch 32 and the suite's lengths, and prints the table with the device.
-"""
+task head; the feature-based tagger's head is a two-layer one. Both use `bert_jax.models.recurrent.BiLSTM`: every
+input projected before the loop (one GEMM for both directions), both directions stepped together (one batched
+matmul a step), the loop unrolled; flax's `nn.Bidirectional(nn.RNN(OptimizedLSTMCell), ...)` runs two scans one
+after the other with the input projection inside each step. The bench first checks that both give the same
+outputs and gradients on padded rows (at full float32 precision), then times a jitted forward + backward of each
+at batch 32 and the suite's lengths, and prints the table with the device."""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen.recurrent import flip_sequences
 
-
-def _per_direction(init):
-  def draw(key, shape, dtype=jnp.float32):
-    return jnp.stack([init(k, shape[1:], dtype) for k in jax.random.split(key, shape[0])])
-  return draw
-
-
-class OneScanBiLSTM(nn.Module):
-  """[B, L, E] -> [B, L, 2 * features], flax's OptimizedLSTMCell in both directions, one scan."""
-
-  features: int
-  unroll: int = 8
-
-  @nn.compact
-  def __call__(self, x_ble, lengths_b=None):
-    batch, length, width = x_ble.shape
-    gates = 4 * self.features
-    input_kernel = self.param("input_kernel", _per_direction(nn.initializers.lecun_normal()), (2, width, gates))
-    recurrent_kernel = self.param("recurrent_kernel", _per_direction(nn.initializers.orthogonal()),
-                                  (2, self.features, gates))
-    bias = self.param("bias", nn.initializers.zeros_init(), (2, gates))
-    backward_ble = flip_sequences(x_ble, lengths_b, num_batch_dims=1, time_major=False)
-    projected_ldbg = jnp.einsum("dble,deg->ldbg", jnp.stack([x_ble, backward_ble]), input_kernel) + bias[:, None]
-
-    def step(carry, projected_dbg):
-      h_dbh, c_dbh = carry
-      i, f, g, o = jnp.split(projected_dbg + jnp.einsum("dbh,dhg->dbg", h_dbh, recurrent_kernel), 4, axis=-1)
-      c_dbh = nn.sigmoid(f) * c_dbh + nn.sigmoid(i) * jnp.tanh(g)
-      h_dbh = nn.sigmoid(o) * jnp.tanh(c_dbh)
-      return (h_dbh, c_dbh), h_dbh
-
-    zeros = jnp.zeros((2, batch, self.features), projected_ldbg.dtype)
-    _, h_ldbh = jax.lax.scan(step, (zeros, zeros), projected_ldbg, unroll=min(self.unroll, length))
-    forward_blh = jnp.moveaxis(h_ldbh[:, 0], 0, 1)
-    backward_blh = flip_sequences(jnp.moveaxis(h_ldbh[:, 1], 0, 1), lengths_b, num_batch_dims=1, time_major=False)
-    return jnp.concatenate([forward_blh, backward_blh], axis=-1)
-
-
-def flax_bilstm(features: int) -> nn.Module:
-  return nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(features)), nn.RNN(nn.OptimizedLSTMCell(features)))
-
-
-def one_scan_params(reference_params):
-  """The flax model's parameters in OneScanBiLSTM's layout (gates i, f, g, o; biases on the recurrent side)."""
-  cells = [reference_params[direction]["cell"] for direction in ("forward_rnn", "backward_rnn")]
-
-  def stack(prefix, leaf):
-    return jnp.stack([jnp.concatenate([cell[prefix + gate][leaf] for gate in "ifgo"], -1) for cell in cells])
-
-  return {"input_kernel": stack("i", "kernel"), "recurrent_kernel": stack("h", "kernel"), "bias": stack("h", "bias")}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bert_jax.models.recurrent import BiLSTM, flax_bilstm, params_from_flax
 
 
 def check(features: int, width: int, unroll: int) -> float:
@@ -85,10 +37,10 @@ def check(features: int, width: int, unroll: int) -> float:
       lambda path, leaf: jax.random.normal(jax.random.key(len(str(path))), leaf.shape) * 0.3
       if "bias" in str(path) else leaf, params)
   valid = (jnp.arange(9)[None, :] < lengths[:, None])[..., None]
-  candidate = OneScanBiLSTM(features, unroll)
+  candidate = BiLSTM(features, unroll)
   outputs = {
       "flax": lambda p: reference.apply({"params": p}, x, seq_lengths=lengths),
-      "one scan": lambda p: candidate.apply({"params": one_scan_params(p)}, x, lengths)}
+      "one scan": lambda p: candidate.apply({"params": params_from_flax(p)}, x, lengths)}
   losses = {name: (lambda p, f=f: jnp.sum(jnp.where(valid, f(p), 0.0) ** 2)) for name, f in outputs.items()}
   worst = float(jnp.max(jnp.abs(jnp.where(valid, outputs["flax"](params) - outputs["one scan"](params), 0.0))))
   grads = [jax.grad(losses[name])(params) for name in ("flax", "one scan")]
@@ -148,7 +100,7 @@ def main() -> int:
     x = jnp.asarray(np.random.default_rng(0).normal(size=(args.batch, length, args.hidden)), jnp.float32)
     lengths = jnp.asarray(np.random.default_rng(1).integers(length // 2, length + 1, args.batch), jnp.int32)
     variants = [("flax", flax_bilstm(features), flax_call)]
-    variants += [(f"one scan, unroll {u}", OneScanBiLSTM(features, u), one_scan_call) for u in unrolls]
+    variants += [(f"one scan, unroll {u}", BiLSTM(features, u), one_scan_call) for u in unrolls]
     base = None
     for name, model, call in variants:
       compile_s, ms = time_layer(model, call, x, lengths, args.seconds)

@@ -9,6 +9,7 @@ import pytest
 from bert_jax.models import (ElectraModel, Encoder, FinetuneModel, PretrainingModel, electra_generator_config,
                              model_config)
 from bert_jax.models.heads import Pooler
+from bert_jax.models.recurrent import BiLSTM, flax_bilstm, params_from_flax
 
 
 def tiny(**overrides):
@@ -260,6 +261,31 @@ def test_finetune_heads(kind, shape):
   span = FinetuneModel(tiny(), "span")
   start, end = span.apply(span.init(jax.random.key(0), ids[:, :8] if ids.ndim == 2 else ids[:, 0]), ids.reshape(-1, 8))
   assert start.shape == end.shape == (ids.reshape(-1, 8).shape[0], 8)
+
+
+@pytest.mark.parametrize("unroll", [1, 4])
+def test_bilstm_equals_flax_bidirectional_lstm(unroll):
+  """Both directions in one scan = flax's two RNNs of OptimizedLSTMCell: outputs and gradients at real tokens of
+  rows of lengths 9, 4 and 1 (the backward direction starts at each row's last real token), random biases."""
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 9, 7)), jnp.float32)
+  lengths = jnp.array([9, 4, 1])
+  reference, ours = flax_bilstm(5), BiLSTM(5, unroll)
+  params = reference.init(jax.random.key(1), x, seq_lengths=lengths)["params"]
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: jax.random.normal(jax.random.key(len(str(path))), leaf.shape) * 0.3
+      if "bias" in str(path) else leaf, params)
+  valid = (jnp.arange(9)[None, :] < lengths[:, None])[..., None]
+  outputs = {"flax": lambda p: reference.apply({"params": p}, x, seq_lengths=lengths),
+             "ours": lambda p: ours.apply({"params": params_from_flax(p)}, x, lengths)}
+  with jax.default_matmul_precision("highest"):
+    results = {name: jnp.where(valid, f(params), 0.0) for name, f in outputs.items()}
+    grads = {name: jax.grad(lambda p, f=f: jnp.sum(jnp.where(valid, f(p), 0.0) ** 2))(params)
+             for name, f in outputs.items()}
+    whole_rows = ours.apply({"params": params_from_flax(params)}, x)
+  np.testing.assert_allclose(results["ours"], results["flax"], atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads["ours"], grads["flax"])
+  np.testing.assert_allclose(whole_rows[0], results["flax"][0], atol=1e-5)  # no lengths: every row is whole
+  assert ours.init(jax.random.key(0), x)["params"]["input_kernel"].shape == (2, 7, 20)
 
 
 @pytest.mark.parametrize("features, axes, contract, reference", [

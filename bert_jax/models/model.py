@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from bert_jax.models import heads
 from bert_jax.models.config import ModelConfig
 from bert_jax.models.encoder import Embeddings, Encoder, gather_positions
+from bert_jax.models.recurrent import BiLSTM
 
 Array = jax.Array
 
@@ -206,9 +207,9 @@ class FinetuneModel(nn.Module):
       raise ValueError(f"unknown task kind {self.kind!r}; expected one of {TASK_KINDS}")
     self.encoder = Encoder(self.config)
     if self.top_bilstm:
-      half = self.config.hidden_size // 2
-      self.bilstm = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(half)),
-                                     nn.RNN(nn.OptimizedLSTMCell(self.config.hidden_size - half)))
+      if self.config.hidden_size % 2:
+        raise ValueError(f"top_bilstm needs an even hidden size (half of it a direction), got {self.config.hidden_size}")
+      self.bilstm = BiLSTM(self.config.hidden_size // 2)
     if self.kind in ("classification", "regression"):
       self.head = heads.ClassificationHead(self.config, 1 if self.kind == "regression" else self.num_labels)
     elif self.kind == "span":
@@ -237,7 +238,7 @@ class FinetuneModel(nn.Module):
     hidden = encoded["hidden"]
     if self.top_bilstm:
       lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
-      hidden = self.bilstm(hidden.astype(jnp.float32), seq_lengths=lengths).astype(hidden.dtype)
+      hidden = self.bilstm(hidden.astype(jnp.float32), lengths).astype(hidden.dtype)
     elif self.config.causal and self.kind in POOLED_KINDS:
       last_b = (hidden.shape[1] if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)) - 1
       hidden = gather_positions(hidden, jnp.broadcast_to(last_b, hidden.shape[:1])[:, None])  # [B, 1, E]

@@ -40,6 +40,7 @@ from bert_jax.convert.pretrained import load_pretrained
 from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from bert_jax.models import Encoder, FinetuneModel, ModelConfig
 from bert_jax.models import Dropout
+from bert_jax.models.recurrent import BiLSTM
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train.losses import cross_entropy_sums, dropout_key
@@ -86,9 +87,7 @@ class FeatureHead(nn.Module):
     x_blf = Dropout(self.dropout)(features_blf, deterministic=deterministic)
     for layer in range(self.num_layers):
       if self.kind == "bilstm":
-        x_blf = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(self.size), name=f"forward_{layer}"),
-                                 nn.RNN(nn.OptimizedLSTMCell(self.size), name=f"backward_{layer}"),
-                                 name=f"bilstm_{layer}")(x_blf, seq_lengths=lengths_b)
+        x_blf = BiLSTM(self.size, name=f"bilstm_{layer}")(x_blf, lengths_b)
       else:
         x_blf = nn.gelu(nn.Dense(self.size, name=f"dense_{layer}")(x_blf))
       x_blf = Dropout(self.dropout)(x_blf, deterministic=deterministic)
