@@ -354,7 +354,11 @@ def main(argv: list[str]) -> int:
             report["loop"].append(row)
             print(f"loop {size} {format_name} {masking} batch {batch}: synthetic {row['seq_per_s']:,.0f} seq/s, "
                   f"loop {row['loop_seq_per_s']:,.0f} ({row['loop_seq_per_s'] / row['seq_per_s']:.1%}), cores "
-                  f"{row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all", flush=True)
+                  f"{row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all; per step "
+                  f"{row['loop_step_us']:,.0f} us, batch wait {row['loop_wait_us']:,.0f}, dispatch "
+                  f"{row['loop_dispatch_us']:,.0f}", flush=True)
+            # Written after every case: a call cut at its time limit still brings back what it measured.
+            (out / "input_pipeline.json").write_text(json.dumps(report, indent=1))
   elif sizes:
     print(f"no GPU ({jax.default_backend()}): the loop against the synthetic step is left out", flush=True)
 
