@@ -40,10 +40,9 @@ def _write_tokenizer(directory: pathlib.Path) -> pathlib.Path:
   return directory
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> pathlib.Path:
-  """A randomly initialised 2-layer, width-32 BERT in our converted format, with its WordPiece vocab."""
-  root = tmp_path_factory.mktemp("tiny_model")
+def save_tiny_model(root: pathlib.Path) -> pathlib.Path:
+  """Saves a randomly initialised 2-layer, width-32 BERT in our converted format, with its WordPiece vocab, as
+  root/model (the `tiny_model` fixture of conftest.py)."""
   params = nn.unbox(jax.jit(Encoder(TINY).init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"])
   return save_pretrained(root / "model", "bert", TINY, jax.tree.map(np.asarray, params),
                          tokenizer_dir=_write_tokenizer(root / "vocab"))

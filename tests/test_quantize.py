@@ -20,7 +20,6 @@ from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks import quantize as quantize_lib
 from bert_jax.tasks.finetune_model import build_model, load_initial_model, merge_initial_params
 
-from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (tiny_model is a fixture)
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=48, num_layers=2, num_heads=3, intermediate_size=96,
                     max_position_embeddings=32, embedding_size=24, kernels="off")
@@ -211,19 +210,10 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   assert 3.8 < float_bytes / int8_bytes < 4
 
 
-@pytest.fixture(scope="module")
-def sst2_run(tiny_model, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-  """A fine-tuned tiny SST-2 model (one seed, best checkpoint kept)."""
-  root = tmp_path_factory.mktemp("sst2")
-  data = _glue_sst2(root / "glue", np.random.default_rng(0))
-  workdir = root / "run"
-  results = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, workdir, "--config.train.epochs=4",
-                      "--config.train.save_checkpoint=True")
-  return workdir, results
-
-
 def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_path, capsys):
-  workdir, results = sst2_run
+  """On conftest.py's fine-tuned tiny SST-2 run."""
+  workdir, _ = sst2_run
+  results = json.loads((workdir / "results.json").read_text())
   float_accuracy = results["seeds"][0]["selected"]["metrics"]["dev"]["accuracy"]
   assert float_accuracy > 80.0
   out = tmp_path / "int8"
