@@ -112,3 +112,37 @@ def sst2_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
 
   root = built_once(tmp_path_factory, "sst2_run", build)
   return root / "run", root / "glue"
+
+
+@pytest.fixture(scope="session")
+def tagging_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir, data folder) of a tiny CoNLL-2003 fine-tuning run with document context (4 epochs, checkpoint kept)
+  that tests read (a test may add its own evaluation's files); eng.testb repeats the dev sentences."""
+  import numpy as np
+  from test_finetune import _conll, _finetune
+
+  def build(root):
+    data = _conll(root / "conll", np.random.default_rng(4))
+    shutil.copy(data / "eng.testa", data / "eng.testb")
+    _finetune("configs/finetune/ner.py:document_context=True", tiny_model, data, root / "run",
+              "--config.train.epochs=4", "--config.train.save_checkpoint=True")
+
+  root = built_once(tmp_path_factory, "tagging_run", build)
+  return root / "run", root / "conll"
+
+
+@pytest.fixture(scope="session")
+def span_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir, data folder) of a tiny SQuAD v1.1 fine-tuning run (2 epochs, checkpoint kept) that tests read (a test
+  may add its own evaluation's files); test-v1.1.json repeats the dev questions."""
+  import numpy as np
+  from test_finetune import _finetune, _squad
+
+  def build(root):
+    data = _squad(root / "squad", np.random.default_rng(2))
+    shutil.copy(data / "dev-v1.1.json", data / "test-v1.1.json")
+    _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, root / "run", "--config.train.epochs=2",
+              "--config.train.save_checkpoint=True")
+
+  root = built_once(tmp_path_factory, "span_run", build)
+  return root / "run", root / "squad"

@@ -3,7 +3,6 @@ compiled once each, unlabelled inputs, one-line errors for bad files, the pruned
 
 import json
 import pathlib
-import shutil
 import sys
 
 import flax.linen as nn
@@ -22,11 +21,9 @@ from bert_jax.tasks.predict import predict_file
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 
-# The fixtures tiny_model (a random 2-layer BERT and its vocabulary) and sst2_run (a fine-tuned SST-2 run whose
-# test.tsv holds the dev sentences) are conftest.py's.
-from test_finetune import TINY, _conll, _finetune, _glue_sst2, _squad, _swag
-
-SAVE = "--config.train.save_checkpoint=True"
+# The fixtures tiny_model (a random 2-layer BERT and its vocabulary) and the fine-tuned runs sst2_run, tagging_run
+# and span_run (whose test files repeat their dev examples) are conftest.py's.
+from test_finetune import TINY, _conll, _glue_sst2, _squad, _swag
 
 
 def test_length_buckets():
@@ -126,12 +123,8 @@ def test_pruned_model_folder_loads_and_predicts(sst2_run, tmp_path):
   assert len((tmp_path / "pruned.jsonl").read_text().splitlines()) == 64
 
 
-def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tiny_model, tmp_path):
-  data = _conll(tmp_path / "conll", np.random.default_rng(4))
-  shutil.copy(data / "eng.testa", data / "eng.testb")
-  workdir = tmp_path / "run"
-  _finetune("configs/finetune/ner.py:document_context=True", tiny_model, data, workdir, "--config.train.epochs=2",
-            SAVE)
+def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tagging_run, tmp_path):
+  workdir, data = tagging_run
   evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
   output = tmp_path / "tags.jsonl"
   predict_file(str(workdir), str(data / "eng.testb"), str(output), batch_size=16)
@@ -182,12 +175,9 @@ def test_glue_tsv_layout_is_told_by_the_first_line(name, tmp_path):
     assert tsv_has_labels(SPECS[name], path) is expected
 
 
-def test_span_predictions_equal_the_evaluation_on_questions_without_answers(tiny_model, tmp_path):
-  data = _squad(tmp_path / "squad", np.random.default_rng(2))
-  dev = json.loads((data / "dev-v1.1.json").read_text())
-  (data / "test-v1.1.json").write_text(json.dumps(dev))
-  workdir = tmp_path / "run"
-  _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, workdir, "--config.train.epochs=1", SAVE)
+def test_span_predictions_equal_the_evaluation_on_questions_without_answers(span_run, tmp_path):
+  workdir, data = span_run
+  dev = json.loads((data / "test-v1.1.json").read_text())
   evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
   for article in dev["data"]:
     for paragraph in article["paragraphs"]:
