@@ -317,9 +317,11 @@ def test_a_teacher_without_an_mlm_head_gives_hidden_states_only(tmp_path):
   objective = distill.Distillation(student, teacher, student.model_config, teacher.model_config, alpha=0.0,
                                    cos_weight=1.0, soft_targets=False)
   assert objective.weights == {"mlm": 1.0, "cos": 1.0}
-  inputs = objective.prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
-  student_params = nn.unbox(student.init_variables(jax.random.key(1), synthetic_batch()))["params"]
-  terms = objective.forward(student_params, objective.with_frozen(teacher_params, inputs), None, False)
+  # Compiled whole, as in the train step (op by op, every primitive would be compiled on its own).
+  inputs = jax.jit(objective.prepare)({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
+  student_params = nn.unbox(jax.jit(student.init_variables)(jax.random.key(1), synthetic_batch()))["params"]
+  terms = jax.jit(lambda p, frozen, x: objective.forward(p, objective.with_frozen(frozen, x), None, False))(
+      student_params, teacher_params, inputs)
   assert sorted(terms) == ["cos_loss", "mlm_correct", "mlm_loss"] and float(terms["cos_loss"]) > 0
 
 

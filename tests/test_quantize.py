@@ -187,7 +187,8 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   ids = np.array([[tokenizer.cls_id, *tokenizer.encode(text), tokenizer.sep_id]], np.int32)
   pack_ids = np.ones_like(ids)
   model = FinetuneModel(config, "classification", 3)
-  init = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"]))
+  # Each program compiled whole (op by op, every primitive of the 6-layer model would be compiled on its own).
+  init = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"]))
   params, reused, _ = merge_initial_params(init, initial.params)
   assert reused  # MiniLM's pooler
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
@@ -195,14 +196,14 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
                                                      "embedding_tables": 3}
 
   encoder, qencoder = Encoder(config), quantization.quantized_model(Encoder(config))
-  hidden = encoder.apply({"params": params["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
-  qhidden = qencoder.apply({"params": quantized["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
+  hidden = jax.jit(encoder.apply)({"params": params["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
+  qhidden = jax.jit(qencoder.apply)({"params": quantized["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
   cosine = np.sum(hidden * qhidden, -1) / np.linalg.norm(hidden, axis=-1) / np.linalg.norm(qhidden, axis=-1)
   assert cosine.min() > 0.985
   assert 0 < np.linalg.norm(qhidden - hidden) / np.linalg.norm(hidden) < 0.15
 
-  logits = model.apply({"params": params}, ids, pack_ids=pack_ids)
-  qlogits = qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids)
+  logits = jax.jit(model.apply)({"params": params}, ids, pack_ids=pack_ids)
+  qlogits = jax.jit(qmodel.apply)({"params": quantized}, ids, pack_ids=pack_ids)
   assert 0 < np.linalg.norm(qlogits - logits) / np.linalg.norm(logits) < 0.25
   # Nearly 4x smaller: every kernel and table in int8 plus a float32 scale per output feature or row; LayerNorms
   # and biases stay float32.
