@@ -53,7 +53,7 @@ def small_model():
   ids = np.random.default_rng(0).integers(5, 64, (2, 12)).astype(np.int32)
   pack_ids = (np.arange(12) < np.array([[12], [7]])).astype(np.int32)
   model = FinetuneModel(SMALL, "classification", 3)
-  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
   # Each output channel of each kernel, and each row of each table, scaled by its own factor in [0.01, 10]: the
   # per-channel and per-row scales must follow it.
   def gain(path, x):
@@ -130,9 +130,9 @@ def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
   config = SMALL.replace(dtype="bfloat16")
   ids, pack_ids = np.full((2, 8), 7, np.int32), np.ones((2, 8), np.int32)
   model = FinetuneModel(config, "span")
-  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
-  start, end = qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids)
+  start, end = jax.jit(qmodel.apply)({"params": quantized}, ids, pack_ids=pack_ids)
   assert start.dtype == end.dtype == jax.numpy.bfloat16
   # Every float matmul (attention's) still takes bfloat16 operands, as in the float model.
   jaxpr = jax.make_jaxpr(lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids))(quantized).jaxpr
