@@ -34,6 +34,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
 
 import pathlib
 
+import filelock
 import pytest
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -67,3 +68,81 @@ def gcs_bucket():
 
   with gcs_emulator.gcs_bucket_url() as url:
     yield url
+
+
+def built_once(tmp_path_factory, name: str, build) -> pathlib.Path:
+  """The folder `name` that `build(folder)` fills, built once for the whole run: xdist's workers share the run's
+  temporary folder, and a file lock lets the first of them build it while the others wait, then read it."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # a worker's folder lies in the run's own, which no other run uses
+  folder = root / name
+  with filelock.FileLock(str(folder) + ".lock"):
+    if not (folder / ".built").exists():
+      shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+      folder.mkdir()
+      build(folder)
+      (folder / ".built").touch()
+  return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> pathlib.Path:
+  """A randomly initialised 2-layer, width-32 BERT in our converted format, with its WordPiece vocabulary (the words
+  of tests/test_finetune.py's generated tasks)."""
+  from test_finetune import save_tiny_model
+  return built_once(tmp_path_factory, "tiny_model", save_tiny_model) / "model"
+
+
+@pytest.fixture(scope="session")
+def sst2_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir, data folder) of one tiny SST-2 fine-tuning run that several test files read (a test may add its own
+  evaluation's files, never change the run): one seed, 6 epochs, its best checkpoint kept; the data's test.tsv holds
+  the dev sentences in the test layout."""
+  import numpy as np
+  from test_finetune import _finetune, _glue_sst2
+
+  def build(root):
+    data = _glue_sst2(root / "glue", np.random.default_rng(0))
+    dev_rows = (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
+    (data / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
+        f"{index}\t{row.split(chr(9))[0]}\n" for index, row in enumerate(dev_rows)))
+    _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, root / "run", "--config.train.epochs=6",
+              "--config.train.save_checkpoint=True")
+
+  root = built_once(tmp_path_factory, "sst2_run", build)
+  return root / "run", root / "glue"
+
+
+@pytest.fixture(scope="session")
+def tagging_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir, data folder) of a tiny CoNLL-2003 fine-tuning run with document context (4 epochs, checkpoint kept)
+  that tests read (a test may add its own evaluation's files); eng.testb repeats the dev sentences."""
+  import numpy as np
+  from test_finetune import _conll, _finetune
+
+  def build(root):
+    data = _conll(root / "conll", np.random.default_rng(4))
+    shutil.copy(data / "eng.testa", data / "eng.testb")
+    _finetune("configs/finetune/ner.py:document_context=True", tiny_model, data, root / "run",
+              "--config.train.epochs=4", "--config.train.save_checkpoint=True")
+
+  root = built_once(tmp_path_factory, "tagging_run", build)
+  return root / "run", root / "conll"
+
+
+@pytest.fixture(scope="session")
+def span_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir, data folder) of a tiny SQuAD v1.1 fine-tuning run (2 epochs, checkpoint kept) that tests read (a test
+  may add its own evaluation's files); test-v1.1.json repeats the dev questions."""
+  import numpy as np
+  from test_finetune import _finetune, _squad
+
+  def build(root):
+    data = _squad(root / "squad", np.random.default_rng(2))
+    shutil.copy(data / "dev-v1.1.json", data / "test-v1.1.json")
+    _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, root / "run", "--config.train.epochs=2",
+              "--config.train.save_checkpoint=True")
+
+  root = built_once(tmp_path_factory, "span_run", build)
+  return root / "run", root / "squad"

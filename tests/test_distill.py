@@ -18,7 +18,7 @@ from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib, distill, optim, trainer
 from bert_jax.train.losses import soft_target_sums
 from bert_jax.train.step import Partitioning, create_state, make_train_step
-from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (a fixture)
+from test_finetune import _finetune, _glue_sst2
 from test_trainer import prepared, tiny_config  # noqa: F401 (a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -207,14 +207,12 @@ def _train_losses(seed_dir):
 
 
 @pytest.mark.slow
-def test_a_tiny_distilled_finetune_learns_from_its_teacher(tiny_model, tmp_path):
-  """A fine-tuned teacher, then a student distilled from it (soft targets + PKD): the loss falls, the student
-  beats chance, its checkpoint is the plain model's (`bert-jax evaluate` reads it), the teacher is untouched, and
-  an interrupted multi-seed run trains its unfinished seed again as before, the teacher read again."""
-  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
-  teacher = tmp_path / "teacher"
-  _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, teacher, "--config.train.epochs=6",
-            "--config.train.save_checkpoint=True")
+def test_a_tiny_distilled_finetune_learns_from_its_teacher(tiny_model, sst2_run, tmp_path):
+  """A fine-tuned teacher (conftest.py's SST-2 run), then a student distilled from it (soft targets + PKD): the loss
+  falls, the student beats chance, its checkpoint is the plain model's (`bert-jax evaluate` reads it), the teacher
+  is untouched, and an interrupted multi-seed run trains its unfinished seed again as before, the teacher read
+  again."""
+  teacher, data = sst2_run
   _, teacher_params = checkpoint_lib.restore_params(teacher / "seed_1")
   student = tmp_path / "student"
   distill_args = [f"--config.distill.teacher={teacher}", "--config.distill.temperature=1.0",
@@ -319,9 +317,11 @@ def test_a_teacher_without_an_mlm_head_gives_hidden_states_only(tmp_path):
   objective = distill.Distillation(student, teacher, student.model_config, teacher.model_config, alpha=0.0,
                                    cos_weight=1.0, soft_targets=False)
   assert objective.weights == {"mlm": 1.0, "cos": 1.0}
-  inputs = objective.prepare({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
-  student_params = nn.unbox(student.init_variables(jax.random.key(1), synthetic_batch()))["params"]
-  terms = objective.forward(student_params, objective.with_frozen(teacher_params, inputs), None, False)
+  # Compiled whole, as in the train step (op by op, every primitive would be compiled on its own).
+  inputs = jax.jit(objective.prepare)({k: jnp.asarray(v) for k, v in synthetic_batch().items()})
+  student_params = nn.unbox(jax.jit(student.init_variables)(jax.random.key(1), synthetic_batch()))["params"]
+  terms = jax.jit(lambda p, frozen, x: objective.forward(p, objective.with_frozen(frozen, x), None, False))(
+      student_params, teacher_params, inputs)
   assert sorted(terms) == ["cos_loss", "mlm_correct", "mlm_loss"] and float(terms["cos_loss"]) > 0
 
 
@@ -351,14 +351,16 @@ def test_checkpoints_keep_the_layout_of_states_without_a_frozen_field(tmp_path):
   saver.close()
 
 
-def test_init_layers_starts_a_shallower_student(tiny_model, tmp_path):
-  """`config.init.layers`: the student keeps every k-th layer of its initial model and is recorded so."""
+def test_init_layers_starts_a_shallower_student(tiny_model, sst2_run, tmp_path):
+  """`config.init.layers`: the student keeps every k-th layer of its initial model and is recorded so (fewer
+  parameters than conftest.py's SST-2 run of the whole model)."""
   data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
   results = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "run",
                       "--config.init.layers=1", "--config.train.epochs=1")
   run = json.loads((tmp_path / "run" / "finetune_run.json").read_text())
   assert run["model_config"]["num_layers"] == 1
-  full = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "full", "--config.train.epochs=1")
-  assert results["num_params"] < full["num_params"]
+  full = sst2_run[0]
+  assert json.loads((full / "finetune_run.json").read_text())["model_config"]["num_layers"] == 2
+  assert results["num_params"] < json.loads((full / "results.json").read_text())["num_params"]
   with pytest.raises(ValueError, match="config.init.layers=3"):
     _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "bad", "--config.init.layers=3")

@@ -40,10 +40,9 @@ def _write_tokenizer(directory: pathlib.Path) -> pathlib.Path:
   return directory
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> pathlib.Path:
-  """A randomly initialised 2-layer, width-32 BERT in our converted format, with its WordPiece vocab."""
-  root = tmp_path_factory.mktemp("tiny_model")
+def save_tiny_model(root: pathlib.Path) -> pathlib.Path:
+  """Saves a randomly initialised 2-layer, width-32 BERT in our converted format, with its WordPiece vocab, as
+  root/model (the `tiny_model` fixture of conftest.py)."""
   params = nn.unbox(jax.jit(Encoder(TINY).init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"])
   return save_pretrained(root / "model", "bert", TINY, jax.tree.map(np.asarray, params),
                          tokenizer_dir=_write_tokenizer(root / "vocab"))
@@ -217,10 +216,8 @@ def test_non_finite_loss_stops_naming_the_step(tiny_model, tmp_path):
               "--config.optim.warmup_proportion=0.0", "--config.train.epochs=1")
 
 
-def test_span_extraction_beats_chance(tiny_model, tmp_path):
-  data = _squad(tmp_path / "squad", np.random.default_rng(2))
-  results = _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, tmp_path / "run",
-                      "--config.train.epochs=2")
+def test_span_extraction_beats_chance(span_run):
+  results = json.loads((span_run[0] / "results.json").read_text())  # conftest.py's run
   assert _selected(results, "exact_match")[0] > 50.0  # one of 10 context words by chance
 
 
@@ -230,10 +227,8 @@ def test_multiple_choice_beats_chance(tiny_model, tmp_path):
   assert _selected(results, "accuracy")[0] > 60.0  # chance is 25
 
 
-def test_tagging_beats_chance(tiny_model, tmp_path):
-  data = _conll(tmp_path / "conll", np.random.default_rng(4))
-  results = _finetune("configs/finetune/ner.py:document_context=True", tiny_model, data, tmp_path / "run",
-                      "--config.train.epochs=4")
+def test_tagging_beats_chance(tagging_run):
+  results = json.loads((tagging_run[0] / "results.json").read_text())  # conftest.py's run
   assert _selected(results, "f1")[0] > 70.0
 
 

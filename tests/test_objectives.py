@@ -16,8 +16,14 @@ SAMPLED = {10: 0.5, 20: 0.3, 30: 0.2}
 def build(name, rows=16, seed=0):
   objective = objectives.make_objective(make_config(name), tiny_model(embedding_size=32), mask_id=4)
   batch = {k: jnp.asarray(v) for k, v in synthetic_batch(rows=rows, seed=seed).items()}
-  params = nn.unbox(objective.init_variables(jax.random.key(0), batch))["params"]
-  return objective, objective.prepare(batch), params
+  # Compiled whole: op by op, each of the model's primitives would be compiled on its own.
+  params = nn.unbox(jax.jit(objective.init_variables)(jax.random.key(0), batch))["params"]
+  return objective, jax.jit(objective.prepare)(batch), params
+
+
+def apply(objective, params, inputs, rng, train):
+  """`objective.apply` compiled (`train` and the rng streams are static)."""
+  return jax.jit(lambda p, x: objective.apply({"params": p}, x, train, rngs=objective.rngs(rng, train)))(params, inputs)
 
 
 def test_objectives_are_registered_with_their_heads_and_terms():
@@ -42,7 +48,7 @@ def test_the_generator_samples_replace_exactly_the_masked_positions():
   for token, probability in SAMPLED.items():
     bias[token] = np.log(probability)
   params["generator_mlm"]["predictions"]["output_bias"] = jnp.asarray(bias)
-  outputs = objective.apply({"params": params}, inputs, True, rngs=objective.rngs(jax.random.key(7), True))
+  outputs = apply(objective, params, inputs, jax.random.key(7), True)
   corrupted, original = np.asarray(outputs["corrupted_ids"]), np.asarray(inputs["original_ids"])
   masked = np.zeros(original.shape, bool)
   positions, weights = np.asarray(inputs["mlm_positions"]), np.asarray(inputs["mlm_weights"])
@@ -60,7 +66,7 @@ def test_the_generator_samples_replace_exactly_the_masked_positions():
 
 def test_replace_mlm_scores_the_masked_positions_against_the_original_tokens():
   objective, inputs, params = build("replace_mlm")
-  outputs = objective.apply({"params": params}, inputs, False, rngs=objective.rngs(None, False))
+  outputs = apply(objective, params, inputs, None, False)
   logits = np.asarray(outputs["token_logits"], np.float64)
   assert logits.shape[:2] == inputs["mlm_positions"].shape
   targets, weights = np.asarray(inputs["mlm_ids"]), np.asarray(inputs["mlm_weights"])
@@ -75,7 +81,7 @@ def test_replace_mlm_scores_the_masked_positions_against_the_original_tokens():
 
 def test_all_tokens_mlm_scores_every_real_token_with_the_copy_mixture():
   objective, inputs, params = build("all_tokens_mlm")
-  outputs = objective.apply({"params": params}, inputs, False, rngs=objective.rngs(None, False))
+  outputs = apply(objective, params, inputs, None, False)
   real = np.asarray(inputs["pack_ids"]) > 0
   logits, gate = np.asarray(outputs["token_logits"], np.float64), np.asarray(outputs["copy_logits"], np.float64)
   assert logits.shape[:2] == real.shape and gate.shape == real.shape
@@ -117,7 +123,7 @@ def test_gradients_are_finite_and_reach_the_generator_and_the_discriminator(name
     counts = objective.denominators(inputs)
     return sum(weight * terms[f"{term}_loss"] / counts[term] for term, weight in objective.weights.items())
 
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(grads))
   for module in ("generator", "generator_mlm", "discriminator", "embeddings") + heads:
     assert any(np.any(leaf != 0) for leaf in jax.tree.leaves(grads[module])), module

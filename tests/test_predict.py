@@ -3,7 +3,6 @@ compiled once each, unlabelled inputs, one-line errors for bad files, the pruned
 
 import json
 import pathlib
-import shutil
 import sys
 
 import flax.linen as nn
@@ -22,24 +21,9 @@ from bert_jax.tasks.predict import predict_file
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 
-# tiny_model is a module-scoped fixture: a random 2-layer BERT and its vocabulary.
-from test_finetune import TINY, _conll, _finetune, _glue_sst2, _squad, _swag, tiny_model  # noqa: F401
-
-SAVE = "--config.train.save_checkpoint=True"
-
-
-@pytest.fixture(scope="module")
-def sst2_run(tiny_model, tmp_path_factory):  # noqa: F811
-  """A fine-tuned SST-2 run (one seed, checkpoint kept) and its data, with a test.tsv in the test layout holding
-  the dev sentences."""
-  root = tmp_path_factory.mktemp("sst2")
-  data = _glue_sst2(root / "glue", np.random.default_rng(0))
-  dev_rows = (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
-  (data / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
-      f"{index}\t{row.split(chr(9))[0]}\n" for index, row in enumerate(dev_rows)))
-  workdir = root / "run"
-  _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, workdir, "--config.train.epochs=2", SAVE)
-  return workdir, data
+# The fixtures tiny_model (a random 2-layer BERT and its vocabulary) and the fine-tuned runs sst2_run, tagging_run
+# and span_run (whose test files repeat their dev examples) are conftest.py's.
+from test_finetune import TINY, _conll, _glue_sst2, _squad, _swag
 
 
 def test_length_buckets():
@@ -139,12 +123,8 @@ def test_pruned_model_folder_loads_and_predicts(sst2_run, tmp_path):
   assert len((tmp_path / "pruned.jsonl").read_text().splitlines()) == 64
 
 
-def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tiny_model, tmp_path):  # noqa: F811
-  data = _conll(tmp_path / "conll", np.random.default_rng(4))
-  shutil.copy(data / "eng.testa", data / "eng.testb")
-  workdir = tmp_path / "run"
-  _finetune("configs/finetune/ner.py:document_context=True", tiny_model, data, workdir, "--config.train.epochs=2",
-            SAVE)
+def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tagging_run, tmp_path):
+  workdir, data = tagging_run
   evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
   output = tmp_path / "tags.jsonl"
   predict_file(str(workdir), str(data / "eng.testb"), str(output), batch_size=16)
@@ -195,12 +175,9 @@ def test_glue_tsv_layout_is_told_by_the_first_line(name, tmp_path):
     assert tsv_has_labels(SPECS[name], path) is expected
 
 
-def test_span_predictions_equal_the_evaluation_on_questions_without_answers(tiny_model, tmp_path):  # noqa: F811
-  data = _squad(tmp_path / "squad", np.random.default_rng(2))
-  dev = json.loads((data / "dev-v1.1.json").read_text())
-  (data / "test-v1.1.json").write_text(json.dumps(dev))
-  workdir = tmp_path / "run"
-  _finetune("configs/finetune/squad.py:version=1.1", tiny_model, data, workdir, "--config.train.epochs=1", SAVE)
+def test_span_predictions_equal_the_evaluation_on_questions_without_answers(span_run, tmp_path):
+  workdir, data = span_run
+  dev = json.loads((data / "test-v1.1.json").read_text())
   evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
   for article in dev["data"]:
     for paragraph in article["paragraphs"]:
@@ -218,7 +195,7 @@ def test_span_predictions_equal_the_evaluation_on_questions_without_answers(tiny
     ("glue/sst2", _glue_sst2, "SST-2/dev.tsv"), ("swag", _swag, "val.csv"), ("conll2003", _conll, "eng.testa"),
     ("squad/v1.1", _squad, "dev-v1.1.json")])
 def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_file,
-                                                    tiny_model, tmp_path):  # noqa: F811
+                                                    tiny_model, tmp_path):
   """Every kind's outputs from rows cut to their buckets equal those of rows at max_len, on the real tokens."""
   task = get_task(task_name)
   objective = FinetuneObjective(build_model(TINY, task.kind, task.num_labels), task.kind, num_choices=task.num_choices)

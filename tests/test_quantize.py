@@ -20,7 +20,6 @@ from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks import quantize as quantize_lib
 from bert_jax.tasks.finetune_model import build_model, load_initial_model, merge_initial_params
 
-from test_finetune import _finetune, _glue_sst2, tiny_model  # noqa: F401 (tiny_model is a fixture)
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=48, num_layers=2, num_heads=3, intermediate_size=96,
                     max_position_embeddings=32, embedding_size=24, kernels="off")
@@ -54,7 +53,7 @@ def small_model():
   ids = np.random.default_rng(0).integers(5, 64, (2, 12)).astype(np.int32)
   pack_ids = (np.arange(12) < np.array([[12], [7]])).astype(np.int32)
   model = FinetuneModel(SMALL, "classification", 3)
-  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
   # Each output channel of each kernel, and each row of each table, scaled by its own factor in [0.01, 10]: the
   # per-channel and per-row scales must follow it.
   def gain(path, x):
@@ -131,9 +130,9 @@ def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
   config = SMALL.replace(dtype="bfloat16")
   ids, pack_ids = np.full((2, 8), 7, np.int32), np.ones((2, 8), np.int32)
   model = FinetuneModel(config, "span")
-  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
-  start, end = qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids)
+  start, end = jax.jit(qmodel.apply)({"params": quantized}, ids, pack_ids=pack_ids)
   assert start.dtype == end.dtype == jax.numpy.bfloat16
   # Every float matmul (attention's) still takes bfloat16 operands, as in the float model.
   jaxpr = jax.make_jaxpr(lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids))(quantized).jaxpr
@@ -188,7 +187,8 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   ids = np.array([[tokenizer.cls_id, *tokenizer.encode(text), tokenizer.sep_id]], np.int32)
   pack_ids = np.ones_like(ids)
   model = FinetuneModel(config, "classification", 3)
-  init = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"]))
+  # Each program compiled whole (op by op, every primitive of the 6-layer model would be compiled on its own).
+  init = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"]))
   params, reused, _ = merge_initial_params(init, initial.params)
   assert reused  # MiniLM's pooler
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
@@ -196,14 +196,14 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
                                                      "embedding_tables": 3}
 
   encoder, qencoder = Encoder(config), quantization.quantized_model(Encoder(config))
-  hidden = encoder.apply({"params": params["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
-  qhidden = qencoder.apply({"params": quantized["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
+  hidden = jax.jit(encoder.apply)({"params": params["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
+  qhidden = jax.jit(qencoder.apply)({"params": quantized["encoder"]}, ids, pack_ids=pack_ids)["hidden"][0]
   cosine = np.sum(hidden * qhidden, -1) / np.linalg.norm(hidden, axis=-1) / np.linalg.norm(qhidden, axis=-1)
   assert cosine.min() > 0.985
   assert 0 < np.linalg.norm(qhidden - hidden) / np.linalg.norm(hidden) < 0.15
 
-  logits = model.apply({"params": params}, ids, pack_ids=pack_ids)
-  qlogits = qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids)
+  logits = jax.jit(model.apply)({"params": params}, ids, pack_ids=pack_ids)
+  qlogits = jax.jit(qmodel.apply)({"params": quantized}, ids, pack_ids=pack_ids)
   assert 0 < np.linalg.norm(qlogits - logits) / np.linalg.norm(logits) < 0.25
   # Nearly 4x smaller: every kernel and table in int8 plus a float32 scale per output feature or row; LayerNorms
   # and biases stay float32.
@@ -211,19 +211,10 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   assert 3.8 < float_bytes / int8_bytes < 4
 
 
-@pytest.fixture(scope="module")
-def sst2_run(tiny_model, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-  """A fine-tuned tiny SST-2 model (one seed, best checkpoint kept)."""
-  root = tmp_path_factory.mktemp("sst2")
-  data = _glue_sst2(root / "glue", np.random.default_rng(0))
-  workdir = root / "run"
-  results = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, workdir, "--config.train.epochs=4",
-                      "--config.train.save_checkpoint=True")
-  return workdir, results
-
-
 def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_path, capsys):
-  workdir, results = sst2_run
+  """On conftest.py's fine-tuned tiny SST-2 run."""
+  workdir, _ = sst2_run
+  results = json.loads((workdir / "results.json").read_text())
   float_accuracy = results["seeds"][0]["selected"]["metrics"]["dev"]["accuracy"]
   assert float_accuracy > 80.0
   out = tmp_path / "int8"

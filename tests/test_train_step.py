@@ -212,9 +212,10 @@ def test_param_norms_are_those_of_the_parameters_before_and_the_update():
 
 
 @functools.cache
+@functools.cache  # the reference of several tests: computed once a process
 def single_device_losses():
   state, step, mesh, *_ = build()
-  return run_steps(state, step, mesh, [synthetic_batch(seed=s) for s in range(2)])[1]
+  return tuple(run_steps(state, step, mesh, [synthetic_batch(seed=s) for s in range(2)])[1])
 
 
 @pytest.mark.parametrize("mesh_sizes", [{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])

@@ -81,7 +81,9 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, schedule="linear", 
 
 # A 200-step run in a process of its own with one CPU device: the numbers are those of the 8 fake devices (sharded
 # steps equal the single-device one: tests/test_train_step.py), which share the same cores and only slow each step.
-# The run is compared with no other, so XLA optimises it fully: slower to compile, faster for 200 steps.
+# The run is compared with no other, so XLA optimises it: its first level without LLVM's expensive passes runs the
+# steps as fast as the full optimisation and compiles faster.
+LEARNING_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 _LEARNING_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
@@ -98,7 +100,7 @@ print("RESULT " + json.dumps({{"history": result["history"], "eval": result["eva
 def test_every_objective_learns(prepared, tmp_path, objective):
   code = _LEARNING_RUN.format(tests=str(REPO / "tests"), prepared=str(prepared), objective=objective,
                               workdir=str(tmp_path / "run"))
-  env = dict(cli_env(), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(cli_env(), XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {LEARNING_FLAGS}")
   out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 0, out.stdout + out.stderr
   result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
@@ -124,6 +126,31 @@ def short_config(prepared_dir, steps, **train):
   """`tiny_config` for the short runs that test checkpoints, resumes and logs: a constant rate after the warmup
   leaves `steps` out of the compiled step, so runs of every length load it from the suite's compilation cache."""
   return tiny_config(prepared_dir, steps=steps, schedule="constant", **train)
+
+
+@pytest.fixture(scope="module")
+def four_steps(prepared, tmp_path_factory):
+  """A finished 4-step run (checkpoints at 2 and 4, every step logged): the resume tests continue copies of it."""
+  workdir = tmp_path_factory.mktemp("four_steps") / "run"
+  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1), workdir)
+  return workdir
+
+
+def _continued(workdir: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+  """A copy of the finished run `workdir` for a test to continue, corrupt or refuse."""
+  return pathlib.Path(shutil.copytree(workdir, tmp_path / "run"))
+
+
+def _continue(prepared, steps, **train):
+  """`short_config` of `four_steps`'s experiment, run to `steps`."""
+  return short_config(prepared, steps=steps, checkpoint_every=2, eval_every=0, log_every=1, **train)
+
+
+def _corrupt(checkpoint: pathlib.Path):
+  """Overwrites every data file of a checkpoint's state (its manifest stays, so it still looks complete)."""
+  for path in (checkpoint / "state").rglob("*"):
+    if path.is_file() and path.stat().st_size > 0 and "manifest" not in path.name:
+      path.write_bytes(b"\0" * 7)
 
 
 def _losses_by_step(workdir):
@@ -182,17 +209,17 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
                              rtol=1e-6)
 
 
-def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, tmp_path, monkeypatch):
-  trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=3, eval_every=0), tmp_path)
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, four_steps, tmp_path, monkeypatch):
+  workdir = _continued(four_steps, tmp_path)
   # The NaN comes from a changed loss weight, which the resume check would refuse: allow it here.
   monkeypatch.setattr(trainer.workdir_lib, "check_resume_config", lambda *args, **kwargs: None)
-  config = short_config(prepared, steps=12, checkpoint_every=3, eval_every=0)
+  config = _continue(prepared, steps=8)
   config.unlock()
   config.loss.sentence_weight = float("nan")
-  with pytest.raises(trainer.NonFiniteLossError, match=r"non-finite loss or gradients at step 7.*checkpoint: 6"):
-    trainer.train_and_evaluate(config, tmp_path)
-  step, params = restore_params(tmp_path)
-  assert step == 6
+  with pytest.raises(trainer.NonFiniteLossError, match=r"non-finite loss or gradients at step 5.*checkpoint: 4"):
+    trainer.train_and_evaluate(config, workdir)
+  step, params = restore_params(workdir)
+  assert step == 4
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(params))
 
 
@@ -298,18 +325,15 @@ def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slice
   assert step == 1 and all(np.array_equal(restored[k], state[k]) for k in state)
 
 
-def test_corrupt_checkpoint_falls_back_to_previous(prepared, tmp_path, caplog):
-  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
-  newest = tmp_path / "checkpoints" / "4" / "state"
-  for path in newest.rglob("*"):
-    if path.is_file() and path.stat().st_size > 0 and "manifest" not in path.name:
-      path.write_bytes(b"\0" * 7)
+def test_corrupt_checkpoint_falls_back_to_previous(prepared, four_steps, tmp_path, caplog):
+  workdir = _continued(four_steps, tmp_path)
+  _corrupt(workdir / "checkpoints" / "4")
   with caplog.at_level(logging.WARNING):
-    result = trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=2, eval_every=0), tmp_path)
+    result = trainer.train_and_evaluate(_continue(prepared, steps=6), workdir)
   assert "checkpoint at step 4" in caplog.text and "cannot be restored" in caplog.text
-  assert list((tmp_path / "corrupt_checkpoints").iterdir())  # set aside, not deleted
+  assert list((workdir / "corrupt_checkpoints").iterdir())  # set aside, not deleted
   assert result["step"] == 6
-  assert result["history"][0]["step"] == 4  # resumed from step 2: steps 3..4 redone, first log at 4
+  assert result["history"][0]["step"] == 3  # resumed from step 2: steps 3..4 redone
 
 
 def test_config_errors_name_the_key(prepared, tmp_path):
@@ -442,42 +466,37 @@ def test_import_graph_models_import_kernels_only_lazily():
     assert not bad, f"{path.name} imports {bad} at module level"
 
 
-def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, tmp_path):
-  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0), tmp_path)
-  saved = (tmp_path / "config.json").read_text()
-  config = short_config(prepared, steps=4, checkpoint_every=2, eval_every=0)
+def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, four_steps, tmp_path):
+  workdir = _continued(four_steps, tmp_path)
+  saved = (workdir / "config.json").read_text()
+  config = _continue(prepared, steps=4)
   config.unlock()
   config.model.num_layers = 3
   with pytest.raises(ValueError, match=r"model.num_layers: 2 in the workdir, 3 now.*--config.model.num_layers=2"):
-    trainer.train_and_evaluate(config, tmp_path)
-  assert (tmp_path / "config.json").read_text() == saved
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
-  assert not (tmp_path / "corrupt_checkpoints").exists()
+    trainer.train_and_evaluate(config, workdir)
+  assert (workdir / "config.json").read_text() == saved
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+  assert not (workdir / "corrupt_checkpoints").exists()
   # A longer run of the same experiment is a resume, not a change.
-  assert trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=2, eval_every=0),
-                                    tmp_path)["history"][0]["step"] == 6
+  assert trainer.train_and_evaluate(_continue(prepared, steps=6), workdir)["history"][0]["step"] == 5
 
 
-def test_every_checkpoint_unreadable_stops_unless_a_restart_is_asked_for(prepared, tmp_path):
-  trainer.train_and_evaluate(short_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
-  for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
-    if path.is_file() and path.stat().st_size > 0 and "manifest" not in path.name:
-      path.write_bytes(b"\0" * 7)
+def test_every_checkpoint_unreadable_stops_unless_a_restart_is_asked_for(prepared, four_steps, tmp_path):
+  workdir = _continued(four_steps, tmp_path)
+  for step in (2, 4):
+    _corrupt(workdir / "checkpoints" / str(step))
   with pytest.raises(ValueError, match="can be read.*restart_if_unreadable=True"):
-    trainer.train_and_evaluate(short_config(prepared, steps=2, checkpoint_every=2, eval_every=0), tmp_path)
-  result = trainer.train_and_evaluate(
-      short_config(prepared, steps=2, checkpoint_every=2, eval_every=0, restart_if_unreadable=True), tmp_path)
-  assert result["step"] == 2 and result["history"][0]["step"] == 2
+    trainer.train_and_evaluate(_continue(prepared, steps=4), workdir)
+  result = trainer.train_and_evaluate(_continue(prepared, steps=4, restart_if_unreadable=True), workdir)
+  assert result["step"] == 4 and result["history"][0]["step"] == 1  # from the start
 
 
-def test_resumed_run_drops_the_rows_it_logs_again(prepared, tmp_path):
-  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1),
-                             tmp_path)
-  with open(tmp_path / "metrics.jsonl", "a") as metrics:  # Rows a run killed after its last checkpoint logged.
+def test_resumed_run_drops_the_rows_it_logs_again(prepared, four_steps, tmp_path):
+  workdir = _continued(four_steps, tmp_path)
+  with open(workdir / "metrics.jsonl", "a") as metrics:  # Rows a run killed after its last checkpoint logged.
     metrics.write(json.dumps({"step": 5, "train/loss": 1.0}) + "\n" + json.dumps({"step": 6, "train/loss": 1.0}))
-  trainer.train_and_evaluate(short_config(prepared, steps=6, checkpoint_every=2, eval_every=0, log_every=1),
-                             tmp_path)
-  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+  trainer.train_and_evaluate(_continue(prepared, steps=6), workdir)
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
            if "train/loss" in line]
   assert steps == [1, 2, 3, 4, 5, 6]
 
