@@ -44,9 +44,8 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
-# The shared data folder beside the checkout, or beside the folder of worktrees that holds it.
-SHARED = next((folder / "shared" for folder in REPO.parents if (folder / "shared" / "data").is_dir()),
-              REPO.parent / "shared")
+from finetune_vs_reference import SHARED  # noqa: E402  (bench/ on the path first)
+
 CORPUS = SHARED / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
 HELD_OUT_DOCUMENTS = 500
 MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
