@@ -440,8 +440,8 @@ def collect(roots: list[pathlib.Path]) -> dict:
 
 # The files `collect` reads, relative to a results folder: what `render --keep` copies into git.
 KEPT = ("*/teacher/results.json", "*/distilled/results.json", "*/baseline/results.json", "*/general/results.json",
-        "*/int8/quantization.json", "*/int8/evaluate_dev.json", "*/pruned/results.json", "*/pruned/report.md", "*/pruned/*.png",
-        "*/pruned/pruned_model/finetune_run.json", "*/pruned/pruned_model/evaluate_dev.json",
+        "*/int8/quantization.json", "*/int8/evaluate_dev.json", "*/pruned/results.json", "*/pruned/report.md",
+        "*/pruned/*.png", "*/pruned/pruned_model/finetune_run.json", "*/pruned/pruned_model/evaluate_dev.json",
         "general/pretrain/metrics.jsonl", "general/pretrain/config.json", "speed/*/inference_*.json", "reports/*.json")
 
 

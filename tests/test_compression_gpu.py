@@ -63,8 +63,8 @@ def _write(path, content):
   path.write_text(json.dumps(content))
 
 
-def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path):
-  root = tmp_path / "results"
+def _fake_results(root):
+  """A results folder as the three calls leave it, with made-up scores."""
   for task, teacher in (("sst2", [90.0, 92.0, 91.0]), ("mrpc", [80.0, 80.0, 80.0])):
     _write(root / task / "teacher" / "results.json", _finetune_results(teacher, 22_000_000))
     _write(root / task / "distilled" / "results.json", _finetune_results([x - 10 for x in teacher], 17_600_000))
@@ -94,6 +94,11 @@ def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path
             "versions": {"jax": "0.11.2"}, "argv": ["run", "--stage", "tasks"], "seconds": 400.0, "smoke": False,
             "steps": [{"name": "sst2/teacher", "seconds": 130.0, "status": 0, "command": "bert-jax finetune ..."}]}
   _write(root / "reports" / "tasks_sst2-mrpc.json", report)
+
+
+def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path):
+  root = tmp_path / "results"
+  _fake_results(root)
   page = bench.render(bench.collect([root]))
   summary = {line.split(" | ")[1]: line.split(" | ")[2:5] for line in page.splitlines() if line.startswith("| ")}
   assert summary[bench.SUMMARY_ROWS[0][2]] == ["×1.25", f"{100 * 151 / 171:.0f}%", "×2.0"]  # (81+70)/(91+80)
@@ -108,6 +113,25 @@ def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path
   assert "| distilled_3l | 256 | 128 | 51,200 | ×2.00 | - |" in page
   assert "| teacher | 1 | 128 | 100 | ×1.00 | 1.50 / 2.00 |" in page
   assert "1 x NVIDIA H200" in page and "`bert-jax finetune ...`" in page and "SMOKE" not in page
+
+
+def test_the_kept_files_render_the_same_page_and_the_page_takes_findings_a_figure_and_pytorch(tmp_path):
+  root, kept = tmp_path / "results", tmp_path / "kept"
+  _fake_results(root)
+  _write(root / "sst2" / "teacher" / "checkpoints" / "state.json", {})  # never kept
+  assert bench.keep([root], kept) > 0
+  assert not (kept / "sst2" / "teacher" / "checkpoints").exists()
+  collected = bench.collect([kept])
+  assert bench.render(collected) == bench.render(bench.collect([root]))
+  against = {"device": "NVIDIA H200", "reference_device": "NVIDIA H200", "dtype": "bfloat16",
+             "compile_backend": "inductor", "versions": {"torch": "2.11"},
+             "rows": [{"model": "bert-base", "batch": 256, "length": 128, "ours_seq_per_s": 300.0,
+                       "eager_seq_per_s": 100.0, "compiled_seq_per_s": 200.0}]}
+  page = bench.render(collected, "## What the table shows\n\nThe findings.", against, "compression/compression.png")
+  assert "| bert-base | 256 | 128 | 300 | 100 | 200 | **1.50x** | - | - |" in page
+  assert "The findings." in page and "](compression/compression.png)" in page
+  bench.figure(collected, tmp_path / "compression.png")
+  assert (tmp_path / "compression.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_steps_wait_for_what_they_need_and_stop_at_their_limit_or_the_deadline(tmp_path):
