@@ -24,6 +24,10 @@ timed alone (p50 / p90). Writes OUT/inference_<device>.md and .json with the
 device and the library versions after every row (a call stopped at its limit
 keeps what it measured) and prints the table last.
 
+`--profile DIR` also traces ten of our calls at each row of batch
+`--profile-batch` or more and prints device time per op and kernel, with the
+matmul kernels' share (bench/train_step.py's summary; the trace stays in DIR).
+
 On a GPU machine without the MiniLM's package, `--minilm FOLDER` names a
 Hugging Face folder of it (e.g. bench/compression_gpu.py's carried float16 copy).
 """
@@ -42,7 +46,8 @@ from typing import Any, Callable
 
 # Both frameworks share the device: JAX takes memory as it needs it instead of most of the card up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+# Run from a checkout, installed or not; bench/ for train_step's profile summary.
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parent)]
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -134,14 +139,41 @@ def synthetic_ids(batch: int, length: int, vocab_size: int) -> np.ndarray:
   return np.random.default_rng(0).integers(1000 if vocab_size > 2000 else 5, vocab_size, (batch, length), np.int32)
 
 
-def time_ours(model: InferenceModel, batch: int, length: int, args: argparse.Namespace) -> dict[str, float]:
+def time_ours(model: InferenceModel, batch: int, length: int, args: argparse.Namespace,
+              name: str = "ours") -> dict[str, Any]:
   ids = synthetic_ids(batch, length, model.model_config.vocab_size)
   inputs = jax.device_put({"input_ids": ids, "segment_ids": np.zeros_like(ids),
                            "lengths": np.full((batch,), length, np.int32)},
                           sharding_lib.batch_sharding(model.partitioning.mesh))
   step, params = model.predict_step, model.params
-  return timed(lambda: step(params, inputs), jax.block_until_ready, args.warmup, args.seconds,
-               args.latency_calls if batch == 1 else 0)
+  result = timed(lambda: step(params, inputs), jax.block_until_ready, args.warmup, args.seconds,
+                 args.latency_calls if batch == 1 else 0)
+  if args.profile and batch >= args.profile_batch:
+    result["profile"] = profile(step, params, inputs, pathlib.Path(args.profile) / f"{name}_b{batch}_l{length}")
+  return result
+
+
+# Kernel names of matrix multiplications (cuBLAS / cuBLASLt, CUTLASS, Triton and XLA's own GEMM emitters).
+GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|wgmma|_dot_|^dot|triton_", re.IGNORECASE)
+
+
+def profile(step, params, inputs, trace_dir: pathlib.Path, calls: int = 10) -> list[str]:
+  """Device time per op and kernel of `calls` calls (train_step.py's summary) and the matmul kernels' share."""
+  import train_step  # pylint: disable=import-outside-toplevel
+
+  hlo_text = step.lower(params, inputs).compile().as_text()
+  trace_dir.mkdir(parents=True, exist_ok=True)
+  with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    for _ in range(calls):
+      out = step(params, inputs)
+    jax.block_until_ready(out)
+  lines = train_step.profile_summary(str(trace_dir), hlo_text, steps=calls, top=20)
+  rows = [line.split("\t") for line in (trace_dir / "kernels.tsv").read_text().splitlines() if line]
+  total = sum(float(row[0]) for row in rows)
+  gemm = sum(float(row[0]) for row in rows if GEMM_KERNEL.search(row[3]))
+  lines.insert(1, f"matmul kernels {gemm:.3f} of {total:.3f} ms a call ({100 * gemm / max(total, 1e-9):.0f}%)")
+  print(f"profile of {trace_dir.name}:\n  " + "\n  ".join(lines), flush=True)
+  return lines
 
 
 def time_reference(model, batch: int, length: int, vocab_size: int, device: str,
@@ -244,6 +276,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--seconds", type=float, default=2.0, help="about this long a throughput measurement")
   parser.add_argument("--latency-calls", type=int, default=50, help="calls timed alone at batch 1")
+  parser.add_argument("--profile", help="also trace our calls into this folder and print device time per op")
+  parser.add_argument("--profile-batch", type=int, default=256, help="trace the rows of at least this batch")
   parser.add_argument("--smoke", action="store_true",
                       help="a tiny random BERT at batches 1,4 and length 32 in float32, torch.compile's eager backend "
                       "(a CPU test)")
@@ -302,7 +336,7 @@ def main(argv: list[str]) -> int:
         continue
       for batch in batches:
         row = {"model": name, "batch": batch, "length": length}
-        measured = {"ours": time_ours(ours, batch, length, args)}
+        measured = {"ours": time_ours(ours, batch, length, args, name)}
         if reference_model is not None:
           vocab = ours.model_config.vocab_size
           measured["eager"] = time_reference(reference_model, batch, length, vocab, torch_device, args)
@@ -312,9 +346,11 @@ def main(argv: list[str]) -> int:
           row[f"{side}_compile_s"] = result["compile_s"]
           if "p50_ms" in result:
             row[f"{side}_p50_ms"], row[f"{side}_p90_ms"] = result["p50_ms"], result["p90_ms"]
+          if "profile" in result:
+            row[f"{side}_profile"] = result["profile"]
         rows.append(row)
         print(" ".join(f"{key}={value:,.2f}" if isinstance(value, float) else f"{key}={value}"
-                       for key, value in row.items()), flush=True)
+                       for key, value in row.items() if not isinstance(value, list)), flush=True)
         write_report(rows, args, device, reference)  # a call stopped at its limit keeps the rows measured
     if reference_model is not None:
       del reference_model, compiled
