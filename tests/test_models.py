@@ -434,6 +434,38 @@ def test_sparse_last_layer_equals_the_full_model(overrides, packed):
     np.testing.assert_allclose(a, full_leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("kind,overrides", [("classification", {}), ("regression", {"causal": True}),
+                                             ("multiple_choice", {"norm": "pre"}), ("tagging", {})])
+def test_sparse_last_layer_of_a_finetuning_model_equals_the_full_model(kind, overrides):
+  """The sentence-level heads read one row (the [CLS], or a left-to-right model's last real token): with
+  `sparse_last_layer` the last block computes that row alone; logits and every gradient are the full model's
+  (float32, padded rows). Tagging reads every row, so it is the full model."""
+  cfg = tiny(hidden_size=64, intermediate_size=128, dtype="float32", **overrides)
+  rng = np.random.default_rng(6)
+  shape = (2, 3, 16) if kind == "multiple_choice" else (2, 16)
+  ids = jnp.asarray(rng.integers(5, 97, shape), jnp.int32)
+  pack = jnp.asarray(np.arange(16) < rng.integers(4, 17, shape[:-1])[..., None], jnp.int32)
+  results = []
+  for sparse in (True, False):
+    model = FinetuneModel(cfg.replace(sparse_last_layer=sparse), kind, num_labels=3)
+    params = model.init(jax.random.key(0), ids, pack_ids=pack)
+
+    def loss(params, model=model):
+      out = model.apply(params, ids, pack_ids=pack)
+      return jnp.sum(jnp.sin(out)), out
+
+    results.append(jax.value_and_grad(loss, has_aux=True)(params))
+  (sparse_out, sparse_grads), (full_out, full_grads) = results
+  np.testing.assert_allclose(sparse_out[1], full_out[1], rtol=1e-5, atol=1e-5)
+  full_leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(full_grads)))
+  for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(sparse_grads)):
+    np.testing.assert_allclose(a, full_leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  model = FinetuneModel(cfg.replace(sparse_last_layer=True), kind, num_labels=3)
+  _, captured = model.apply(params, ids, pack_ids=pack, capture_intermediates=True)
+  hidden = captured["intermediates"]["encoder"]["__call__"][0]["hidden"]
+  assert hidden.shape[1] == (16 if kind == "tagging" else 1)  # the encoder's last block: one row, or every row
+
+
 def test_sparse_last_layer_only_where_the_rows_are_at_most_half_the_sequence():
   from bert_jax.models.model import head_rows
   cfg = tiny(sparse_last_layer=True)

@@ -74,16 +74,17 @@ class ModelConfig:
       30522 by copying the [predictions, vocab] logits' gradient every step.
       1 (default): exactly vocab_size logits. The pre-training configs
       (`config_lib.model_section`) set 128 (docs/performance.md).
-    sparse_last_layer: pre-training: the last transformer block computes only
-      the rows its heads read (the MLM, [CLS] and span-boundary positions):
+    sparse_last_layer: the last transformer block computes only the rows
+      the heads read (pre-training: the MLM, [CLS] and span-boundary
+      positions; fine-tuning's sentence-level heads: the pooled position):
       its queries, output projection, LayerNorms and feed-forward run on
       those rows, its keys and values on every position. The same loss and
       gradients to rounding (the rows' own hidden dropout masks are drawn
       for the smaller array, so differ from a full block's; attention
       dropout's are the same); the model's "hidden" output is then absent.
       Applies when the rows are at most half the sequence (not LTR's every
-      position). The pre-training configs (`config_lib.model_section`) set
-      it.
+      position). The pre-training configs (`config_lib.model_section`) and
+      the fine-tuning configs (`config_lib.finetune_config`) set it.
     heads_per_layer: a model with pruned attention heads (`bert_jax.analysis.heads.prune_heads`): how many heads
       each layer keeps, at most num_heads, at least 1; the head size stays hidden_size / num_heads. None: every
       layer has num_heads.

@@ -195,6 +195,8 @@ class FinetuneModel(nn.Module):
 
   A left-to-right encoder (`config.causal`) pools its last real token for the sentence-level kinds, as GPT does:
   its [CLS] attends to itself alone. With `top_bilstm` the BiLSTM has read the whole row, so [CLS] is pooled.
+  With `config.sparse_last_layer` the sentence-level kinds' last block computes the pooled row alone (not with
+  `top_bilstm` or `output_hidden_states`, which read every row).
   """
 
   config: ModelConfig
@@ -233,15 +235,26 @@ class FinetuneModel(nn.Module):
       choices_shape = input_ids.shape[:2]
       flatten = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
       input_ids, segment_ids, position_ids, pack_ids = map(flatten, (input_ids, segment_ids, position_ids, pack_ids))
+    batch, length = input_ids.shape
+    pooled_b1 = None  # the one position a pooled head reads
+    if self.kind in POOLED_KINDS and not self.top_bilstm:
+      pooled_b1 = jnp.zeros((batch, 1), jnp.int32)
+      if self.config.causal:
+        last_b = (length if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)) - 1
+        pooled_b1 = jnp.broadcast_to(last_b, (batch,))[:, None].astype(jnp.int32)
+    # The last block at the pooled row only (`ModelConfig.sparse_last_layer`): the head reads nothing else.
+    output_positions = None
+    if pooled_b1 is not None and not output_hidden_states:
+      output_positions, _ = head_rows(self.config, length, {"pooled": pooled_b1})
     encoded = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic,
-                           head_mask=head_mask, output_hidden_states=output_hidden_states)
+                           head_mask=head_mask, output_hidden_states=output_hidden_states,
+                           output_positions=output_positions)
     hidden = encoded["hidden"]
     if self.top_bilstm:
       lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
       hidden = self.bilstm(hidden.astype(jnp.float32), lengths).astype(hidden.dtype)
-    elif self.config.causal and self.kind in POOLED_KINDS:
-      last_b = (hidden.shape[1] if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)) - 1
-      hidden = gather_positions(hidden, jnp.broadcast_to(last_b, hidden.shape[:1])[:, None])  # [B, 1, E]
+    elif output_positions is None and self.config.causal and pooled_b1 is not None:
+      hidden = gather_positions(hidden, pooled_b1)  # [B, 1, E]
     out = self.head(hidden, deterministic=deterministic)
     if self.kind == "regression":
       out = out[..., 0]

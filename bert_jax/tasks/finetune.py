@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 SELECTIONS = ("best", "last")
 RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
-MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat")
+MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer")
 _LENGTH_MULTIPLE = 8
 
 
@@ -130,7 +130,8 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
 
 def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict) -> ModelConfig:
   """The initial model's config with the fine-tuning overrides (dtype, dropouts...) applied."""
-  return initial.replace(**{name: overrides[name] for name in MODEL_OVERRIDES if overrides[name] is not None})
+  # .get: a run saved before an override existed keeps the model's own value.
+  return initial.replace(**{name: overrides.get(name) for name in MODEL_OVERRIDES if overrides.get(name) is not None})
 
 
 def fitted_max_len(max_len: int, model_config: ModelConfig) -> int:

@@ -242,7 +242,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   init.layers     keep this many of its layers: its blocks 0, k, 2k, ... (k =
                   its layers / init.layers), a shallower student's start for
                   distillation; None: every layer.
-  model.*         dtype, dropouts, kernels, remat (None: the model's own).
+  model.*         dtype, dropouts, kernels, remat (None: the model's own);
+                  sparse_last_layer (the sentence-level heads' last block at
+                  the pooled row alone, `ModelConfig.sparse_last_layer`).
   max_len         longest row in tokens.
   train_examples  train on this many examples of the train split, a fixed random subset (the same for every
                   seed, run and model); None: all of them.
@@ -279,7 +281,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict({
       "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
       "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),
-      "remat": config_dict.placeholder(str)})
+      "remat": config_dict.placeholder(str), "sparse_last_layer": True})
   config.max_len = 128
   config.train_examples = config_dict.placeholder(int)
   config.seeds = (1, 2, 3)
