@@ -454,7 +454,7 @@ def test_sparse_last_layer_of_a_finetuning_model_equals_the_full_model(kind, ove
       out = model.apply(params, ids, pack_ids=pack)
       return jnp.sum(jnp.sin(out)), out
 
-    results.append(jax.value_and_grad(loss, has_aux=True)(params))
+    results.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(params))
   (sparse_out, sparse_grads), (full_out, full_grads) = results
   np.testing.assert_allclose(sparse_out[1], full_out[1], rtol=1e-5, atol=1e-5)
   full_leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(full_grads)))
