@@ -20,7 +20,8 @@ data, no evaluation) side by side: seq/s of each, their ratio and the host
 cores the loop kept busy, and per step the loop's wall time, the main thread's wait for its batch and the
 step's dispatch (the rest is the loop's own work): means, p50/p90/p99/max and the steps over 10 ms, the main
 thread's CPU time in each part (wall time well above it: the thread was blocked, on the interpreter's lock or
-the runtime), the process's CPU per step and Python's garbage collections. Mini also runs at `--mini-batch`
+the runtime), the steps still queued on the device after each dispatch (0-1: the device waits for the host;
+more: the host is ahead), the process's CPU per step and Python's garbage collections. Mini also runs at `--mini-batch`
 when it differs. `--loop-profile` samples every thread's stack during the timed steps (bench/sampler.py) and
 prints where each busy thread's time goes and the CPU of every thread of the process. `--repeat N` runs the
 cases N times interleaved (A B C A B C); `--switch-intervals` runs each case under several interpreter switch
@@ -262,6 +263,7 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
   loop_ends, run, make_train_step = [], trainer.loop.run, trainer.make_train_step
   starts, waits, dispatches = [], [], []  # Per step: its start, the wait for its batch, the step's dispatch.
   cpu_waits, cpu_dispatches = [], []  # The main thread's CPU time in each.
+  in_flight, depths = collections.deque(maxlen=64), []  # Per step, the steps queued on the device after it.
   window: dict[str, Any] = {"gc": collections.Counter(), "gc_s": 0.0, "gc_started": None}
 
   def on_gc(phase: str, info: dict[str, Any]) -> None:
@@ -280,6 +282,14 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
       out = train_step(state, batch)
       dispatches.append(time.perf_counter() - started)
       cpu_dispatches.append(time.thread_time() - cpu)
+      # Steps dispatched and not finished: 0 or 1 means the device is about to wait for the host.
+      in_flight.append(next(iter(out[1].values())))
+      depth = 0
+      for metric in reversed(in_flight):
+        if metric.is_ready():
+          break
+        depth += 1
+      depths.append(depth)
       return out
 
     def timed_batches():
@@ -349,6 +359,8 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
           "main_thread_cpu_us_per_step": 1e6 * window.get("thread_s", 0.0) / max(1, timed),
           "main_cpu_wait_us": per_step(cpu_waits[tail:tail + timed]),
           "main_cpu_dispatch_us": per_step(cpu_dispatches[tail:tail + timed]),
+          "queued_steps_mean": sum(depths[tail:tail + timed]) / max(1, timed),
+          "queued_steps_le1": sum(d <= 1 for d in depths[tail:tail + timed]) / max(1, timed),
           "gc_collections": {str(k): v for k, v in sorted(window["gc"].items())},
           "gc_us_per_step": 1e6 * window["gc_s"] / max(1, timed), "profile": window.get("profile")}
 
@@ -372,12 +384,13 @@ def loop_table(results: list[dict[str, Any]]) -> str:
   return markdown_table(
       ["case", "masking", "synthetic seq/s", "loop seq/s", "loop / synthetic",
        "main cores", "all cores", "loop us/step", "batch wait us", "dispatch us", "main thread CPU us/step",
-       "process CPU us/step", "gc us/step", "steps > 10 ms"],
+       "process CPU us/step", "gc us/step", "steps > 10 ms", "queued steps", "queue <= 1"],
       [[case_name(r), r["masking"], f"{r['seq_per_s']:,.0f}" if r["seq_per_s"] else "-", f"{r['loop_seq_per_s']:,.0f}", ratio(r),
         f"{r['loop_main_cores']:.2f}", f"{r['loop_total_cores']:.2f}", f"{r['loop_step_us']:,.0f}",
         f"{r['loop_wait_us']:,.0f}", f"{r['loop_dispatch_us']:,.0f}", f"{r['main_thread_cpu_us_per_step']:,.0f}",
         f"{r['process_cpu_us_per_step']:,.0f}", f"{r['gc_us_per_step']:,.0f}",
-        f"{r['steps_over_10ms']} / {r['timed_steps']}"] for r in results])
+        f"{r['steps_over_10ms']} / {r['timed_steps']}", f"{r['queued_steps_mean']:.1f}",
+        f"{r['queued_steps_le1']:.0%}"] for r in results])
 
 
 def case_name(r: dict[str, Any]) -> str:
@@ -410,7 +423,8 @@ def loop_line(row: dict[str, Any]) -> str:
           f"cores {row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all; per step "
           f"{row['loop_step_us']:,.0f} us, batch wait {row['loop_wait_us']:,.0f} (main CPU "
           f"{row['main_cpu_wait_us']:,.0f}), dispatch {row['loop_dispatch_us']:,.0f} (main CPU "
-          f"{row['main_cpu_dispatch_us']:,.0f}); CPU per step: main thread {row['main_thread_cpu_us_per_step']:,.0f}, "
+          f"{row['main_cpu_dispatch_us']:,.0f}); steps queued on the device after a dispatch: mean "
+          f"{row['queued_steps_mean']:.1f}, at most one in {row['queued_steps_le1']:.0%} of steps; CPU per step: main thread {row['main_thread_cpu_us_per_step']:,.0f}, "
           f"process {row['process_cpu_us_per_step']:,.0f}; gc {row['gc_us_per_step']:,.0f} us/step "
           f"{row['gc_collections']}; steps over 10 ms {row['steps_over_10ms']} of {row['timed_steps']}\n  us: {parts}")
 
