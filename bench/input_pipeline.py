@@ -247,15 +247,34 @@ def percentiles(values_us) -> dict[str, float]:
   return {"p50": p50, "p90": p90, "p99": p99, "max": float(values.max()), "mean": float(values.mean())}
 
 
+def device_summary(trace_dir: pathlib.Path, steps: int) -> list[str]:
+  """The device's busy and idle time per step in a `jax.profiler` trace of `steps` loop steps."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import train_step  # pylint: disable=import-outside-toplevel
+  paths = sorted(trace_dir.glob("**/perfetto_trace.json.gz"))
+  if not paths:
+    return ["no trace written"]
+  trace = json.load(gzip.open(paths[-1]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+  total_us = sum(e.get("dur", 0.0) for e in kernels)
+  return ([f"traced {steps} loop steps: kernel time {total_us / steps / 1e3:.2f} ms/step"] +
+          train_step.idle_summary(kernels, steps))
+
+
 def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
-              profile_hz: float = 0.0) -> dict[str, Any]:
+              profile_hz: float = 0.0, trace_steps: int = 0) -> dict[str, Any]:
   """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, the host cores busy then, and,
   over the last 70% of its steps, per step: wall time, the main thread's wait for its batch, the step's
   dispatch and the rest (their percentiles and the main thread's CPU time in each), Python's garbage
-  collections, and with `profile_hz` the sampled stacks of every thread.
+  collections, and with `profile_hz` the sampled stacks of every thread. `trace_steps`: a `jax.profiler` trace
+  of that many steps after the timed ones (before the last), summarised as the device's busy and idle time.
 
   `trivial`: the jitted step is `trivial_step_factory`'s, so only the loop's host work is timed."""
   import gc  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   from bert_jax.train import trainer  # pylint: disable=import-outside-toplevel
   config.train.steps = steps
   config.train.log_every = max(1, steps // 20)
@@ -298,8 +317,13 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
           window.update(process_s=time.process_time(), thread_s=time.thread_time())
           if profile_hz:
             window["sampler"] = sampler.StackSampler(profile_hz).start()
-        elif len(starts) == steps - 1:  # The last step's hooks save a checkpoint: the window ends before it.
-          end_window()
+        elif len(starts) == steps - 1 - trace_steps:  # The last step's hooks save a checkpoint: the window ends
+          end_window()                                   # before it (and before the traced steps).
+          if trace_steps:
+            jax.profiler.start_trace(str(workdir / "trace"), create_perfetto_trace=True)
+        elif trace_steps and len(starts) == steps - 1:
+          jax.profiler.stop_trace()
+          window["device"] = device_summary(workdir / "trace", trace_steps)
         started, cpu = time.perf_counter(), time.thread_time()
         starts.append(started)
         batch = next(batches)
@@ -308,7 +332,7 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
         yield batch
 
     def end_window():
-      window["end"] = time.perf_counter()
+      window.update(end=time.perf_counter(), last=len(starts))
       if "process_s" in window:
         window.update(process_s=time.process_time() - window["process_s"],
                       thread_s=time.thread_time() - window["thread_s"])
@@ -340,8 +364,10 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
   seconds = sum(config.train.log_every / row["steps_per_second"] for row in kept)
   steps_per_s = len(kept) * config.train.log_every / seconds
   cpu = meter.between(loop_ends[0] - seconds, loop_ends[0])
-  # Step k's wall time runs from its start to the next step's; the last step (and its checkpoint) is left out.
-  walls = [b - a for a, b in zip(starts[tail:], starts[tail + 1:])]
+  # Step k's wall time runs from its start to the next step's; the steps after the window (the traced ones, the
+  # last and its checkpoint) are left out.
+  last = window.get("last", len(starts))
+  walls = [b - a for a, b in zip(starts[tail:last], starts[tail + 1:last] + [window.get("end", loop_ends[0])])]
   timed = len(walls)
   wait_us = [1e6 * w for w in waits[tail:tail + timed]]
   dispatch_us = [1e6 * d for d in dispatches[tail:tail + timed]]
@@ -362,7 +388,8 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
           "queued_steps_mean": sum(depths[tail:tail + timed]) / max(1, timed),
           "queued_steps_le1": sum(d <= 1 for d in depths[tail:tail + timed]) / max(1, timed),
           "gc_collections": {str(k): v for k, v in sorted(window["gc"].items())},
-          "gc_us_per_step": 1e6 * window["gc_s"] / max(1, timed), "profile": window.get("profile")}
+          "gc_us_per_step": 1e6 * window["gc_s"] / max(1, timed), "profile": window.get("profile"),
+          "device": window.get("device")}
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -441,6 +468,9 @@ def write_report(out: pathlib.Path, report: dict[str, Any], args: argparse.Names
   if report["loop"]:
     text += "\n## The real loop against the synthetic step\n\n" + loop_table(report["loop"]) + "\n"
     text += "\n## Per step, the last 70% of each loop (us)\n\n" + step_table(report["loop"]) + "\n"
+    devices = [f"{case_name(row)}: " + "; ".join(row["device"]) for row in report["loop"] if row.get("device")]
+    if devices:
+      text += "\n## The device during the traced steps\n\n" + "\n".join(f"- {line}" for line in devices) + "\n"
     for row in report["loop"]:
       if row["profile"]:
         title = case_name(row)
@@ -485,6 +515,9 @@ def main(argv: list[str]) -> int:
                       help="GPU part: sample every thread's stack during the timed steps and print where each "
                            "busy thread's time goes (adds a little work of its own)")
   parser.add_argument("--loop-profile-hz", type=float, default=1000.0, help="sampling rate of --loop-profile")
+  parser.add_argument("--loop-trace", type=int, default=0,
+                      help="GPU part: trace this many steps after the timed ones (jax.profiler) and print the "
+                           "device's busy and idle time per step")
   parser.add_argument("--switch-intervals", default="default",
                       help="GPU part: comma-separated interpreter switch intervals (seconds, 'default': as "
                            "started) each loop case runs under (sys.setswitchinterval: how long a thread waiting "
@@ -553,11 +586,14 @@ def main(argv: list[str]) -> int:
                    "step": args.loop_step, "switch": switch, "seq_per_s": synthetic["seq_per_s"],
                    "mfu": synthetic["mfu"],
                    **time_loop(config, steps, pathlib.Path(workdir), trivial=args.loop_step == "trivial",
-                               profile_hz=args.loop_profile_hz if args.loop_profile else 0.0)}
+                               profile_hz=args.loop_profile_hz if args.loop_profile else 0.0,
+                               trace_steps=args.loop_trace)}
         finally:
           sys.setswitchinterval(default_switch)
         report["loop"].append(row)
         print(loop_line(row), flush=True)
+        if row["device"]:
+          print("  " + "\n  ".join(row["device"]), flush=True)
         if row["profile"]:
           print(sampler.format_profile(row["profile"], case_name(row)), flush=True)
         # Written after every case: a call cut at its time limit still brings back what it measured.
