@@ -21,12 +21,13 @@ cores the loop kept busy, and per step the loop's wall time, the main thread's w
 step's dispatch (the rest is the loop's own work): means, p50/p90/p99/max and the steps over 10 ms, the main
 thread's CPU time in each part (wall time well above it: the thread was blocked, on the interpreter's lock or
 the runtime), the steps still queued on the device after each dispatch (0-1: the device waits for the host;
-more: the host is ahead), the process's CPU per step and Python's garbage collections. Mini also runs at `--mini-batch`
-when it differs. `--loop-profile` samples every thread's stack during the timed steps (bench/sampler.py) and
-prints where each busy thread's time goes and the CPU of every thread of the process. `--repeat N` runs the
-cases N times interleaved (A B C A B C); `--switch-intervals` runs each case under several interpreter switch
-intervals. `--loop-step trivial` replaces the jitted step by one that only reads the batch (the loop's host
-cost alone, e.g. on a CPU with `--loop-on-cpu`):
+more: the host is ahead), the process's CPU per step and Python's garbage collections. Mini also runs at
+`--mini-batch` when it differs. `--loop-profile` samples every thread's stack during the timed steps
+(bench/sampler.py) and prints where each busy thread's time goes and the CPU of every thread of the process;
+`--loop-trace N` traces N steps after them and prints the device's busy and idle time per step. `--repeat N`
+runs the cases N times interleaved (A B C A B C), the first round unobserved; `--switch-intervals` runs each
+case under several interpreter switch intervals. `--loop-step trivial` replaces the jitted step by one that
+only reads the batch (the loop's host cost alone, e.g. on a CPU with `--loop-on-cpu`):
 
   python bench/input_pipeline.py --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \
       --loop-on-cpu --loop-step trivial --loop-steps 600 --loop-workers 2 --loop-profile
@@ -513,11 +514,12 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--loop-steps", type=int, help="GPU part: steps per loop (default: from --loop-seconds)")
   parser.add_argument("--loop-profile", action="store_true",
                       help="GPU part: sample every thread's stack during the timed steps and print where each "
-                           "busy thread's time goes (adds a little work of its own)")
+                           "busy thread's time goes (adds a little work of its own; with --repeat, from the second "
+                           "round on, so the first round is timed unobserved)")
   parser.add_argument("--loop-profile-hz", type=float, default=1000.0, help="sampling rate of --loop-profile")
   parser.add_argument("--loop-trace", type=int, default=0,
                       help="GPU part: trace this many steps after the timed ones (jax.profiler) and print the "
-                           "device's busy and idle time per step")
+                           "device's busy and idle time per step (with --repeat, from the second round on)")
   parser.add_argument("--switch-intervals", default="default",
                       help="GPU part: comma-separated interpreter switch intervals (seconds, 'default': as "
                            "started) each loop case runs under (sys.setswitchinterval: how long a thread waiting "
@@ -578,6 +580,7 @@ def main(argv: list[str]) -> int:
         synthetic = synthetic_rates.get(key, {"seq_per_s": None, "mfu": None})
         steps = args.loop_steps or (int(min(4000, max(100, args.loop_seconds * synthetic["seq_per_s"] / batch)))
                                     if synthetic["seq_per_s"] else 1000)
+        watched = args.repeat == 1 or repeat > 0  # With repeats the first round runs unobserved.
         sys.setswitchinterval(default_switch if switch == "default" else float(switch))
         try:
           with tempfile.TemporaryDirectory() as workdir, open(out / "loop.log", "a") as log, \
@@ -586,8 +589,8 @@ def main(argv: list[str]) -> int:
                    "step": args.loop_step, "switch": switch, "seq_per_s": synthetic["seq_per_s"],
                    "mfu": synthetic["mfu"],
                    **time_loop(config, steps, pathlib.Path(workdir), trivial=args.loop_step == "trivial",
-                               profile_hz=args.loop_profile_hz if args.loop_profile else 0.0,
-                               trace_steps=args.loop_trace)}
+                               profile_hz=args.loop_profile_hz if args.loop_profile and watched else 0.0,
+                               trace_steps=args.loop_trace if watched else 0)}
         finally:
           sys.setswitchinterval(default_switch)
         report["loop"].append(row)
