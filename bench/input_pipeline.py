@@ -611,7 +611,7 @@ def main(argv: list[str]) -> int:
   for row in report["loop"]:
     if row["profile"]:
       title = case_name(row)
-      print(sampler.format_profile(row["profile"], title, top=14, top_other=0))
+      print(sampler.format_profile(row["profile"], title, top=12, top_other=0))
   return 0
 
 

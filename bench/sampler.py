@@ -139,7 +139,7 @@ def format_profile(summary: dict[str, Any], title: str = "", top: int = 25, top_
   """The summary as text: per thread, its `top` functions (`top_other` for threads other than the main one)."""
   lines = [f"sampled stacks{' of ' + title if title else ''}: {summary['seconds']:.1f} s at "
            f"{summary['hz']:.0f} Hz; the process's threads kept {summary['process_cores']:.2f} cores busy: " +
-           ", ".join(f"{name} {cores:.2f}" for name, cores in summary["thread_cores"]),
+           ", ".join(f"{name[:40]} {cores:.2f}" for name, cores in summary["thread_cores"][:10]),
            "per Python thread, share of its samples (inclusive / innermost function):"]
   for thread in summary["threads"]:
     if thread["name"] != "main" and not top_other:
