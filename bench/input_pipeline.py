@@ -29,7 +29,7 @@ runs the cases N times interleaved (A B C A B C), the first round unobserved; `-
 case under several interpreter switch intervals. `--loop-step trivial` replaces the jitted step by one that
 only reads the batch (the loop's host cost alone, e.g. on a CPU with `--loop-on-cpu`):
 
-  python bench/input_pipeline.py --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \
+  python bench/input_pipeline.py --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \\
       --loop-on-cpu --loop-step trivial --loop-steps 600 --loop-workers 2 --loop-profile
 
 Writes OUT/input_pipeline.md (the tables and stacks) and OUT/input_pipeline.json after every loop case, the
