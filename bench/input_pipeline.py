@@ -413,7 +413,8 @@ def loop_table(results: list[dict[str, Any]]) -> str:
       ["case", "masking", "synthetic seq/s", "loop seq/s", "loop / synthetic",
        "main cores", "all cores", "loop us/step", "batch wait us", "dispatch us", "main thread CPU us/step",
        "process CPU us/step", "gc us/step", "steps > 10 ms", "queued steps", "queue <= 1"],
-      [[case_name(r), r["masking"], f"{r['seq_per_s']:,.0f}" if r["seq_per_s"] else "-", f"{r['loop_seq_per_s']:,.0f}", ratio(r),
+      [[case_name(r), r["masking"], f"{r['seq_per_s']:,.0f}" if r["seq_per_s"] else "-",
+        f"{r['loop_seq_per_s']:,.0f}", ratio(r),
         f"{r['loop_main_cores']:.2f}", f"{r['loop_total_cores']:.2f}", f"{r['loop_step_us']:,.0f}",
         f"{r['loop_wait_us']:,.0f}", f"{r['loop_dispatch_us']:,.0f}", f"{r['main_thread_cpu_us_per_step']:,.0f}",
         f"{r['process_cpu_us_per_step']:,.0f}", f"{r['gc_us_per_step']:,.0f}",
@@ -452,7 +453,8 @@ def loop_line(row: dict[str, Any]) -> str:
           f"{row['loop_step_us']:,.0f} us, batch wait {row['loop_wait_us']:,.0f} (main CPU "
           f"{row['main_cpu_wait_us']:,.0f}), dispatch {row['loop_dispatch_us']:,.0f} (main CPU "
           f"{row['main_cpu_dispatch_us']:,.0f}); steps queued on the device after a dispatch: mean "
-          f"{row['queued_steps_mean']:.1f}, at most one in {row['queued_steps_le1']:.0%} of steps; CPU per step: main thread {row['main_thread_cpu_us_per_step']:,.0f}, "
+          f"{row['queued_steps_mean']:.1f}, at most one in {row['queued_steps_le1']:.0%} of steps; CPU per step: "
+          f"main thread {row['main_thread_cpu_us_per_step']:,.0f}, "
           f"process {row['process_cpu_us_per_step']:,.0f}; gc {row['gc_us_per_step']:,.0f} us/step "
           f"{row['gc_collections']}; steps over 10 ms {row['steps_over_10ms']} of {row['timed_steps']}\n  us: {parts}")
 
