@@ -18,9 +18,21 @@ Part 2, only when a GPU is present: per size (`--sizes`), format and masking
 real loop (`trainer.train_and_evaluate` on the same config over the prepared
 data, no evaluation) side by side: seq/s of each, their ratio and the host
 cores the loop kept busy, and per step the loop's wall time, the main thread's wait for its batch and the
-step's dispatch (the rest is the loop's own work). Mini also runs at `--mini-batch` when it differs.
+step's dispatch (the rest is the loop's own work): means, p50/p90/p99/max and the steps over 10 ms, the main
+thread's CPU time in each part (wall time well above it: the thread was blocked, on the interpreter's lock or
+the runtime), the steps still queued on the device after each dispatch (0-1: the device waits for the host;
+more: the host is ahead), the process's CPU per step and Python's garbage collections. Mini also runs at
+`--mini-batch` when it differs. `--loop-profile` samples every thread's stack during the timed steps
+(bench/sampler.py) and prints where each busy thread's time goes and the CPU of every thread of the process;
+`--loop-trace N` traces N steps after them and prints the device's busy and idle time per step. `--repeat N`
+runs the cases N times interleaved (A B C A B C), the first round unobserved; `--switch-intervals` runs each
+case under several interpreter switch intervals. `--loop-step trivial` replaces the jitted step by one that
+only reads the batch (the loop's host cost alone, e.g. on a CPU with `--loop-on-cpu`):
 
-Writes OUT/input_pipeline.md (the tables), OUT/input_pipeline.json and the
+  python bench/input_pipeline.py --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \\
+      --loop-on-cpu --loop-step trivial --loop-steps 600 --loop-workers 2 --loop-profile
+
+Writes OUT/input_pipeline.md (the tables and stacks) and OUT/input_pipeline.json after every loop case, the
 loops' output in OUT/loop.log, and prints the tables. `--profile FORMAT` also prints where one thread's time goes
 per batch (cProfile) for that format.
 """
@@ -28,6 +40,7 @@ per batch (cProfile) for that format.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import io
@@ -47,6 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from
 
 from bert_jax.data import pipeline  # noqa: E402
 from bert_jax.data import prepare  # noqa: E402
+import sampler  # noqa: E402  (bench/sampler.py)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WIKI_SAMPLE = REPO.parent / "shared" / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
@@ -201,40 +215,149 @@ def loop_config(size: str, format_name: str, masking: str, batch: int, seq_len: 
   return config
 
 
-def time_loop(config, steps: int, workdir: pathlib.Path) -> dict[str, Any]:
-  """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, and the host cores busy then."""
+def trivial_step_factory(make_train_step):
+  """`make_train_step`'s stand-in for `--loop-step trivial`: a jitted step with the real one's shardings, donation,
+  state and metrics structure that only reads every batch field and counts the step, so the loop's host work
+  (batches, placement, dispatch, metrics, hooks) is all that is left to time."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from bert_jax.parallel import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+
+  def make(task, tx, schedule, *, partitioning, state_shardings, **kwargs):
+    real = make_train_step(task, tx, schedule, partitioning=partitioning, state_shardings=state_shardings, **kwargs)
+
+    def step(state, batch):
+      metrics = jax.eval_shape(real, state, batch)[1]
+      touched = sum(jnp.sum(value[:1]).astype(jnp.float32) for value in batch.values())
+      zero = touched * 0
+      out = {key: jnp.broadcast_to(zero, shape.shape).astype(shape.dtype) for key, shape in metrics.items()}
+      return state.replace(step=state.step + 1), out
+
+    return jax.jit(step, in_shardings=(state_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
+                   out_shardings=(state_shardings, sharding_lib.replicated(partitioning.mesh)), donate_argnums=0)
+
+  return make
+
+
+def percentiles(values_us) -> dict[str, float]:
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  values = np.asarray(values_us, np.float64)
+  if not values.size:
+    return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+  p50, p90, p99 = np.percentile(values, [50, 90, 99])
+  return {"p50": p50, "p90": p90, "p99": p99, "max": float(values.max()), "mean": float(values.mean())}
+
+
+def device_summary(trace_dir: pathlib.Path, steps: int) -> list[str]:
+  """The device's busy and idle time per step in a `jax.profiler` trace of `steps` loop steps."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import train_step  # pylint: disable=import-outside-toplevel
+  paths = sorted(trace_dir.glob("**/perfetto_trace.json.gz"))
+  if not paths:
+    return ["no trace written"]
+  trace = json.load(gzip.open(paths[-1]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+  total_us = sum(e.get("dur", 0.0) for e in kernels)
+  return ([f"traced {steps} loop steps: kernel time {total_us / steps / 1e3:.2f} ms/step"] +
+          train_step.idle_summary(kernels, steps))
+
+
+def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
+              profile_hz: float = 0.0, trace_steps: int = 0) -> dict[str, Any]:
+  """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, the host cores busy then, and,
+  over the last 70% of its steps, per step: wall time, the main thread's wait for its batch, the step's
+  dispatch and the rest (their percentiles and the main thread's CPU time in each), Python's garbage
+  collections, and with `profile_hz` the sampled stacks of every thread. `trace_steps`: a `jax.profiler` trace
+  of that many steps after the timed ones (before the last), summarised as the device's busy and idle time.
+
+  `trivial`: the jitted step is `trivial_step_factory`'s, so only the loop's host work is timed."""
+  import gc  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   from bert_jax.train import trainer  # pylint: disable=import-outside-toplevel
   config.train.steps = steps
   config.train.log_every = max(1, steps // 20)
-  loop_ends, run = [], trainer.loop.run
-  waits, dispatches = [], []  # Per step: the main thread waiting for its batch, and in the step's dispatch.
+  tail = steps * 3 // 10  # The timed part: steps tail+1 .. steps.
+  loop_ends, run, make_train_step = [], trainer.loop.run, trainer.make_train_step
+  starts, waits, dispatches = [], [], []  # Per step: its start, the wait for its batch, the step's dispatch.
+  cpu_waits, cpu_dispatches = [], []  # The main thread's CPU time in each.
+  in_flight, depths = collections.deque(maxlen=64), []  # Per step, the steps queued on the device after it.
+  window: dict[str, Any] = {"gc": collections.Counter(), "gc_s": 0.0, "gc_started": None}
+
+  def on_gc(phase: str, info: dict[str, Any]) -> None:
+    if "process_s" not in window or "end" in window:
+      return
+    if phase == "start":
+      window["gc_started"] = time.perf_counter()
+    elif window["gc_started"] is not None:
+      window["gc_s"] += time.perf_counter() - window["gc_started"]
+      window["gc"][info["generation"]] += 1
+      window["gc_started"] = None
 
   def timed_run(train_step, state, batches, **kwargs):
     def timed_step(state, batch):
-      started = time.perf_counter()
+      started, cpu = time.perf_counter(), time.thread_time()
       out = train_step(state, batch)
       dispatches.append(time.perf_counter() - started)
+      cpu_dispatches.append(time.thread_time() - cpu)
+      # Steps dispatched and not finished: 0 or 1 means the device is about to wait for the host.
+      in_flight.append(next(iter(out[1].values())))
+      depth = 0
+      for metric in reversed(in_flight):
+        if metric.is_ready():
+          break
+        depth += 1
+      depths.append(depth)
       return out
 
     def timed_batches():
       while True:
-        started = time.perf_counter()
+        if len(starts) == tail:
+          window.update(process_s=time.process_time(), thread_s=time.thread_time())
+          if profile_hz:
+            window["sampler"] = sampler.StackSampler(profile_hz).start()
+        elif len(starts) == steps - 1 - trace_steps:  # The last step's hooks save a checkpoint: the window ends
+          end_window()                                   # before it (and before the traced steps).
+          if trace_steps:
+            jax.profiler.start_trace(str(workdir / "trace"), create_perfetto_trace=True)
+        elif trace_steps and len(starts) == steps - 1:
+          jax.profiler.stop_trace()
+          window["device"] = device_summary(workdir / "trace", trace_steps)
+        started, cpu = time.perf_counter(), time.thread_time()
+        starts.append(started)
         batch = next(batches)
         waits.append(time.perf_counter() - started)
+        cpu_waits.append(time.thread_time() - cpu)
         yield batch
+
+    def end_window():
+      window.update(end=time.perf_counter(), last=len(starts))
+      if "process_s" in window:
+        window.update(process_s=time.process_time() - window["process_s"],
+                      thread_s=time.thread_time() - window["thread_s"])
+      if "sampler" in window:
+        window["profile"] = window.pop("sampler").stop()
 
     try:
       return run(timed_step, state, timed_batches(), **kwargs)
     finally:
       loop_ends.append(time.perf_counter())
+      if "end" not in window:
+        end_window()
 
   meter = CpuMeter().start()
   started = time.perf_counter()
   trainer.loop.run = timed_run
+  if trivial:
+    trainer.make_train_step = trivial_step_factory(make_train_step)
+  gc.callbacks.append(on_gc)
   try:
     result = trainer.train_and_evaluate(config, workdir)
   finally:
-    trainer.loop.run = run
+    trainer.loop.run, trainer.make_train_step = run, make_train_step
+    gc.callbacks.remove(on_gc)
   total_s = time.perf_counter() - started
   meter.stop()
   intervals = [row for row in result["history"] if "steps_per_second" in row]
@@ -242,11 +365,32 @@ def time_loop(config, steps: int, workdir: pathlib.Path) -> dict[str, Any]:
   seconds = sum(config.train.log_every / row["steps_per_second"] for row in kept)
   steps_per_s = len(kept) * config.train.log_every / seconds
   cpu = meter.between(loop_ends[0] - seconds, loop_ends[0])
-  tail = len(dispatches) * 3 // 10  # The same last 70% of the steps.
+  # Step k's wall time runs from its start to the next step's; the steps after the window (the traced ones, the
+  # last and its checkpoint) are left out.
+  last = window.get("last", len(starts))
+  walls = [b - a for a, b in zip(starts[tail:last], starts[tail + 1:last] + [window.get("end", loop_ends[0])])]
+  timed = len(walls)
+  wait_us = [1e6 * w for w in waits[tail:tail + timed]]
+  dispatch_us = [1e6 * d for d in dispatches[tail:tail + timed]]
+  wall_us = [1e6 * w for w in walls]
+  rest_us = [w - a - b for w, a, b in zip(wall_us, wait_us, dispatch_us)]
+  per_step = lambda values: 1e6 * sum(values) / max(1, timed)  # noqa: E731
   return {"loop_seq_per_s": steps_per_s * config.train.batch_size, "loop_steps_per_s": steps_per_s,
           "loop_total_s": total_s, "loop_main_cores": cpu["main_cores"], "loop_total_cores": cpu["total_cores"],
-          "loop_step_us": 1e6 / steps_per_s, "loop_wait_us": 1e6 * sum(waits[tail:]) / max(1, len(waits[tail:])),
-          "loop_dispatch_us": 1e6 * sum(dispatches[tail:]) / max(1, len(dispatches[tail:]))}
+          "loop_step_us": 1e6 / steps_per_s, "loop_wait_us": sum(wait_us) / max(1, timed),
+          "loop_dispatch_us": sum(dispatch_us) / max(1, timed), "timed_steps": timed,
+          "step_wall_us": percentiles(wall_us), "step_wait_us": percentiles(wait_us),
+          "step_dispatch_us": percentiles(dispatch_us), "step_rest_us": percentiles(rest_us),
+          "steps_over_10ms": sum(w > 10_000 for w in wall_us),
+          "process_cpu_us_per_step": 1e6 * window.get("process_s", 0.0) / max(1, timed),
+          "main_thread_cpu_us_per_step": 1e6 * window.get("thread_s", 0.0) / max(1, timed),
+          "main_cpu_wait_us": per_step(cpu_waits[tail:tail + timed]),
+          "main_cpu_dispatch_us": per_step(cpu_dispatches[tail:tail + timed]),
+          "queued_steps_mean": sum(depths[tail:tail + timed]) / max(1, timed),
+          "queued_steps_le1": sum(d <= 1 for d in depths[tail:tail + timed]) / max(1, timed),
+          "gc_collections": {str(k): v for k, v in sorted(window["gc"].items())},
+          "gc_us_per_step": 1e6 * window["gc_s"] / max(1, timed), "profile": window.get("profile"),
+          "device": window.get("device")}
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -264,17 +408,83 @@ def host_table(results: list[dict[str, Any]]) -> str:
 
 
 def loop_table(results: list[dict[str, Any]]) -> str:
+  ratio = lambda r: f"{r['loop_seq_per_s'] / r['seq_per_s']:.1%}" if r["seq_per_s"] else "-"  # noqa: E731
   return markdown_table(
-      ["size", "format", "masking", "batch", "synthetic seq/s", "loop seq/s", "loop / synthetic", "main cores",
-       "all cores", "loop us/step", "batch wait us", "dispatch us"],
-      [[r["size"], r["format"], r["masking"], str(r["batch"]), f"{r['seq_per_s']:,.0f}",
-        f"{r['loop_seq_per_s']:,.0f}", f"{r['loop_seq_per_s'] / r['seq_per_s']:.1%}", f"{r['loop_main_cores']:.2f}",
-        f"{r['loop_total_cores']:.2f}", f"{r['loop_step_us']:,.0f}", f"{r['loop_wait_us']:,.0f}",
-        f"{r['loop_dispatch_us']:,.0f}"] for r in results])
+      ["case", "masking", "synthetic seq/s", "loop seq/s", "loop / synthetic",
+       "main cores", "all cores", "loop us/step", "batch wait us", "dispatch us", "main thread CPU us/step",
+       "process CPU us/step", "gc us/step", "steps > 10 ms", "queued steps", "queue <= 1"],
+      [[case_name(r), r["masking"], f"{r['seq_per_s']:,.0f}" if r["seq_per_s"] else "-",
+        f"{r['loop_seq_per_s']:,.0f}", ratio(r),
+        f"{r['loop_main_cores']:.2f}", f"{r['loop_total_cores']:.2f}", f"{r['loop_step_us']:,.0f}",
+        f"{r['loop_wait_us']:,.0f}", f"{r['loop_dispatch_us']:,.0f}", f"{r['main_thread_cpu_us_per_step']:,.0f}",
+        f"{r['process_cpu_us_per_step']:,.0f}", f"{r['gc_us_per_step']:,.0f}",
+        f"{r['steps_over_10ms']} / {r['timed_steps']}", f"{r['queued_steps_mean']:.1f}",
+        f"{r['queued_steps_le1']:.0%}"] for r in results])
+
+
+def case_name(r: dict[str, Any]) -> str:
+  switch = "" if r.get("switch", "default") == "default" else f"/switch {r['switch']}"
+  return f"{r['size']}/{r['format']}/{r['batch']}/{r.get('step', 'real')}{switch} #{r.get('repeat', 1)}"
+
+
+PARTS = (("step", "step_wall_us"), ("wait", "step_wait_us"), ("dispatch", "step_dispatch_us"),
+         ("rest", "step_rest_us"))
+
+
+def step_table(results: list[dict[str, Any]]) -> str:
+  """Per case, the percentiles of a step's wall time and of its parts (us)."""
+  rows = []
+  for r in results:
+    for part, key in PARTS:
+      q = r[key]
+      rows.append([case_name(r), part, f"{q['mean']:,.0f}",
+                   f"{q['p50']:,.0f}", f"{q['p90']:,.0f}", f"{q['p99']:,.0f}", f"{q['max']:,.0f}"])
+  return markdown_table(["case", "part", "mean", "p50", "p90", "p99", "max"], rows)
+
+
+def loop_line(row: dict[str, Any]) -> str:
+  synthetic = (f"synthetic {row['seq_per_s']:,.0f} seq/s, loop {row['loop_seq_per_s']:,.0f} "
+               f"({row['loop_seq_per_s'] / row['seq_per_s']:.1%})" if row["seq_per_s"] else
+               f"loop {row['loop_seq_per_s']:,.0f} seq/s")
+  parts = "; ".join(f"{part} p50/p90/p99/max {row[key]['p50']:,.0f}/{row[key]['p90']:,.0f}/{row[key]['p99']:,.0f}/"
+                    f"{row[key]['max']:,.0f}" for part, key in PARTS)
+  return (f"loop {case_name(row)} {row['masking']}: {synthetic}, "
+          f"cores {row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all; per step "
+          f"{row['loop_step_us']:,.0f} us, batch wait {row['loop_wait_us']:,.0f} (main CPU "
+          f"{row['main_cpu_wait_us']:,.0f}), dispatch {row['loop_dispatch_us']:,.0f} (main CPU "
+          f"{row['main_cpu_dispatch_us']:,.0f}); steps queued on the device after a dispatch: mean "
+          f"{row['queued_steps_mean']:.1f}, at most one in {row['queued_steps_le1']:.0%} of steps; CPU per step: "
+          f"main thread {row['main_thread_cpu_us_per_step']:,.0f}, "
+          f"process {row['process_cpu_us_per_step']:,.0f}; gc {row['gc_us_per_step']:,.0f} us/step "
+          f"{row['gc_collections']}; steps over 10 ms {row['steps_over_10ms']} of {row['timed_steps']}\n  us: {parts}")
 
 
 def parse_workers(text: str) -> list[int]:
   return [pipeline.default_workers() if item == "auto" else int(item) for item in text.split(",")]
+
+
+def write_report(out: pathlib.Path, report: dict[str, Any], args: argparse.Namespace, skipped: list[str],
+                 profile: str | None) -> str:
+  """Writes OUT/input_pipeline.md and .json; returns the markdown."""
+  text = f"# Input pipeline\n\n{report['cores']} host cores; corpus {report['totals']}; seq {args.seq}.\n\n"
+  text += "## The host alone (iterator, no model)\n\n" + host_table(report["host"]) + "\n"
+  if report["loop"]:
+    text += "\n## The real loop against the synthetic step\n\n" + loop_table(report["loop"]) + "\n"
+    text += "\n## Per step, the last 70% of each loop (us)\n\n" + step_table(report["loop"]) + "\n"
+    devices = [f"{case_name(row)}: " + "; ".join(row["device"]) for row in report["loop"] if row.get("device")]
+    if devices:
+      text += "\n## The device during the traced steps\n\n" + "\n".join(f"- {line}" for line in devices) + "\n"
+    for row in report["loop"]:
+      if row["profile"]:
+        title = case_name(row)
+        text += f"\n### Sampled stacks, {title}\n\n```\n{sampler.format_profile(row['profile'], title)}\n```\n"
+  if skipped:
+    text += f"\nLeft out after --budget-seconds {args.budget_seconds:.0f}: {', '.join(skipped)}\n"
+  if profile:
+    text += f"\n## Profile\n\n```\n{profile}```\n"
+  (out / "input_pipeline.md").write_text(text)
+  (out / "input_pipeline.json").write_text(json.dumps(report, indent=1))
+  return text
 
 
 def main(argv: list[str]) -> int:
@@ -300,6 +510,24 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--budget-seconds", type=float, default=420,
                       help="GPU part: start no new row after this many seconds of the whole run")
   parser.add_argument("--loop-on-cpu", action="store_true", help="run the GPU part on a CPU too (a smoke test)")
+  parser.add_argument("--loop-step", choices=("real", "trivial"), default="real",
+                      help="GPU part: the real jitted step, or one that only reads the batch and counts the step "
+                           "(the loop's host work alone; no synthetic step is measured)")
+  parser.add_argument("--loop-steps", type=int, help="GPU part: steps per loop (default: from --loop-seconds)")
+  parser.add_argument("--loop-profile", action="store_true",
+                      help="GPU part: sample every thread's stack during the timed steps and print where each "
+                           "busy thread's time goes (adds a little work of its own; with --repeat, from the second "
+                           "round on, so the first round is timed unobserved)")
+  parser.add_argument("--loop-profile-hz", type=float, default=1000.0, help="sampling rate of --loop-profile")
+  parser.add_argument("--loop-trace", type=int, default=0,
+                      help="GPU part: trace this many steps after the timed ones (jax.profiler) and print the "
+                           "device's busy and idle time per step (with --repeat, from the second round on)")
+  parser.add_argument("--switch-intervals", default="default",
+                      help="GPU part: comma-separated interpreter switch intervals (seconds, 'default': as "
+                           "started) each loop case runs under (sys.setswitchinterval: how long a thread waiting "
+                           "for the interpreter's lock lets another keep it)")
+  parser.add_argument("--repeat", type=int, default=1,
+                      help="GPU part: run the loop cases this many times, interleaved (A B C A B C)")
   args = parser.parse_args(argv)
   run_started = time.perf_counter()
   out = pathlib.Path(args.out)
@@ -336,43 +564,56 @@ def main(argv: list[str]) -> int:
     import train_step  # pylint: disable=import-outside-toplevel
     jax.config.update("jax_compilation_cache_dir", str(out / "xla_cache"))  # The loop reuses the step's compile.
     loop_workers = None if args.loop_workers == "auto" else int(args.loop_workers)
-    for size in sizes:
-      for batch in sorted({args.batch, args.mini_batch} if size == "mini" else {args.batch}):
-        for format_name in (name for name in args.loop_formats.split(",") if name):
-          for masking in args.masking.split(","):
-            if time.perf_counter() - run_started > args.budget_seconds:
-              skipped.append(f"{size}/{format_name}/{masking}/{batch}")
-              continue
-            config = loop_config(size, format_name, masking, batch, args.seq, prepared_dir, loop_workers)
-            synthetic = train_step.measure(config, steps=60, warmup=5)
-            steps = int(min(4000, max(100, args.loop_seconds * synthetic["seq_per_s"] / batch)))
-            with tempfile.TemporaryDirectory() as workdir, open(out / "loop.log", "a") as log, \
-                contextlib.redirect_stdout(log):  # The trainer's banner and progress bar go to the log.
-              row = {"size": size, "format": format_name, "masking": masking, "batch": batch,
-                     "seq_per_s": synthetic["seq_per_s"], "mfu": synthetic["mfu"],
-                     **time_loop(config, steps, pathlib.Path(workdir))}
-            report["loop"].append(row)
-            print(f"loop {size} {format_name} {masking} batch {batch}: synthetic {row['seq_per_s']:,.0f} seq/s, "
-                  f"loop {row['loop_seq_per_s']:,.0f} ({row['loop_seq_per_s'] / row['seq_per_s']:.1%}), cores "
-                  f"{row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all; per step "
-                  f"{row['loop_step_us']:,.0f} us, batch wait {row['loop_wait_us']:,.0f}, dispatch "
-                  f"{row['loop_dispatch_us']:,.0f}", flush=True)
-            # Written after every case: a call cut at its time limit still brings back what it measured.
-            (out / "input_pipeline.json").write_text(json.dumps(report, indent=1))
+    cases = [(size, batch, format_name, masking, switch) for size in sizes
+             for batch in sorted({args.batch, args.mini_batch} if size == "mini" else {args.batch})
+             for format_name in args.loop_formats.split(",") if format_name for masking in args.masking.split(",")
+             for switch in args.switch_intervals.split(",")]
+    default_switch = sys.getswitchinterval()
+    synthetic_rates: dict[tuple, dict[str, Any]] = {}  # Measured once per case, reused by its repeats.
+    for repeat in range(args.repeat):
+      for size, batch, format_name, masking, switch in cases:
+        if time.perf_counter() - run_started > args.budget_seconds:
+          skipped.append(f"{size}/{format_name}/{masking}/{batch}/switch {switch} (repeat {repeat + 1})")
+          continue
+        config = loop_config(size, format_name, masking, batch, args.seq, prepared_dir, loop_workers)
+        key = (size, batch, format_name, masking)
+        if args.loop_step == "real" and key not in synthetic_rates:
+          synthetic_rates[key] = train_step.measure(config, steps=60, warmup=5)
+        synthetic = synthetic_rates.get(key, {"seq_per_s": None, "mfu": None})
+        steps = args.loop_steps or (int(min(4000, max(100, args.loop_seconds * synthetic["seq_per_s"] / batch)))
+                                    if synthetic["seq_per_s"] else 1000)
+        watched = args.repeat == 1 or repeat > 0  # With repeats the first round runs unobserved.
+        sys.setswitchinterval(default_switch if switch == "default" else float(switch))
+        try:
+          with tempfile.TemporaryDirectory() as workdir, open(out / "loop.log", "a") as log, \
+              contextlib.redirect_stdout(log):  # The trainer's banner and progress bar go to the log.
+            row = {"size": size, "format": format_name, "masking": masking, "batch": batch, "repeat": repeat + 1,
+                   "step": args.loop_step, "switch": switch, "seq_per_s": synthetic["seq_per_s"],
+                   "mfu": synthetic["mfu"],
+                   **time_loop(config, steps, pathlib.Path(workdir), trivial=args.loop_step == "trivial",
+                               profile_hz=args.loop_profile_hz if args.loop_profile and watched else 0.0,
+                               trace_steps=args.loop_trace if watched else 0)}
+        finally:
+          sys.setswitchinterval(default_switch)
+        report["loop"].append(row)
+        print(loop_line(row), flush=True)
+        if row["device"]:
+          print("  " + "\n  ".join(row["device"]), flush=True)
+        if row["profile"]:
+          print(sampler.format_profile(row["profile"], case_name(row)), flush=True)
+        # Written after every case: a call cut at its time limit still brings back what it measured.
+        write_report(out, report, args, skipped, profile)
   elif sizes:
     print(f"no GPU ({jax.default_backend()}): the loop against the synthetic step is left out", flush=True)
 
-  text = f"# Input pipeline\n\n{cores} host cores; corpus {report['totals']}; seq {args.seq}.\n\n"
-  text += "## The host alone (iterator, no model)\n\n" + host_table(report["host"]) + "\n"
-  if report["loop"]:
-    text += "\n## The real loop against the synthetic step\n\n" + loop_table(report["loop"]) + "\n"
-  if skipped:
-    text += f"\nLeft out after --budget-seconds {args.budget_seconds:.0f}: {', '.join(skipped)}\n"
-  if profile:
-    text += f"\n## Profile\n\n```\n{profile}```\n"
-  (out / "input_pipeline.md").write_text(text)
-  (out / "input_pipeline.json").write_text(json.dumps(report, indent=1))
-  print("\n" + text)
+  text = write_report(out, report, args, skipped, profile)
+  # The tables again, then each case's threads and the main thread's top functions in short: the end of the
+  # output holds everything a cut-off log needs (the full stacks are in OUT/input_pipeline.md).
+  print("\n" + text.split("\n### Sampled stacks")[0])
+  for row in report["loop"]:
+    if row["profile"]:
+      title = case_name(row)
+      print(sampler.format_profile(row["profile"], title, top=12, top_other=0))
   return 0
 
 

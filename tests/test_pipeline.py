@@ -43,6 +43,7 @@ def assert_same_batches(first, second):
     assert a.keys() == b.keys()
     for key in a:
       np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+      assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape), key
 
 
 @pytest.mark.parametrize("example_format,packing", [("segment_pair", False), ("sop", True),

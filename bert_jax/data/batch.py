@@ -42,6 +42,12 @@ SEQUENCE_FIELDS = ("input_ids", "segment_ids", "position_ids", "pack_ids", "word
 PACK_FIELDS = ("cls_positions", "sentence_labels", "sentence_weights")
 ROW_FIELDS = ("example_ids", "epoch")
 FIELDS = SEQUENCE_FIELDS + PACK_FIELDS + ROW_FIELDS
+DTYPES = {**{k: np.dtype(np.int32) for k in FIELDS}, "sentence_weights": np.dtype(np.float32)}
+
+
+def field_widths(seq_len: int, packs: int) -> dict[str, int]:
+  """Each field's values per row: L for sequence fields, P for pack fields, 1 for row fields."""
+  return {**{k: seq_len for k in SEQUENCE_FIELDS}, **{k: packs for k in PACK_FIELDS}, **{k: 1 for k in ROW_FIELDS}}
 
 
 def validate_batch(batch: Mapping[str, np.ndarray]) -> None:

@@ -5,7 +5,8 @@ Built on Grain's dataset API (`grain.MapDataset` / `IterDataset`):
   range(blocks)                    one element per (epoch, block) in order
     -> map(block -> its rows)      plan a block's examples, shuffle, pack, build every row's arrays
     -> worker processes            `workers` processes build blocks i, i+N, ... (Grain's mp_prefetch) and
-                                   hand them back in order, through shared memory
+                                   hand them back in order, through shared memory (a block's fields in one
+                                   array, one segment a block)
     -> cut into global batches     the same global batch on every process; each keeps only its rows
     -> map(place) + thread prefetch  batches ahead, optionally put on the devices by that thread
 
@@ -52,6 +53,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_experimental
 
+from bert_jax.data import batch as batch_lib
 from bert_jax.data import formats
 from bert_jax.data import prepare
 
@@ -177,8 +179,10 @@ class _GlobalBatchIterator(grain.DatasetIterator):
 
   def _start_blocks(self):
     stream = self._stream
-    blocks = grain.MapDataset.range(self._block, stream.num_blocks).map(stream.block_rows).to_iter_dataset(
-        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    blocks = grain.MapDataset.range(self._block, stream.num_blocks).map(stream.block_rows)
+    if stream.workers > 0:
+      blocks = blocks.map(_to_block_buffer)
+    blocks = blocks.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if stream.workers > 0:
       if not flags.FLAGS.is_parsed():  # Grain's worker processes read its absl flags; ours are left at their defaults.
         flags.FLAGS.mark_as_parsed()
@@ -197,6 +201,8 @@ class _GlobalBatchIterator(grain.DatasetIterator):
         if self._blocks is None:
           self._blocks = self._start_blocks()
         self._current = next(self._blocks)
+        if self._stream.workers > 0:
+          self._current = _from_block_buffer(self._current, self._stream.block_rows.config)
       in_block = len(self._current["example_ids"])
       end = min(in_block, self._row + count)
       if end > self._row:
@@ -240,6 +246,29 @@ class _GlobalBatchIterator(grain.DatasetIterator):
     self._close_blocks()
     self._current = None
     super().close()
+
+
+def _to_block_buffer(rows: dict[str, np.ndarray]) -> np.ndarray:
+  """A block's fields laid end to end in one int32 array, which a worker hands over in one shared-memory segment
+  (one a field costs the main process a segment to open, register, close and unlink per field)."""
+  return np.concatenate([np.ascontiguousarray(rows[key], batch_lib.DTYPES[key]).view(np.int32).ravel()
+                         for key in batch_lib.FIELDS])
+
+
+def _from_block_buffer(buffer: np.ndarray, config: formats.FormatConfig) -> dict[str, np.ndarray]:
+  """`_to_block_buffer`'s fields again, as views of `buffer`, each field's rows contiguous.
+
+  The views are plain ndarrays (they keep the shared-memory array alive): slicing Grain's shared-memory array
+  subclass runs Python code for every view."""
+  widths = batch_lib.field_widths(config.seq_len, config.packs_per_row)
+  flat = buffer.view(np.ndarray)
+  rows = flat.size // sum(widths.values())
+  fields, offset = {}, 0
+  for key in batch_lib.FIELDS:
+    part = flat[offset:offset + rows * widths[key]].view(batch_lib.DTYPES[key])
+    fields[key] = part if key in batch_lib.ROW_FIELDS else part.reshape(rows, widths[key])
+    offset += rows * widths[key]
+  return fields
 
 
 def _freeze_worker_heap(worker_index: int, worker_count: int) -> None:
