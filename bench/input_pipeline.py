@@ -5,7 +5,7 @@
 
 Data: `--data` a prepared directory, or `--corpus` text (default: the Wikipedia
 sample in ../shared/data) tokenised with `--vocab` (default: the installed
-MiniLM's BERT-uncased vocabulary) into OUT/prepared with all cores, once.
+MiniLM's BERT-uncased vocabulary) into --scratch/prepared with all cores, once.
 
 Part 1, the host alone: for each format (`--formats`), batch size (`--batches`)
 and worker count (`--workers`, 'auto' = `pipeline.default_workers()`), the
@@ -56,7 +56,8 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+# Run from a checkout, installed or not; bench/ for train_step and sampler.
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parent)]
 
 from bert_jax.data import pipeline  # noqa: E402
 from bert_jax.data import prepare  # noqa: E402
@@ -127,11 +128,11 @@ class CpuMeter:
     return {"main_cores": (last[1] - first[1]) / seconds, "total_cores": (last[2] - first[2]) / seconds}
 
 
-def prepared_corpus(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
-  """The prepared directory to read: --data, or --corpus prepared once into OUT/prepared."""
+def prepared_corpus(args: argparse.Namespace, scratch: pathlib.Path) -> pathlib.Path:
+  """The prepared directory to read: --data, or --corpus prepared once into SCRATCH/prepared."""
   if args.data:
     return pathlib.Path(args.data)
-  target = out / "prepared"
+  target = scratch / "prepared"
   if (target / prepare.MANIFEST).exists():
     return target
   corpus = pathlib.Path(args.corpus) if args.corpus else WIKI_SAMPLE
@@ -490,7 +491,9 @@ def write_report(out: pathlib.Path, report: dict[str, Any], args: argparse.Names
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", required=True, help="folder for input_pipeline.md/.json (and prepared/)")
+  parser.add_argument("--out", required=True, help="folder for input_pipeline.md/.json")
+  parser.add_argument("--scratch", default="/tmp/bert_jax_input_pipeline",
+                      help="the prepared corpus (from --corpus) and the compilation cache")
   parser.add_argument("--data", help="a prepared corpus directory")
   parser.add_argument("--corpus", help="text to prepare when --data is not given (default: the Wikipedia sample)")
   parser.add_argument("--vocab", help="vocab.txt for --corpus (default: the installed MiniLM's)")
@@ -532,11 +535,13 @@ def main(argv: list[str]) -> int:
   run_started = time.perf_counter()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  scratch = pathlib.Path(args.scratch)
+  scratch.mkdir(parents=True, exist_ok=True)
   formats = [name for name in args.formats.split(",") if name]
   unknown = sorted(set(formats + args.loop_formats.split(",")) - set(FORMATS) - {""})
   if unknown:
     parser.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
-  prepared_dir = prepared_corpus(args, out)
+  prepared_dir = prepared_corpus(args, scratch)
   cores = len(os.sched_getaffinity(0))
   shm_gib = psutil.disk_usage("/dev/shm").total / 2**30 if os.path.isdir("/dev/shm") else None
   report = {"cores": cores, "prepared": str(prepared_dir), "totals": prepare.open_prepared(prepared_dir).manifest[
@@ -562,7 +567,8 @@ def main(argv: list[str]) -> int:
   skipped = []
   if sizes and (jax.default_backend() == "gpu" or args.loop_on_cpu):
     import train_step  # pylint: disable=import-outside-toplevel
-    jax.config.update("jax_compilation_cache_dir", str(out / "xla_cache"))  # The loop reuses the step's compile.
+    # The loop reuses the step's compile; the cache stays out of --out, which a GPU call brings back.
+    jax.config.update("jax_compilation_cache_dir", str(scratch / "xla_cache"))
     loop_workers = None if args.loop_workers == "auto" else int(args.loop_workers)
     cases = [(size, batch, format_name, masking, switch) for size in sizes
              for batch in sorted({args.batch, args.mini_batch} if size == "mini" else {args.batch})

@@ -1,0 +1,33 @@
+"""bench/input_pipeline.py on a CPU: the host's batch rate and the loop around a trivial step, with the per-step
+split, the sampled stacks and the report written."""
+
+import json
+import pathlib
+import sys
+
+from test_trainer import prepared  # noqa: F401 - the session fixture (prepared built-in corpus)
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
+  sys.path.insert(0, str(BENCH))
+  try:
+    import input_pipeline as bench
+  finally:
+    sys.path.remove(str(BENCH))
+  out = tmp_path / "out"
+  assert bench.main(["--out", str(out), "--scratch", str(tmp_path / "scratch"), "--data", str(prepared),
+                     "--formats", "segment_pair", "--batches", "8", "--workers", "0", "--seconds", "0.3",
+                     "--sizes", "mini", "--batch", "8", "--mini-batch", "8", "--loop-formats", "packed",
+                     "--loop-seconds", "1", "--loop-on-cpu", "--loop-step", "trivial", "--loop-profile"]) == 0
+  report = json.loads((out / "input_pipeline.json").read_text())
+  (host,) = report["host"]
+  assert host["format"] == "segment_pair" and host["batches_per_s"] > 0
+  (loop,) = report["loop"]
+  assert loop["format"] == "packed" and loop["loop_seq_per_s"] > 0 and loop["timed_steps"] > 0
+  for part in ("step_wall_us", "step_wait_us", "step_dispatch_us", "step_rest_us"):
+    assert loop[part]["p50"] <= loop[part]["p90"] <= loop[part]["max"], part
+  assert loop["profile"]["thread_cores"][0][0] == "main" and loop["profile"]["seconds"] > 0
+  assert sorted(path.name for path in out.iterdir()) == ["input_pipeline.json", "input_pipeline.md", "loop.log"]
+  assert "| mini/packed/8/trivial" in capsys.readouterr().out
