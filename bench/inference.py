@@ -170,8 +170,9 @@ def time_ours(model: InferenceModel, batch: int, length: int, args: argparse.Nam
   return result
 
 
-# Kernel names of matrix multiplications (cuBLAS / cuBLASLt, CUTLASS, Triton and XLA's own GEMM emitters).
-GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|wgmma|_dot_|^dot|triton_", re.IGNORECASE)
+# Kernel names of matrix multiplications: cuBLAS / cuBLASLt (nvjet, xmma, imma, split-K reductions), CUTLASS,
+# XLA's Triton GEMM fusions, and the feed-forward block's Mosaic GEMMs (named after their Pallas functions).
+GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|imma|splitKreduce|^_kernel$|^_pingpong_kernel$", re.IGNORECASE)
 
 
 def profile(step, params, inputs, trace_dir: pathlib.Path, calls: int = 10) -> list[str]:
