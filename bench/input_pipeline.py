@@ -251,16 +251,11 @@ def percentiles(values_us) -> dict[str, float]:
 
 def device_summary(trace_dir: pathlib.Path, steps: int) -> list[str]:
   """The device's busy and idle time per step in a `jax.profiler` trace of `steps` loop steps."""
-  import gzip  # pylint: disable=import-outside-toplevel
   import train_step  # pylint: disable=import-outside-toplevel
-  paths = sorted(trace_dir.glob("**/perfetto_trace.json.gz"))
-  if not paths:
+  traced = train_step.device_kernels(trace_dir)
+  if traced is None:
     return ["no trace written"]
-  trace = json.load(gzip.open(paths[-1]))
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device_pids = {pid for pid, name in processes.items() if "/device:" in name}
-  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+  kernels = traced[1]
   total_us = sum(e.get("dur", 0.0) for e in kernels)
   return ([f"traced {steps} loop steps: kernel time {total_us / steps / 1e3:.2f} ms/step"] +
           train_step.idle_summary(kernels, steps))

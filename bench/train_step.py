@@ -129,6 +129,19 @@ def idle_summary(kernels: list[dict[str, Any]], steps: int, largest: int = 6) ->
   return lines
 
 
+def device_kernels(trace_dir: str | pathlib.Path) -> tuple[pathlib.Path, list[dict[str, Any]]] | None:
+  """The last Perfetto trace `jax.profiler` wrote under `trace_dir` and its device events (kernels), or None
+  where no trace was written."""
+  paths = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))
+  if not paths:
+    return None
+  trace = json.load(gzip.open(paths[-1]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+  return paths[-1], [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+
+
 def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) -> list[str]:
   """Device time per HLO op and per kernel over a `jax.profiler` trace, largest first, with JAX source names.
 
@@ -139,26 +152,21 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   and identical fusions share one kernel, hence the calls per step). Every
   kernel is also written to `kernels.tsv` in `trace_dir`.
   """
-  path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
-  trace = json.load(gzip.open(path))
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+  path, device_events = device_kernels(trace_dir)
   op_names = dict(re.findall(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]+)\"", hlo_text))
   # A kernel is named after its fusion with "." and "-" written "_" (loop_add_fusion.11 -> loop_add_fusion_11).
   kernel_sources = {re.sub(r"[.\-]", "_", name): source for name, source in op_names.items()}
   totals: collections.Counter = collections.Counter()
   kernels: collections.Counter = collections.Counter()
   calls: collections.Counter = collections.Counter()
-  for event in events:
-    if event.get("ph") == "X" and event.get("pid") in device_pids:
-      args = event.get("args", {})
-      totals[args.get("hlo_op", event["name"])] += event.get("dur", 0.0)
-      kernels[event["name"]] += event.get("dur", 0.0)
-      calls[event["name"]] += 1
+  for event in device_events:
+    args = event.get("args", {})
+    totals[args.get("hlo_op", event["name"])] += event.get("dur", 0.0)
+    kernels[event["name"]] += event.get("dur", 0.0)
+    calls[event["name"]] += 1
   total_us = sum(totals.values())
   lines = [f"device time {total_us / steps / 1e3:.2f} ms/step over {steps} traced steps ({path.parent.name})"]
-  lines += idle_summary([e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids], steps)
+  lines += idle_summary(device_events, steps)
   for op, us in totals.most_common(top):
     lines.append(f"{us / steps / 1e3:8.3f} ms {100 * us / total_us:5.1f}%  {op:28.28s} {op_names.get(op, '')[-110:]}")
   lines.append("by kernel (ms/step, share, calls/step, kernel, JAX source of the fusion of that name):")
