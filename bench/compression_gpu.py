@@ -487,6 +487,16 @@ SUMMARY_ROWS = (  # (section, role, the model in words)
     ("Pruning", "pruned", f"{100 * PRUNE_FRACTION:.0f}% of the heads removed by importance (Michel et al.)"))
 
 
+def retained(tasks: dict, role: str) -> tuple[list[str], float]:
+  """The tasks `role` was measured on against the teacher, and its performance retained over them: the ratio of
+  its summed scores to the teacher's (the seeds' "ratio of average scores")."""
+  measured = [task for task, found in tasks.items() if found.get(role, {}).get("reference")]
+  if not measured:
+    return measured, 0.0
+  return measured, (sum(tasks[task][role]["score"] for task in measured)
+                    / sum(tasks[task][role]["reference"] for task in measured))
+
+
 # The seeds' table's rows with a speed-up: (name, speed-up, performance retained), all against BERT-base.
 PUBLISHED = (("DistilBERT", 1.6, 0.90), ("BERT6-PKD", 1.9, 0.97), ("BERT3-PKD", 3.7, 0.92), ("TinyBERT", 9.4, 0.96),
              ("MobileBERT", 4.0, 1.00))
@@ -514,17 +524,15 @@ def figure(collected: dict, path: pathlib.Path) -> None:
   bars.legend(fontsize=8, ncol=3, loc="upper center")
   ratios, setting = speedups(collected["speed"])
   for role in roles:
-    measured = [task for task in tasks if tasks[task].get(role, {}).get("reference")]
+    measured, share = retained(tasks, role)
     if role not in ratios or not measured:
       continue
-    retained = (sum(tasks[task][role]["score"] for task in measured)
-                / sum(tasks[task][role]["reference"] for task in measured))
-    scatter.scatter(ratios[role], 100 * retained, s=50)
-    scatter.annotate(ROLES[role], (ratios[role], 100 * retained), fontsize=8, xytext=(4, 4),
+    scatter.scatter(ratios[role], 100 * share, s=50)
+    scatter.annotate(ROLES[role], (ratios[role], 100 * share), fontsize=8, xytext=(4, 4),
                      textcoords="offset points")
-  for name, speed, retained in PUBLISHED:
-    scatter.scatter(speed, 100 * retained, s=30, color="grey", marker="x")
-    scatter.annotate(name, (speed, 100 * retained), fontsize=7, color="grey", xytext=(4, -10),
+  for name, speed, published in PUBLISHED:
+    scatter.scatter(speed, 100 * published, s=30, color="grey", marker="x")
+    scatter.annotate(name, (speed, 100 * published), fontsize=7, color="grey", xytext=(4, -10),
                      textcoords="offset points")
   scatter.set_xscale("log")
   scatter.set_xticks([0.5, 1, 2, 4, 8], ["0.5", "1", "2", "4", "8"])
@@ -579,15 +587,13 @@ def render(collected: dict, findings: str = "", against_pytorch: dict | None = N
       + ", ".join(f"{name} {version}" for name, version in versions.items()) + ".", "",
       "| | Model | Compression | Performance | Speed-up | Teacher | Evaluation |", "|---|---|---|---|---|---|---|"]
   for section, role, words in SUMMARY_ROWS:
-    measured = [task for task, found in tasks.items() if found.get(role, {}).get("reference")]
+    measured, share = retained(tasks, role)
     if not measured:
       lines.append(f"| {section} | {words} | - | - | - | MiniLM-L6 | not run |")
       continue
     compression = statistics.fmean(tasks[task][role]["compression"] for task in measured)
-    retained = (sum(tasks[task][role]["score"] for task in measured)
-                / sum(tasks[task][role]["reference"] for task in measured))
     speedup = f"×{ratios[role]:.1f}" if role in ratios else "-"
-    lines.append(f"| {section} | {words} | ×{compression:.2f} | {100 * retained:.0f}% | {speedup} | MiniLM-L6 | "
+    lines.append(f"| {section} | {words} | ×{compression:.2f} | {100 * share:.0f}% | {speedup} | MiniLM-L6 | "
                  f"{', '.join(TASK_NAMES[task] for task in measured)} |")
   if figure_name:
     lines += ["", f"![Per task and speed against retained performance]({figure_name})"]
