@@ -23,6 +23,13 @@ def count(tree) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(tree))))
 
 
+def assert_trees_close(actual, expected, rtol: float, atol: float) -> None:
+  """Every leaf of `actual` close to the leaf at the same path of `expected` (boxed or not), the path named."""
+  expected_leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(expected)))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(actual)):
+    np.testing.assert_allclose(leaf, expected_leaves[path], rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
 def encoder_params(cfg):
   ids = jnp.zeros((1, 8), jnp.int32)
 
@@ -337,9 +344,7 @@ def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
   ((_, flash_hidden), flash_grads), ((_, xla_hidden), xla_grads) = results
   np.testing.assert_allclose(flash_hidden, xla_hidden, atol=2e-5)
   assert jax.tree.structure(flash_grads) == jax.tree.structure(xla_grads)
-  for path, a in jax.tree_util.tree_leaves_with_path(flash_grads):
-    b = dict(jax.tree_util.tree_leaves_with_path(xla_grads))[path]
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))  # float32 rounding
+  assert_trees_close(flash_grads, xla_grads, rtol=1e-5, atol=5e-5)  # float32 rounding
 
 
 @pytest.mark.parametrize("layer_norm_kernel", [False, True])
@@ -388,9 +393,7 @@ def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding
   expected = jax.value_and_grad(loss, has_aux=True)(
       params, BiasInProjections(cfg), lambda m, p: m.apply(p, x, positions, False, rngs=rngs))
   np.testing.assert_allclose(ours[0][1], expected[0][1], rtol=1e-5, atol=1e-5)
-  leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(expected[1])))
-  for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(ours[1])):
-    np.testing.assert_allclose(a, leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert_trees_close(ours[1], expected[1], rtol=1e-4, atol=1e-5)
   assert float(jnp.max(jnp.abs(nn.unbox(ours[1])["params"]["ffn"]["wo"]["bias"]))) > 0
 
 
@@ -429,9 +432,7 @@ def test_sparse_last_layer_equals_the_full_model(overrides, packed):
   assert "hidden" not in sparse[1] and "hidden" in full[1]
   for name in ("mlm_logits", "sentence_logits", "sbo_logits"):
     np.testing.assert_allclose(sparse[1][name], full[1][name], rtol=1e-5, atol=1e-5, err_msg=name)
-  full_leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(full_grads)))
-  for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(sparse_grads)):
-    np.testing.assert_allclose(a, full_leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert_trees_close(sparse_grads, full_grads, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind,overrides", [("classification", {}), ("regression", {"causal": True}),
@@ -457,9 +458,7 @@ def test_sparse_last_layer_of_a_finetuning_model_equals_the_full_model(kind, ove
     results.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(params))
   (sparse_out, sparse_grads), (full_out, full_grads) = results
   np.testing.assert_allclose(sparse_out[1], full_out[1], rtol=1e-5, atol=1e-5)
-  full_leaves = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(full_grads)))
-  for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(sparse_grads)):
-    np.testing.assert_allclose(a, full_leaves[path], rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert_trees_close(sparse_grads, full_grads, rtol=1e-4, atol=1e-5)
   model = FinetuneModel(cfg.replace(sparse_last_layer=True), kind, num_labels=3)
   _, captured = model.apply(params, ids, pack_ids=pack, capture_intermediates=True)
   hidden = captured["intermediates"]["encoder"]["__call__"][0]["hidden"]
@@ -527,10 +526,8 @@ def test_kernels_auto_equals_the_plain_model(overrides, packed):
   for a, b in zip(fast, plain):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(plain_grads))
-  plain_leaves = dict(jax.tree_util.tree_leaves_with_path(plain_grads))
-  for path, a in jax.tree_util.tree_leaves_with_path(fast_grads):
-    # The key bias's exact gradient is 0 (softmax ignores a per-query constant); the plain model's is rounding.
-    np.testing.assert_allclose(a, plain_leaves[path], rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+  # The key bias's exact gradient is 0 (softmax ignores a per-query constant); the plain model's is rounding.
+  assert_trees_close(fast_grads, plain_grads, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_plain_model_imports_no_kernels():
