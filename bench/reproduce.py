@@ -9,6 +9,9 @@
       --devices 1 --deadline 540 --out $OUT
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
       --table roberta_table1,electra_compute --devices 1 --deadline 540 --out $OUT
+  # on a machine of two GPUs, one table on each (its rows sharing that GPU):
+  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
+      --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
   # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
   python bench/reproduce.py publish OUT/bert_table5
 
@@ -148,8 +151,10 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   tables = args.table.split(",")
   if len(tables) > 1 and "--rows" in sweep_args:
     raise SystemExit("--rows selects rows of one table; run one --table with it")
-  if len(tables) > 1 and args.devices != 1:  # Each sweep numbers its accelerators from 0.
-    raise SystemExit("several tables side by side share one accelerator: give --devices 1")
+  if args.table_per_device and args.devices not in (None, 1):
+    raise SystemExit("--table-per-device gives each table one accelerator: leave out --devices")
+  if len(tables) > 1 and not args.table_per_device and args.devices != 1:  # Each sweep numbers its accelerators from 0.
+    raise SystemExit("several tables side by side share one accelerator: give --devices 1 (or --table-per-device)")
   prepared = scratch / "wiki"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   if not (prepared / "manifest.json").exists():
@@ -158,19 +163,26 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
                     str(HELD_OUT_DOCUMENTS)], check=True, env=env, cwd=REPO)
   prepare_seconds = round(time.time() - started, 1)
   counts = [_row_count(name, args.scale, sweep_args) for name in tables]
-  devices = args.devices or sum(counts)
+  devices = 1 if args.table_per_device else args.devices or sum(counts)
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(len(tables))))).split(",")
   # Every row of every table side by side: each sweep splits memory by all the rows on its accelerator.
   env[ablation.SHARING_ENV] = str(-(-sum(counts) // devices))
   sweeps = []
-  for name, count, cores in zip(tables, counts, _core_shares(counts)):
+  for index, (name, count, cores) in enumerate(zip(tables, counts, _core_shares(counts))):
     workdir = scratch / "runs" / name
+    sweep_env = env
+    if args.table_per_device:
+      if index >= len(visible):
+        raise SystemExit(f"--table-per-device: {len(tables)} tables but CUDA_VISIBLE_DEVICES names {len(visible)}")
+      sweep_env = dict(env, CUDA_VISIBLE_DEVICES=visible[index], **{ablation.SHARING_ENV: str(count)})
     command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
                f"configs/ablations/{name}.py:scale={args.scale}", "--workdir", str(workdir),
                "--parallel", str(count), "--devices", str(min(devices, count)),
                "--data-dir", f"glue={carry / 'glue'}", "--data-dir", f"squad={carry / 'squad'}",
                "--data-dir", f"conll2003={carry / 'conll2003'}", f"--config.data.prepared={prepared}", *sweep_args]
-    print("$ bert-jax " + " ".join(command[3:]) + f"   # cores {cores[0]}-{cores[-1]}", flush=True)
-    process = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True,
+    where = f", accelerator {index}" if args.table_per_device else ""
+    print("$ bert-jax " + " ".join(command[3:]) + f"   # cores {cores[0]}-{cores[-1]}{where}", flush=True)
+    process = subprocess.Popen(command, env=sweep_env, cwd=REPO, start_new_session=True,
                                preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores))
     sweeps.append((name, workdir, command, process, time.time()))
   summary = {}
@@ -178,7 +190,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     report = {"table": name, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "prepare_seconds": prepare_seconds, "sweep_command": " ".join(command[2:]),
-              "tables_side_by_side": tables}
+              "tables_side_by_side": tables, "table_per_device": args.table_per_device}
     try:
       report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
@@ -242,6 +254,8 @@ def main() -> int:
   run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
   run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row; 1 with "
                           "several tables); every row of every table runs at once")
+  run_parser.add_argument("--table-per-device", action="store_true",
+                          help="several tables, each on its own accelerator (table i on accelerator i)")
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
   run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")

@@ -348,6 +348,7 @@ def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):
 
 def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   monkeypatch.setattr(ablation.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
   slots = [ablation._slot_environment(slot, parallel=4, devices=2) for slot in range(4)]
   assert [env["CUDA_VISIBLE_DEVICES"] for env, _ in slots] == ["0", "1", "0", "1"]
@@ -359,6 +360,14 @@ def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkey
   monkeypatch.setenv(ablation.SHARING_ENV, "4")  # Another sweep's two rows share the accelerator too.
   env, _ = ablation._slot_environment(1, parallel=2, devices=1)
   assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.225" and env[ablation.SHARING_ENV] == "4"
+
+
+def test_a_sweep_given_some_gpus_numbers_its_accelerators_within_them(monkeypatch):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+  slots = [ablation._slot_environment(slot, parallel=4, devices=2) for slot in range(4)]
+  assert [env["CUDA_VISIBLE_DEVICES"] for env, _ in slots] == ["3", "5", "3", "5"]
+  with pytest.raises(SystemExit, match="--devices 3 but CUDA_VISIBLE_DEVICES=3,5"):
+    ablation._slot_environment(0, parallel=3, devices=3)
 
 
 def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):

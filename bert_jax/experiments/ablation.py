@@ -435,11 +435,16 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
 def _slot_environment(slot: int, parallel: int, devices: int) -> tuple[dict[str, str], list[int] | None]:
   """A row slot's accelerator (slots share the `devices` round-robin) and its share of this host's cores.
 
-  Rows sharing an accelerator split its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set), counting the rows
-  of other sweeps that $BERT_JAX_ROWS_PER_DEVICE announces; every slot gets its own share of this process's
-  cores, so that each row's batch-building workers (`pipeline.default_workers`) size to its share.
+  Accelerators are numbered within this process's CUDA_VISIBLE_DEVICES where it is set (a sweep given one GPU of
+  several keeps to it). Rows sharing an accelerator split its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless
+  set), counting the rows of other sweeps that $BERT_JAX_ROWS_PER_DEVICE announces; every slot gets its own share
+  of this process's cores, so that each row's batch-building workers (`pipeline.default_workers`) size to its share.
   """
-  env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot % devices))
+  visible = [device for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+  if visible and devices > len(visible):
+    raise SystemExit(f"--devices {devices} but CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} names "
+                     f"{len(visible)}: give at most --devices {len(visible)}")
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[slot % devices] if visible else str(slot % devices))
   sharing = max(-(-parallel // devices), int(os.environ.get(SHARING_ENV) or 1))
   env[SHARING_ENV] = str(sharing)
   if sharing > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
