@@ -207,6 +207,16 @@ def test_tagger_marks_a_corpus_and_named_entity_masking_pretrains(tagging_run, t
   assert np.mean(inside == is_name) > 0.95
   assert ((marks & NE_START) > 0)[is_name].mean() > 0.5
 
+  # The spans travel as one file to another copy of the corpus.
+  copy = tmp_path / "copy"
+  prepare.prepare_corpus([str(tmp_path / "corpus.txt")], workdir / "tokenizer", copy, num_workers=0,
+                         eval_documents=4, log=lambda *_: None)
+  spans_lib.export_spans(prepared, tmp_path / "spans.npz")
+  assert spans_lib.import_spans(tmp_path / "spans.npz", copy) and not spans_lib.import_spans(tmp_path / "spans.npz",
+                                                                                            copy)
+  assert prepare.open_prepared(copy).manifest["spans"] == manifest["spans"]
+  np.testing.assert_array_equal(prepare.open_prepared(copy).gather([0], [len(tokens)])[1], marks)
+
   result = trainer.train_and_evaluate(config, tmp_path / "pretrain")
   assert result["step"] == 3 and np.isfinite(result["train"]["loss"])
   shutil.rmtree(tmp_path / "pretrain")

@@ -19,12 +19,18 @@ predict step as `bert-jax predict` (`InferenceModel.predict_outputs`). As
 there, a word's tag is its first piece's, and spans follow conlleval's IOB
 rules within a sentence; every piece of a word in a span is marked. Marking
 again replaces the marks of every kind.
+
+`export_spans` writes a marked corpus' spans into one compressed file and
+`import_spans` adds them to another copy of the same prepared corpus (same
+tokenizer and shards): a machine that keeps nothing between runs marks once
+and carries the file (`bench/reproduce.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import os
 import time
 from typing import Any, Sequence
@@ -195,6 +201,46 @@ def mark_spans(prepared_dir: str | os.PathLike, taggers: dict[str, str], batch_s
   return prepare.write_spans(prepared_dir, marks, kinds, info)
 
 
+_META = "__corpus__"
+
+
+def _identity(manifest: dict) -> dict:
+  """What must match for spans to belong to a prepared corpus: its tokenizer and its shards' sizes."""
+  return {"tokenizer": manifest["tokenizer"]["fingerprint"],
+          "shards": [[shard["name"], shard["tokens"]] for shard in manifest["shards"]]}
+
+
+def export_spans(prepared_dir: str | os.PathLike, path: str | os.PathLike) -> None:
+  """Writes the spans of a marked corpus into one compressed .npz file (mostly zeros: small)."""
+  corpus = prepare.open_prepared(prepared_dir)
+  if prepare.SPANS not in corpus.manifest:
+    raise ValueError(f"{prepared_dir} holds no spans; run `bert-jax mark-spans` first")
+  meta = {**_identity(corpus.manifest), "spans": corpus.manifest[prepare.SPANS]}
+  arrays = {shard["name"]: corpus._load_array(f"{shard['name']}.{prepare.SPANS}.npy", np.uint8)  # noqa: SLF001
+            for shard in corpus.manifest["shards"]}
+  np.savez_compressed(path, **{_META: np.frombuffer(json.dumps(meta).encode(), np.uint8)}, **arrays)
+
+
+def import_spans(path: str | os.PathLike, prepared_dir: str | os.PathLike) -> bool:
+  """Adds the spans of `export_spans`'s file to the same prepared corpus; returns False when it already has them.
+
+  Raises:
+    ValueError: when the file marks another corpus (another tokenizer or other shards).
+  """
+  manifest = prepare.open_prepared(prepared_dir).manifest
+  with np.load(path) as data:
+    meta = json.loads(bytes(data[_META]))
+    if {key: meta[key] for key in ("tokenizer", "shards")} != _identity(manifest):
+      raise ValueError(f"{path} holds the spans of another prepared corpus than {prepared_dir} (tokenizer or shards "
+                       f"differ); mark this one with `bert-jax mark-spans`")
+    if manifest.get(prepare.SPANS, {}).get("fingerprint") == meta["spans"]["fingerprint"]:
+      return False
+    info = {key: value for key, value in meta["spans"].items() if key not in ("kinds", "fingerprint")}
+    prepare.write_spans(prepared_dir, [data[shard["name"]] for shard in manifest["shards"]], meta["spans"]["kinds"],
+                        info)
+  return True
+
+
 def main(argv: list[str]) -> int:
   """bert-jax mark-spans --prepared DIR [--ner WORKDIR] [--chunker WORKDIR] [--batch-size N] [--seed S]."""
   parser = argparse.ArgumentParser(prog="bert-jax mark-spans", description=__doc__,
@@ -204,10 +250,22 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--chunker", help="a conll2003_chunk fine-tuning workdir: marks noun_phrase spans")
   parser.add_argument("--batch-size", type=int, help="rows per predict batch (default: the run's eval batch size)")
   parser.add_argument("--seed", type=int, help="the fine-tuning seed whose parameters tag (default: the best)")
+  parser.add_argument("--export", metavar="FILE", help="then write the corpus' spans into FILE (.npz) to carry")
+  parser.add_argument("--import", dest="import_file", metavar="FILE",
+                      help="instead of tagging, add the spans of an --export FILE of the same prepared corpus")
   args = parser.parse_args(argv)
   taggers = {kind: path for kind, path in (("named_entity", args.ner), ("noun_phrase", args.chunker)) if path}
-  if not taggers:
-    parser.error("give --ner, --chunker or both")
-  manifest = mark_spans(args.prepared, taggers, args.batch_size, args.seed)
-  print(f"{args.prepared}: spans {manifest[prepare.SPANS]['kinds']} ({manifest[prepare.SPANS]['seconds']:.1f} s)")
+  if args.import_file:
+    if taggers:
+      parser.error("--import takes the spans from its file: leave out --ner and --chunker")
+    added = import_spans(args.import_file, args.prepared)
+    print(f"{args.prepared}: spans {'added from' if added else 'already those of'} {args.import_file}")
+  elif taggers:
+    manifest = mark_spans(args.prepared, taggers, args.batch_size, args.seed)
+    print(f"{args.prepared}: spans {manifest[prepare.SPANS]['kinds']} ({manifest[prepare.SPANS]['seconds']:.1f} s)")
+  elif not args.export:
+    parser.error("give --ner, --chunker, --import or --export")
+  if args.export:
+    export_spans(args.prepared, args.export)
+    print(f"wrote the spans of {args.prepared} to {args.export}")
   return 0
