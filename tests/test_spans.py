@@ -120,7 +120,7 @@ def marked_dir(tmp_path_factory, minilm_dir):
                          eval_documents=4, shard_tokens=1500, chunk_documents=8, log=lambda *_: None)
   corpus = prepare.open_prepared(directory / "prepared")
   table = _marks_of(tokenizer)
-  starts = corpus._shard_token_starts
+  starts = corpus.shard_token_starts
   marks = [table[corpus.tokens(a, b)] for a, b in zip(starts[:-1], starts[1:])]
   prepare.write_spans(directory / "prepared", marks, batch_lib.SPAN_KINDS, {"by": "test"})
   return directory / "prepared", table
@@ -216,6 +216,10 @@ def test_tagger_marks_a_corpus_and_named_entity_masking_pretrains(tagging_run, t
                                                                                             copy)
   assert prepare.open_prepared(copy).manifest["spans"] == manifest["spans"]
   np.testing.assert_array_equal(prepare.open_prepared(copy).gather([0], [len(tokens)])[1], marks)
+  # Preparing again with other options drops the spans with the shards they marked.
+  prepare.prepare_corpus([str(tmp_path / "corpus.txt")], workdir / "tokenizer", copy, num_workers=0,
+                         eval_documents=3, log=lambda *_: None)
+  assert not prepare.open_prepared(copy).span_kinds and not list(copy.glob("*.spans.npy"))
 
   result = trainer.train_and_evaluate(config, tmp_path / "pretrain")
   assert result["step"] == 3 and np.isfinite(result["train"]["loss"])

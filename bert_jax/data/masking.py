@@ -131,7 +131,8 @@ def span_length_probs(config: MaskingConfig) -> np.ndarray:
   """Probabilities of span lengths 1, 2, ... (in words) for `config`.
 
   Returns:
-    float64 [K]: entry n-1 is p(length n). K is 1 for token and whole_word,
+    float64 [K]: entry n-1 is p(length n). K is 1 for token, whole_word and
+    the linguistic granularities (their words are drawn one at a time),
     max_ngram for ngram, span_max_len for span.
   """
   if config.granularity == "ngram":

@@ -509,6 +509,11 @@ class PreparedCorpus:
     return array
 
   @property
+  def shard_token_starts(self) -> list[int]:
+    """Global offset of each shard's first token, then the total: [shards + 1]."""
+    return self._shard_token_starts
+
+  @property
   def span_kinds(self) -> tuple[str, ...]:
     """The kinds of linguistic spans marked in the corpus (`batch.SPAN_KINDS`); empty when none are."""
     return tuple(self.manifest.get(SPANS, {}).get("kinds", ()))

@@ -158,7 +158,7 @@ def mark_spans(prepared_dir: str | os.PathLike, taggers: dict[str, str], batch_s
     raise ValueError(f"span kinds {sorted(unknown) or '(none)'}: give taggers for {list(TAGGER_TASKS)}")
   corpus = prepare.open_prepared(prepared_dir)
   specials = corpus.manifest["tokenizer"]["special_ids"]
-  shard_starts = corpus._shard_token_starts  # noqa: SLF001  (the corpus' own shard layout)
+  shard_starts = corpus.shard_token_starts
   marks = [np.zeros(shard["tokens"], np.uint8) for shard in corpus.manifest["shards"]]
   kinds = [kind for kind in batch_lib.SPAN_KINDS if kind in taggers]
   info: dict[str, Any] = {"taggers": {}}
@@ -216,8 +216,10 @@ def export_spans(prepared_dir: str | os.PathLike, path: str | os.PathLike) -> No
   if prepare.SPANS not in corpus.manifest:
     raise ValueError(f"{prepared_dir} holds no spans; run `bert-jax mark-spans` first")
   meta = {**_identity(corpus.manifest), "spans": corpus.manifest[prepare.SPANS]}
-  arrays = {shard["name"]: corpus._load_array(f"{shard['name']}.{prepare.SPANS}.npy", np.uint8)  # noqa: SLF001
-            for shard in corpus.manifest["shards"]}
+  starts = corpus.shard_token_starts
+  # The marks `gather` reads are the word-start bit with the span marks above it.
+  arrays = {shard["name"]: corpus.gather([start], [end - start])[1] >> 1
+            for shard, start, end in zip(corpus.manifest["shards"], starts[:-1], starts[1:])}
   np.savez_compressed(path, **{_META: np.frombuffer(json.dumps(meta).encode(), np.uint8)}, **arrays)
 
 
