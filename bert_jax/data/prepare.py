@@ -60,6 +60,7 @@ import numpy as np
 from bert_jax import progress as progress_lib
 from bert_jax.data import text as text_lib
 from bert_jax import paths
+from bert_jax.data import batch as batch_lib
 from bert_jax.data import tokenizers
 
 MANIFEST = "manifest.json"
@@ -586,8 +587,6 @@ def write_spans(directory: str | os.PathLike, spans: Sequence[np.ndarray], kinds
     kinds: the kinds marked, a subset of `batch.SPAN_KINDS` in its order.
     info: what marked them (recorded in the manifest with a fingerprint of the marks).
   """
-  from bert_jax.data import batch as batch_lib  # noqa: PLC0415
-
   directory = paths.as_path(directory)
   manifest = _read_manifest(directory)
   if manifest is None:
@@ -596,11 +595,14 @@ def write_spans(directory: str | os.PathLike, spans: Sequence[np.ndarray], kinds
     raise ValueError(f"span kinds {list(kinds)} must be a subset of {batch_lib.SPAN_KINDS} in that order")
   if len(spans) != len(manifest["shards"]):
     raise ValueError(f"{len(spans)} span arrays for {len(manifest['shards'])} shards of {directory}")
+  allowed = sum(3 << 2 * batch_lib.SPAN_KINDS.index(kind) for kind in kinds)
   digest = hashlib.sha256()
   for shard, marks in zip(manifest["shards"], spans):
     if marks.dtype != np.uint8 or marks.shape != (shard["tokens"],):
       raise ValueError(f"spans of {shard['name']}: uint8 [{shard['tokens']}] expected, got {marks.dtype} "
                        f"{list(marks.shape)}")
+    if np.any(marks & ~np.uint8(allowed)):
+      raise ValueError(f"spans of {shard['name']} set bits of kinds other than {list(kinds)}")
     digest.update(marks.tobytes())
   manifest.pop(SPANS, None)
   # Without the "spans" entry while the files change: a crash leaves a corpus that reads as unmarked.
