@@ -14,6 +14,10 @@
       --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
   # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
   python bench/reproduce.py publish OUT/bert_table5
+  # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
+  # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
+  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
+  cp OUT/spans.npz .carry_repro/spans.npz   # here, then run --table spanbert_masking as above
 
 `run` prepares the corpus (every row of every table sees the same tokens: the
 MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
@@ -28,12 +32,27 @@ table.md and `reproduce.json`: the command, card, versions and the seconds each
 part took. Arguments after the known ones (`--config.train.steps=2000`,
 `--config.seed=2` for a second pre-training seed, `--rows 0,1` with one table)
 go to every sweep.
+
+Tables with rows masked by linguistic spans (`masking.granularity`
+named_entity / noun_phrase: spanbert_masking) need them marked in the prepared
+corpus. `run` adds them from the carried CARRY/spans.npz; without one it marks
+the corpus first, in the same call (`mark`'s steps, costing the sweep their
+time at scale gpu), and leaves OUT/spans.npz to carry next time. `mark` alone:
+prepare; pre-train the taggers' model, the table's own config (the rows' model
+size and steps, masking whole words) on the same corpus, so that it shares its
+vocabulary (the MiniLM is not on the GPU machine); fine-tune it on CoNLL-2003
+as an NER tagger (conll2003) and an NP chunker (conll2003_chunk), one seed
+each; `bert-jax mark-spans` over the corpus; write OUT/spans.npz and
+OUT/taggers.json (the taggers' dev F1 and the seconds of each step). At scale
+tiny the corpus is the sample's first TINY_DOCUMENTS documents and the taggers
+train for one epoch, so that a CPU runs it all in a few minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -51,6 +70,12 @@ from finetune_vs_reference import SHARED  # noqa: E402  (bench/ on the path firs
 
 CORPUS = SHARED / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
 HELD_OUT_DOCUMENTS = 500
+TINY_DOCUMENTS = 2000  # At scale tiny: the corpus' first documents, so that a CPU marks and trains on them.
+SPANS_FILE = "spans.npz"
+# Fine-tuning the taggers on all of CoNLL-2003's training sentences, per scale: the tables' fine-tuning learning
+# rate at gpu (3 epochs, batch 32: configs/finetune/ner.py's recipe); one epoch at tiny.
+TAGGER_OVERRIDES = {"gpu": ["--config.optim.lr=1e-4", "--config.train.eval_batch_size=512"],
+                    "tiny": ["--config.train.epochs=1", "--config.optim.lr=2e-3"]}
 MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
 
 
@@ -141,6 +166,74 @@ def _core_shares(counts: list[int]) -> list[list[int]]:
   return shares
 
 
+def _prepare(carry: pathlib.Path, scratch: pathlib.Path, scale: str, env: dict) -> pathlib.Path:
+  """The prepared corpus of every row (at scale tiny, of the sample's first TINY_DOCUMENTS documents)."""
+  corpus, prepared = carry / CORPUS.name, scratch / ("wiki_tiny" if scale == "tiny" else "wiki")
+  if scale == "tiny":
+    corpus = scratch / "wiki_tiny.txt"
+    if not corpus.exists():
+      scratch.mkdir(parents=True, exist_ok=True)
+      with gzip.open(carry / CORPUS.name, "rt", encoding="utf-8") as source, open(corpus, "w") as target:
+        documents = 0
+        for line in source:
+          documents += not line.strip()
+          if documents >= TINY_DOCUMENTS:
+            break
+          target.write(line)
+  if not (prepared / "manifest.json").exists():
+    subprocess.run([sys.executable, "-m", "bert_jax.cli", "prepare", "--input", str(corpus), "--out", str(prepared),
+                    "--tokenizer", str(carry / "vocab.txt"), "--eval-documents", str(HELD_OUT_DOCUMENTS)],
+                   check=True, env=env, cwd=REPO)
+  return prepared
+
+
+def _needs_spans(table_name: str, scale: str) -> bool:
+  from bert_jax.data import masking
+  from bert_jax.experiments import ablation
+
+  table = ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}"))
+  return any(row.overrides.get("masking.granularity") in masking.LINGUISTIC_GRANULARITIES for row in table.rows)
+
+
+def _f1(workdir: pathlib.Path) -> float:
+  results = json.loads((workdir / "results.json").read_text())
+  return results["summary"]["dev"]["f1"]["median"] if "summary" in results else float("nan")
+
+
+def mark(carry: pathlib.Path, scratch: pathlib.Path, prepared: pathlib.Path, scale: str, env: dict,
+         out: pathlib.Path, table_name: str = "spanbert_masking") -> dict:
+  """Pre-trains the taggers' model, fine-tunes the NER tagger and the NP chunker, marks `prepared`, writes
+  OUT/spans.npz; returns what happened (also written to OUT/taggers.json)."""
+  from bert_jax.tasks import spans as spans_lib
+
+  root, report = scratch / "taggers", {"scale": scale, "card": _card()}
+
+  def step(name, command):
+    started = time.time()
+    print("$ bert-jax " + " ".join(command), flush=True)
+    subprocess.run([sys.executable, "-m", "bert_jax.cli", *command], check=True, env=env, cwd=REPO)
+    report[f"{name}_seconds"] = round(time.time() - started, 1)
+
+  step("pretrain", ["pretrain", "--config", f"configs/ablations/{table_name}.py:scale={scale}", "--workdir",
+                    str(root / "pretrain"), f"--config.data.prepared={prepared}",
+                    "--config.masking.granularity=whole_word", "--config.train.eval_every=0"])
+  for column in ("ner", "chunk"):
+    step(f"finetune_{column}", ["finetune", "--config", f"configs/finetune/ner.py:column={column}", "--workdir",
+                                str(root / column), f"--config.init.model={root / 'pretrain'}",
+                                f"--config.data_dir={carry / 'conll2003'}", "--config.seeds=(1,)",
+                                "--config.train.save_checkpoint=True", *TAGGER_OVERRIDES.get(scale, [])])
+    report[f"{column}_dev_f1"] = _f1(root / column)
+  step("mark", ["mark-spans", "--prepared", str(prepared), "--ner", str(root / "ner"), "--chunker",
+                str(root / "chunk")])
+  out.mkdir(parents=True, exist_ok=True)
+  spans_lib.export_spans(prepared, out / SPANS_FILE)
+  report["spans"] = json.loads((prepared / "manifest.json").read_text())["spans"]
+  report["spans_file_bytes"] = (out / SPANS_FILE).stat().st_size
+  (out / "taggers.json").write_text(json.dumps(report, indent=1) + "\n")
+  print(json.dumps(report, indent=1), flush=True)
+  return report
+
+
 def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   """Prepares the corpus, runs each table's sweep side by side until done or the deadline, packs the results."""
   from bert_jax.experiments import ablation
@@ -155,13 +248,18 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     raise SystemExit("--table-per-device gives each table one accelerator: leave out --devices")
   if len(tables) > 1 and not args.table_per_device and args.devices != 1:  # Each sweep numbers its accelerators from 0.
     raise SystemExit("several tables side by side share one accelerator: give --devices 1 (or --table-per-device)")
-  prepared = scratch / "wiki"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-  if not (prepared / "manifest.json").exists():
-    subprocess.run([sys.executable, "-m", "bert_jax.cli", "prepare", "--input", str(carry / CORPUS.name), "--out",
-                    str(prepared), "--tokenizer", str(carry / "vocab.txt"), "--eval-documents",
-                    str(HELD_OUT_DOCUMENTS)], check=True, env=env, cwd=REPO)
+  prepared = _prepare(carry, scratch, args.scale, env)
   prepare_seconds = round(time.time() - started, 1)
+  taggers = None
+  if any(_needs_spans(name, args.scale) for name in tables):
+    from bert_jax.tasks import spans as spans_lib
+
+    if (carry / SPANS_FILE).exists():
+      spans_lib.import_spans(carry / SPANS_FILE, prepared)
+    elif "spans" not in json.loads((prepared / "manifest.json").read_text()):
+      taggers = mark(carry, scratch, prepared, args.scale, env, out)
+  mark_seconds = round(time.time() - started - prepare_seconds, 1)
   counts = [_row_count(name, args.scale, sweep_args) for name in tables]
   devices = 1 if args.table_per_device else args.devices or sum(counts)
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(len(tables))))).split(",")
@@ -189,7 +287,8 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   for name, workdir, command, process, sweep_started in sweeps:
     report = {"table": name, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "prepare_seconds": prepare_seconds, "sweep_command": " ".join(command[2:]),
+              "prepare_seconds": prepare_seconds, "mark_seconds": mark_seconds, "taggers": taggers,
+              "sweep_command": " ".join(command[2:]),
               "tables_side_by_side": tables, "table_per_device": args.table_per_device}
     try:
       report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
@@ -259,6 +358,12 @@ def main() -> int:
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
   run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")
+  mark_parser = sub.add_parser("mark", help="prepare, fine-tune the NER and NP-chunk taggers, mark the corpus' "
+                               "spans into OUT/spans.npz (to carry)")
+  mark_parser.add_argument("--carry", default=".carry_repro")
+  mark_parser.add_argument("--scale", default="gpu", help="gpu; tiny for a CPU smoke run")
+  mark_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and tagger runs")
+  mark_parser.add_argument("--out", required=True, help="where OUT/spans.npz and OUT/taggers.json go")
   publish_parser = sub.add_parser("publish", help="unpack what a call brought back and copy the table's files to docs")
   publish_parser.add_argument("returned", nargs="+", help="OUT/TABLE folders as they came back")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
@@ -266,6 +371,13 @@ def main() -> int:
   if args.command == "publish":
     for returned in args.returned:
       publish(pathlib.Path(returned), pathlib.Path(args.docs))
+    return 0
+  if args.command == "mark":
+    if rest:
+      parser.error(f"unrecognised arguments {rest}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    carry, scratch = pathlib.Path(args.carry), pathlib.Path(args.scratch)
+    mark(carry, scratch, _prepare(carry, scratch, args.scale, env), args.scale, env, pathlib.Path(args.out))
     return 0
   if args.command == "pack":
     if rest:

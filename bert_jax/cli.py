@@ -1,5 +1,5 @@
-"""`bert-jax` entry point: prepare | pretrain | finetune | evaluate | predict | quantize | convert | features |
-fill-mask | analyze | sweep | table | plot.
+"""`bert-jax` entry point: prepare | mark-spans | pretrain | finetune | evaluate | predict | quantize | convert |
+features | fill-mask | analyze | sweep | table | plot.
 
 Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
@@ -18,6 +18,7 @@ import threading
 # subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
     "prepare": ("bert_jax.data.prepare", "tokenise a corpus once into shards with a manifest"),
+    "mark-spans": ("bert_jax.tasks.spans", "mark named entities / noun phrases in a prepared corpus with taggers"),
     "pretrain": ("bert_jax.train.trainer", "pre-train from a config (resumes in the same workdir)"),
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),

@@ -167,3 +167,33 @@ def test_real_dev_round_trip_with_context(shared_data, tokenizer):
   logits[rows, positions, features["labels"][rows, positions]] = 1.0
   # Gold through the features scores 100: long sentences use several rows, no word is lost.
   assert task.evaluate(logits, features, examples)["f1"] == pytest.approx(100.0)
+
+
+def test_chunk_task_reads_noun_phrases_and_scores_them_by_conlleval(tmp_path):
+  # The chunk column in IOB1: "I-NP B-NP" are two adjacent NPs; VP/PP chunks read as O.
+  path = tmp_path / "eng.testa"
+  path.write_text("-DOCSTART- -X- O O\n\n"
+                  "The DT I-NP O\nEuropean NNP I-NP I-ORG\nCommission NNP I-NP I-ORG\nsaid VBD I-VP O\n"
+                  "on IN I-PP O\nThursday NNP I-NP O\nit PRP B-NP O\ndisagreed VBD I-VP O\n. . O O\n")
+  task = get_task("conll2003_chunk")
+  assert task.name == "conll2003_chunk" and task.labels == ("O", "B-NP", "I-NP") and task.num_labels == 3
+  (sentence,) = task.load(tmp_path, "dev")
+  assert sentence.tags == ("I-NP", "I-NP", "I-NP", "O", "O", "I-NP", "B-NP", "O", "O")
+  assert sentence.chunks[3:5] == ("I-VP", "I-PP")  # The raw column is kept.
+  assert iob1_chunks(sentence.tags) == {(0, 2, "NP"), (5, 5, "NP"), (6, 6, "NP")}
+  assert get_task("conll2003").load(tmp_path, "dev")[0].tags[1:3] == ("I-ORG", "I-ORG")
+  # conlleval on NP chunks: "Thursday it" predicted as one NP is wrong at both; "The European Commission" right.
+  predicted = ["I-NP", "I-NP", "I-NP", "O", "O", "I-NP", "I-NP", "O", "O"]
+  results = conll_f1([predicted], [sentence.tags])
+  assert results["precision"] == pytest.approx(50.0) and results["recall"] == pytest.approx(100 / 3)
+  path.write_text("EU NNP X-NP I-ORG\n")
+  with pytest.raises(ValueError, match=r"eng\.testa:1: chunk tag 'X-NP' is not O, B-TYPE or I-TYPE"):
+    task.load(tmp_path, "dev")
+
+
+@pytest.mark.shared_data
+def test_chunk_task_real_counts(shared_data):
+  examples = get_task("conll2003_chunk").load(shared_data / "conll2003", "train")
+  assert len(examples) == 14041
+  tags = collections.Counter(tag for s in examples for tag in s.tags)
+  assert tags == {"I-NP": 120255, "B-NP": 3777, "O": 203621 - 120255 - 3777}

@@ -19,9 +19,16 @@ examples per row, 1 when packing is off):
   pack_ids         int32 [B, L]  1..P: which packed example a token belongs
                                  to; 0 for padding. Attention never crosses
                                  pack ids. Unpacked rows are 1 on real tokens.
-  word_starts      int32 [B, L]  1 where a token starts a word (special tokens
-                                 count as words); used by whole-word, n-gram
-                                 and span masking.
+  word_starts      int32 [B, L]  bit 0 (value 1) where a token starts a word
+                                 (special tokens count as words); used by
+                                 whole-word, n-gram and span masking. When
+                                 the prepared corpus holds linguistic spans
+                                 (`bert-jax mark-spans`), two more bits per
+                                 kind of `SPAN_KINDS` (`span_bits`): the token
+                                 starts a span, the token is inside one; 0
+                                 on special tokens and padding. Carrying them
+                                 in this field lets them follow their tokens
+                                 through every format, cut and pack.
   special_mask     int32 [B, L]  1 for special tokens and padding: never masked.
   cls_positions    int32 [B, P]  position of each packed example's first token.
   sentence_labels  int32 [B, P]  NSP: 0 = B follows A, 1 = B is random.
@@ -37,6 +44,15 @@ from __future__ import annotations
 from typing import Mapping
 
 import numpy as np
+
+SPAN_KINDS = ("named_entity", "noun_phrase")
+
+
+def span_bits(kind: str) -> tuple[int, int]:
+  """(starts-a-span bit, inside-a-span bit) of `kind` in the `word_starts` field."""
+  shift = 2 * SPAN_KINDS.index(kind)
+  return 2 << shift, 4 << shift
+
 
 SEQUENCE_FIELDS = ("input_ids", "segment_ids", "position_ids", "pack_ids", "word_starts", "special_mask")
 PACK_FIELDS = ("cls_positions", "sentence_labels", "sentence_weights")

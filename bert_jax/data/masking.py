@@ -1,4 +1,4 @@
-"""Masked-LM corruption on device: token, whole-word, n-gram and span masking.
+"""Masked-LM corruption on device: token, whole-word, n-gram, span and linguistic-span masking.
 
 `mask_batch` runs inside the jitted train step. Every row is masked with its
 own key, `fold_in(fold_in(key, example_id), epoch)`, so a row gets the same
@@ -14,7 +14,7 @@ that are neither special nor padding):
 * The budget is `round(rate * n)` tokens as in BERT, at least 1 when n > 0,
   and at most `max_predictions` (M), the static number of prediction slots.
 * "token": a uniformly random set of `budget` maskable tokens (one top-k).
-* "whole_word", "ngram", "span": a bounded loop (at most M iterations, it
+* "whole_word", "ngram", "span", "named_entity", "noun_phrase": a bounded loop (at most M iterations, it
   stops early once every row is done) that adds one span of whole words per
   iteration. An anchor word is drawn uniformly among the unchosen words that
   still fit in the remaining budget; a span length in words is drawn (always 1
@@ -25,6 +25,17 @@ that are neither special nor padding):
   never split. (SpanBERT's code draws anchor tokens, which favours long words
   a little, and cuts the last span mid-word at the budget; ALBERT's resamples
   n where an n-gram does not fit. Truncating whole words keeps one rule.)
+
+  "named_entity" and "noun_phrase" (SpanBERT's Table 6) draw, per unit,
+  a coin: with probability `linguistic_prob` (the paper's 50%) the unit is
+  a whole marked span of that kind (an entity or a noun phrase, from the
+  span bits of `word_starts`, see `bert_jax.data.batch`) drawn uniformly
+  among the unchosen spans that fit in the remaining budget, with priorities
+  of their own; otherwise, or when no span fits, it is one whole word as in
+  whole_word. A span is never cut: one that does not fit is not drawn. The
+  paper says "50% of the time" without saying of what; per unit keeps one
+  budget loop, and the share of chosen units that are spans stays 1/2 while
+  spans fit.
 
   For whole_word this is exactly BERT's procedure (shuffle the words, take
   each one that still fits, skip the ones that would overflow): the next word
@@ -51,7 +62,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-GRANULARITIES = ("token", "whole_word", "ngram", "span")
+from bert_jax.data import batch as batch_lib
+
+LINGUISTIC_GRANULARITIES = batch_lib.SPAN_KINDS  # Masked by the corpus' marked spans of that kind.
+GRANULARITIES = ("token", "whole_word", "ngram", "span", *LINGUISTIC_GRANULARITIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +77,15 @@ class MaskingConfig:
     mask_token_prob: fraction of the chosen tokens replaced by [MASK].
     random_token_prob: fraction replaced by a uniformly random token id; the
       remaining `1 - mask_token_prob - random_token_prob` keep their id.
-    granularity: "token", "whole_word", "ngram" (ALBERT) or "span" (SpanBERT).
+    granularity: "token", "whole_word", "ngram" (ALBERT), "span" (SpanBERT), or
+      "named_entity" / "noun_phrase" (SpanBERT's linguistic masking; the
+      prepared corpus needs those spans marked, `bert-jax mark-spans`).
     max_ngram: largest n-gram in words; p(n) ∝ 1/n for n = 1..max_ngram.
     span_geometric_p: SpanBERT span length in words ~ Geometric(p) ...
     span_max_len: ... truncated at this many words and renormalised, as in the
       SpanBERT code (mean 3.8 words for p=0.2, max 10).
+    linguistic_prob: for named_entity / noun_phrase, the probability that a
+      masked unit is a marked span rather than a whole word.
     max_predictions: M, the static number of prediction slots per row; the
       budget never exceeds it.
     dynamic: True draws a new mask (and new examples) every epoch. False gives
@@ -84,6 +102,7 @@ class MaskingConfig:
   max_ngram: int = 3
   span_geometric_p: float = 0.2
   span_max_len: int = 10
+  linguistic_prob: float = 0.5
   max_predictions: int = 20
   dynamic: bool = True
   dupe_factor: int = 10
@@ -91,7 +110,7 @@ class MaskingConfig:
   def __post_init__(self):
     if not 0.0 < self.rate <= 1.0:
       raise ValueError(f"MaskingConfig.rate must be in (0, 1], got {self.rate}")
-    for name in ("mask_token_prob", "random_token_prob"):
+    for name in ("mask_token_prob", "random_token_prob", "linguistic_prob"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         raise ValueError(f"MaskingConfig.{name} must be in [0, 1], got {getattr(self, name)}")
     if self.mask_token_prob + self.random_token_prob > 1.0:
@@ -112,7 +131,8 @@ def span_length_probs(config: MaskingConfig) -> np.ndarray:
   """Probabilities of span lengths 1, 2, ... (in words) for `config`.
 
   Returns:
-    float64 [K]: entry n-1 is p(length n). K is 1 for token and whole_word,
+    float64 [K]: entry n-1 is p(length n). K is 1 for token, whole_word and
+    the linguistic granularities (their words are drawn one at a time),
     max_ngram for ngram, span_max_len for span.
   """
   if config.granularity == "ngram":
@@ -178,9 +198,9 @@ def _choose_tokens(priority: jax.Array, maskable: jax.Array, budget: jax.Array, 
 
 
 def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Array, word_starts: jax.Array,
-                  special_mask: jax.Array, pack_ids: jax.Array, budget: jax.Array,
-                  config: MaskingConfig) -> jax.Array:
-  """Whole-word spans until the budget is spent (see the module docstring).
+                  special_mask: jax.Array, pack_ids: jax.Array, budget: jax.Array, config: MaskingConfig,
+                  span_priority: jax.Array | None = None, coins: jax.Array | None = None) -> jax.Array:
+  """Whole-word spans (or marked linguistic spans) until the budget is spent (see the module docstring).
 
   Args:
     priority: int32 [L] i.i.d. uniform on [0, 2**31): the order anchors are tried in.
@@ -188,21 +208,33 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
     maskable: bool [L].
     word_starts, special_mask, pack_ids: int32 [L], as in the batch contract.
     budget: int32 [], at most min(max_predictions, maskable.sum()).
-    config: granularity "whole_word", "ngram" or "span".
+    config: granularity "whole_word", "ngram", "span", "named_entity" or "noun_phrase".
+    span_priority: int32 [L] like `priority`, the order marked spans are tried in (linguistic granularities).
+    coins: float32 [M] uniform on [0, 1): unit k is a marked span when coins[k] < linguistic_prob.
 
   Returns:
-    bool [L], True at the chosen tokens; never splits a word, never crosses a
-    special token or a pack boundary within one span.
+    bool [L], True at the chosen tokens; never splits a word or a marked span,
+    never crosses a special token or a pack boundary within one span.
   """
   length = maskable.shape[0]
   positions = jnp.arange(length)
   special = special_mask > 0
+  new_pack = pack_ids != _shift_right(pack_ids, -1)
   # Special tokens and pack boundaries always delimit words, even where the
   # word_starts column says otherwise, so every word is wholly maskable or not.
-  is_start = (word_starts > 0) | special | _shift_right(special, True) | (pack_ids != _shift_right(pack_ids, -1))
+  is_start = ((word_starts & 1) > 0) | special | _shift_right(special, True) | new_pack
   word_index = jnp.cumsum(is_start) - 1
   word_end = jax.lax.cummin(jnp.where(_shift_left(is_start, True), positions, length), reverse=True)
   word_len = word_end - positions + 1  # Meaningful at word starts.
+  linguistic = config.granularity in LINGUISTIC_GRANULARITIES
+  if linguistic:
+    start_bit, inside_bit = batch_lib.span_bits(config.granularity)
+    in_span = ((word_starts & inside_bit) > 0) & maskable
+    # A span also starts where a cut (truncation, a pack or a segment's edge) left only its tail.
+    span_first = in_span & (((word_starts & start_bit) > 0) | ~_shift_right(in_span, False) | new_pack)
+    span_last = in_span & _shift_left(~in_span | span_first | new_pack, True)
+    span_end = jnp.minimum(jax.lax.cummin(jnp.where(span_last, positions, length), reverse=True), length - 1)
+    span_len = span_end - positions + 1  # Meaningful at span starts.
 
   def still_going(state):
     step, remaining, _ = state
@@ -226,6 +258,16 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
     span = ((positions >= anchor) & (positions < first_blocked)
             & (word_index - word_index[anchor] < num_words)
             & (word_end - anchor < remaining) & has_candidate)
+    if linguistic:
+      chosen_through = jnp.cumsum(chosen)
+      chosen_inside = chosen_through[span_end] - chosen_through + chosen  # chosen tokens in [t, span_end[t]]
+      span_candidates = span_first & (chosen_inside == 0) & (span_len <= remaining)
+      use_span = (coins[step] < config.linguistic_prob) & span_candidates.any()
+      # Separate priorities keep each kind of draw uniform among its own candidates.
+      span_anchor = jnp.argmax(jnp.where(span_candidates, span_priority, -1))
+      marked = (positions >= span_anchor) & (positions <= span_end[span_anchor])
+      span = jnp.where(use_span, marked, span)
+      has_candidate = has_candidate | use_span
     # A row with budget left but no word that fits is done.
     remaining = jnp.where(has_candidate, remaining - span.sum(), 0)
     return step + 1, remaining, chosen | span
@@ -241,7 +283,9 @@ def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, spec
   length = input_ids.shape[0]
   num_slots = config.max_predictions
   positions = jnp.arange(length)
-  bits = jax.random.bits(key, (3 * length + num_slots,))
+  linguistic = config.granularity in LINGUISTIC_GRANULARITIES
+  # The linguistic granularities draw more bits; the others keep the draws they always had.
+  bits = jax.random.bits(key, (3 * length + num_slots + (length + num_slots if linguistic else 0),))
   priority = (bits[:length] >> 1).astype(jnp.int32)
   action = _unit_floats(bits[length:2 * length])
   # The modulo's bias is below vocab_size / 2**32: negligible.
@@ -255,7 +299,13 @@ def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, spec
   if config.granularity == "token":
     chosen = _choose_tokens(priority, maskable, budget, num_slots)
   else:
-    chosen = _choose_spans(priority, span_words, maskable, word_starts, special_mask, pack_ids, budget, config)
+    extra = {}
+    if linguistic:
+      offset = 3 * length + num_slots
+      extra = {"span_priority": (bits[offset:offset + length] >> 1).astype(jnp.int32),
+               "coins": _unit_floats(bits[offset + length:])}
+    chosen = _choose_spans(priority, span_words, maskable, word_starts, special_mask, pack_ids, budget, config,
+                           **extra)
 
   to_mask = chosen & (action < config.mask_token_prob)
   to_random = chosen & ~to_mask & (action < config.mask_token_prob + config.random_token_prob)

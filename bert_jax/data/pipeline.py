@@ -425,4 +425,6 @@ def pretraining_iterator(prepared_dir: str | os.PathLike, *, split: str = "train
               "global_batch_size": global_batch_size, "block_documents": block_documents, "num_epochs": num_epochs}
   if duplicates is not None:  # Only when set, so the state of a run saved before the field existed still loads.
     identity["duplicates"] = duplicates
+  if prepare.SPANS in corpus.manifest:  # Span marks change the rows' word_starts field.
+    identity["spans"] = corpus.manifest[prepare.SPANS]["fingerprint"]
   return PretrainingIterator(corpus, config, iter(dataset), global_batch_size, identity)

@@ -8,6 +8,7 @@ writes shards that the example builders memory-map:
   DIR/shard-00000.word_starts.npy       uint8 [T]    1 where a token starts a word
   DIR/shard-00000.sentence_offsets.npy  int64 [S+1]  token offset of each sentence
   DIR/shard-00000.document_offsets.npy  int64 [D+1]  sentence offset of each document
+  DIR/shard-00000.spans.npy             uint8 [T]    linguistic span marks (only after `bert-jax mark-spans`)
   DIR/eval_documents.npy                int64 [E]    global ids of held-out documents
   DIR/tokenizer/                        the tokenizer, saved
   DIR/manifest.json                     counts, fingerprints, options, report
@@ -15,6 +16,13 @@ writes shards that the example builders memory-map:
 A sentence or a document never straddles two shards. Documents are numbered
 globally in input order; the held-out eval split is a seeded random choice of
 them and the train split is the rest.
+
+The span marks of a token are two bits per kind of `batch.SPAN_KINDS`
+(named_entity, noun_phrase): bit 2k, the token starts a span of kind k; bit
+2k+1, it is inside one. `write_spans` adds them to a prepared corpus (the
+manifest's "spans" entry says which kinds and from which taggers); the
+example builders read them shifted above the word-start bit of the batch's
+`word_starts` field (`PreparedCorpus.gather`).
 
 Running again with the same inputs, tokenizer and options does nothing;
 a different tokenizer against an existing manifest is refused.
@@ -33,6 +41,7 @@ import argparse
 import bisect
 import dataclasses
 import functools
+import hashlib
 import io
 import itertools
 import json
@@ -51,6 +60,7 @@ import numpy as np
 from bert_jax import progress as progress_lib
 from bert_jax.data import text as text_lib
 from bert_jax import paths
+from bert_jax.data import batch as batch_lib
 from bert_jax.data import tokenizers
 
 MANIFEST = "manifest.json"
@@ -59,7 +69,8 @@ EVAL_DOCUMENTS = "eval_documents.npy"
 SHARD_ARRAYS = ("tokens", "word_starts", "sentence_offsets", "document_offsets")
 LONG_SENTENCE_POLICIES = ("split", "truncate")
 SHARD_DTYPES = {"tokens": np.int32, "word_starts": np.uint8, "sentence_offsets": np.int64,
-                "document_offsets": np.int64}
+                "document_offsets": np.int64, "spans": np.uint8}
+SPANS = "spans"  # The optional per-token array of span marks.
 _STAGING_MARKER = ".bert_jax_preparing"
 # Written into --out while a corpus moves in: the names it may hold, so a rerun after a crash there may replace them.
 _INSTALLING = "manifest.json.installing"
@@ -214,6 +225,8 @@ def _corpus_names(manifest: dict) -> set[str]:
   """The file and folder names a prepared corpus consists of (what prepare may replace)."""
   names = {MANIFEST, EVAL_DOCUMENTS, manifest.get("tokenizer", {}).get("path", TOKENIZER_DIR)}
   names.update(f"{shard['name']}.{key}.npy" for shard in manifest["shards"] for key in SHARD_ARRAYS)
+  if SPANS in manifest:
+    names.update(f"{shard['name']}.{SPANS}.npy" for shard in manifest["shards"])
   return _plain_names(names)
 
 
@@ -439,13 +452,22 @@ class PreparedCorpus:
     if manifest is None:
       raise FileNotFoundError(f"{self.directory} has no {MANIFEST}; run `bert-jax prepare` first")
     self.manifest = manifest
-    self._tokens, self._word_starts = [], []
+    self._tokens, self._word_starts, self._marks = [], [], []
     sentence_starts, document_starts = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)]
     token_base = sentence_base = 0
     for shard in manifest["shards"]:
       load = lambda key, name=shard["name"]: self._load_array(f"{name}.{key}.npy", SHARD_DTYPES[key])
       self._tokens.append(load("tokens"))
       self._word_starts.append(load("word_starts"))
+      if SPANS in manifest:
+        spans = load(SPANS)
+        if len(spans) != shard["tokens"]:
+          raise ValueError(f"{self.directory / (shard['name'] + '.spans.npy')} has {len(spans)} marks for "
+                           f"{shard['tokens']} tokens; run `bert-jax mark-spans` again")
+        # Span bits above the word-start bit, as the batch's word_starts field carries them (batch.span_bits).
+        self._marks.append(self._word_starts[-1] | (spans << 1))
+      else:
+        self._marks.append(self._word_starts[-1])
       sentence_starts.append(np.asarray(load("sentence_offsets")[1:]) + token_base)
       document_starts.append(np.asarray(load("document_offsets")[1:]) + sentence_base)
       token_base += shard["tokens"]
@@ -488,6 +510,16 @@ class PreparedCorpus:
     return array
 
   @property
+  def shard_token_starts(self) -> list[int]:
+    """Global offset of each shard's first token, then the total: [shards + 1]."""
+    return self._shard_token_starts
+
+  @property
+  def span_kinds(self) -> tuple[str, ...]:
+    """The kinds of linguistic spans marked in the corpus (`batch.SPAN_KINDS`); empty when none are."""
+    return tuple(self.manifest.get(SPANS, {}).get("kinds", ()))
+
+  @property
   def num_documents(self) -> int:
     return len(self.document_starts) - 1
 
@@ -523,13 +555,13 @@ class PreparedCorpus:
     return self._word_starts[shard][local_start:local_end]
 
   def gather(self, starts: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int32, word-start flags uint8) of the global ranges [start, start + size), each inside one shard,
-    laid end to end."""
+    """(tokens int32, marks uint8) of the global ranges [start, start + size), each inside one shard, laid end to
+    end; marks are the word-start flag in bit 0 and the span marks above it (the batch's word_starts field)."""
     tokens, word_starts = [], []
     for start, size in zip(starts, sizes):
       shard, local_start, local_end = self._locate(start, start + size)
       tokens.append(self._tokens[shard][local_start:local_end])
-      word_starts.append(self._word_starts[shard][local_start:local_end])
+      word_starts.append(self._marks[shard][local_start:local_end])
     if not tokens:
       return np.zeros(0, np.int32), np.zeros(0, np.uint8)
     return np.concatenate(tokens), np.concatenate(word_starts)
@@ -543,6 +575,45 @@ class PreparedCorpus:
   def load_tokenizer(self) -> tokenizers.Tokenizer:
     """The corpus' tokenizer (a remote one is copied to a local temporary folder first)."""
     return tokenizers.load_tokenizer(self.directory / self.manifest["tokenizer"]["path"])
+
+
+def write_spans(directory: str | os.PathLike, spans: Sequence[np.ndarray], kinds: Sequence[str],
+                info: dict) -> dict:
+  """Adds span marks to a prepared corpus (replacing any it had) and returns the new manifest.
+
+  Args:
+    directory: a prepared corpus.
+    spans: uint8 [T] per shard, the marks of its tokens (see the module docstring).
+    kinds: the kinds marked, a subset of `batch.SPAN_KINDS` in its order.
+    info: what marked them (recorded in the manifest with a fingerprint of the marks).
+  """
+  directory = paths.as_path(directory)
+  manifest = _read_manifest(directory)
+  if manifest is None:
+    raise FileNotFoundError(f"{directory} has no {MANIFEST}; run `bert-jax prepare` first")
+  if list(kinds) != [kind for kind in batch_lib.SPAN_KINDS if kind in kinds]:
+    raise ValueError(f"span kinds {list(kinds)} must be a subset of {batch_lib.SPAN_KINDS} in that order")
+  if len(spans) != len(manifest["shards"]):
+    raise ValueError(f"{len(spans)} span arrays for {len(manifest['shards'])} shards of {directory}")
+  allowed = sum(3 << 2 * batch_lib.SPAN_KINDS.index(kind) for kind in kinds)
+  digest = hashlib.sha256()
+  for shard, marks in zip(manifest["shards"], spans):
+    if marks.dtype != np.uint8 or marks.shape != (shard["tokens"],):
+      raise ValueError(f"spans of {shard['name']}: uint8 [{shard['tokens']}] expected, got {marks.dtype} "
+                       f"{list(marks.shape)}")
+    if np.any(marks & ~np.uint8(allowed)):
+      raise ValueError(f"spans of {shard['name']} set bits of kinds other than {list(kinds)}")
+    digest.update(marks.tobytes())
+  manifest.pop(SPANS, None)
+  # Without the "spans" entry while the files change: a crash leaves a corpus that reads as unmarked.
+  paths.write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+  for shard, marks in zip(manifest["shards"], spans):
+    buffer = io.BytesIO()
+    np.save(buffer, marks)
+    (directory / f"{shard['name']}.{SPANS}.npy").write_bytes(buffer.getvalue())
+  manifest[SPANS] = {"kinds": list(kinds), "fingerprint": digest.hexdigest()[:16], **info}
+  paths.write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+  return manifest
 
 
 def open_prepared(directory: str | os.PathLike) -> PreparedCorpus:

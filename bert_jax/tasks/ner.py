@@ -1,4 +1,4 @@
-"""CoNLL-2003 named entities: reading, first-piece tagging features, conlleval F1.
+"""CoNLL-2003 named entities and noun-phrase chunks: reading, first-piece tagging features, conlleval F1.
 
 Files have one `word POS chunk NER` line per token, blank lines between
 sentences and `-DOCSTART- -X- O O` lines between documents; tags are IOB1
@@ -7,6 +7,10 @@ of the same type). The model tags every word piece; only the first piece of
 each word carries a label, and a word's prediction is read from its first
 piece. Entities are scored as in conlleval: a predicted entity counts only
 when its type and both boundaries match a gold one.
+
+Two tasks read the files: "conll2003" tags the NER column; "conll2003_chunk"
+tags the noun phrases of the syntactic chunk column (B-NP / I-NP kept, every
+other chunk type read as O), scored by the same rules on NP chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, 
 
 ENTITY_TYPES = ("LOC", "MISC", "ORG", "PER")
 TAGS = ("O",) + tuple(f"{prefix}-{kind}" for prefix in ("B", "I") for kind in ENTITY_TYPES)
+NP_CHUNK_TAGS = ("O", "B-NP", "I-NP")
+COLUMNS = {"ner": 3, "chunk": 2}  # Which column of a line holds the tags read.
 _DOCUMENT_START = "-DOCSTART-"
 SPLIT_FILES = {"train": "eng.train", "dev": "eng.testa", "test": "eng.testb"}
 
@@ -46,19 +52,25 @@ class TaggedSentence:
   chunks: tuple[str, ...] = ()
 
 
-def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS, words_only: bool = False) -> list[TaggedSentence]:
+def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS, words_only: bool = False,
+               column: str = "ner") -> list[TaggedSentence]:
   """Reads a CoNLL-2003 file into sentences, in file order.
 
   Args:
     path: an eng.train / eng.testa / eng.testb style file.
-    tags: the allowed tags.
+    tags: the allowed tags of the NER column.
     words_only: read only the first column, the word (a file to predict on, which may have no other columns);
       the sentences then have no tags, POS or chunks.
+    column: "ner": `TaggedSentence.tags` are the NER column's; "chunk": they are the noun-phrase tags of the
+      chunk column (`NP_CHUNK_TAGS`: B-NP / I-NP kept, other chunk types O).
 
   Raises:
     ValueError: naming the file and line, for an empty file, a line without
-      four space-separated columns, or a tag outside `tags`.
+      four space-separated columns, an NER tag outside `tags`, or a chunk tag
+      that is not O, B-TYPE or I-TYPE.
   """
+  if column not in COLUMNS:
+    raise ValueError(f"column must be one of {sorted(COLUMNS)}, got {column!r}")
   path = pathlib.Path(path)
   allowed = frozenset(tags)
   sentences: list[TaggedSentence] = []
@@ -92,10 +104,15 @@ def read_conll(path: str | pathlib.Path, tags: Sequence[str] = TAGS, words_only:
         continue
       if fields[3] not in allowed:
         raise data_error(path, line_number, f"tag {fields[3]!r} is not one of {sorted(allowed)}")
+      if fields[2] != "O" and fields[2][:2] not in ("B-", "I-"):
+        raise data_error(path, line_number, f"chunk tag {fields[2]!r} is not O, B-TYPE or I-TYPE")
       words.append(fields[0])
       pos.append(fields[1])
       chunks.append(fields[2])
-      sentence_tags.append(fields[3])
+      if column == "chunk":
+        sentence_tags.append(fields[2] if fields[2] in NP_CHUNK_TAGS else "O")
+      else:
+        sentence_tags.append(fields[3])
   end_sentence()
   if not sentences:
     raise data_error(path, None, "file has no sentences (empty?)")
@@ -229,7 +246,7 @@ def _context(stream: Sequence[int], centre_start: int, centre_end: int,
 
 
 class Conll2003Task(Task):
-  """CoNLL-2003 English NER as token tagging."""
+  """CoNLL-2003 English NER (column "ner") or noun-phrase chunking (column "chunk") as token tagging."""
 
   name = "conll2003"
   kind = "tagging"
@@ -237,21 +254,28 @@ class Conll2003Task(Task):
   metric_names = ("f1", "precision", "recall")
   selection_metric = "f1"
 
-  def __init__(self, document_context: bool = False):
+  def __init__(self, document_context: bool = False, column: str = "ner"):
     """Configures featurisation.
 
     Args:
       document_context: fill each row with the surrounding sentences of the
         same document (labels only on the centre sentence), as for BERT's
         reported CoNLL result; otherwise one sentence per row.
+      column: "ner" tags named entities (task "conll2003"); "chunk" tags noun
+        phrases (task "conll2003_chunk", labels `NP_CHUNK_TAGS`).
     """
+    if column not in COLUMNS:
+      raise ValueError(f"conll2003: column must be one of {sorted(COLUMNS)}, got {column!r}")
     self.document_context = document_context
+    self.column = column
+    if column == "chunk":
+      self.name, self.labels = "conll2003_chunk", NP_CHUNK_TAGS
 
   def load(self, data_dir: str | pathlib.Path, split: str) -> list[TaggedSentence]:
     """Reads eng.train / eng.testa / eng.testb for split train / dev / test."""
     if split not in SPLIT_FILES:
       raise ValueError(f"{self.name} has no split {split!r}; valid: {list(SPLIT_FILES)}")
-    return read_conll(pathlib.Path(data_dir) / SPLIT_FILES[split])
+    return read_conll(pathlib.Path(data_dir) / SPLIT_FILES[split], column=self.column)
 
   def read_file(self, path: str | pathlib.Path) -> list[TaggedSentence]:
     """Untagged sentences from a CoNLL file (only its word column is read) or JSON lines (`.jsonl`,
@@ -323,5 +347,5 @@ class Conll2003Task(Task):
 
   def evaluate(self, outputs: np.ndarray, features: dict[str, np.ndarray],
                examples: Sequence[TaggedSentence]) -> dict[str, float]:
-    """conlleval entity-level precision, recall, F1 (and F1 per type), in percent."""
+    """conlleval chunk-level precision, recall, F1 (and F1 per type), in percent."""
     return conll_f1(self.predict(outputs, features, examples), [s.tags for s in examples])

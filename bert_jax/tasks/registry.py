@@ -17,6 +17,7 @@ _FACTORIES: dict[str, Callable[..., Task]] = {
     "squad/v2.0": lambda **options: SquadTask(version="2.0", **options),
     "swag": SwagTask,
     "conll2003": Conll2003Task,
+    "conll2003_chunk": lambda **options: Conll2003Task(column="chunk", **options),
 }
 TASK_NAMES = tuple(_FACTORIES)
 # GLUE's folder names (SST-2, STS-B) are what people type as often as TFDS's.
@@ -28,7 +29,7 @@ def get_task(name: str, **options: Any) -> Task:
 
   Args:
     name: one of `TASK_NAMES` ("glue/cola" ... "glue/wnli", "squad/v1.1",
-      "squad/v2.0", "swag", "conll2003"); GLUE folder names such as
+      "squad/v2.0", "swag", "conll2003", "conll2003_chunk"); GLUE folder names such as
       "glue/SST-2" also work.
     **options: task settings, e.g. doc_stride for SQuAD, document_context
       for CoNLL-2003.

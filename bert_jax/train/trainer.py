@@ -31,6 +31,7 @@ import numpy as np
 from bert_jax import paths
 from bert_jax import progress as progress_lib
 from bert_jax.data import pipeline
+from bert_jax.data.masking import LINGUISTIC_GRANULARITIES
 from bert_jax.data.prepare import open_prepared
 from bert_jax.models import ModelConfig, model_config
 from bert_jax.parallel import distributed
@@ -122,6 +123,15 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   if config.masking.max_predictions > config.data.seq_len:
     raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
                      f"config.data.seq_len={config.data.seq_len}")
+
+
+def _check_spans(corpus, granularity: str) -> None:
+  """Linguistic masking needs its kind of spans marked in the prepared corpus."""
+  if granularity in LINGUISTIC_GRANULARITIES and granularity not in corpus.span_kinds:
+    tagger = "--ner" if granularity == "named_entity" else "--chunker"
+    raise ValueError(f"config.masking.granularity={granularity!r} needs {granularity} spans marked in the prepared "
+                     f"corpus {corpus.directory} (it has {list(corpus.span_kinds) or 'none'}); run `bert-jax "
+                     f"mark-spans --prepared {corpus.directory} {tagger} TAGGER_WORKDIR` first")
 
 
 def _warn_single_sentence_documents(corpus, example_format: str) -> None:
@@ -239,6 +249,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
   prepared_dir = prepare_data(config, workdir)
   corpus = open_prepared(prepared_dir)
+  _check_spans(corpus, config.masking.granularity)
   _warn_single_sentence_documents(corpus, config.data.format)
   tokenizer = corpus.load_tokenizer()
   model_cfg = build_model_config(config.model, tokenizer.vocab_size)

@@ -1,13 +1,24 @@
 """SpanBERT Table 6 (Joshi et al. 2020): masking schemes, bi-sequence training with NSP.
 
+  # the corpus' named entities and noun phrases, by taggers fine-tuned on CoNLL-2003 (bert_jax/tasks/spans.py)
+  bert-jax finetune --config configs/finetune/ner.py --workdir runs/ner --config.init.model=MODEL \
+      --config.data_dir=data/conll2003
+  bert-jax finetune --config configs/finetune/ner.py:column=chunk --workdir runs/np_chunker \
+      --config.init.model=MODEL --config.data_dir=data/conll2003
+  bert-jax mark-spans --prepared data/wiki --ner runs/ner --chunker runs/np_chunker
   bert-jax sweep --config configs/ablations/spanbert_masking.py:scale=gpu --workdir runs/spanbert_masking \
       --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad
   bert-jax table runs/spanbert_masking
 
 Subword Tokens: BERT's random subword masking; Whole Words: random whole words; Named Entities and Noun
-Phrases: linguistically chosen spans (50% of the time, else whole words); Geometric Spans: span lengths in
-words ~ Geometric(0.2) clipped at 10. The paper also reports NewsQA, TriviaQA, SearchQA, HotpotQA, Natural
-Questions and coreference, which have no task here. Arguments: scale.
+Phrases: with probability 1/2 per masked unit a whole tagged entity / noun phrase, else a whole word
+(`masking.granularity` named_entity / noun_phrase, `bert_jax.data.masking`); Geometric Spans: span lengths in
+words ~ Geometric(0.2) clipped at 10. Every row reads the marked corpus of config.data.prepared, at every scale
+(tiny too: the built-in corpus has no spans). The taggers' model must share the corpus' vocabulary (MODEL: a
+pre-training workdir on it); `bench/reproduce.py mark` pre-trains one at the rows' size, fine-tunes both
+taggers and marks the Wikipedia sample in one GPU call, and `bench/reproduce.py run` carries its spans file to
+the table's call (or does the same first, when none is carried). The paper also reports NewsQA, TriviaQA,
+SearchQA, HotpotQA, Natural Questions and coreference, which have no task here. Arguments: scale.
 """
 
 from bert_jax.experiments import ablation, suite
@@ -40,13 +51,12 @@ PUBLISHED = {
 def get_config(arg=None):
   config = ablation.base_config("spanbert.py:size=base", parse_arg(arg, scale="tiny").scale)
   config.objective, config.data.format = "mlm+nsp", "segment_pair"
+  config.data.builtin = False  # Every row reads the marked corpus (config.data.prepared).
   return config
 
 
 def get_sweep(arg=None):
   del arg
-  # Missing capability: "named_entity" / "noun_phrase" need spans from an NER tagger / a parser, and no tagger
-  # model can be installed offline here; those two rows fail at pre-training (unknown masking granularity).
   return [{"name": name, "overrides": {"masking.granularity": granularity}} for name, granularity in SCHEMES]
 
 

@@ -1,12 +1,16 @@
-"""CoNLL-2003 NER: fine-tuning, or BERT's feature-based comparison (Table 7).
+"""CoNLL-2003 NER or noun-phrase chunking: fine-tuning, or BERT's feature-based comparison (Table 7).
 
   bert-jax finetune --config configs/finetune/ner.py --workdir runs/ner \
+      --config.init.model=MODEL_DIR --config.data_dir=DIR_WITH_eng.train_AND_eng.testa
+  bert-jax finetune --config configs/finetune/ner.py:column=chunk --workdir runs/np_chunker \
       --config.init.model=MODEL_DIR --config.data_dir=DIR_WITH_eng.train_AND_eng.testa
   bert-jax finetune --config configs/finetune/ner.py:features=concat_last_four,document_context=True \
       --workdir runs/ner_features --config.init.model=MODEL_DIR --config.data_dir=...
 
 The first word piece of each word is tagged (IOB1 tags as in the files) and
-entities are scored with conlleval's rules on eng.testa. document_context=True
+entities are scored with conlleval's rules on eng.testa. column=chunk tags the
+noun phrases of the chunk column instead (task conll2003_chunk: B-NP / I-NP,
+other chunks O), scored by the same rules. document_context=True
 fills each row with the sentences around it in the same document, as for
 BERT's reported result.
 
@@ -26,12 +30,17 @@ FEATURE_LAYERS = {"embeddings": (0,), "second_to_last": (-2,), "last": (-1,), "c
 LEARNING_RATES = (5e-5, 3e-5, 2e-5)
 
 
+TASKS = {"ner": "conll2003", "chunk": "conll2003_chunk"}
+
+
 def get_config(arg=None):
-  args = parse_arg(arg, document_context=False, features="")
+  args = parse_arg(arg, document_context=False, features="", column="ner")
   if args.features and args.features not in FEATURE_LAYERS:
     raise ConfigError(f"ner.py: features={args.features!r}; expected one of {sorted(FEATURE_LAYERS)}")
+  if args.column not in TASKS:
+    raise ConfigError(f"ner.py: column={args.column!r}; expected one of {sorted(TASKS)}")
   config = finetune_defaults()
-  config.task = "conll2003"
+  config.task = TASKS[args.column]
   config.task_options.document_context = args.document_context
   config.max_len = 128
   config.seeds = (1,)
@@ -48,7 +57,7 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None):
-  args = parse_arg(arg, document_context=False, features="")
+  args = parse_arg(arg, document_context=False, features="", column="ner")
   if args.features:
     return [{"feature_based.layers": layers} for layers in FEATURE_LAYERS.values()]
   return [{"optim.lr": lr} for lr in LEARNING_RATES]
