@@ -33,7 +33,9 @@ def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
     assert abs(loop["loop_step_us"] - loop["step_wall_us"]["mean"]) <= 1e-6 * loop["loop_step_us"]
     for part in ("step_wall_us", "step_wait_us", "step_dispatch_us", "step_rest_us"):
       assert loop[part]["p50"] <= loop[part]["p90"] <= loop[part]["max"], part
-    assert loop["profile"]["thread_cores"][0][0] == "main" and loop["profile"]["seconds"] > 0
+    assert "main" in dict(loop["profile"]["thread_cores"]) and loop["profile"]["seconds"] > 0
+  # One step a call: the dispatching thread is the busiest (with two the prefetch thread may be busier).
+  assert report["loop"][0]["profile"]["thread_cores"][0][0] == "main"
   assert sorted(path.name for path in out.iterdir()) == ["input_pipeline.json", "input_pipeline.md", "loop.log"]
   printed = capsys.readouterr().out
   assert "| mini/packed/8/trivial #1" in printed and "| mini/packed/8/trivial/k2 #1" in printed
