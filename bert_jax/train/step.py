@@ -206,15 +206,12 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       raise ValueError(f"train_step takes {steps_per_call} batches a call (steps_per_call), got {len(batches)}")
     stacked = jax.lax.with_sharding_constraint(jax.tree.map(lambda *fields: jnp.stack(fields), *batches),
                                                stacked_sharding)
-    return jax.lax.scan(train_step, state, stacked, unroll=_SCAN_UNROLL)
+    # A loop over one compiled step body: it compiles in about one step's time, where unrolling compiles k bodies.
+    return jax.lax.scan(train_step, state, stacked)
 
   return jax.jit(train_steps, in_shardings=(state_shardings, batch_sharding),
                  out_shardings=(state_shardings, sharding_lib.replicated(partitioning.mesh)), donate_argnums=0,
                  compiler_options=compiler_options())
-
-
-# Iterations of the several-steps call's scan unrolled per loop iteration (1: a loop over one compiled step body).
-_SCAN_UNROLL = 1
 
 
 # XLA options of the train, eval and predict steps on GPU, each measured faster on this model (docs/performance.md):

@@ -145,15 +145,18 @@ def _warn_single_sentence_documents(corpus, example_format: str) -> None:
                 corpus.directory, example_format)
 
 
-def _iterator(config, prepared_dir, split: str, batch_rows: int, mesh, num_epochs=None, workers=None):
+def _iterator(config, prepared_dir, split: str, batch_rows: int, mesh, num_epochs=None, workers=None,
+              steps_per_call: int = 1):
   """The split's batches, already on the mesh's devices (put there by the prefetch thread)."""
   data = config.data
+  # A call of several steps reads its batches at once: two calls' worth ahead, one ready and one being built.
+  prefetch = max(data.prefetch, 2 * steps_per_call) if data.prefetch else 0
   return pipeline.pretraining_iterator(
       prepared_dir, split=split, example_format=data.format, seq_len=data.seq_len,
       batch_size=batch_rows // jax.process_count(), seed=config.seed, short_seq_prob=data.short_seq_prob,
       random_next_prob=data.random_next_prob, packing=data.packing, max_packs=data.max_packs,
       process_index=jax.process_index(), process_count=jax.process_count(), num_epochs=num_epochs,
-      prefetch=data.prefetch, workers=workers,
+      prefetch=prefetch, workers=workers,
       duplicates=None if config.masking.dynamic else config.masking.dupe_factor,
       place=lambda local: sharding_lib.global_batch(local, mesh))
 
@@ -358,7 +361,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.train.keep_checkpoints,
                                              async_save=config.train.async_checkpoint)
-  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size, mesh, workers=config.data.workers)
+  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size, mesh, workers=config.data.workers,
+                         steps_per_call=config.train.steps_per_call)
   had_checkpoints = bool(checkpointer.steps())
   if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
     workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=config_lib.pretrain_defaults().to_dict())
