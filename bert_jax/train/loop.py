@@ -77,6 +77,7 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
   """
   if multi_step is not None and log_every % steps_per_call:
     raise ValueError(f"log_every={log_every} is not a multiple of steps_per_call={steps_per_call}")
+
   def read(step: int, averaged: dict[str, float], nonfinite) -> None:
     if nonfinite is not None:
       raise NonFiniteLossError(nonfinite_message(*nonfinite))
