@@ -127,7 +127,7 @@ class Preemption:
     self.requested = False
     self._previous = {}
     self._multiprocess = jax.process_count() > 1
-    self._reported: int | None = None  # the last step reported to JAX's preemption service
+    self._calls = 0  # the calls of the step so far, reported to JAX's preemption service
 
   def __enter__(self):
     if self._multiprocess:
@@ -145,16 +145,16 @@ class Preemption:
     self.requested = True
 
   def should_stop(self, step: int) -> bool:
-    """Whether to save and stop after `step`; call it after every step or call of several steps, on every process.
+    """Whether to save and stop after `step`; call it after every call of the step (one step or several), on every
+    process.
 
-    JAX's service names the step after the furthest any process has reported, so every step number is reported
-    in order, those inside a call of several steps too; a stop named inside a call is taken at its end.
+    JAX's service names the next count after the furthest any process has reported. The calls are counted, not the
+    steps: a step inside a call of several steps could be named after the call has taken it, and no process would
+    ever stop; the next call is always still ahead, and every process takes the same calls.
     """
     if self._multiprocess:
-      first = step if self._reported is None else self._reported + 1
-      self._reported = step
-      # Every step is reported (no short cut): each process keeps the service's count.
-      return any([multihost_utils.reached_preemption_sync_point(s) for s in range(first, step + 1)])
+      self._calls += 1
+      return multihost_utils.reached_preemption_sync_point(self._calls)
     return self.requested
 
   def __exit__(self, *exc):

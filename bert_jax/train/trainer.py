@@ -57,7 +57,7 @@ class _CheckpointHook:
 
   def due(self, step: int, last: bool) -> bool:
     self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
-    self.preempted = self.preemption.should_stop(step)  # every process asks after every step
+    self.preempted = self.preemption.should_stop(step)  # every process asks after every call
     return self.preempted or bool(self.every and step % self.every == 0) or last
 
   def __call__(self, step: int, state) -> bool:
