@@ -1,7 +1,8 @@
 """Train state, sharded initialisation and the jitted train / eval steps.
 
 The step is one pure function `train_step(state, batch) -> (state, metrics)`,
-compiled once with in/out shardings and the state donated. Gradient
+compiled once with in/out shardings and the state donated (or, with
+`steps_per_call` k, one call that scans the step over k batches). Gradient
 accumulation scans over micro-batches, summing gradients of losses that are
 already divided by the *whole* batch's counts, so it equals the direct step
 (exactly without dropout and ELECTRA's sampling; with them each micro-batch
