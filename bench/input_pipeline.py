@@ -20,8 +20,11 @@ data, no evaluation) side by side: seq/s of each, their ratio and the host
 cores the loop kept busy, and per step the loop's wall time, the main thread's wait for its batch and the
 step's dispatch (the rest is the loop's own work): means, p50/p90/p99/max and the steps over 10 ms, the main
 thread's CPU time in each part (wall time well above it: the thread was blocked, on the interpreter's lock or
-the runtime), the steps still queued on the device after each dispatch (0-1: the device waits for the host;
-more: the host is ahead), the process's CPU per step and Python's garbage collections. Mini also runs at
+the runtime), the calls still queued on the device after each dispatch (0-1: the device waits for the host;
+more: the host is ahead), the process's CPU per step and Python's garbage collections. The loop's rate and the
+per-step table come from one window of its calls: the last 70%, less the traced calls and the last call (its
+checkpoint). `--steps-per-call K[,K...]` runs each case with `config.train.steps_per_call` K (K steps a jitted
+call; a call's wait, dispatch and wall are divided by its K steps). Mini also runs at
 `--mini-batch` when it differs. `--loop-profile` samples every thread's stack during the timed steps
 (bench/sampler.py) and prints where each busy thread's time goes and the CPU of every thread of the process;
 `--loop-trace N` traces N steps after them and prints the device's busy and idle time per step. `--repeat N`
@@ -30,7 +33,7 @@ case under several interpreter switch intervals. `--loop-step trivial` replaces 
 only reads the batch (the loop's host cost alone, e.g. on a CPU with `--loop-on-cpu`):
 
   python bench/input_pipeline.py --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \\
-      --loop-on-cpu --loop-step trivial --loop-steps 600 --loop-workers 2 --loop-profile
+      --loop-on-cpu --loop-step trivial --loop-steps 600 --loop-workers 2 --loop-profile --steps-per-call 1,4
 
 Writes OUT/input_pipeline.md (the tables and stacks) and OUT/input_pipeline.json after every loop case, the
 loops' output in OUT/loop.log, and prints the tables. `--profile FORMAT` also prints where one thread's time goes
@@ -196,7 +199,7 @@ def profile_host(prepared_dir: pathlib.Path, format_name: str, batch: int, seq_l
 
 
 def loop_config(size: str, format_name: str, masking: str, batch: int, seq_len: int, prepared_dir: pathlib.Path,
-                workers: int | None):
+                workers: int | None, steps_per_call: int = 1):
   from bert_jax.train import config_lib  # pylint: disable=import-outside-toplevel
   data, objective = FORMATS[format_name]
   config = config_lib.load_config(f"{REPO / 'configs' / 'bert.py'}:size={size},phase=1,masking=dynamic,"
@@ -210,6 +213,7 @@ def loop_config(size: str, format_name: str, masking: str, batch: int, seq_len: 
   config.masking.granularity = MASKING[masking]
   config.masking.max_predictions = max(1, round(config.masking.rate * seq_len))
   config.train.batch_size = batch
+  config.train.steps_per_call = steps_per_call
   config.train.eval_every = 0
   config.train.checkpoint_every = 0
   config.train.async_checkpoint = False
@@ -218,21 +222,23 @@ def loop_config(size: str, format_name: str, masking: str, batch: int, seq_len: 
 
 def trivial_step_factory(make_train_step):
   """`make_train_step`'s stand-in for `--loop-step trivial`: a jitted step with the real one's shardings, donation,
-  state and metrics structure that only reads every batch field and counts the step, so the loop's host work
-  (batches, placement, dispatch, metrics, hooks) is all that is left to time."""
+  state and metrics structure (one batch, or a call's `steps_per_call` batches) that only reads every batch field
+  and counts the steps, so the loop's host work (batches, placement, dispatch, metrics, hooks) is all that is
+  left to time."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from bert_jax.parallel import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
 
-  def make(task, tx, schedule, *, partitioning, state_shardings, **kwargs):
-    real = make_train_step(task, tx, schedule, partitioning=partitioning, state_shardings=state_shardings, **kwargs)
+  def make(task, tx, schedule, *, partitioning, state_shardings, steps_per_call=1, **kwargs):
+    real = make_train_step(task, tx, schedule, partitioning=partitioning, state_shardings=state_shardings,
+                           steps_per_call=steps_per_call, **kwargs)
 
-    def step(state, batch):
-      metrics = jax.eval_shape(real, state, batch)[1]
-      touched = sum(jnp.sum(value[:1]).astype(jnp.float32) for value in batch.values())
+    def step(state, batches):
+      metrics = jax.eval_shape(real, state, batches)[1]
+      touched = sum(jnp.sum(value[:1]).astype(jnp.float32) for value in jax.tree.leaves(batches))
       zero = touched * 0
       out = {key: jnp.broadcast_to(zero, shape.shape).astype(shape.dtype) for key, shape in metrics.items()}
-      return state.replace(step=state.step + 1), out
+      return state.replace(step=state.step + steps_per_call), out
 
     return jax.jit(step, in_shardings=(state_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
                    out_shardings=(state_shardings, sharding_lib.replicated(partitioning.mesh)), donate_argnums=0)
@@ -263,24 +269,34 @@ def device_summary(trace_dir: pathlib.Path, steps: int) -> list[str]:
 
 def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
               profile_hz: float = 0.0, trace_steps: int = 0) -> dict[str, Any]:
-  """Seq/s of `trainer.train_and_evaluate` over its last 70% of log intervals, the host cores busy then, and,
-  over the last 70% of its steps, per step: wall time, the main thread's wait for its batch, the step's
-  dispatch and the rest (their percentiles and the main thread's CPU time in each), Python's garbage
-  collections, and with `profile_hz` the sampled stacks of every thread. `trace_steps`: a `jax.profiler` trace
-  of that many steps after the timed ones (before the last), summarised as the device's busy and idle time.
+  """The real loop (`trainer.train_and_evaluate`) timed over a window of its calls of the step: the last 70% of
+  them, less the traced ones and the last (its hooks save a checkpoint).
+
+  Over that window: the steps/s and seq/s (the headline; the window's wall time, the same as the per-step
+  table's), the host cores busy, and per step (a call's parts divided by its `config.train.steps_per_call`
+  steps): wall time, the main thread's wait for the batches, the call's dispatch and the rest (their percentiles
+  over the calls and the main thread's CPU time in each), the calls still queued on the device after each
+  dispatch, Python's garbage collections, and with `profile_hz` the sampled stacks of every thread.
+  `trace_steps`: a `jax.profiler` trace of at least that many steps (whole calls) after the window (before the
+  last call), summarised as the device's busy and idle time per step. `steps` is rounded up to a multiple of
+  steps_per_call, so every call takes steps_per_call steps.
 
   `trivial`: the jitted step is `trivial_step_factory`'s, so only the loop's host work is timed."""
   import gc  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from bert_jax.train import trainer  # pylint: disable=import-outside-toplevel
-  config.train.steps = steps
-  config.train.log_every = max(1, steps // 20)
-  tail = steps * 3 // 10  # The timed part: steps tail+1 .. steps.
+  per_call = config.train.steps_per_call
+  calls = -(-steps // per_call)
+  trace_calls = -(-trace_steps // per_call)
+  config.train.steps = steps = calls * per_call
+  config.train.log_every = per_call * max(1, calls // 20)
+  tail = calls * 3 // 10  # The timed calls: tail .. calls - 2 - trace_calls.
   loop_ends, run, make_train_step = [], trainer.loop.run, trainer.make_train_step
-  starts, waits, dispatches = [], [], []  # Per step: its start, the wait for its batch, the step's dispatch.
+  starts, waits, dispatches = [], [], []  # Per call: its start, the wait for its batches, the call's dispatch.
   cpu_waits, cpu_dispatches = [], []  # The main thread's CPU time in each.
-  in_flight, depths = collections.deque(maxlen=64), []  # Per step, the steps queued on the device after it.
+  in_flight, depths = collections.deque(maxlen=64), []  # Per call, the calls queued on the device after it.
   window: dict[str, Any] = {"gc": collections.Counter(), "gc_s": 0.0, "gc_started": None}
+  opened = [False]  # The current call's first batch has been read.
 
   def on_gc(phase: str, info: dict[str, Any]) -> None:
     if "process_s" not in window or "end" in window:
@@ -292,13 +308,14 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
       window["gc"][info["generation"]] += 1
       window["gc_started"] = None
 
-  def timed_run(train_step, state, batches, **kwargs):
+  def timed(train_step):
     def timed_step(state, batch):
       started, cpu = time.perf_counter(), time.thread_time()
       out = train_step(state, batch)
       dispatches.append(time.perf_counter() - started)
       cpu_dispatches.append(time.thread_time() - cpu)
-      # Steps dispatched and not finished: 0 or 1 means the device is about to wait for the host.
+      opened[0] = False
+      # Calls dispatched and not finished: 0 or 1 means the device is about to wait for the host.
       in_flight.append(next(iter(out[1].values())))
       depth = 0
       for metric in reversed(in_flight):
@@ -307,37 +324,45 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
         depth += 1
       depths.append(depth)
       return out
+    return timed_step
 
-    def timed_batches():
-      while True:
+  def timed_batches(batches):
+    while True:
+      if not opened[0]:  # A call's first batch: the call starts here.
+        opened[0] = True
         if len(starts) == tail:
           window.update(process_s=time.process_time(), thread_s=time.thread_time())
           if profile_hz:
             window["sampler"] = sampler.StackSampler(profile_hz).start()
-        elif len(starts) == steps - 1 - trace_steps:  # The last step's hooks save a checkpoint: the window ends
-          end_window()                                   # before it (and before the traced steps).
-          if trace_steps:
+        elif len(starts) == calls - 1 - trace_calls:  # The last call's hooks save a checkpoint: the window ends
+          end_window()                                  # before it (and before the traced calls).
+          if trace_calls:
             jax.profiler.start_trace(str(workdir / "trace"), create_perfetto_trace=True)
-        elif trace_steps and len(starts) == steps - 1:
+        elif trace_calls and len(starts) == calls - 1:
           jax.profiler.stop_trace()
-          window["device"] = device_summary(workdir / "trace", trace_steps)
-        started, cpu = time.perf_counter(), time.thread_time()
-        starts.append(started)
-        batch = next(batches)
-        waits.append(time.perf_counter() - started)
-        cpu_waits.append(time.thread_time() - cpu)
-        yield batch
+          window["device"] = device_summary(workdir / "trace", trace_calls * per_call)
+        starts.append(time.perf_counter())
+        waits.append(0.0)
+        cpu_waits.append(0.0)
+      started, cpu = time.perf_counter(), time.thread_time()
+      batch = next(batches)
+      waits[-1] += time.perf_counter() - started
+      cpu_waits[-1] += time.thread_time() - cpu
+      yield batch
 
-    def end_window():
-      window.update(end=time.perf_counter(), last=len(starts))
-      if "process_s" in window:
-        window.update(process_s=time.process_time() - window["process_s"],
-                      thread_s=time.thread_time() - window["thread_s"])
-      if "sampler" in window:
-        window["profile"] = window.pop("sampler").stop()
+  def end_window():
+    window.update(end=time.perf_counter(), last=len(starts))
+    if "process_s" in window:
+      window.update(process_s=time.process_time() - window["process_s"],
+                    thread_s=time.thread_time() - window["thread_s"])
+    if "sampler" in window:
+      window["profile"] = window.pop("sampler").stop()
 
+  def timed_run(train_step, state, batches, **kwargs):
+    if kwargs.get("multi_step") is not None:
+      kwargs["multi_step"] = timed(kwargs["multi_step"])
     try:
-      return run(timed_step, state, timed_batches(), **kwargs)
+      return run(timed(train_step), state, timed_batches(batches), **kwargs)
     finally:
       loop_ends.append(time.perf_counter())
       if "end" not in window:
@@ -350,42 +375,44 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
     trainer.make_train_step = trivial_step_factory(make_train_step)
   gc.callbacks.append(on_gc)
   try:
-    result = trainer.train_and_evaluate(config, workdir)
+    trainer.train_and_evaluate(config, workdir)
   finally:
     trainer.loop.run, trainer.make_train_step = run, make_train_step
     gc.callbacks.remove(on_gc)
   total_s = time.perf_counter() - started
   meter.stop()
-  intervals = [row for row in result["history"] if "steps_per_second" in row]
-  kept = intervals[len(intervals) * 3 // 10:]
-  seconds = sum(config.train.log_every / row["steps_per_second"] for row in kept)
-  steps_per_s = len(kept) * config.train.log_every / seconds
-  cpu = meter.between(loop_ends[0] - seconds, loop_ends[0])
-  # Step k's wall time runs from its start to the next step's; the steps after the window (the traced ones, the
-  # last and its checkpoint) are left out.
+  # Call k's wall time runs from its start to the next call's; the calls after the window (the traced ones, the
+  # last and its checkpoint) are left out. The headline rate is the window's, as the per-step table's.
   last = window.get("last", len(starts))
-  walls = [b - a for a, b in zip(starts[tail:last], starts[tail + 1:last] + [window.get("end", loop_ends[0])])]
+  window_end = window.get("end", loop_ends[0])
+  walls = [b - a for a, b in zip(starts[tail:last], starts[tail + 1:last] + [window_end])]
   timed = len(walls)
-  wait_us = [1e6 * w for w in waits[tail:tail + timed]]
-  dispatch_us = [1e6 * d for d in dispatches[tail:tail + timed]]
-  wall_us = [1e6 * w for w in walls]
+  seconds = sum(walls)
+  steps_per_s = timed * per_call / max(seconds, 1e-9)
+  cpu = meter.between(window_end - seconds, window_end)
+  per_step_us = lambda values: [1e6 * value / per_call for value in values]  # noqa: E731
+  wait_us = per_step_us(waits[tail:tail + timed])
+  dispatch_us = per_step_us(dispatches[tail:tail + timed])
+  wall_us = per_step_us(walls)
   rest_us = [w - a - b for w, a, b in zip(wall_us, wait_us, dispatch_us)]
-  per_step = lambda values: 1e6 * sum(values) / max(1, timed)  # noqa: E731
+  timed_steps = timed * per_call
+  per_step = lambda values: 1e6 * sum(values) / max(1, timed_steps)  # noqa: E731
   return {"loop_seq_per_s": steps_per_s * config.train.batch_size, "loop_steps_per_s": steps_per_s,
           "loop_total_s": total_s, "loop_main_cores": cpu["main_cores"], "loop_total_cores": cpu["total_cores"],
-          "loop_step_us": 1e6 / steps_per_s, "loop_wait_us": sum(wait_us) / max(1, timed),
-          "loop_dispatch_us": sum(dispatch_us) / max(1, timed), "timed_steps": timed,
+          "loop_step_us": 1e6 / max(steps_per_s, 1e-9), "loop_wait_us": sum(wait_us) / max(1, timed),
+          "loop_dispatch_us": sum(dispatch_us) / max(1, timed), "timed_steps": timed_steps, "timed_calls": timed,
+          "steps_per_call": per_call,
           "step_wall_us": percentiles(wall_us), "step_wait_us": percentiles(wait_us),
           "step_dispatch_us": percentiles(dispatch_us), "step_rest_us": percentiles(rest_us),
-          "steps_over_10ms": sum(w > 10_000 for w in wall_us),
-          "process_cpu_us_per_step": 1e6 * window.get("process_s", 0.0) / max(1, timed),
-          "main_thread_cpu_us_per_step": 1e6 * window.get("thread_s", 0.0) / max(1, timed),
+          "steps_over_10ms": per_call * sum(w > 10_000 for w in wall_us),
+          "process_cpu_us_per_step": 1e6 * window.get("process_s", 0.0) / max(1, timed_steps),
+          "main_thread_cpu_us_per_step": 1e6 * window.get("thread_s", 0.0) / max(1, timed_steps),
           "main_cpu_wait_us": per_step(cpu_waits[tail:tail + timed]),
           "main_cpu_dispatch_us": per_step(cpu_dispatches[tail:tail + timed]),
           "queued_steps_mean": sum(depths[tail:tail + timed]) / max(1, timed),
           "queued_steps_le1": sum(d <= 1 for d in depths[tail:tail + timed]) / max(1, timed),
           "gc_collections": {str(k): v for k, v in sorted(window["gc"].items())},
-          "gc_us_per_step": 1e6 * window["gc_s"] / max(1, timed), "profile": window.get("profile"),
+          "gc_us_per_step": 1e6 * window["gc_s"] / max(1, timed_steps), "profile": window.get("profile"),
           "device": window.get("device")}
 
 
@@ -408,7 +435,7 @@ def loop_table(results: list[dict[str, Any]]) -> str:
   return markdown_table(
       ["case", "masking", "synthetic seq/s", "loop seq/s", "loop / synthetic",
        "main cores", "all cores", "loop us/step", "batch wait us", "dispatch us", "main thread CPU us/step",
-       "process CPU us/step", "gc us/step", "steps > 10 ms", "queued steps", "queue <= 1"],
+       "process CPU us/step", "gc us/step", "steps > 10 ms", "queued calls", "queue <= 1"],
       [[case_name(r), r["masking"], f"{r['seq_per_s']:,.0f}" if r["seq_per_s"] else "-",
         f"{r['loop_seq_per_s']:,.0f}", ratio(r),
         f"{r['loop_main_cores']:.2f}", f"{r['loop_total_cores']:.2f}", f"{r['loop_step_us']:,.0f}",
@@ -420,7 +447,8 @@ def loop_table(results: list[dict[str, Any]]) -> str:
 
 def case_name(r: dict[str, Any]) -> str:
   switch = "" if r.get("switch", "default") == "default" else f"/switch {r['switch']}"
-  return f"{r['size']}/{r['format']}/{r['batch']}/{r.get('step', 'real')}{switch} #{r.get('repeat', 1)}"
+  per_call = "" if r.get("steps_per_call", 1) == 1 else f"/k{r['steps_per_call']}"
+  return f"{r['size']}/{r['format']}/{r['batch']}/{r.get('step', 'real')}{per_call}{switch} #{r.get('repeat', 1)}"
 
 
 PARTS = (("step", "step_wall_us"), ("wait", "step_wait_us"), ("dispatch", "step_dispatch_us"),
@@ -448,7 +476,7 @@ def loop_line(row: dict[str, Any]) -> str:
           f"cores {row['loop_main_cores']:.2f} main {row['loop_total_cores']:.2f} all; per step "
           f"{row['loop_step_us']:,.0f} us, batch wait {row['loop_wait_us']:,.0f} (main CPU "
           f"{row['main_cpu_wait_us']:,.0f}), dispatch {row['loop_dispatch_us']:,.0f} (main CPU "
-          f"{row['main_cpu_dispatch_us']:,.0f}); steps queued on the device after a dispatch: mean "
+          f"{row['main_cpu_dispatch_us']:,.0f}); calls queued on the device after a dispatch: mean "
           f"{row['queued_steps_mean']:.1f}, at most one in {row['queued_steps_le1']:.0%} of steps; CPU per step: "
           f"main thread {row['main_thread_cpu_us_per_step']:,.0f}, "
           f"process {row['process_cpu_us_per_step']:,.0f}; gc {row['gc_us_per_step']:,.0f} us/step "
@@ -466,7 +494,8 @@ def write_report(out: pathlib.Path, report: dict[str, Any], args: argparse.Names
   text += "## The host alone (iterator, no model)\n\n" + host_table(report["host"]) + "\n"
   if report["loop"]:
     text += "\n## The real loop against the synthetic step\n\n" + loop_table(report["loop"]) + "\n"
-    text += "\n## Per step, the last 70% of each loop (us)\n\n" + step_table(report["loop"]) + "\n"
+    text += ("\n## Per step, the timed window of each loop (us; a call's parts divided by its steps)\n\n" +
+             step_table(report["loop"]) + "\n")
     devices = [f"{case_name(row)}: " + "; ".join(row["device"]) for row in report["loop"] if row.get("device")]
     if devices:
       text += "\n## The device during the traced steps\n\n" + "\n".join(f"- {line}" for line in devices) + "\n"
@@ -524,6 +553,9 @@ def main(argv: list[str]) -> int:
                       help="GPU part: comma-separated interpreter switch intervals (seconds, 'default': as "
                            "started) each loop case runs under (sys.setswitchinterval: how long a thread waiting "
                            "for the interpreter's lock lets another keep it)")
+  parser.add_argument("--steps-per-call", default="1",
+                      help="GPU part: comma-separated config.train.steps_per_call values (steps a jitted call), "
+                           "each loop case runs with every one (interleaved, as --switch-intervals)")
   parser.add_argument("--repeat", type=int, default=1,
                       help="GPU part: run the loop cases this many times, interleaved (A B C A B C)")
   args = parser.parse_args(argv)
@@ -565,18 +597,19 @@ def main(argv: list[str]) -> int:
     # The loop reuses the step's compile; the cache stays out of --out, which a GPU call brings back.
     jax.config.update("jax_compilation_cache_dir", str(scratch / "xla_cache"))
     loop_workers = None if args.loop_workers == "auto" else int(args.loop_workers)
-    cases = [(size, batch, format_name, masking, switch) for size in sizes
+    cases = [(size, batch, format_name, masking, switch, per_call) for size in sizes
              for batch in sorted({args.batch, args.mini_batch} if size == "mini" else {args.batch})
              for format_name in args.loop_formats.split(",") if format_name for masking in args.masking.split(",")
-             for switch in args.switch_intervals.split(",")]
+             for switch in args.switch_intervals.split(",")
+             for per_call in (int(k) for k in args.steps_per_call.split(","))]
     default_switch = sys.getswitchinterval()
     synthetic_rates: dict[tuple, dict[str, Any]] = {}  # Measured once per case, reused by its repeats.
     for repeat in range(args.repeat):
-      for size, batch, format_name, masking, switch in cases:
+      for size, batch, format_name, masking, switch, per_call in cases:
         if time.perf_counter() - run_started > args.budget_seconds:
-          skipped.append(f"{size}/{format_name}/{masking}/{batch}/switch {switch} (repeat {repeat + 1})")
+          skipped.append(f"{size}/{format_name}/{masking}/{batch}/switch {switch}/k{per_call} (repeat {repeat + 1})")
           continue
-        config = loop_config(size, format_name, masking, batch, args.seq, prepared_dir, loop_workers)
+        config = loop_config(size, format_name, masking, batch, args.seq, prepared_dir, loop_workers, per_call)
         key = (size, batch, format_name, masking)
         if args.loop_step == "real" and key not in synthetic_rates:
           synthetic_rates[key] = train_step.measure(config, steps=60, warmup=5)
@@ -589,7 +622,8 @@ def main(argv: list[str]) -> int:
           with tempfile.TemporaryDirectory() as workdir, open(out / "loop.log", "a") as log, \
               contextlib.redirect_stdout(log):  # The trainer's banner and progress bar go to the log.
             row = {"size": size, "format": format_name, "masking": masking, "batch": batch, "repeat": repeat + 1,
-                   "step": args.loop_step, "switch": switch, "seq_per_s": synthetic["seq_per_s"],
+                   "step": args.loop_step, "switch": switch, "steps_per_call": per_call,
+                   "seq_per_s": synthetic["seq_per_s"],
                    "mfu": synthetic["mfu"],
                    **time_loop(config, steps, pathlib.Path(workdir), trivial=args.loop_step == "trivial",
                                profile_hz=args.loop_profile_hz if args.loop_profile and watched else 0.0,

@@ -123,6 +123,34 @@ def test_zero_teacher_weights_give_the_plain_step_and_the_teacher_stays_frozen()
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), teacher_params)
 
 
+def test_a_call_of_two_steps_with_the_teacher_equals_two_single_steps():
+  """`steps_per_call=2`: the teacher rides in the state through the call (unchanged), and the student's parameters
+  and per-step metrics are the single steps'."""
+  task = _task()
+  teacher_params = _params(task, seed=7)
+  tx, schedule = optim.make_optimizer(_optim_config(1e-3), total_steps=10)
+  objective = distill.Distillation(task, task, TINY, TINY, temperature=2.0, alpha=0.5, cos_weight=1.0)
+  results = []
+  for steps_per_call in (1, 2):
+    state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, task)
+    step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
+                           state_shardings=shardings, steps_per_call=steps_per_call)
+    batches = [sharding_lib.global_batch(_batch(seed=seed), mesh) for seed in range(2)]
+    if steps_per_call == 1:
+      losses = []
+      for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["soft_loss"]))
+    else:
+      state, metrics = step(state, batches)
+      losses = [float(x) for x in metrics["soft_loss"]]
+    results.append((jax.device_get(state), losses))
+  np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6),
+               results[0][0].params, results[1][0].params)
+  jax.tree.map(np.testing.assert_array_equal, results[1][0].frozen, teacher_params)
+
+
 def test_a_narrower_student_learns_a_projection_and_its_pkd_loss_falls():
   teacher_config = TINY.replace(hidden_size=48, num_layers=4, intermediate_size=96)
   student, teacher = _task(), _task(teacher_config)

@@ -12,7 +12,8 @@ the data pipeline to record the `example_ids` each process fed into each step.
   resumed      the step-3 checkpoint of one run continued to step 6 by the
                other process count (resharding on restore)
   preempted    2 processes, SIGTERM to process 0 only: both stop after the same
-               step with a checkpoint; the same command again finishes the run
+               step with a checkpoint; the same command again finishes the run (also
+               with two steps a jitted call: both stop at the end of the same call)
 """
 
 import json
@@ -98,9 +99,9 @@ class Runner:
     self.env = {"JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 
-  def __call__(self, workdir: pathlib.Path, num_processes: int, mesh: str,
-               sigterm_at_batch: int = 0) -> list[multiprocess_util.ProcessResult]:
-    overrides = [f"--config.mesh.sizes.{axis}={size}" for axis, size in MESHES[mesh].items()]
+  def __call__(self, workdir: pathlib.Path, num_processes: int, mesh: str, sigterm_at_batch: int = 0,
+               overrides: tuple[str, ...] = ()) -> list[multiprocess_util.ProcessResult]:
+    overrides = [f"--config.mesh.sizes.{axis}={size}" for axis, size in MESHES[mesh].items()] + list(overrides)
     command = [sys.executable, "-c", _DRIVER, "pretrain", "--config", str(self.config_file), "--workdir",
                str(workdir)] + overrides
     return multiprocess_util.run_processes(command, num_processes, local_devices=4 // num_processes,
@@ -255,3 +256,25 @@ def test_sigterm_on_one_process_stops_all_at_the_same_step_and_resumes(reference
   results = runner(workdir, 2, "data")  # the same command again
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(stop + 1, STEPS + 1))
   assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
+
+
+def test_sigterm_with_two_steps_a_call_stops_all_at_the_end_of_the_same_call_and_resumes(reference, runner, tmp_path):
+  """`train.steps_per_call=2`: every step number still reaches JAX's preemption service, so a notice on process 0
+  alone stops both processes at the end of the same call; the run resumes on the reference's batches, and each
+  logged loss is the mean of the reference's two steps."""
+  reference_dir, reference_fed = reference
+  workdir = tmp_path / "preempted_two_a_call"
+  overrides = ("--config.train.steps_per_call=2", "--config.train.log_every=2", "--config.train.checkpoint_every=2")
+  results = runner(workdir, 2, "data", sigterm_at_batch=2, overrides=overrides)
+  stopped = {len(fed) for fed in fed_per_process(results)}
+  assert len(stopped) == 1, f"processes stopped after different steps: {stopped}"
+  (stop,) = stopped
+  assert stop % 2 == 0 and 2 <= stop <= STEPS, stop
+  assert f"Preempted at step {stop}" in results[0].stdout
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, stop + 1))
+  results = runner(workdir, 2, "data", overrides=overrides)  # the same command again
+  assert_rows_split_by_process(fed_per_process(results), reference_fed, range(stop + 1, STEPS + 1))
+  expected, losses = train_losses(reference_dir), train_losses(workdir)
+  assert sorted(losses) == list(range(2, STEPS + 1, 2))
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [(expected[s - 1] + expected[s]) / 2 for s in sorted(losses)], rtol=1e-5)

@@ -56,7 +56,7 @@ def tiny_model(**overrides):
 
 
 def build(objective_name="mlm+nsp", mesh_sizes=None, accum_steps=1, dropout=0.0, model_overrides=None,
-          param_norms=False):
+          param_norms=False, steps_per_call=1):
   config = make_config(objective_name, accum_steps=accum_steps)
   model_cfg = tiny_model(hidden_dropout=dropout, attention_dropout=dropout, **(model_overrides or {}))
   objective = objectives.make_objective(config, model_cfg, mask_id=4)
@@ -67,7 +67,8 @@ def build(objective_name="mlm+nsp", mesh_sizes=None, accum_steps=1, dropout=0.0,
   state, shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, jax.random.key(0),
                                   partitioning)
   step = make_train_step(objective, tx, schedule, accum_steps=accum_steps, rng=jax.random.key(1),
-                         partitioning=partitioning, state_shardings=shardings, param_norms=param_norms)
+                         partitioning=partitioning, state_shardings=shardings, param_norms=param_norms,
+                         steps_per_call=steps_per_call)
   return state, step, mesh, objective, partitioning, shardings
 
 
@@ -92,6 +93,28 @@ def test_gradient_accumulation_equals_direct_step():
   np.testing.assert_allclose(direct_losses, accum_losses, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(direct_state.params), jax.tree.leaves(accum_state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
+
+
+def test_several_steps_per_call_equal_single_steps():
+  """A call of 3 steps over 3 batches (sharded over 8 devices, with dropout and accumulation) gives the 3 single
+  steps' state and metrics, one entry a step, and takes the step's random keys from the state's step as they do."""
+  batches = [synthetic_batch(seed=s) for s in range(3)]
+  mesh_sizes = {"data": 8}
+  single_state, single_step, mesh, *_ = build(mesh_sizes=mesh_sizes, dropout=0.1, accum_steps=2)
+  multi_state, multi_step, *_ = build(mesh_sizes=mesh_sizes, dropout=0.1, accum_steps=2, steps_per_call=3)
+  singles = []
+  for batch in batches:
+    single_state, metrics = single_step(single_state, sharding_lib.global_batch(batch, mesh))
+    singles.append(jax.device_get(metrics))
+  multi_state, multi_metrics = multi_step(multi_state, [sharding_lib.global_batch(b, mesh) for b in batches])
+  multi_metrics = jax.device_get(multi_metrics)
+  assert int(multi_state.step) == 3 and multi_metrics.keys() == singles[0].keys()
+  for key, values in multi_metrics.items():
+    np.testing.assert_allclose(values, [m[key] for m in singles], rtol=2e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(single_state), jax.tree.leaves(multi_state)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
+  with pytest.raises(ValueError, match="takes 3 batches a call"):
+    multi_step(multi_state, [sharding_lib.global_batch(batches[0], mesh)])
 
 
 def test_padded_vocabulary_losses_and_gradients_equal_the_exact_ones():

@@ -250,6 +250,62 @@ def test_pending_metrics_reads_a_log_step_at_the_next_add():
   assert step == 8 and averaged["loss"] == 7.5 and np.isnan(averaged["extra"]) and nonfinite is None
 
 
+def test_pending_metrics_of_calls_of_several_steps_name_the_step_inside_a_call():
+  from bert_jax.train import metrics as metrics_lib
+  reads = []
+  pending = metrics_lib.PendingMetrics(lambda step, averaged, nonfinite: reads.append((step, averaged, nonfinite)))
+  pending.add({"loss": np.float32(1), "nonfinite": np.int32(0)})  # step 1 alone, then a call of steps 2-4
+  pending.add({"loss": np.float32([2, np.nan, 4]), "nonfinite": np.int32([0, 1, 0])}, steps=3)
+  pending.flush(4)
+  step, averaged, (bad_step, bad) = reads[-1]
+  assert step == 4 and bad_step == 3 and np.isnan(bad["loss"]) and bad["nonfinite"] == 1
+  pending.add({"loss": np.float32([5, 6]), "nonfinite": np.int32([0, 0])}, steps=2)
+  pending.add({"loss": np.float32(8), "extra": np.float32(1), "nonfinite": np.int32(0)})  # keys differ: still read
+  pending.flush(7)
+  step, averaged, nonfinite = reads[-1]
+  assert step == 7 and averaged["loss"] == 19 / 3 and nonfinite is None
+  assert np.isnan(averaged["extra"])
+
+
+def test_several_steps_per_call_equal_single_steps_and_resume_exactly(prepared, tmp_path):
+  """`train.steps_per_call=4` over 10 steps (calls of steps 1-4 and 5-8, then single steps 9 and 10) reads the same
+  batches and ends with the single steps' parameters and losses; stopped after step 8 and resumed it equals the
+  uninterrupted run exactly; logs and checkpoints keep their steps, and the checkpoint's iterator state is the
+  same. An interval that is not a multiple of steps_per_call is refused, naming the key."""
+  runs = {}
+  for name, steps_per_call, steps in (("single", 1, 10), ("grouped", 4, 10), ("resumed", 4, 8), ("resumed", 4, 10)):
+    config = short_config(prepared, steps=steps, checkpoint_every=4, eval_every=0, log_every=4,
+                          steps_per_call=steps_per_call)
+    runs[name] = trainer.train_and_evaluate(config, tmp_path / name)
+  losses = {name: _losses_by_step(tmp_path / name) for name in runs}
+  assert sorted(losses["single"]) == sorted(losses["grouped"]) == sorted(losses["resumed"]) == [4, 8, 10]
+  assert losses["resumed"] == losses["grouped"]
+  np.testing.assert_allclose([losses["grouped"][s] for s in (4, 8, 10)], [losses["single"][s] for s in (4, 8, 10)],
+                             rtol=1e-5)
+  saved = {name: _checkpoint(tmp_path / name) for name in runs}
+  assert [step for step, _, _ in saved.values()] == [10, 10, 10]
+  assert saved["single"][2] == saved["grouped"][2] == saved["resumed"][2]  # the data iterator's position
+  for grouped, resumed, single in zip(saved["grouped"][1], saved["resumed"][1], saved["single"][1]):
+    np.testing.assert_array_equal(resumed, grouped)
+    np.testing.assert_allclose(grouped, single, rtol=1e-4, atol=2e-6)
+  with pytest.raises(ValueError, match=r"config.train.log_every=2 is not a multiple of config.train.steps_per_call=4"):
+    trainer.train_and_evaluate(short_config(prepared, steps=8, log_every=2, steps_per_call=4), tmp_path / "bad")
+
+
+def _checkpoint(workdir):
+  """(the newest checkpoint's step, its parameters as numpy leaves, the data iterator's state saved with them)."""
+  import jax
+  import orbax.checkpoint as ocp
+  from bert_jax.train import checkpoint as checkpoint_lib
+  step, params = restore_params(workdir)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False)
+  try:
+    data = checkpointer.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+  finally:
+    checkpointer.close()
+  return step, [np.asarray(x) for x in jax.tree.leaves(params)], dict(data)
+
+
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
   """A log step's metrics are read once the following step is on its way (the device stays busy); evaluation,
   checkpoints and the last step read them at once. The logged steps are the same. From the second step on, the

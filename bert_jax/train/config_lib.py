@@ -206,13 +206,18 @@ def pretrain_defaults() -> ml_collections.ConfigDict:
       packing=False,
       max_packs=8,
       prefetch=4,                             # batches built ahead and put on the devices by a background thread
+                                              # (at least 2 x train.steps_per_call)
       workers=config_dict.placeholder(int),   # batch-building processes; None: pipeline.default_workers() (cores)
   ))
   config.optim = ml_collections.ConfigDict(dict(
       name="adamw", lr=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, clip_norm=1.0,
       schedule="linear", warmup_steps=10_000, power=1.0, end_lr=0.0))
   config.train = ml_collections.ConfigDict(dict(
-      batch_size=256, steps=1_000_000, accum_steps=1, log_every=100, eval_every=10_000, eval_batches=20,
+      batch_size=256, steps=1_000_000, accum_steps=1,
+      steps_per_call=1,                       # steps in one jitted call: the host's cost of a call is paid once
+                                              # per so many steps (small models); log_every, eval_every and
+                                              # checkpoint_every must be multiples of it
+      log_every=100, eval_every=10_000, eval_batches=20,
       eval_batch_size=config_dict.placeholder(int), checkpoint_every=10_000, keep_checkpoints=3,
       async_checkpoint=True, init_from=config_dict.placeholder(str), fill_mask=(),
       report_baseline=False,                  # at the end: held-out MLM accuracy beside a unigram baseline, loss PNG

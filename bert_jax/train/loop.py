@@ -8,6 +8,12 @@ stopping are hooks. A hook that is due sees the metrics of every step before
 it already read. Python's full garbage collections skip the setup's objects
 (`heap.frozen_setup`): frozen after the first step and after each hook's
 first run (an evaluation compiles its own step).
+
+With `multi_step` (k steps a call, `step.make_train_step(steps_per_call=k)`)
+the loop takes steps k at a time from one multiple of k to the next, and
+single steps before the first multiple of k and after the last one that
+fits before `total_steps`; logs and hooks come only at the end of a call, so
+their intervals must be multiples of k (the caller checks its config).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class Every:
 def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: Iterator[Any], *, start_step: int,
         total_steps: int, log_every: int, on_log: Callable[[int, dict[str, float]], None],
         nonfinite_message: Callable[[int, dict[str, float]], str], hooks: Sequence[Hook] = (),
-        progress: Any = None) -> tuple[Any, int, bool]:
+        progress: Any = None, multi_step: Callable[[Any, Sequence[Any]], tuple[Any, Any]] | None = None,
+        steps_per_call: int = 1) -> tuple[Any, int, bool]:
   """Steps `state` from `start_step` to `total_steps` over `batches`.
 
   Args:
@@ -61,11 +68,16 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
     log_every: log the mean metrics of every `log_every` steps through `on_log(step, averaged)`.
     nonfinite_message: `(step, its metrics) -> text` of the `NonFiniteLossError` raised at a non-finite step.
     hooks: run in order after each step where due; one returning True stops the loop after that step.
-    progress: a `progress.Progress` (or tqdm-like bar), updated once a step, or None.
+    progress: a `progress.Progress` (or tqdm-like bar), updated once a call, or None.
+    multi_step: `(state, steps_per_call batches) -> (state, metrics over those steps)`, or None.
+    steps_per_call: the steps of one `multi_step` call; `log_every` and the hooks' intervals are multiples of it.
 
   Returns:
     (state, the last step taken, whether a hook stopped the loop).
   """
+  if multi_step is not None and log_every % steps_per_call:
+    raise ValueError(f"log_every={log_every} is not a multiple of steps_per_call={steps_per_call}")
+
   def read(step: int, averaged: dict[str, float], nonfinite) -> None:
     if nonfinite is not None:
       raise NonFiniteLossError(nonfinite_message(*nonfinite))
@@ -75,12 +87,17 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
   step, stopped = start_step, False
   with heap.frozen_setup() as freeze_setup:
     while step < total_steps and not stopped:
-      state, step_metrics = train_step(state, next(batches))
+      if multi_step is not None and step % steps_per_call == 0 and step + steps_per_call <= total_steps:
+        taken = steps_per_call
+        state, step_metrics = multi_step(state, [next(batches) for _ in range(taken)])
+      else:
+        taken = 1
+        state, step_metrics = train_step(state, next(batches))
       freeze_setup()
-      step += 1
-      pending.add(step_metrics)
+      step += taken
+      pending.add(step_metrics, taken)
       if progress is not None:
-        progress.update(1)
+        progress.update(taken)
       if step % log_every == 0:
         pending.log_next(step)
       last = step == total_steps
@@ -110,6 +127,7 @@ class Preemption:
     self.requested = False
     self._previous = {}
     self._multiprocess = jax.process_count() > 1
+    self._calls = 0  # the calls of the step so far, reported to JAX's preemption service
 
   def __enter__(self):
     if self._multiprocess:
@@ -127,9 +145,16 @@ class Preemption:
     self.requested = True
 
   def should_stop(self, step: int) -> bool:
-    """Whether to save and stop after `step`; call it once after every step, on every process."""
+    """Whether to save and stop after `step`; call it after every call of the step (one step or several), on every
+    process.
+
+    JAX's service names the next count after the furthest any process has reported. The calls are counted, not the
+    steps: a step inside a call of several steps could be named after the call has taken it, and no process would
+    ever stop; the next call is always still ahead, and every process takes the same calls.
+    """
     if self._multiprocess:
-      return multihost_utils.reached_preemption_sync_point(step)
+      self._calls += 1
+      return multihost_utils.reached_preemption_sync_point(self._calls)
     return self.requested
 
   def __exit__(self, *exc):

@@ -48,21 +48,29 @@ def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
 @jax.jit
 def _stacked(steps: list[dict[str, Any]]) -> dict[str, jax.Array]:
   # One array per metric: a log step transfers a handful of arrays, not (steps x metrics) scalars one by one.
-  return {key: jax.numpy.stack([metrics[key] for metrics in steps]) for key in steps[-1]}
+  return {key: jax.numpy.concatenate([jax.numpy.atleast_1d(metrics[key]) for metrics in steps])
+          for key in steps[-1]}
 
 
 def fetch(steps: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
-  """The metrics of several steps on the host, each metric an array over the steps."""
+  """The metrics of several steps on the host, each metric an array over the steps.
+
+  An entry of `steps` holds one step's scalars or, from a call that took several steps, arrays over its steps.
+  """
   if all(metrics.keys() == steps[-1].keys() for metrics in steps):
     return {key: np.asarray(value) for key, value in jax.device_get(_stacked(list(steps))).items()}
-  rows = [to_python(m) for m in jax.device_get(list(steps))]
-  return {key: np.asarray([row.get(key, np.nan) for row in rows]) for key in rows[-1]}
+  rows = [{key: np.atleast_1d(np.asarray(value, np.float64)) for key, value in metrics.items()}
+          for metrics in jax.device_get(list(steps))]
+  counts = [len(next(iter(row.values()))) for row in rows]
+  return {key: np.concatenate([row.get(key, np.full(count, np.nan)) for row, count in zip(rows, counts)])
+          for key in rows[-1]}
 
 
 class PendingMetrics:
   """The device metrics of the steps the host has not read yet, for a training loop that logs every few steps.
 
-  After each step is dispatched the loop calls `add` with its metrics. At a log step it calls `log_next`: the
+  After each call of the step the loop calls `add` with its metrics (of one step, or arrays over the several steps
+  of one call, with `steps`). At a log step it calls `log_next`: the
   host reads those metrics only once the following step is dispatched (in that `add`), so the device has
   work queued while the host waits for them: a step dispatched to an idle GPU starts late (docs/performance.md).
   `flush` reads them at once, where the loop needs the state anyway (evaluation, checkpoints, the last step).
@@ -74,12 +82,14 @@ class PendingMetrics:
   def __init__(self, on_read: Callable[[int, dict[str, float], tuple[int, dict[str, float]] | None], None]):
     self._on_read = on_read
     self._pending: list[Mapping[str, Any]] = []
+    self._steps = 0  # steps in `_pending`
     self._log_step: int | None = None
 
-  def add(self, metrics: Mapping[str, Any]) -> None:
+  def add(self, metrics: Mapping[str, Any], steps: int = 1) -> None:
     if self._log_step is not None:
       self.flush(self._log_step)
     self._pending.append(metrics)
+    self._steps += steps
 
   def log_next(self, step: int) -> None:
     self._log_step = step
@@ -88,8 +98,9 @@ class PendingMetrics:
     self._log_step = None
     if self._pending:
       fetched = fetch(self._pending)
-      count = len(self._pending)
+      count = self._steps
       self._pending.clear()
+      self._steps = 0
       first = step - count + 1  # the steps read are first, ..., step
       bad = np.flatnonzero(fetched["nonfinite"])
       nonfinite = ((first + int(bad[0]), {k: float(v[bad[0]]) for k, v in fetched.items()}) if bad.size else None)

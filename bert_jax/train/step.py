@@ -1,7 +1,8 @@
 """Train state, sharded initialisation and the jitted train / eval steps.
 
 The step is one pure function `train_step(state, batch) -> (state, metrics)`,
-compiled once with in/out shardings and the state donated. Gradient
+compiled once with in/out shardings and the state donated (or, with
+`steps_per_call` k, one call that scans the step over k batches). Gradient
 accumulation scans over micro-batches, summing gradients of losses that are
 already divided by the *whole* batch's counts, so it equals the direct step
 (exactly without dropout and ELECTRA's sampling; with them each micro-batch
@@ -129,8 +130,8 @@ def _model_params(partitioning: Partitioning, param_shardings: Any) -> Callable[
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
-                    rng: Array, partitioning: Partitioning, state_shardings: Any,
-                    param_norms: bool = False) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, Any]]:
+                    rng: Array, partitioning: Partitioning, state_shardings: Any, param_norms: bool = False,
+                    steps_per_call: int = 1) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
   """Returns `train_step(state, batch) -> (state, metrics)`, jitted with in/out shardings and the state donated.
 
   The step's random key is `fold_in(rng, state.step)` (and, under accumulation, folded again with the
@@ -138,6 +139,10 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
   rate. With `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm`
   (the update the optimizer computed); off by default, as Megatron-LM's --log-params-norm, because the two
   extra reductions over every parameter slow the update (docs/performance.md).
+
+  `steps_per_call` k > 1: `train_step(state, batches) -> (state, metrics)` takes a sequence of k batches and
+  takes the step k times in one call (a `lax.scan` over the batches, one compiled step body), so the host's cost
+  of a call is paid once per k steps; each metric has a leading axis of k, one entry a step, in order.
   """
   read = _model_params(partitioning, state_shardings.params)
   read_frozen = _model_params(partitioning, state_shardings.frozen)
@@ -186,7 +191,26 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
         metrics.update(param_norm=optim.global_norm(state.params), update_norm=optim.global_norm(updates))
       return new_state, metrics
 
-  return jax.jit(train_step, in_shardings=(state_shardings, sharding_lib.batch_sharding(partitioning.mesh)),
+  batch_sharding = sharding_lib.batch_sharding(partitioning.mesh)
+  if steps_per_call == 1:
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, sharding_lib.replicated(partitioning.mesh)), donate_argnums=0,
+                   compiler_options=compiler_options())
+  if steps_per_call < 1:
+    raise ValueError(f"steps_per_call must be a positive integer, got {steps_per_call!r}")
+  # Step-major [k, batch, ...]: each step's rows stay on the devices that hold them.
+  stacked_sharding = jax.sharding.NamedSharding(partitioning.mesh,
+                                                jax.sharding.PartitionSpec(None, *batch_sharding.spec))
+
+  def train_steps(state: TrainState, batches) -> tuple[TrainState, dict[str, Array]]:
+    if len(batches) != steps_per_call:
+      raise ValueError(f"train_step takes {steps_per_call} batches a call (steps_per_call), got {len(batches)}")
+    stacked = jax.lax.with_sharding_constraint(jax.tree.map(lambda *fields: jnp.stack(fields), *batches),
+                                               stacked_sharding)
+    # A loop over one compiled step body: it compiles in about one step's time, where unrolling compiles k bodies.
+    return jax.lax.scan(train_step, state, stacked)
+
+  return jax.jit(train_steps, in_shardings=(state_shardings, batch_sharding),
                  out_shardings=(state_shardings, sharding_lib.replicated(partitioning.mesh)), donate_argnums=0,
                  compiler_options=compiler_options())
 

@@ -58,7 +58,7 @@ class _CheckpointHook:
 
   def due(self, step: int, last: bool) -> bool:
     self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
-    self.preempted = self.preemption.should_stop(step)  # every process asks after every step
+    self.preempted = self.preemption.should_stop(step)  # every process asks after every call
     return self.preempted or bool(self.every and step % self.every == 0) or last
 
   def __call__(self, step: int, state) -> bool:
@@ -116,6 +116,14 @@ def _build_builtin_corpus(config: ml_collections.ConfigDict, root: pathlib.Path,
 def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   """Derived values that must fit, checked before anything is compiled."""
   config_lib.validate_batching(config.train, data_parallel, jax.process_count())
+  per_call = config.train.steps_per_call
+  if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:
+    raise ValueError(f"config.train.steps_per_call={per_call!r} must be a positive integer")
+  for key in ("log_every", "eval_every", "checkpoint_every"):  # Logs and hooks come only at the end of a call.
+    if config.train[key] % per_call:
+      raise ValueError(f"config.train.{key}={config.train[key]} is not a multiple of config.train.steps_per_call="
+                       f"{per_call}: logs, evaluations and checkpoints come at the end of a call of "
+                       f"{per_call} steps; make it a multiple or lower steps_per_call")
   formats = objectives.objective_class(config.objective).sentence_formats
   if formats and config.data.format not in formats:
     raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
@@ -147,15 +155,18 @@ def _warn_single_sentence_documents(corpus, example_format: str) -> None:
                 corpus.directory, example_format)
 
 
-def _iterator(config, prepared_dir, split: str, batch_rows: int, mesh, num_epochs=None, workers=None):
+def _iterator(config, prepared_dir, split: str, batch_rows: int, mesh, num_epochs=None, workers=None,
+              steps_per_call: int = 1):
   """The split's batches, already on the mesh's devices (put there by the prefetch thread)."""
   data = config.data
+  # A call of several steps reads its batches at once: two calls' worth ahead, one ready and one being built.
+  prefetch = max(data.prefetch, 2 * steps_per_call) if data.prefetch else 0
   return pipeline.pretraining_iterator(
       prepared_dir, split=split, example_format=data.format, seq_len=data.seq_len,
       batch_size=batch_rows // jax.process_count(), seed=config.seed, short_seq_prob=data.short_seq_prob,
       random_next_prob=data.random_next_prob, packing=data.packing, max_packs=data.max_packs,
       process_index=jax.process_index(), process_count=jax.process_count(), num_epochs=num_epochs,
-      prefetch=data.prefetch, workers=workers,
+      prefetch=prefetch, workers=workers,
       duplicates=None if config.masking.dynamic else config.masking.dupe_factor,
       place=lambda local: sharding_lib.global_batch(local, mesh))
 
@@ -361,7 +372,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.train.keep_checkpoints,
                                              async_save=config.train.async_checkpoint)
-  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size, mesh, workers=config.data.workers)
+  train_iter = _iterator(config, prepared_dir, "train", config.train.batch_size, mesh, workers=config.data.workers,
+                         steps_per_call=config.train.steps_per_call)
   had_checkpoints = bool(checkpointer.steps())
   if had_checkpoints:  # Checkpoints of another experiment are not corrupt: refuse before touching them.
     workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=config_lib.pretrain_defaults().to_dict())
@@ -389,9 +401,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       log.info("initialised the student from the teacher %s", config.distill.teacher)
 
   train_iter.start()  # The workers start and the first batches are built while the step compiles.
-  train_step = make_train_step(objective, tx, schedule, accum_steps=config.train.accum_steps, rng=step_rng,
-                               partitioning=partitioning, state_shardings=state_shardings,
-                               param_norms=config.train.log_param_norms)
+  step_settings = dict(accum_steps=config.train.accum_steps, rng=step_rng, partitioning=partitioning,
+                       state_shardings=state_shardings, param_norms=config.train.log_param_norms)
+  train_step = make_train_step(objective, tx, schedule, **step_settings)
+  # Several steps a call; the single step (compiled only if used) takes those before the first multiple of
+  # steps_per_call and after the last one that fits.
+  steps_per_call = config.train.steps_per_call
+  multi_step = (make_train_step(objective, tx, schedule, steps_per_call=steps_per_call, **step_settings)
+                if steps_per_call > 1 else None)
   # Evaluation scores the student's own objective: the teacher's terms need the teacher's outputs.
   eval_objective = objective.student if teacher is not None else objective
   eval_step = make_eval_step(eval_objective, partitioning, state_shardings)
@@ -452,7 +469,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       state, step, preempted = loop.run(
           train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
           log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
-          hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress)
+          hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
+          multi_step=multi_step, steps_per_call=steps_per_call)
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
     finally:

@@ -42,7 +42,8 @@ LOCK_FILE = "workdir.lock"
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.async_checkpoint", "train.fill_mask", "train.report_baseline", "train.log_param_norms",
-                    "train.restart_if_unreadable", "mesh.", "data.prefetch", "data.workers")
+                    "train.restart_if_unreadable", "train.steps_per_call", "mesh.", "data.prefetch",
+                    "data.workers")
 
 
 class WorkdirBusyError(ValueError):
