@@ -45,10 +45,12 @@ def test_check_outputs_catches_padded_batches():
 
 def test_every_task_describes_itself():
   expected_kinds = {"glue/stsb": "regression", "squad/v1.1": "span", "squad/v2.0": "span",
-                    "swag": "multiple_choice", "conll2003": "tagging"}
+                    "swag": "multiple_choice", "conll2003": "tagging", "conll2003_chunk": "tagging"}
   for name in TASK_NAMES:
     task = get_task(name)
     assert task.name == name and task.kind == expected_kinds.get(name, "classification")
     assert task.selection_metric in task.metric_names and task.eval_splits
-    assert task.num_labels == {"classification": len(task.labels), "tagging": 9, "span": 2}.get(task.kind, 1)
+    assert task.num_labels == {"classification": len(task.labels), "tagging": len(task.labels),
+                               "span": 2}.get(task.kind, 1)
+  assert get_task("conll2003").num_labels == 9 and get_task("conll2003_chunk").labels == ("O", "B-NP", "I-NP")
   assert get_task("swag").num_choices == 4 and get_task("glue/mnli").num_labels == 3
