@@ -48,10 +48,17 @@ import numpy as np
 SPAN_KINDS = ("named_entity", "noun_phrase")
 
 
-def span_bits(kind: str) -> tuple[int, int]:
-  """(starts-a-span bit, inside-a-span bit) of `kind` in the `word_starts` field."""
+def span_marks(kind: str) -> tuple[int, int]:
+  """(starts-a-span bit, inside-a-span bit) of `kind` in a prepared corpus' span marks (`prepare.write_spans`)."""
   shift = 2 * SPAN_KINDS.index(kind)
-  return 2 << shift, 4 << shift
+  return 1 << shift, 2 << shift
+
+
+def span_bits(kind: str) -> tuple[int, int]:
+  """(starts-a-span bit, inside-a-span bit) of `kind` in the `word_starts` field: the corpus' marks shifted above
+  the word-start bit."""
+  start, inside = span_marks(kind)
+  return start << 1, inside << 1
 
 
 SEQUENCE_FIELDS = ("input_ids", "segment_ids", "position_ids", "pack_ids", "word_starts", "special_mask")

@@ -18,8 +18,8 @@ globally in input order; the held-out eval split is a seeded random choice of
 them and the train split is the rest.
 
 The span marks of a token are two bits per kind of `batch.SPAN_KINDS`
-(named_entity, noun_phrase): bit 2k, the token starts a span of kind k; bit
-2k+1, it is inside one. `write_spans` adds them to a prepared corpus (the
+(named_entity, noun_phrase; `batch.span_marks`): bit 2k, the token starts
+a span of kind k; bit 2k+1, it is inside one. `write_spans` adds them to a prepared corpus (the
 manifest's "spans" entry says which kinds and from which taggers); the
 example builders read them shifted above the word-start bit of the batch's
 `word_starts` field (`PreparedCorpus.gather`).
@@ -595,7 +595,7 @@ def write_spans(directory: str | os.PathLike, spans: Sequence[np.ndarray], kinds
     raise ValueError(f"span kinds {list(kinds)} must be a subset of {batch_lib.SPAN_KINDS} in that order")
   if len(spans) != len(manifest["shards"]):
     raise ValueError(f"{len(spans)} span arrays for {len(manifest['shards'])} shards of {directory}")
-  allowed = sum(3 << 2 * batch_lib.SPAN_KINDS.index(kind) for kind in kinds)
+  allowed = sum(sum(batch_lib.span_marks(kind)) for kind in kinds)
   digest = hashlib.sha256()
   for shard, marks in zip(manifest["shards"], spans):
     if marks.dtype != np.uint8 or marks.shape != (shard["tokens"],):

@@ -167,7 +167,7 @@ def mark_spans(prepared_dir: str | os.PathLike, taggers: dict[str, str], batch_s
     workdir = taggers[kind]
     model = load_for_inference(workdir, seed)
     _check_tagger(model, workdir, kind, corpus)
-    shift = 2 * batch_lib.SPAN_KINDS.index(kind)
+    start_bit, inside_bit = batch_lib.span_marks(kind)
     bounds = row_bounds(corpus, model.max_len - 2)
     kind_started = time.perf_counter()
     progress = progress_lib.Progress(len(bounds) - 1, f"mark {kind}", unit="row")
@@ -188,7 +188,7 @@ def mark_spans(prepared_dir: str | os.PathLike, taggers: dict[str, str], batch_s
                                                & (corpus.sentence_starts < shard_end)] - shard_start
       starts, inside = spans_from_tags(token_tags, corpus.word_starts(shard_start, shard_end), sentence_starts,
                                        model.task.labels, TAGGER_TASKS[kind][1])
-      marks[shard] |= (starts.astype(np.uint8) << shift) | (inside.astype(np.uint8) << (shift + 1))
+      marks[shard] |= (starts * start_bit | inside * inside_bit).astype(np.uint8)
       spans_found += int(starts.sum())
     progress.close()
     seconds = time.perf_counter() - kind_started
