@@ -13,7 +13,7 @@ import pytest
 
 from bert_jax.experiments import ablation, suite, table
 from bert_jax.tasks import finetune as finetune_lib
-from bert_jax.train import config_lib
+from bert_jax.train import config_lib, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Words the built-in corpus (Python's documentation) holds, so the tiny WordPiece vocabulary keeps them whole.
@@ -278,6 +278,7 @@ def test_every_table_config_expands_to_its_papers_rows(path, scale):
         ablation.row_config(tab, row)
       continue
     config = ablation.row_config(tab, row)
+    trainer.validate(config, data_parallel=1)  # e.g. every interval a multiple of the steps a call takes
     if scale == "tiny":
       # A table that masks by marked spans reads a marked prepared corpus instead of the built-in one.
       assert config.data.builtin != (path.stem in SPAN_TABLES)
@@ -333,7 +334,9 @@ def test_electras_mlm_row_scales_the_steps_given_on_the_command_line():
   tab = ablation.load_table(str(REPO / "configs/ablations/electra_compute.py:scale=gpu"), ["--config.train.steps=4000"])
   mlm, electra = (ablation.row_config(tab, row) for row in tab.rows)
   assert electra.train.steps == 4000 and mlm.objective == "mlm"
-  assert mlm.train.steps == round(4000 * (1 + electra.model.generator_fraction ** 2)) > 4000
+  # At equal compute, to the nearest multiple of the steps a call takes.
+  per_call = electra.train.steps_per_call
+  assert mlm.train.steps == per_call * round(4000 * (1 + electra.model.generator_fraction ** 2) / per_call) > 4000
 
 
 def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):

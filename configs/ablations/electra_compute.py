@@ -34,8 +34,12 @@ def get_config(arg=None):
 
 
 def _at_equal_compute(key):
-  """The MLM row's `key` (steps, or an interval in steps): (1 + g^2) x ELECTRA's, from the config as given."""
-  return lambda config: int(round(config.train[key] * (1 + config.model.generator_fraction ** 2)))
+  """The MLM row's `key` (steps, or an interval in steps): (1 + g^2) x ELECTRA's, from the config as given, to the
+  nearest multiple of the steps a call takes (intervals must be multiples of it)."""
+  def value(config):
+    per_call = config.train.steps_per_call
+    return per_call * int(round(config.train[key] * (1 + config.model.generator_fraction ** 2) / per_call))
+  return value
 
 
 def get_sweep(arg=None):
