@@ -14,6 +14,8 @@
       --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
   # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
   python bench/reproduce.py publish OUT/bert_table5
+  # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one table
+  python bench/reproduce.py publish OUT1/bert_table6 OUT2/bert_table6
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
@@ -63,6 +65,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from typing import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
@@ -322,22 +325,45 @@ def _collect(workdir: pathlib.Path, out: pathlib.Path, report: dict) -> dict:
 PUBLISHED_FILES = ("table.md", "table.csv", "results.json", "reproduce.json", "pretrain_loss.png", "downstream.png")
 
 
-def publish(returned: pathlib.Path, docs: pathlib.Path) -> None:
-  """A table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) -> docs/reproductions/TABLE: the sweep
-  unpacked beside it (under OUT/TABLE/sweep), the table rendered again here, and its small files copied."""
+def _rows_in(tar: tarfile.TarFile) -> set[str]:
+  return {member.name.split("/")[1] for member in tar.getmembers() if member.name.startswith("rows/")
+          and member.name.count("/") >= 2}
+
+
+def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
+  """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
+  that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one (under the
+  first OUT/TABLE/sweep), the table rendered again here from every row, and its small files copied. The calls
+  must have run the same table config and overrides, and each row in one call only."""
   from bert_jax.experiments import table
 
-  sweep = returned / "sweep"
-  with tarfile.open(returned / "sweep.tar.gz") as tar:
-    tar.extractall(sweep, filter="data")
-  shutil.copy(returned / "reproduce.json", sweep / "reproduce.json")
+  first = returned[0]
+  sweep, owners, calls = first / "sweep", {}, []
+  shutil.rmtree(sweep, ignore_errors=True)  # What an earlier publish unpacked here.
+  for folder in returned:
+    with tarfile.open(folder / "sweep.tar.gz") as tar:
+      for row in sorted(_rows_in(tar) & owners.keys()):
+        raise SystemExit(f"{folder}: row {row!r} came back from {owners[row]} too; publish only the call to keep "
+                         "for it")
+      owners.update(dict.fromkeys(_rows_in(tar), folder))
+      spec = json.load(tar.extractfile("sweep.json"))
+      if calls and {key: spec.get(key) for key in ("config", "overrides")} != {
+          key: calls[0]["sweep"].get(key) for key in ("config", "overrides")}:
+        raise SystemExit(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s ran "
+                         f"{calls[0]['sweep'].get('config')} {calls[0]['sweep'].get('overrides')}: one table's calls "
+                         "must share the config and overrides")
+      tar.extractall(sweep, filter="data")
+    calls.append({"sweep": spec, "report": json.loads((folder / "reproduce.json").read_text())})
+  reports = [call["report"] for call in calls]
+  (sweep / "reproduce.json").write_text(json.dumps(
+      reports[0] if len(reports) == 1 else {"table": first.name, "calls": reports}, indent=1) + "\n")
   table.render(sweep)
-  target = docs / returned.name
+  target = docs / first.name
   target.mkdir(parents=True, exist_ok=True)
   for name in PUBLISHED_FILES:
     if (sweep / name).exists():
       shutil.copy(sweep / name, target / name)
-  print(f"published {returned.name} to {target}")
+  print(f"published {first.name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 
 
 def main() -> int:
@@ -365,12 +391,16 @@ def main() -> int:
   mark_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and tagger runs")
   mark_parser.add_argument("--out", required=True, help="where OUT/spans.npz and OUT/taggers.json go")
   publish_parser = sub.add_parser("publish", help="unpack what a call brought back and copy the table's files to docs")
-  publish_parser.add_argument("returned", nargs="+", help="OUT/TABLE folders as they came back")
+  publish_parser.add_argument("returned", nargs="+", help="OUT/TABLE folders as they came back; one table's "
+                              "folders from several calls (each some of its rows) make one table")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
   args, rest = parser.parse_known_args()
   if args.command == "publish":
-    for returned in args.returned:
-      publish(pathlib.Path(returned), pathlib.Path(args.docs))
+    by_table: dict[str, list[pathlib.Path]] = {}
+    for returned in map(pathlib.Path, args.returned):
+      by_table.setdefault(returned.name, []).append(returned)
+    for folders in by_table.values():
+      publish(folders, pathlib.Path(args.docs))
     return 0
   if args.command == "mark":
     if rest:

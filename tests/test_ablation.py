@@ -214,6 +214,30 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
   assert _main_table((workdir / "table.md").read_text()) == reference
 
 
+@pytest.mark.slow
+def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path):
+  """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table."""
+  sys.path.insert(0, str(REPO / "bench"))
+  try:
+    import reproduce
+  finally:
+    sys.path.remove(str(REPO / "bench"))
+  results, workdir = swept
+  calls = [tmp_path / "call1" / "table_t", tmp_path / "call2" / "table_t", tmp_path / "call3" / "table_t"]
+  for folder, keep in zip(calls, ({"MLM+NSP", "broken"}, {"MLM"}, {"MLM"})):
+    reproduce.pack_results(workdir, folder / "sweep.tar.gz",
+                           skip=lambda relative, keep=keep: relative.parts[0] == "rows" and relative.parts[1] not in keep)
+    (folder / "reproduce.json").write_text(json.dumps({"table": "table_t", "rows": sorted(keep)}))
+  docs = tmp_path / "docs"
+  reproduce.publish(calls[:2], docs)
+  merged = json.loads((docs / "table_t" / "results.json").read_text())
+  assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
+  assert [call["rows"] for call in json.loads((docs / "table_t" / "reproduce.json").read_text())["calls"]] == [
+      ["MLM+NSP", "broken"], ["MLM"]]
+  with pytest.raises(SystemExit, match="row 'MLM' came back from .*call2.* too"):
+    reproduce.publish([calls[1], calls[2]], docs)
+
+
 def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
   spec, data_dirs, _ = setup
   tab = ablation.load_table(spec)
