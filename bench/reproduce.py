@@ -334,17 +334,19 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
   that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one (under the
   first OUT/TABLE/sweep), the table rendered again here from every row, and its small files copied. The calls
-  must have run the same table config and overrides, and each row in one call only."""
+  must have run the same table config and overrides; a row that came back from several is taken whole from the
+  last of them (a row run again), and reproduce.json says so."""
   from bert_jax.experiments import table
 
   first = returned[0]
-  sweep, owners, calls = first / "sweep", {}, []
+  sweep, owners, calls, replaced = first / "sweep", {}, [], {}
   shutil.rmtree(sweep, ignore_errors=True)  # What an earlier publish unpacked here.
   for folder in returned:
     with tarfile.open(folder / "sweep.tar.gz") as tar:
-      for row in sorted(_rows_in(tar) & owners.keys()):
-        raise SystemExit(f"{folder}: row {row!r} came back from {owners[row]} too; publish only the call to keep "
-                         "for it")
+      for row in sorted(_rows_in(tar) & owners.keys()):  # e.g. an incomplete row run again: the later call's
+        print(f"row {row!r}: from {folder}, not {owners[row]}")
+        replaced[row] = str(owners[row])
+        shutil.rmtree(sweep / "rows" / row)
       owners.update(dict.fromkeys(_rows_in(tar), folder))
       spec = json.load(tar.extractfile("sweep.json"))
       if calls and {key: spec.get(key) for key in ("config", "overrides")} != {
@@ -356,7 +358,8 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
     calls.append({"sweep": spec, "report": json.loads((folder / "reproduce.json").read_text())})
   reports = [call["report"] for call in calls]
   (sweep / "reproduce.json").write_text(json.dumps(
-      reports[0] if len(reports) == 1 else {"table": first.name, "calls": reports}, indent=1) + "\n")
+      reports[0] if len(reports) == 1 else {"table": first.name, "calls": reports, "rows_replaced": replaced},
+      indent=1) + "\n")
   table.render(sweep)
   target = docs / first.name
   target.mkdir(parents=True, exist_ok=True)
@@ -392,7 +395,7 @@ def main() -> int:
   mark_parser.add_argument("--out", required=True, help="where OUT/spans.npz and OUT/taggers.json go")
   publish_parser = sub.add_parser("publish", help="unpack what a call brought back and copy the table's files to docs")
   publish_parser.add_argument("returned", nargs="+", help="OUT/TABLE folders as they came back; one table's "
-                              "folders from several calls (each some of its rows) make one table")
+                              "folders from several calls (each some of its rows; a row from the last call that ran it) make one table")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
   args, rest = parser.parse_known_args()
   if args.command == "publish":
