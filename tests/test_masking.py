@@ -346,3 +346,16 @@ def test_jit_compiles_once_for_repeated_calls():
   for call in range(3):
     batch = make_batch(rng, 8, 32, epoch=call, first_example_id=8 * call)
     step(jax.random.key(call), {name: jnp.asarray(values) for name, values in batch.items()})
+
+
+@pytest.mark.parametrize("granularity", WORD_GRANULARITIES + ("named_entity",))
+def test_word_and_span_masking_loop_a_known_number_of_times(granularity):
+  """The loop over masked units runs max_predictions times (its later steps add nothing once the budget is spent):
+  compiled with a known trip count, a GPU does not read a condition back to the host at every step."""
+  batch = make_batch(np.random.default_rng(0), 4, 64)
+  config = MaskingConfig(granularity=granularity, max_predictions=12)
+  masked = jax.jit(lambda key, batch: mask_batch(key, batch, config, mask_id=MASK, vocab_size=VOCAB_SIZE))
+  hlo = masked.lower(jax.random.key(0), batch).compile().as_text()
+  loops = [line for line in hlo.splitlines() if " while(" in line]
+  assert loops and all('"known_trip_count"' in line for line in loops), loops
+  assert any('"known_trip_count":{"n":"12"}' in line for line in loops)

@@ -236,12 +236,8 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
     span_end = jnp.minimum(jax.lax.cummin(jnp.where(span_last, positions, length), reverse=True), length - 1)
     span_len = span_end - positions + 1  # Meaningful at span starts.
 
-  def still_going(state):
-    step, remaining, _ = state
-    return (step < config.max_predictions) & (remaining > 0)
-
-  def add_span(state):
-    step, remaining, chosen = state
+  def add_span(step, state):
+    remaining, chosen = state
     free = maskable & ~chosen
     candidates = is_start & free & (word_len <= remaining)
     has_candidate = candidates.any()
@@ -270,9 +266,11 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
       has_candidate = has_candidate | use_span
     # A row with budget left but no word that fits is done.
     remaining = jnp.where(has_candidate, remaining - span.sum(), 0)
-    return step + 1, remaining, chosen | span
+    return remaining, chosen | span
 
-  _, _, chosen = jax.lax.while_loop(still_going, add_span, (jnp.int32(0), budget, jnp.zeros((length,), bool)))
+  # A fixed trip count, not a loop until the budget is spent: once it is, a step adds nothing, and a GPU runs a
+  # loop of known length without reading its condition back to the host at every step.
+  _, chosen = jax.lax.fori_loop(0, config.max_predictions, add_span, (budget, jnp.zeros((length,), bool)))
   return chosen
 
 
