@@ -394,8 +394,9 @@ def main() -> int:
   mark_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and tagger runs")
   mark_parser.add_argument("--out", required=True, help="where OUT/spans.npz and OUT/taggers.json go")
   publish_parser = sub.add_parser("publish", help="unpack what a call brought back and copy the table's files to docs")
-  publish_parser.add_argument("returned", nargs="+", help="OUT/TABLE folders as they came back; one table's "
-                              "folders from several calls (each some of its rows; a row from the last call that ran it) make one table")
+  publish_parser.add_argument("returned", nargs="+",
+                              help="OUT/TABLE folders as they came back; one table's folders from several calls (each "
+                              "some of its rows; a row from the last call that ran it) make one table")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
   args, rest = parser.parse_known_args()
   if args.command == "publish":

@@ -141,8 +141,8 @@ def base_config(recipe: str, scale: str):
   """A paper recipe (`configs/<recipe>`, e.g. "bert.py:size=base") at an ablation scale.
 
   paper: the recipe unchanged. gpu: a BERT-Small-sized encoder (4 layers, width 512, bf16) for 3,000 steps of
-  256 x 128 tokens (98M tokens), 4 steps a jitted call, so that four rows with their suites (`suite.scaled`) run side by side on one
-  GPU in under ten minutes. tiny: a 2-layer, width-64 float32 encoder for 40 steps of 16 x 64
+  256 x 128 tokens (98M tokens), 4 steps a jitted call, so that four rows with their suites (`suite.scaled`) run
+  side by side on one GPU in under ten minutes. tiny: a 2-layer, width-64 float32 encoder for 40 steps of 16 x 64
   tokens on the built-in corpus, under a minute a row on a 2-core CPU. A row's overrides apply on top.
   """
   if scale not in SCALES:
