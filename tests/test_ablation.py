@@ -495,7 +495,7 @@ def test_the_gpu_suite_trains_every_row_on_the_same_subset_and_scores_the_last_e
   tab = dataclasses.replace(tab, suite=suite.scaled(tab.suite, "gpu"))
   config = ablation.finetune_config(tab, tab.rows[0], suite.TASKS["sst2"], suite.GPU_LR, tmp_path, data_dirs)
   assert config.train_examples == suite.GPU_TRAIN_EXAMPLES
-  assert (config.train.eval_every, config.train.selection) == ("end", "last")
+  assert (config.train.eval_every, config.train.selection, config.train.steps_per_call) == ("end", "last", 4)
   examples = list(range(50))
   picked = finetune_lib.subset(examples, 20)
   assert picked == finetune_lib.subset(examples, 20) == sorted(picked) and len(set(picked)) == 20

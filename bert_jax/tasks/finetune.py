@@ -52,7 +52,6 @@ from typing import Any, Sequence
 from etils import epath
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -291,6 +290,7 @@ class _Run:
   state_init: Any = None
   state_shardings: Any = None
   train_step: Any = None
+  multi_step: Any = None  # train.steps_per_call steps a call, or None
   predict_step: Any = None
   compile_seconds: float = 0.0
   head_report: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -311,10 +311,13 @@ def _init_state(run: _Run, seed: int):
           *run.teacher, run.dummy_batch, run.partitioning,
           hint=f" (a teacher is a fine-tuning workdir of {run.task.name}, whose head it keeps)")
       run.state_shardings = run.state_shardings.replace(frozen=frozen_shardings)
-    run.train_step = make_train_step(run.objective, run.tx, run.schedule, accum_steps=run.config.train.accum_steps,
-                                     rng=jax.random.key(0, impl=run.config.train.rng_impl),
-                                     partitioning=run.partitioning, state_shardings=run.state_shardings,
-                                     param_norms=run.config.train.log_param_norms)
+    step_settings = dict(accum_steps=run.config.train.accum_steps, partitioning=run.partitioning,
+                         rng=jax.random.key(0, impl=run.config.train.rng_impl), state_shardings=run.state_shardings,
+                         param_norms=run.config.train.log_param_norms)
+    run.train_step = make_train_step(run.objective, run.tx, run.schedule, **step_settings)
+    per_call = run.config.train.steps_per_call
+    run.multi_step = (make_train_step(run.objective, run.tx, run.schedule, steps_per_call=per_call, **step_settings)
+                      if per_call > 1 else None)
     run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
   state = run.state_init(jax.random.key(seed))
   params, reused, fresh = merge_initial_params(state.params, run.initial_params)
@@ -337,10 +340,15 @@ def _compile_steps(run: _Run, state) -> None:
   train_rows = np.arange(min(run.train_batches.batch_size, len(run.train_features["input_ids"])))
   eval_features = run.eval_sets[0].features
   eval_rows = np.arange(min(run.eval_batches.batch_size, len(eval_features["input_ids"])))
-  lowered = [run.train_step.lower(state, run.train_batches(run.train_features, train_rows, 0)),
+  train_batch = run.train_batches(run.train_features, train_rows, 0)
+  lowered = [run.train_step.lower(state, train_batch),
              run.predict_step.lower(state.params, run.eval_batches(eval_features, eval_rows, 0))]
+  if run.multi_step is not None:
+    lowered.append(run.multi_step.lower(state, [train_batch] * run.config.train.steps_per_call))
   with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-    run.train_step, run.predict_step = pool.map(lambda step: step.compile(), lowered)
+    compiled = list(pool.map(lambda step: step.compile(), lowered))
+  run.train_step, run.predict_step = compiled[:2]
+  run.multi_step = compiled[2] if run.multi_step is not None else None
   run.compile_seconds = time.perf_counter() - started
   log.info("train and predict steps compiled in %.1f s", run.compile_seconds)
 
@@ -428,7 +436,8 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   try:
     state, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
                                     log_every=config.train.log_every, on_log=log_train,
-                                    nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress)
+                                    nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress,
+                                    multi_step=run.multi_step, steps_per_call=config.train.steps_per_call)
     run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
   finally:
     if progress is not None:

@@ -262,7 +262,10 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   (evaluations without improvement; 0 = never stop early),
                   log_every, save_checkpoint, rng_impl (the PRNG of the step
                   key that the dropout key is drawn from, `losses.dropout_key`;
-                  every choice is reproducible on one backend).
+                  every choice is reproducible on one backend), steps_per_call
+                  (k steps in one jitted call where no log or evaluation falls
+                  inside it, as in pre-training: for small models whose steps
+                  are shorter than the host's cost of a call).
   feature_based.* layers to concatenate from a frozen encoder (empty = full
                   fine-tuning), head ("bilstm" or "mlp"), head_size,
                   head_layers, dropout.
@@ -295,7 +298,8 @@ def finetune_defaults() -> ml_collections.ConfigDict:
       power=1.0, end_lr=0.0, warmup_proportion=0.1, layerwise_lr_decay=1.0))
   config.train = ml_collections.ConfigDict(dict(
       batch_size=32, epochs=3, accum_steps=1, eval_batch_size=128, eval_every="epoch", selection="best",
-      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False))
+      early_stopping_patience=0, log_every=50, save_checkpoint=True, rng_impl="rbg", log_param_norms=False,
+      steps_per_call=1))
   config.feature_based = ml_collections.ConfigDict(dict(layers=(), head="bilstm", head_size=768, head_layers=2,
                                                         dropout=0.1))
   config.top_bilstm = False
@@ -307,7 +311,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
 
 def validate_batching(train: ml_collections.ConfigDict, data_parallel: int, process_count: int) -> None:
   """The batch sizes of `config.train` (pre-training and fine-tuning alike) against the mesh and the processes."""
-  for key in ("batch_size", "eval_batch_size", "accum_steps"):
+  for key in ("batch_size", "eval_batch_size", "accum_steps", "steps_per_call"):
     value = train.get(key)
     if value is not None and (not isinstance(value, int) or value <= 0):
       raise ValueError(f"config.train.{key}={value!r} must be a positive integer")

@@ -10,10 +10,13 @@ it already read. Python's full garbage collections skip the setup's objects
 first run (an evaluation compiles its own step).
 
 With `multi_step` (k steps a call, `step.make_train_step(steps_per_call=k)`)
-the loop takes steps k at a time from one multiple of k to the next, and
-single steps before the first multiple of k and after the last one that
-fits before `total_steps`; logs and hooks come only at the end of a call, so
-their intervals must be multiples of k (the caller checks its config).
+the loop takes k steps a call wherever the call ends at or before the next
+scheduled point: the next log step, the next step a hook with a schedule
+(`next_due`, as `Every`) is due, and `total_steps`; elsewhere single steps.
+So logs and scheduled hooks keep their steps whatever k (a fine-tuning
+epoch's end is where the data put it); intervals that are multiples of k
+keep every call at k steps. A hook without `next_due` is asked only at the
+end of each call.
 """
 
 from __future__ import annotations
@@ -34,11 +37,20 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class Hook(Protocol):
-  """Something the loop runs after a step: `due(step, last)` says when, `__call__` returns True to stop."""
+  """Something the loop runs after a step: `due(step, last)` says when, `__call__` returns True to stop.
+
+  A hook may also have `next_due(step) -> int | None`: the first step after `step` where its schedule makes it
+  due (None: none), so that a call of several steps never runs past it.
+  """
 
   def due(self, step: int, last: bool) -> bool: ...
 
   def __call__(self, step: int, state: Any) -> bool: ...
+
+
+def next_multiple(step: int, every: int) -> int | None:
+  """The first multiple of `every` after `step` (None when `every` is 0: never)."""
+  return (step // every + 1) * every if every else None
 
 
 class Every:
@@ -49,6 +61,9 @@ class Every:
 
   def due(self, step: int, last: bool) -> bool:
     return bool(self.every) and (step % self.every == 0 or (last and self.at_last))
+
+  def next_due(self, step: int) -> int | None:
+    return next_multiple(step, self.every)
 
   def __call__(self, step: int, state: Any) -> bool:
     return bool(self.fn(step, state))
@@ -70,13 +85,19 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
     hooks: run in order after each step where due; one returning True stops the loop after that step.
     progress: a `progress.Progress` (or tqdm-like bar), updated once a call, or None.
     multi_step: `(state, steps_per_call batches) -> (state, metrics over those steps)`, or None.
-    steps_per_call: the steps of one `multi_step` call; `log_every` and the hooks' intervals are multiples of it.
+    steps_per_call: the steps of one `multi_step` call.
 
   Returns:
     (state, the last step taken, whether a hook stopped the loop).
   """
-  if multi_step is not None and log_every % steps_per_call:
-    raise ValueError(f"log_every={log_every} is not a multiple of steps_per_call={steps_per_call}")
+
+  def next_stop(step: int) -> int:
+    """The first step after `step` where the loop must be between calls: a log, a scheduled hook, the end."""
+    stops = [total_steps, next_multiple(step, log_every) or total_steps]
+    for hook in hooks:
+      if (due := getattr(hook, "next_due", None)) is not None and (at := due(step)) is not None:
+        stops.append(at)
+    return min(stops)
 
   def read(step: int, averaged: dict[str, float], nonfinite) -> None:
     if nonfinite is not None:
@@ -87,7 +108,7 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
   step, stopped = start_step, False
   with heap.frozen_setup() as freeze_setup:
     while step < total_steps and not stopped:
-      if multi_step is not None and step % steps_per_call == 0 and step + steps_per_call <= total_steps:
+      if multi_step is not None and step + steps_per_call <= next_stop(step):
         taken = steps_per_call
         state, step_metrics = multi_step(state, [next(batches) for _ in range(taken)])
       else:

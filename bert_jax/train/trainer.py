@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 from etils import epath
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -60,6 +59,9 @@ class _CheckpointHook:
     self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
     self.preempted = self.preemption.should_stop(step)  # every process asks after every call
     return self.preempted or bool(self.every and step % self.every == 0) or last
+
+  def next_due(self, step: int) -> int | None:
+    return loop.next_multiple(step, self.every)
 
   def __call__(self, step: int, state) -> bool:
     # A distillation teacher (`TrainState.frozen`) is read again from its own path on resume, never saved here.
@@ -117,13 +119,11 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   """Derived values that must fit, checked before anything is compiled."""
   config_lib.validate_batching(config.train, data_parallel, jax.process_count())
   per_call = config.train.steps_per_call
-  if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:
-    raise ValueError(f"config.train.steps_per_call={per_call!r} must be a positive integer")
-  for key in ("log_every", "eval_every", "checkpoint_every"):  # Logs and hooks come only at the end of a call.
+  for key in ("log_every", "eval_every", "checkpoint_every"):  # A call never runs past one of them (`loop.run`).
     if config.train[key] % per_call:
       raise ValueError(f"config.train.{key}={config.train[key]} is not a multiple of config.train.steps_per_call="
-                       f"{per_call}: logs, evaluations and checkpoints come at the end of a call of "
-                       f"{per_call} steps; make it a multiple or lower steps_per_call")
+                       f"{per_call}: a call of {per_call} steps never runs past a log, evaluation or checkpoint, "
+                       "so the steps around each would run one a call; make it a multiple or lower steps_per_call")
   formats = objectives.objective_class(config.objective).sentence_formats
   if formats and config.data.format not in formats:
     raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
