@@ -280,16 +280,15 @@ def _pretrain_losses(workdir):
 
 @pytest.mark.slow
 def test_general_distillation_from_a_pretraining_run_learns_and_resumes_exactly(prepared, tmp_path):
-  """A 4-layer teacher pre-trained briefly; a 2-layer student from its layers 0 and 2 learns from its soft MLM
-  targets and hidden states, and a run stopped after a checkpoint resumes to the straight run's losses (the teacher
-  read again from its workdir)."""
+  """A 2-layer teacher pre-trained briefly; a 1-layer student from its layer 0 (every other layer) learns from its
+  soft MLM targets and hidden states, and a run stopped after a checkpoint resumes to the straight run's losses (the
+  teacher read again from its workdir)."""
   teacher = tmp_path / "teacher"
-  teacher_config = tiny_config(prepared, objective="mlm", steps=20, eval_every=0)
-  teacher_config.model.num_layers = 4
-  trainer.train_and_evaluate(teacher_config, teacher)
+  trainer.train_and_evaluate(tiny_config(prepared, objective="mlm", steps=20, eval_every=0), teacher)
 
   def student_config(steps):
     config = tiny_config(prepared, objective="mlm", steps=steps, eval_every=steps, log_every=1, checkpoint_every=3)
+    config.model.num_layers = 1
     config.distill.teacher = str(teacher)
     config.distill.cos_weight = 1.0
     config.distill.init_from_teacher = True
@@ -303,7 +302,7 @@ def test_general_distillation_from_a_pretraining_run_learns_and_resumes_exactly(
   _, teacher_params = checkpoint_lib.restore_params(teacher)
   _, student_params = checkpoint_lib.restore_params(tmp_path / "straight")
   assert sorted(student_params) == sorted(teacher_params)  # the teacher is in no checkpoint of the student
-  assert len(student_params["encoder"]) == len(teacher_params["encoder"]) - 2
+  assert len(student_params["encoder"]) == len(teacher_params["encoder"]) - 1
 
   shutil.copytree(tmp_path / "straight", tmp_path / "resumed")  # as if stopped after the checkpoint at step 3
   for step in (6, 8):
