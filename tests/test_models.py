@@ -285,8 +285,8 @@ def test_bilstm_equals_flax_bidirectional_lstm(unroll):
   outputs = {"flax": lambda p: reference.apply({"params": p}, x, seq_lengths=lengths),
              "ours": lambda p: ours.apply({"params": params_from_flax(p)}, x, lengths)}
   with jax.default_matmul_precision("highest"):
-    results = {name: jax.jit(lambda p, f=f: jnp.where(valid, f(p), 0.0))(params) for name, f in outputs.items()}
-    grads = {name: jax.jit(jax.grad(lambda p, f=f: jnp.sum(jnp.where(valid, f(p), 0.0) ** 2)))(params)
+    results = {name: jnp.where(valid, f(params), 0.0) for name, f in outputs.items()}
+    grads = {name: jax.grad(lambda p, f=f: jnp.sum(jnp.where(valid, f(p), 0.0) ** 2))(params)
              for name, f in outputs.items()}
     whole_rows = ours.apply({"params": params_from_flax(params)}, x)
   np.testing.assert_allclose(results["ours"], results["flax"], atol=1e-5)
@@ -402,15 +402,14 @@ def _sparse_vs_full(cfg, model_kwargs, ids, positions, rngs=None, **call_kwargs)
   results = []
   for sparse in (True, False):
     model = PretrainingModel(cfg.replace(sparse_last_layer=sparse), **model_kwargs)
-    params = jax.jit(lambda key, model=model: model.init(key, ids, positions, **call_kwargs))(jax.random.key(0))
+    params = model.init(jax.random.key(0), ids, positions, **call_kwargs)
 
     def loss(params, model=model):
       out = model.apply(params, ids, positions, rngs=rngs, deterministic=rngs is None, **call_kwargs)
       logits = {k: v for k, v in out.items() if k.endswith("_logits")}
       return sum(jnp.sum(jnp.sin(v.astype(jnp.float32))) for v in logits.values()), out
 
-    # Compiled whole, as in the train step (op by op, every primitive would be compiled on its own).
-    results.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(params))
+    results.append(jax.value_and_grad(loss, has_aux=True)(params))
   return results
 
 
@@ -450,7 +449,7 @@ def test_sparse_last_layer_of_a_finetuning_model_equals_the_full_model(kind, ove
   results = []
   for sparse in (True, False):
     model = FinetuneModel(cfg.replace(sparse_last_layer=sparse), kind, num_labels=3)
-    params = jax.jit(lambda key, model=model: model.init(key, ids, pack_ids=pack))(jax.random.key(0))
+    params = model.init(jax.random.key(0), ids, pack_ids=pack)
 
     def loss(params, model=model):
       out = model.apply(params, ids, pack_ids=pack)
@@ -461,7 +460,7 @@ def test_sparse_last_layer_of_a_finetuning_model_equals_the_full_model(kind, ove
   np.testing.assert_allclose(sparse_out[1], full_out[1], rtol=1e-5, atol=1e-5)
   assert_trees_close(sparse_grads, full_grads, rtol=1e-4, atol=1e-5)
   model = FinetuneModel(cfg.replace(sparse_last_layer=True), kind, num_labels=3)
-  _, captured = jax.jit(lambda p: model.apply(p, ids, pack_ids=pack, capture_intermediates=True))(params)
+  _, captured = model.apply(params, ids, pack_ids=pack, capture_intermediates=True)
   hidden = captured["intermediates"]["encoder"]["__call__"][0]["hidden"]
   assert hidden.shape[1] == (16 if kind == "tagging" else 1)  # the encoder's last block: one row, or every row
 
@@ -511,8 +510,7 @@ def test_kernels_auto_equals_the_plain_model(overrides, packed):
   kwargs = dict(pack_ids=pack, packed=packed, cls_positions=jnp.asarray([[0, 9], [0, 0]], jnp.int32),
                 sbo_left=positions - 1, sbo_right=positions + 1, sbo_offsets=jnp.ones_like(positions))
   models = {k: PretrainingModel(cfg.replace(kernels=k), span_boundary_head=True) for k in ("auto", "off")}
-  boxed = {k: jax.jit(lambda key, m=m: m.init(key, ids, positions, **kwargs))(jax.random.key(0))
-           for k, m in models.items()}
+  boxed = {k: m.init(jax.random.key(0), ids, positions, **kwargs) for k, m in models.items()}
   axes = {k: jax.tree.map(lambda p: (p.value.shape, p.names), v, is_leaf=lambda p: isinstance(p, nn.Partitioned))
           for k, v in boxed.items()}
   assert axes["auto"] == axes["off"]
@@ -523,10 +521,8 @@ def test_kernels_auto_equals_the_plain_model(overrides, packed):
     logits = [out[name].astype(jnp.float32) for name in ("mlm_logits", "sentence_logits", "sbo_logits")]
     return sum(jnp.sum(jnp.sin(v[..., :97])) for v in logits), logits
 
-  # Compiled whole, as in the train step (op by op, every primitive would be compiled on its own).
-  value_and_grad = {k: jax.jit(jax.value_and_grad(lambda p, m=m: loss(p, m), has_aux=True)) for k, m in models.items()}
-  (_, fast), fast_grads = value_and_grad["auto"](params)
-  (_, plain), plain_grads = value_and_grad["off"](params)
+  (_, fast), fast_grads = jax.value_and_grad(loss, has_aux=True)(params, models["auto"])
+  (_, plain), plain_grads = jax.value_and_grad(loss, has_aux=True)(params, models["off"])
   for a, b in zip(fast, plain):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(plain_grads))
