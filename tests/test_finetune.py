@@ -207,27 +207,25 @@ def test_regression_from_a_finetuned_run_reuses_the_pooler(classification_run, t
   assert _selected(results, "pearson")[0] > 60.0
 
 
-def test_several_steps_per_call_keep_the_logs_and_evaluations_of_single_steps(tiny_model, tmp_path):
-  """`train.steps_per_call=5` over 2 epochs of 12 steps: calls of 5 steps wherever no log (every 5) or epoch end
-  falls inside them, single steps elsewhere; the logged losses, the evaluations' steps and scores are those of one
-  step a call."""
-  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
-  runs = {}
-  for per_call in (1, 5):
-    runs[per_call] = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / f"k{per_call}",
-                               "--config.train.epochs=2", f"--config.train.steps_per_call={per_call}")
+def test_several_steps_per_call_keep_the_logs_and_evaluations_of_single_steps(tiny_model, sst2_run, tmp_path):
+  """`train.steps_per_call=5` over 6 epochs of 12 steps: calls of 5 steps wherever no log (every 5) or epoch end
+  falls inside them, single steps elsewhere; the logged losses, the evaluations' steps and scores are those of the
+  shared run's one step a call."""
+  single_dir, data = sst2_run
+  grouped = _finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / "k5",
+                      "--config.train.epochs=6", "--config.train.steps_per_call=5")
   logged = {}
-  for per_call in runs:
-    metrics = (tmp_path / f"k{per_call}" / "seed_1" / "metrics.jsonl").read_text()
-    lines = [json.loads(line) for line in metrics.splitlines()]
-    logged[per_call] = {line["step"]: line["train/loss"] for line in lines if "train/loss" in line}
-  assert sorted(logged[5]) == sorted(logged[1]) == [5, 10, 12, 15, 20, 24]  # and at each evaluation
-  np.testing.assert_allclose([logged[5][s] for s in sorted(logged[1])], [logged[1][s] for s in sorted(logged[1])],
-                             rtol=1e-4)
-  histories = {per_call: runs[per_call]["seeds"][0]["history"] for per_call in runs}
-  assert [record["step"] for record in histories[5]] == [record["step"] for record in histories[1]] == [12, 24]
-  for grouped, single in zip(histories[5], histories[1]):
-    assert grouped["metrics"]["dev"]["accuracy"] == pytest.approx(single["metrics"]["dev"]["accuracy"], abs=1.6)
+  for name, workdir in (("single", single_dir), ("grouped", tmp_path / "k5")):
+    lines = [json.loads(line) for line in (workdir / "seed_1" / "metrics.jsonl").read_text().splitlines()]
+    logged[name] = {line["step"]: line["train/loss"] for line in lines if "train/loss" in line}
+  steps = sorted(logged["single"])
+  assert sorted(logged["grouped"]) == steps and {5, 10, 12, 15, 72} <= set(steps)  # logs, and one at each evaluation
+  np.testing.assert_allclose([logged["grouped"][s] for s in steps], [logged["single"][s] for s in steps], rtol=1e-4)
+  single = json.loads((single_dir / "results.json").read_text())["seeds"][0]["history"]
+  assert [record["step"] for record in grouped["seeds"][0]["history"]] == [record["step"] for record in single] == [
+      12, 24, 36, 48, 60, 72]
+  for ours, theirs in zip(grouped["seeds"][0]["history"], single):
+    assert ours["metrics"]["dev"]["accuracy"] == pytest.approx(theirs["metrics"]["dev"]["accuracy"], abs=1.6)
 
 
 def test_non_finite_loss_stops_naming_the_step(tiny_model, tmp_path):
