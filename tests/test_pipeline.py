@@ -13,15 +13,18 @@ from bert_jax.data import tokenizers
 WORDS = "the cat dog sat ran on a mat big red blue green house tree car road sun moon star sky".split()
 
 
+def random_corpus(rng, documents: int, max_sentences: int, max_words: int) -> str:
+  """Corpus text: `documents` documents of 1 to max_sentences - 1 sentences of 2 to max_words - 1 of WORDS."""
+  return "\n\n".join("\n".join(" ".join(rng.choice(WORDS, size=rng.integers(2, max_words))) + " ."
+                                for _ in range(rng.integers(1, max_sentences)))
+                      for _ in range(documents)) + "\n"
+
+
 @pytest.fixture(scope="module")
 def prepared_dir(tmp_path_factory, minilm_dir):
   """60 documents of 1-15 short sentences, 6 held out for eval."""
-  rng = np.random.default_rng(11)
-  documents = ["\n".join(" ".join(rng.choice(WORDS, size=rng.integers(2, 16))) + " ."
-                         for _ in range(rng.integers(1, 16)))
-               for _ in range(60)]
   directory = tmp_path_factory.mktemp("pipeline")
-  (directory / "corpus.txt").write_text("\n\n".join(documents) + "\n")
+  (directory / "corpus.txt").write_text(random_corpus(np.random.default_rng(11), 60, 16, 16))
   prepare.prepare_corpus([str(directory / "corpus.txt")], tokenizers.load_tokenizer(minilm_dir / "vocab.txt"),
                          directory / "prepared", num_workers=0, eval_documents=6, log=lambda *_: None)
   return directory / "prepared"

@@ -17,7 +17,7 @@ from bert_jax.data import tokenizers
 from bert_jax.tasks import spans as spans_lib
 from bert_jax.train import trainer
 
-from test_pipeline import WORDS, assert_same_batches, take
+from test_pipeline import assert_same_batches, random_corpus, take
 from test_trainer import tiny_config
 
 NE_START, NE_INSIDE = batch_lib.span_bits("named_entity")
@@ -109,12 +109,8 @@ def _marks_of(tokenizer) -> np.ndarray:
 @pytest.fixture(scope="module")
 def marked_dir(tmp_path_factory, minilm_dir):
   """test_pipeline's kind of corpus with span marks that are a function of the token."""
-  rng = np.random.default_rng(12)
-  documents = ["\n".join(" ".join(rng.choice(WORDS, size=rng.integers(2, 30))) + " ."
-                         for _ in range(rng.integers(1, 12)))
-               for _ in range(40)]
   directory = tmp_path_factory.mktemp("marked")
-  (directory / "corpus.txt").write_text("\n\n".join(documents) + "\n")
+  (directory / "corpus.txt").write_text(random_corpus(np.random.default_rng(12), 40, 12, 30))
   tokenizer = tokenizers.load_tokenizer(minilm_dir / "vocab.txt")
   prepare.prepare_corpus([str(directory / "corpus.txt")], tokenizer, directory / "prepared", num_workers=0,
                          eval_documents=4, shard_tokens=1500, chunk_documents=8, log=lambda *_: None)
