@@ -136,7 +136,8 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
 def _check_spans(corpus, granularity: str) -> None:
   """Linguistic masking needs its kind of spans marked in the prepared corpus."""
   if granularity in LINGUISTIC_GRANULARITIES and granularity not in corpus.span_kinds:
-    tagger = "--ner" if granularity == "named_entity" else "--chunker"
+    from bert_jax.tasks.spans import TAGGER_OPTIONS  # only on this error: the taggers' module loads the models
+    tagger = f"--{TAGGER_OPTIONS[granularity]}"
     raise ValueError(f"config.masking.granularity={granularity!r} needs {granularity} spans marked in the prepared "
                      f"corpus {corpus.directory} (it has {list(corpus.span_kinds) or 'none'}); run `bert-jax "
                      f"mark-spans --prepared {corpus.directory} {tagger} TAGGER_WORKDIR` first")
