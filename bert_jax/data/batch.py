@@ -46,6 +46,8 @@ from typing import Mapping
 import numpy as np
 
 SPAN_KINDS = ("named_entity", "noun_phrase")
+# The `bert-jax mark-spans` option that takes the tagger of each span kind.
+TAGGER_OPTIONS = {"named_entity": "ner", "noun_phrase": "chunker"}
 
 
 def span_marks(kind: str) -> tuple[int, int]:

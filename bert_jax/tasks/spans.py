@@ -45,8 +45,6 @@ from bert_jax.tasks.inference import InferenceModel, load_for_inference
 
 # The span kind each tagging task marks, and which of its chunk types count.
 TAGGER_TASKS = {"named_entity": ("conll2003", None), "noun_phrase": ("conll2003_chunk", "NP")}
-# The `bert-jax mark-spans` option that takes the tagger of each span kind.
-TAGGER_OPTIONS = {"named_entity": "ner", "noun_phrase": "chunker"}
 CHUNK_ROWS = 8192  # Rows predicted at a time: bounds the host memory of the outputs ([rows, max_len, tags] floats).
 
 
@@ -131,7 +129,7 @@ def spans_from_tags(token_tags: np.ndarray, word_starts: np.ndarray, sentence_st
 
 def _check_tagger(model: InferenceModel, workdir: str, kind: str, corpus: prepare.PreparedCorpus) -> None:
   task_name = TAGGER_TASKS[kind][0]
-  flag = f"--{TAGGER_OPTIONS[kind]}"
+  flag = f"--{batch_lib.TAGGER_OPTIONS[kind]}"
   if model.task.name != task_name:
     raise ValueError(f"{flag} {workdir} was fine-tuned on {model.task.name}, not {task_name}")
   tagger = load_tokenizer(model.source / "tokenizer").fingerprint()
@@ -258,7 +256,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--import", dest="import_file", metavar="FILE",
                       help="instead of tagging, add the spans of an --export FILE of the same prepared corpus")
   args = parser.parse_args(argv)
-  taggers = {kind: getattr(args, option) for kind, option in TAGGER_OPTIONS.items() if getattr(args, option)}
+  taggers = {kind: getattr(args, option) for kind, option in batch_lib.TAGGER_OPTIONS.items() if getattr(args, option)}
   if args.import_file:
     if taggers:
       parser.error("--import takes the spans from its file: leave out --ner and --chunker")

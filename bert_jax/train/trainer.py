@@ -29,6 +29,7 @@ import numpy as np
 
 from bert_jax import paths
 from bert_jax import progress as progress_lib
+from bert_jax.data import batch as batch_lib
 from bert_jax.data import pipeline
 from bert_jax.data.masking import LINGUISTIC_GRANULARITIES
 from bert_jax.data.prepare import open_prepared
@@ -136,8 +137,7 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
 def _check_spans(corpus, granularity: str) -> None:
   """Linguistic masking needs its kind of spans marked in the prepared corpus."""
   if granularity in LINGUISTIC_GRANULARITIES and granularity not in corpus.span_kinds:
-    from bert_jax.tasks.spans import TAGGER_OPTIONS  # only on this error: the taggers' module loads the models
-    tagger = f"--{TAGGER_OPTIONS[granularity]}"
+    tagger = f"--{batch_lib.TAGGER_OPTIONS[granularity]}"
     raise ValueError(f"config.masking.granularity={granularity!r} needs {granularity} spans marked in the prepared "
                      f"corpus {corpus.directory} (it has {list(corpus.span_kinds) or 'none'}); run `bert-jax "
                      f"mark-spans --prepared {corpus.directory} {tagger} TAGGER_WORKDIR` first")
