@@ -12,6 +12,8 @@
   # on a machine of two GPUs, one table on each (its rows sharing that GPU):
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
       --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
+  # two calls of `run` on one GPU at once (e.g. a second pre-training seed, --config.seed=2): each its own
+  # --scratch and --out, and BERT_JAX_ROWS_PER_DEVICE=ALL_THEIR_ROWS so that they split the GPU's memory
   # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
   python bench/reproduce.py publish OUT/bert_table5
   # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one table
@@ -129,6 +131,14 @@ def _stop(process: subprocess.Popen, grace: float = 5.0) -> None:
       return
     except subprocess.TimeoutExpired:
       continue
+
+
+def _rows_per_device(own: int) -> str:
+  """The rows sharing an accelerator: this call's own, or more where whoever started it runs other sweeps on the
+  same accelerators too and says how many rows in all (BERT_JAX_ROWS_PER_DEVICE)."""
+  from bert_jax.experiments import ablation
+
+  return str(max(own, int(os.environ.get(ablation.SHARING_ENV) or 1)))
 
 
 def pack_results(root: pathlib.Path, archive: pathlib.Path, skip=lambda relative: False) -> int:
@@ -267,7 +277,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   devices = 1 if args.table_per_device else args.devices or sum(counts)
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(len(tables))))).split(",")
   # Every row of every table side by side: each sweep splits memory by all the rows on its accelerator.
-  env[ablation.SHARING_ENV] = str(-(-sum(counts) // devices))
+  env[ablation.SHARING_ENV] = _rows_per_device(-(-sum(counts) // devices))
   sweeps = []
   for index, (name, count, cores) in enumerate(zip(tables, counts, _core_shares(counts))):
     workdir = scratch / "runs" / name
@@ -275,7 +285,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     if args.table_per_device:
       if index >= len(visible):
         raise SystemExit(f"--table-per-device: {len(tables)} tables but CUDA_VISIBLE_DEVICES names {len(visible)}")
-      sweep_env = dict(env, CUDA_VISIBLE_DEVICES=visible[index], **{ablation.SHARING_ENV: str(count)})
+      sweep_env = dict(env, CUDA_VISIBLE_DEVICES=visible[index], **{ablation.SHARING_ENV: _rows_per_device(count)})
     command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
                f"configs/ablations/{name}.py:scale={args.scale}", "--workdir", str(workdir),
                "--parallel", str(count), "--devices", str(min(devices, count)),

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -214,6 +215,19 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
   assert _main_table((workdir / "table.md").read_text()) == reference
 
 
+def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypatch):
+  """Two `reproduce.py run` processes on one GPU: each call's sweeps split its memory by every row on it, when told."""
+  sys.path.insert(0, str(REPO / "bench"))
+  try:
+    import reproduce
+  finally:
+    sys.path.remove(str(REPO / "bench"))
+  monkeypatch.delenv(ablation.SHARING_ENV, raising=False)
+  assert reproduce._rows_per_device(2) == "2"
+  monkeypatch.setenv(ablation.SHARING_ENV, "4")
+  assert reproduce._rows_per_device(2) == "4" and reproduce._rows_per_device(6) == "6"
+
+
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
@@ -365,6 +379,31 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   assert started[2][0][-6:] == ["--workdir", str(tmp_path), "--row-index", "2", "--data-dir=glue=DATA",
                                 "--config.train.steps=4"]
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
+
+
+def test_a_row_process_that_crashes_is_started_once_more(setup, tmp_path, monkeypatch, capsys):
+  """A row killed by a fault (SIGSEGV) runs again, once, to go on from its checkpoints; a row stopped by SIGTERM, or
+  crashing a second time, is left as it is."""
+  spec, data_dirs, _ = setup
+  codes = {0: [-signal.SIGSEGV, 0], 1: [-signal.SIGTERM], 2: [-signal.SIGSEGV, -signal.SIGSEGV, 0]}
+  started = []
+
+  class FakeProcess:
+    def __init__(self, command, env, stdout, stderr, preexec_fn):
+      index = int(command[command.index("--row-index") + 1])
+      started.append(index)
+      self.returncode = codes[index].pop(0)
+
+    def poll(self):
+      return self.returncode
+
+  monkeypatch.setattr(ablation.subprocess, "Popen", FakeProcess)
+  monkeypatch.setattr(ablation.time, "sleep", lambda seconds: None)
+  ablation.run_sweep(ablation.load_table(spec), tmp_path, data_dirs, parallel=2)
+  assert sorted(started) == [0, 0, 1, 2, 2]
+  assert codes == {0: [], 1: [], 2: [0]}
+  out = capsys.readouterr().out
+  assert out.count("crashed (SIGSEGV): starting it again from its last checkpoint (1 of 1)") == 2
 
 
 def test_electras_mlm_row_scales_the_steps_given_on_the_command_line():

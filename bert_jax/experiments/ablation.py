@@ -25,7 +25,9 @@ A cluster runs one row per job, all into one shared workdir, then collects:
       --row-index \$SLURM_ARRAY_TASK_ID --data-dir glue=/shared/data/glue"
   bert-jax sweep --workdir /shared/runs/t5 --collect && bert-jax table /shared/runs/t5
 
-A failing row is recorded and the other rows go on. `--parallel N` runs rows
+A failing row is recorded and the other rows go on; a row process that
+crashes (killed by SIGSEGV and the like, or by the out-of-memory killer) is
+started once more and goes on from its last checkpoint. `--parallel N` runs rows
 as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES), or
 sharing `--devices D` of them, each with its share of the host's cores;
 `--rows 0,2` or `--row-index I` runs a subset (one job of a SLURM array or
@@ -47,6 +49,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -458,6 +461,12 @@ def _slot_environment(slot: int, parallel: int, devices: int) -> tuple[dict[str,
   return env, (cores[slot * share:(slot + 1) * share] if share else None)
 
 
+# A row process killed by one of these crashed (a fault in native code, or the kernel's out-of-memory killer)
+# rather than failed in Python (recorded in row.json) or was stopped (SIGTERM, SIGINT): it is started again.
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGKILL})
+ROW_RESTARTS = 1
+
+
 def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,
                       child_args: Sequence[str], progress: progress_lib.Progress, devices: int | None = None) -> None:
   """One subprocess per row, at most `parallel` at once, on `devices` local accelerators (default: one each). A
@@ -465,6 +474,7 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
   devices = devices or parallel
   logs = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-sweep-")) if paths.is_remote(workdir) else None
   pending, running, free = list(indices), {}, list(range(parallel))
+  restarts = dict.fromkeys(indices, 0)
   while pending or running:
     while pending and free:
       index, slot = pending.pop(0), free.pop(0)
@@ -488,6 +498,12 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
       if logs:
         paths.upload(logs / f"{table.rows[index].slug}.txt", workdir / "rows" / table.rows[index].slug / "log.txt")
       print(f"row {index} ({table.rows[index].name}) exited with status {process.returncode}", flush=True)
+      if -process.returncode in CRASH_SIGNALS and restarts[index] < ROW_RESTARTS:
+        restarts[index] += 1  # Its checkpoints and recorded phases let it go on where it stopped.
+        pending.insert(0, index)
+        print(f"row {index} ({table.rows[index].name}) crashed ({signal.Signals(-process.returncode).name}): "
+              f"starting it again from its last checkpoint ({restarts[index]} of {ROW_RESTARTS})", flush=True)
+        continue
       progress.update()
 
 
