@@ -376,6 +376,8 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   tab = ablation.load_table(spec, ["--config.train.steps=4"])
   results = ablation.run_sweep(tab, tmp_path, data_dirs, parallel=2, child_args=["--data-dir=glue=DATA"])
   assert [device for _, device in started] == ["0", "1", "0"]  # The third row takes the first freed accelerator.
+  # Each row runs as `bert-jax sweep --row-index I` does: with the CLI's persistent compilation cache, shared by rows.
+  assert started[0][0][1:4] == ["-m", "bert_jax.cli", "sweep"]
   assert started[2][0][-6:] == ["--workdir", str(tmp_path), "--row-index", "2", "--data-dir=glue=DATA",
                                 "--config.train.steps=4"]
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3

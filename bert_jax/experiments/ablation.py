@@ -482,7 +482,9 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
       log = logs / f"{table.rows[index].slug}.txt" if logs else pathlib.Path(row_log)
       log.parent.mkdir(parents=True, exist_ok=True)
       env, cores = _slot_environment(slot, parallel, devices)
-      command = [sys.executable, "-m", "bert_jax.experiments.ablation", "--config", table.spec, "--workdir",
+      # Through the CLI, as a cluster job runs a row: its logging, and the persistent compilation cache by which
+      # rows of one architecture share their compiled steps.
+      command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config", table.spec, "--workdir",
                  str(workdir), "--row-index", str(index), *child_args,
                  *("--config." + o.removeprefix("--").removeprefix("config.") for o in table.base_overrides)]
       pin = (lambda cores=cores: os.sched_setaffinity(0, cores)) if cores else None
