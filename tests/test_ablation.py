@@ -124,6 +124,19 @@ def test_sweep_pretrains_finetunes_scores_and_renders(swept, capsys):
   assert "Written:" in capsys.readouterr().out
 
 
+def test_a_row_stopped_before_its_state_plots_its_loss_against_tokens(tmp_path):
+  """A row whose pre-training never finished (no recorded state) still draws its curve on the tokens axis, from
+  the config its run wrote."""
+  pretrain_dir = tmp_path / "pretrain"
+  pretrain_dir.mkdir()
+  done = {"status": "done", "pretrain": {"batch_size": 256, "seq_len": 128}}
+  assert table._tokens_per_step(done, pretrain_dir) == 256 * 128
+  stopped = {"status": "incomplete", "pretrain": None}
+  assert table._tokens_per_step(stopped, pretrain_dir) == 0  # Nothing says: the plot falls back to steps.
+  (pretrain_dir / "config.json").write_text(json.dumps({"train": {"batch_size": 32}, "data": {"seq_len": 64}}))
+  assert table._tokens_per_step(stopped, pretrain_dir) == 32 * 64
+
+
 @pytest.mark.slow
 def test_a_failing_row_is_recorded_and_the_others_go_on(swept):
   results, workdir = swept

@@ -223,6 +223,19 @@ def _loss_curve(metrics_file: epath.Path) -> list[tuple[int, float]]:
   return sorted(points.items())
 
 
+def _tokens_per_step(row: dict[str, Any], pretrain_dir: epath.Path) -> int:
+  """Batch x sequence length of a row's pre-training: from its recorded state, or, for a row stopped before it
+  finished, from the config its run wrote; 0 when neither says."""
+  pretrain = row.get("pretrain") or {}
+  if pretrain.get("batch_size") and pretrain.get("seq_len"):
+    return pretrain["batch_size"] * pretrain["seq_len"]
+  try:
+    config = json.loads((pretrain_dir / "config.json").read_text())
+    return int(config["train"]["batch_size"]) * int(config["data"]["seq_len"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return 0
+
+
 def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[epath.Path]:
   import matplotlib
 
@@ -239,10 +252,10 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
     curve = _loss_curve(workdir / "rows" / row["slug"] / "pretrain" / "metrics.jsonl")
     if not curve:
       continue
-    pretrain = row.get("pretrain") or {}
-    per_step = (pretrain.get("batch_size") or 0) * (pretrain.get("seq_len") or 0)
+    per_step = _tokens_per_step(row, workdir / "rows" / row["slug"] / "pretrain")
     xs = [step * per_step for step, _ in curve] if per_step else [step for step, _ in curve]
-    axis.plot(xs, [loss for _, loss in curve], marker="o" if len(curve) < 20 else None, label=row["name"])
+    label = row["name"] if row.get("status") == "done" else f"{row['name']} ({row.get('status', 'incomplete')})"
+    axis.plot(xs, [loss for _, loss in curve], marker="o" if len(curve) < 20 else None, label=label)
     drawn += 1
   axis.set_xlabel("tokens seen (batch x sequence length x steps)")
   axis.set_ylabel("pre-training loss (train, all objectives)")
