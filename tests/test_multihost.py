@@ -7,13 +7,13 @@ with 4 devices: the same global devices, batch and steps. A small driver wraps
 the data pipeline to record the `example_ids` each process fed into each step.
 
   reference    1 process x 4 devices, data parallel, 6 steps (checkpoints at 3 and 6)
-  two_process  2 processes x 2 devices, data parallel, 6 steps
+  two_process  2 processes x 2 devices, data parallel and FSDP, 6 steps
   four_process 4 processes x 1 device, FSDP (every parameter split over the 4 processes), 6 steps
   resumed      the step-3 checkpoint of one run continued to step 6 by another
-               process count (resharding on restore): 1 -> 2 (FSDP) and 4 -> 1
-  preempted    2 processes x 2 devices, FSDP, two steps a jitted call, SIGTERM to process 0
-               only: both stop at the end of the same call with a checkpoint; the same
-               command again finishes the run from their sharded checkpoint
+               process count (resharding on restore): 1 -> 2 and 4 -> 1
+  preempted    2 processes, SIGTERM to process 0 only: both stop after the same
+               step with a checkpoint; the same command again finishes the run (also
+               with two steps a jitted call: both stop at the end of the same call)
 """
 
 import json
@@ -147,11 +147,10 @@ def reference(runner, tmp_path_factory):
   return workdir, result.json()["fed"]
 
 
-@pytest.fixture(scope="module")
-def two_process(runner, tmp_path_factory):
-  """2 processes, data parallel (FSDP over processes from scratch: the four-process and SIGTERM tests)."""
-  workdir = tmp_path_factory.mktemp("two_process")
-  return workdir, runner(workdir, 2, "data")
+@pytest.fixture(scope="module", params=sorted(MESHES))
+def two_process(request, runner, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp(f"two_process_{request.param}")
+  return workdir, runner(workdir, 2, request.param)
 
 
 def assert_losses_match(workdir, reference_dir, steps):
@@ -159,14 +158,6 @@ def assert_losses_match(workdir, reference_dir, steps):
   expected, losses = train_losses(reference_dir), train_losses(workdir)
   assert sorted(losses) == list(steps)
   np.testing.assert_allclose([losses[s] for s in steps], [expected[s] for s in steps], rtol=1e-5)
-
-
-def assert_eval_matches(workdir, reference_dir):
-  """The run evaluated once, with the single-process run's eval loss."""
-  evaluation = [r for r in metrics(workdir) if "eval/mlm_loss" in r]
-  reference_eval = [r for r in metrics(reference_dir) if "eval/mlm_loss" in r]
-  assert len(evaluation) == 1
-  np.testing.assert_allclose(evaluation[0]["eval/mlm_loss"], reference_eval[0]["eval/mlm_loss"], rtol=1e-5)
 
 
 def assert_rows_split_by_process(fed, reference_fed, steps):
@@ -187,7 +178,10 @@ def test_each_process_feeds_only_its_own_rows(two_process, reference):
 def test_losses_equal_the_single_process_run(two_process, reference):
   (workdir, _), (reference_dir, _) = two_process, reference
   assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
-  assert_eval_matches(workdir, reference_dir)
+  evaluation = [r for r in metrics(workdir) if "eval/mlm_loss" in r]
+  reference_eval = [r for r in metrics(reference_dir) if "eval/mlm_loss" in r]
+  assert len(evaluation) == 1
+  np.testing.assert_allclose(evaluation[0]["eval/mlm_loss"], reference_eval[0]["eval/mlm_loss"], rtol=1e-5)
 
 
 def test_primary_only_side_effects_happen_once(two_process):
@@ -223,7 +217,6 @@ def test_four_processes_with_fsdp_equal_the_single_process_run_and_continue_in_o
   results = runner(workdir, 4, "fsdp")
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, STEPS + 1))
   assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
-  assert_eval_matches(workdir, reference_dir)
   assert len(metrics(workdir)) == STEPS + 1
   assert json.loads((workdir / "environment.json").read_text())["process_count"] == 4
   assert results[0].stdout.count("Checkpoints: ") == 1
@@ -237,13 +230,12 @@ def test_four_processes_with_fsdp_equal_the_single_process_run_and_continue_in_o
 
 def test_sigterm_with_two_steps_a_call_stops_all_at_the_end_of_the_same_call_and_resumes(reference, runner, tmp_path):
   """A preemption notice reaching only process 0 still stops both processes at the end of the same call, with a
-  checkpoint (`train.steps_per_call=2`: JAX's preemption service counts calls); the run, its parameters split over
-  both processes (FSDP), resumes from their shards on the reference's batches, and each logged loss is the mean of
-  the reference's two steps."""
+  checkpoint (`train.steps_per_call=2`: JAX's preemption service counts calls); the run resumes on the reference's
+  batches, and each logged loss is the mean of the reference's two steps."""
   reference_dir, reference_fed = reference
   workdir = tmp_path / "preempted_two_a_call"
   overrides = ("--config.train.steps_per_call=2", "--config.train.log_every=2", "--config.train.checkpoint_every=2")
-  results = runner(workdir, 2, "fsdp", sigterm_at_batch=2, overrides=overrides)
+  results = runner(workdir, 2, "data", sigterm_at_batch=2, overrides=overrides)
   stopped = {len(fed) for fed in fed_per_process(results)}
   assert len(stopped) == 1, f"processes stopped after different steps: {stopped}"
   (stop,) = stopped
@@ -251,7 +243,7 @@ def test_sigterm_with_two_steps_a_call_stops_all_at_the_end_of_the_same_call_and
   assert f"Preempted at step {stop}" in results[0].stdout
   assert all(f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {stop}" in r.stdout for r in results)
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, stop + 1))
-  results = runner(workdir, 2, "fsdp", overrides=overrides)  # the same command again
+  results = runner(workdir, 2, "data", overrides=overrides)  # the same command again
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(stop + 1, STEPS + 1))
   expected, losses = train_losses(reference_dir), train_losses(workdir)
   assert sorted(losses) == list(range(2, STEPS + 1, 2))
