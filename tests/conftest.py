@@ -146,3 +146,20 @@ def span_run(tiny_model, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
 
   root = built_once(tmp_path_factory, "span_run", build)
   return root / "run", root / "squad"
+
+
+@pytest.fixture(scope="session")
+def mlm_run(prepared, tmp_path_factory) -> pathlib.Path:
+  """Workdir of one short MLM pre-training run that tests read, never change: test_trainer's tiny_config, 20 steps,
+  evaluated and checkpointed at the end; eval.json holds the run's final evaluation. `prepared` is test_trainer's
+  fixture, which the modules using this one import."""
+  import json
+
+  from bert_jax.train import trainer
+  from test_trainer import tiny_config
+
+  def build(root):
+    result = trainer.train_and_evaluate(tiny_config(prepared, "mlm", steps=20), root / "run")
+    (root / "eval.json").write_text(json.dumps(result["eval"], default=float))
+
+  return built_once(tmp_path_factory, "mlm_run", build) / "run"

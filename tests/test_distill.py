@@ -281,12 +281,11 @@ def _pretrain_losses(workdir):
 
 
 @pytest.mark.slow
-def test_general_distillation_from_a_pretraining_run_learns_and_resumes_exactly(prepared, tmp_path):
-  """A 2-layer teacher pre-trained briefly; a 1-layer student from its layer 0 (every other layer) learns from its
-  soft MLM targets and hidden states, and a run stopped after a checkpoint resumes to the straight run's losses (the
-  teacher read again from its workdir)."""
-  teacher = tmp_path / "teacher"
-  trainer.train_and_evaluate(tiny_config(prepared, objective="mlm", steps=20, eval_every=0), teacher)
+def test_general_distillation_from_a_pretraining_run_learns_and_resumes_exactly(prepared, mlm_run, tmp_path):
+  """A 2-layer teacher pre-trained briefly (conftest.py's MLM run); a 1-layer student from its layer 0 (every other
+  layer) learns from its soft MLM targets and hidden states, and a run stopped after a checkpoint resumes to the
+  straight run's losses (the teacher read again from its workdir)."""
+  teacher = mlm_run
 
   def student_config(steps):
     config = tiny_config(prepared, objective="mlm", steps=steps, eval_every=steps, log_every=1, checkpoint_every=3)

@@ -119,11 +119,12 @@ def test_dense_matmuls_are_int8_with_int32_accumulation(small_model):
   # The storage round trip gives the same tree, and the same logits.
   stored = jax.tree.map(np.asarray, quantization.to_storage(quantized))
   abstract = jax.eval_shape(lambda: qmodel.init(jax.random.key(0), ids, pack_ids=pack_ids))["params"]
-  np.testing.assert_array_equal(apply(quantization.from_storage(abstract, stored)), apply(quantized))
+  compiled_apply = jax.jit(apply)  # op by op, each primitive would be compiled on its own
+  np.testing.assert_array_equal(compiled_apply(quantization.from_storage(abstract, stored)), compiled_apply(quantized))
   # The float model with the dequantised weights is what the int8 kernels stand for: close, not equal (the
   # activations are rounded too).
-  float_logits = model.apply({"params": params}, ids, pack_ids=pack_ids)
-  assert 0 < np.max(np.abs(apply(quantized) - float_logits)) < 0.1 * np.max(np.abs(float_logits))
+  float_logits = jax.jit(model.apply)({"params": params}, ids, pack_ids=pack_ids)
+  assert 0 < np.max(np.abs(compiled_apply(quantized) - float_logits)) < 0.1 * np.max(np.abs(float_logits))
 
 
 def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
@@ -152,11 +153,12 @@ def test_every_task_kind_quantises_close_to_float(kind, shape, options, dense_la
     config = SMALL.replace(num_shared_groups=1)
   model = build_model(config, kind, 4, **options)
   ids, pack_ids = np.random.default_rng(1).integers(5, 64, shape).astype(np.int32), np.ones(shape, np.int32)
-  params = nn.unbox(model.init(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
+  # Compiled whole: op by op, the BiLSTM's and the quantised matmuls' every primitive would be compiled on its own.
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
   qmodel, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
   assert quantization.quantized_counts(quantized) == {"dense_layers": dense_layers, "embedding_tables": 3}
-  outputs = np.asarray(model.apply({"params": params}, ids, pack_ids=pack_ids))
-  int8_outputs = np.asarray(qmodel.apply({"params": quantized}, ids, pack_ids=pack_ids))
+  outputs = np.asarray(jax.jit(model.apply)({"params": params}, ids, pack_ids=pack_ids))
+  int8_outputs = np.asarray(jax.jit(qmodel.apply)({"params": quantized}, ids, pack_ids=pack_ids))
   assert int8_outputs.shape == outputs.shape
   assert np.max(np.abs(int8_outputs - outputs)) < 0.1 * np.max(np.abs(outputs))
 

@@ -163,12 +163,19 @@ def _losses_by_step(workdir):
 
 
 def _tiny_config_file(tmp_path, prepared, steps: int) -> pathlib.Path:
-  """A config file giving `tiny_config(prepared, steps=steps)`, for a test that runs the CLI in a process."""
+  """A config file giving `short_config(prepared, steps=steps)`, for a test that runs the CLI in a process: runs of
+  every length compile the same steps, which `_cli_cache_env`'s cache gives the tests' later processes."""
   path = tmp_path / "tiny.py"
-  path.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_trainer import tiny_config\n"
-                  "def get_config(arg):\n  c = tiny_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
+  path.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_trainer import short_config\n"
+                  "def get_config(arg):\n  c = short_config(%r, steps=%d)\n  c.unlock()\n  return c\n"
                   % (str(REPO / "tests"), str(prepared), steps))
   return path
+
+
+def _cli_cache_env() -> dict[str, str]:
+  """`cli_env` with the CLI's own compilation cache (BERT_JAX_COMPILATION_CACHE, as users have it) in the suite's
+  cache directory, so the CLI processes of every test here load the steps the first one compiled."""
+  return cli_env(BERT_JAX_COMPILATION_CACHE=os.environ["BERT_JAX_TEST_COMPILATION_CACHE"])
 
 
 def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
@@ -180,7 +187,7 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file)] + overrides
   # The CLI's compilation cache, as users have it: the interrupted and the resumed runs load the straight run's
   # compiled steps.
-  env = cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
+  env = _cli_cache_env()
 
   straight = tmp_path / "straight"
   subprocess.run(command + ["--workdir", str(straight), "--config.data.workers=0"], check=True, env=env, cwd=REPO, capture_output=True)
@@ -600,7 +607,7 @@ def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, g
   workdir = f"{gcs_bucket}/runs/tiny"
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file), "--workdir", workdir,
              *overrides]
-  env = cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))  # the emulator's variables included
+  env = _cli_cache_env()  # the emulator's variables included
   remote = epath.Path(workdir)
   process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 300
@@ -637,7 +644,7 @@ def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_l
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", str(config_file), "--workdir",
              str(workdir), "--config.train.checkpoint_every=5", "--config.train.eval_every=0",
              "--config.train.log_every=1"]
-  process = subprocess.Popen(command, env=cli_env(BERT_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache")), cwd=REPO,
+  process = subprocess.Popen(command, env=_cli_cache_env(), cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while time.time() < deadline and process.poll() is None and not (workdir / "checkpoints" / "5").is_dir():
@@ -659,12 +666,11 @@ def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_l
   assert restore_params(workdir)[0] == 5
 
 
-def test_evaluate_run_rescoring_a_run_and_scoring_it_on_another_sentence_task(prepared, tmp_path):
-  """`evaluate_run` with no change gives the run's own final evaluation; with another objective and format it
-  scores the checkpoint on that sentence task (ALBERT's cross-evaluation), a missing sentence head fresh."""
-  result = trainer.train_and_evaluate(tiny_config(prepared, "mlm", steps=4, eval_every=4, checkpoint_every=4),
-                                      tmp_path)
-  again = trainer.evaluate_run(tmp_path)
-  assert again == pytest.approx(result["eval"], rel=1e-6)
-  sop = trainer.evaluate_run(tmp_path, ["objective=mlm+sop", "data.format=sop"])
+def test_evaluate_run_rescoring_a_run_and_scoring_it_on_another_sentence_task(mlm_run):
+  """`evaluate_run` with no change gives the run's own final evaluation (conftest.py's MLM run); with another
+  objective and format it scores the checkpoint on that sentence task (ALBERT's cross-evaluation), a missing sentence
+  head fresh."""
+  again = trainer.evaluate_run(mlm_run)
+  assert again == pytest.approx(json.loads((mlm_run.parent / "eval.json").read_text()), rel=1e-6)
+  sop = trainer.evaluate_run(mlm_run, ["objective=mlm+sop", "data.format=sop"])
   assert 0.2 < sop["sentence_accuracy"] < 0.8 and np.isfinite(sop["mlm_loss"])
