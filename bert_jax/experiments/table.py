@@ -249,10 +249,11 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
   figure, axis = plt.subplots(figsize=(8, 5))
   drawn = 0
   for row in results["rows"]:
-    curve = _loss_curve(workdir / "rows" / row["slug"] / "pretrain" / "metrics.jsonl")
+    pretrain_dir = workdir / "rows" / row["slug"] / "pretrain"
+    curve = _loss_curve(pretrain_dir / "metrics.jsonl")
     if not curve:
       continue
-    per_step = _tokens_per_step(row, workdir / "rows" / row["slug"] / "pretrain")
+    per_step = _tokens_per_step(row, pretrain_dir)
     xs = [step * per_step for step, _ in curve] if per_step else [step for step, _ in curve]
     label = row["name"] if row.get("status") == "done" else f"{row['name']} ({row.get('status', 'incomplete')})"
     axis.plot(xs, [loss for _, loss in curve], marker="o" if len(curve) < 20 else None, label=label)
