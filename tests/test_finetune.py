@@ -173,6 +173,8 @@ def test_classification_beats_chance_with_a_multi_seed_summary(classification_ru
   compiles = [seed["compile_seconds"] for seed in results["seeds"]]
   assert compiles[0] > 0 and all(seconds == 0 for seconds in compiles[1:])
   assert results["timings"]["compile train and predict steps (once)"] == compiles[0]
+  # The train and predict steps each asked the persistent cache (the suite's) whether a run compiled them before.
+  assert results["compile_cache"]["requests"] == 2 and 0 <= results["compile_cache"]["hits"] <= 2
   assert "- compile train and predict steps (once) (s):" in table
 
 

@@ -473,3 +473,26 @@ def test_electra_15_percent_scores_replaced_token_detection_on_the_masked_positi
   np.testing.assert_array_equal(objectives.rtd_weights(inputs, "masked"), [[0, 1, 0, 1, 0], [1, 0, 0, 0, 0]])
   with pytest.raises(ValueError, match="config.loss.rtd_positions='some'"):
     objectives.rtd_weights(inputs, "some")
+
+
+def test_persistent_cache_hits_counts_the_compilations_the_cache_served():
+  """A program compiled again (lowered anew) is read from the persistent cache the suite runs with; the counter
+  sees both compilations ask the cache and the second one served."""
+  from bert_jax.train import step as step_lib
+  assert jax.config.jax_compilation_cache_dir  # conftest's cache, as `bert-jax` commands have their own
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the suite writes slow compilations only
+  try:
+    salt = float(np.random.default_rng().integers(1 << 30))  # a program no earlier run has put in the cache
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    # A new function each time, as in another process: JAX's in-memory caches do not answer, the persistent one can.
+    program = lambda: jax.jit(lambda x: jnp.tanh(x @ x.T + salt))  # noqa: E731
+    with step_lib.persistent_cache_hits() as first:
+      program().lower(x).compile()
+    with step_lib.persistent_cache_hits() as second:
+      program().lower(x).compile()
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+  assert first == {"requests": 1, "hits": 0} and second == {"requests": 1, "hits": 1}
+  jax.monitoring.record_event("/jax/compilation_cache/cache_hits")  # closed: no longer counted
+  assert second["hits"] == 1

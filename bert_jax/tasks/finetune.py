@@ -70,7 +70,8 @@ from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, optim
 from bert_jax.train.config_lib import finetune_defaults  # noqa: F401 - the fine-tuning configs import it here
-from bert_jax.train.step import Partitioning, make_predict_step, make_state_init, make_train_step
+from bert_jax.train.step import (Partitioning, make_predict_step, make_state_init, make_train_step,
+                                 persistent_cache_hits)
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,7 @@ class _Run:
   multi_step: Any = None  # train.steps_per_call steps a call, or None
   predict_step: Any = None
   compile_seconds: float = 0.0
+  compile_cache: dict[str, int] = dataclasses.field(default_factory=dict)  # `persistent_cache_hits`' counts
   head_report: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
@@ -345,12 +347,16 @@ def _compile_steps(run: _Run, state) -> None:
              run.predict_step.lower(state.params, run.eval_batches(eval_features, eval_rows, 0))]
   if run.multi_step is not None:
     lowered.append(run.multi_step.lower(state, [train_batch] * run.config.train.steps_per_call))
-  with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+  with persistent_cache_hits() as run.compile_cache, concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
     compiled = list(pool.map(lambda step: step.compile(), lowered))
   run.train_step, run.predict_step = compiled[:2]
   run.multi_step = compiled[2] if run.multi_step is not None else None
   run.compile_seconds = time.perf_counter() - started
-  log.info("train and predict steps compiled in %.1f s", run.compile_seconds)
+  # Whether the persistent cache served them says whether another run (a sweep's other rows) compiled the same.
+  cache = run.compile_cache
+  log.info("train and predict steps compiled in %.1f s (%s)", run.compile_seconds,
+           f"{cache['hits']} of {cache['requests']} read from the persistent compilation cache" if cache["requests"]
+           else "no persistent compilation cache")
 
 
 def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
@@ -600,7 +606,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              "selection_rule": selection_rule(task, config), "selection_metric": task.selection_metric,
              "seeds": seed_results, "summary": summary, "best_seed": best["seed"], "seq_len": seq_len,
              "num_params": num_params,
-             "timings": {**timings, "compile train and predict steps (once)": run.compile_seconds}}
+             "timings": {**timings, "compile train and predict steps (once)": run.compile_seconds},
+             "compile_cache": run.compile_cache}
   if teacher is not None:
     results["distill"] = config.distill.to_dict()
   if primary:

@@ -232,6 +232,32 @@ def compiler_options(backend: str | None = None) -> dict[str, Any] | None:
   return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if f"--{k}" not in user_set} or None
 
 
+# What JAX's persistent compilation cache reports through `jax.monitoring`, per compilation that consults it.
+_CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
+                 "/jax/compilation_cache/cache_hits": "hits"}
+
+
+@contextlib.contextmanager
+def persistent_cache_hits():
+  """Counts, while open, the compilations that consulted JAX's persistent compilation cache and those it served.
+
+  Yields {"requests": n, "hits": n}, filled in as compilations happen (in any thread: the listener is global, so
+  compile nothing else meanwhile); both stay 0 where the cache is off.
+  """
+  counts = {"requests": 0, "hits": 0}
+
+  def listener(event: str, **kwargs) -> None:
+    del kwargs
+    if event in _CACHE_EVENTS:
+      counts[_CACHE_EVENTS[event]] += 1
+
+  jax.monitoring.register_event_listener(listener)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+
+
 def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array]) -> dict[str, Array]:
   """Per-term mean loss and accuracy, plus the counts (for averaging over batches)."""
   metrics = {}
