@@ -367,6 +367,29 @@ def test_cli_compilation_cache(tmp_path, monkeypatch):
   assert jax.config.jax_compilation_cache_dir == before
 
 
+def test_runs_of_other_lengths_and_sizes_share_the_compiled_steps(tiny_model, tmp_path):
+  """With pad_to_max_len, a run over another number of examples and epochs (another schedule horizon, another
+  longest row) runs the steps compiled for the first: the persistent cache serves all of its compilations."""
+  data = _glue_sst2(tmp_path / "glue", np.random.default_rng(0))
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the suite writes slow compilations only
+  try:
+    runs = [_finetune("configs/finetune/glue.py:task=sst2", tiny_model, data, tmp_path / name,
+                      "--config.pad_to_max_len=True", *overrides)
+            for name, overrides in (("all", ["--config.train.epochs=1"]),
+                                    ("some", ["--config.train.epochs=2", "--config.train_examples=24"]))]
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+  assert runs[1]["compile_cache"] == {"requests": 2, "hits": 2}
+  rates = []
+  for name in ("all", "some"):
+    lines = [json.loads(line) for line in (tmp_path / name / "seed_1" / "metrics.jsonl").read_text().splitlines()]
+    rates.append([line["train/learning_rate"] for line in lines if "train/learning_rate" in line])
+  assert rates[0] != rates[1][:len(rates[0])]  # the schedules differ: their step counts are the state's
+  run_info = [json.loads((tmp_path / name / "finetune_run.json").read_text()) for name in ("all", "some")]
+  assert run_info[0]["seq_len"] == run_info[1]["seq_len"] == 32
+
+
 def test_cloud_storage_workdir_holds_the_run_and_evaluate_reads_it(tiny_model, tmp_path, gcs_bucket):
   """A gs:// fine-tuning workdir (an emulated bucket): results, per-seed metrics and checkpoint, the tokenizer;
   `evaluate` scores the run from the bucket again."""

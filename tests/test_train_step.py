@@ -496,3 +496,48 @@ def test_persistent_cache_hits_counts_the_compilations_the_cache_served():
   assert first == {"requests": 1, "hits": 0} and second == {"requests": 1, "hits": 1}
   jax.monitoring.record_event("/jax/compilation_cache/cache_hits")  # closed: no longer counted
   assert second["hits"] == 1
+
+
+@pytest.mark.parametrize("name,warmup", [("linear", 10), ("linear", 0), ("poly", 7), ("cosine", 10),
+                                         ("constant", 5)])
+def test_horizon_schedule_equals_optax_schedules(name, warmup):
+  """The schedule with its step counts as arrays gives optax's rates (`learning_rate_schedule`) at every step."""
+  config = config_lib.finetune_defaults().optim
+  config.lr, config.end_lr, config.power, config.schedule = 3e-4, 1e-5, 2.0, name
+  config.warmup_steps = warmup
+  total = 110
+  expected = optim.learning_rate_schedule(config, total)
+  horizon = optim.HorizonSchedule(name, config.lr, config.end_lr, config.power)
+  steps = np.arange(total + 5)  # Past the end the rate stays at end_lr, as optax's.
+  got = jax.jit(horizon)(steps, warmup, total)
+  np.testing.assert_allclose(np.asarray(got), [float(expected(step)) for step in steps], rtol=2e-6, atol=1e-12)
+
+
+def test_horizon_in_state_updates_as_optax_and_compiles_once_for_every_length():
+  """make_optimizer(horizon_in_state=True) updates as the optax chain does; its step counts are state, not code."""
+  config = config_lib.finetune_defaults().optim
+  config.lr, config.warmup_steps = 1e-2, 3
+  params = {"dense": {"kernel": jnp.arange(6.0).reshape(2, 3), "bias": jnp.ones(3)}}
+  grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)
+
+  def run(tx, schedule, steps):
+    state, out, rates = tx.init(params), params, []
+    for step in range(steps):
+      updates, state = tx.update(grads, state, out)
+      out = optax.apply_updates(out, updates)
+      rates.append(float(optim.rate_at(schedule, jnp.asarray(step), state)))
+    return out, rates
+
+  for total in (8, 20):
+    reference = run(*optim.make_optimizer(config, total), steps=total)
+    horizon = run(*optim.make_optimizer(config, total, horizon_in_state=True), steps=total)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), reference[0], horizon[0])
+    np.testing.assert_allclose(horizon[1], reference[1], rtol=1e-6)
+  # One update function for both lengths: the same lowered program, the counts its inputs.
+  texts = []
+  for total in (8, 20):
+    tx, _ = optim.make_optimizer(config, total, horizon_in_state=True)
+    texts.append(jax.jit(tx.update).lower(grads, tx.init(params), params).as_text())
+  assert texts[0] == texts[1]
+  with pytest.raises(ValueError, match="one HorizonState"):
+    optim.rate_at(optim.HorizonSchedule("linear", 1.0, 0.0, 1.0), jnp.asarray(0), optax.EmptyState())

@@ -10,8 +10,10 @@ with the pre-training machinery: sharded state, the jitted accumulating step
 (compiled once for all seeds: the seed reaches the dropout key through the
 batch), the shared loop (`bert_jax.train.loop`), the AdamW schedule with warmup and layer-wise LR decay. Batches have
 fixed shapes: rows are padded to the longest feature of the task (rounded up
-to 8, at most max_len), and the last batch of an epoch is filled with rows of
-weight 0, which predictions drop before `Task.evaluate`.
+to 8, at most max_len; to max_len with `pad_to_max_len`), and the last batch of an epoch is filled with rows of
+weight 0, which predictions drop before `Task.evaluate`. The schedule's warmup and total steps are in the
+optimizer state, so tasks of one kind, label count and padded length compile the same steps: with JAX's
+persistent compilation cache (`bert-jax` turns it on) a sweep's second such task loads them.
 
 The dev set is scored every epoch (or every N steps); the selected evaluation
 is the best on the task's selection metric (ties keep the earlier one), or the
@@ -470,7 +472,8 @@ def _optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_par
   if config.optim.layerwise_lr_decay < 1.0:
     lr_factors = optim.layerwise_lr_factors(abstract_params, model_config.num_layers, model_config.num_blocks,
                                             config.optim.layerwise_lr_decay, model_config.num_shared_groups)
-  tx, schedule = optim.make_optimizer(optim_config, total_steps, lr_factors=lr_factors)
+  # The schedule's step counts in the optimizer state: tasks of other sizes share the compiled steps.
+  tx, schedule = optim.make_optimizer(optim_config, total_steps, lr_factors=lr_factors, horizon_in_state=True)
   return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
 
 
@@ -554,7 +557,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   eval_examples = {split: load_split(task, config.data_dir, split) for split in task.eval_splits}
   eval_features = {split: _featurize(task, examples, tokenizer, max_len, split)
                    for split, examples in eval_examples.items()}
-  seq_len = padded_length([train_features, *eval_features.values()], max_len)
+  seq_len = max_len if config.pad_to_max_len else padded_length([train_features, *eval_features.values()],
+                                                                 max_len)
   train_features = trim_features(train_features, task.kind, max_len, seq_len)
   eval_sets = [EvalSet(split, eval_examples[split], trim_features(eval_features[split], task.kind, max_len,
                                                                   seq_len)) for split in task.eval_splits]

@@ -251,6 +251,8 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   sparse_last_layer (the sentence-level heads' last block at
                   the pooled row alone, `ModelConfig.sparse_last_layer`).
   max_len         longest row in tokens.
+  pad_to_max_len  pad every row to max_len, not to the task's longest (rounded up to 8): the tasks of one kind
+                  and label count then run the same compiled steps (a sweep's suite compiles them once).
   train_examples  train on this many examples of the train split, a fixed random subset (the same for every
                   seed, run and model); None: all of them.
   seeds           one training run per seed.
@@ -291,6 +293,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
       "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),
       "remat": config_dict.placeholder(str), "sparse_last_layer": True})
   config.max_len = 128
+  config.pad_to_max_len = False
   config.train_examples = config_dict.placeholder(int)
   config.seeds = (1, 2, 3)
   config.optim = ml_collections.ConfigDict(dict(

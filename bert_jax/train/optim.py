@@ -2,13 +2,16 @@
 
 Weight decay is decoupled and skips biases and LayerNorm parameters (every
 1-D parameter), as BERT does. Fine-tuning may scale each layer's updates with
-layer-wise learning-rate decay (ELECTRA).
+layer-wise learning-rate decay (ELECTRA), and keeps its schedule's warmup and
+total steps in the optimizer state (`HorizonSchedule`), so that tasks of other
+lengths run the same compiled step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,27 +111,94 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
-                   lr_factors: Any | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+@dataclasses.dataclass(frozen=True)
+class HorizonSchedule:
+  """`learning_rate_schedule`'s rates with the warmup and total steps as arrays: `schedule(step, warmup, total)`.
+
+  The optimizer of `make_optimizer(..., horizon_in_state=True)` keeps the two counts in its state
+  (`HorizonState`), so one compiled step serves runs of any length; `rate_at` reads them back to log the rate.
+  """
+
+  name: str
+  lr: float
+  end_lr: float
+  power: float
+
+  def __call__(self, step, warmup_steps, total_steps):
+    step, warmup = jnp.asarray(step, jnp.float32), jnp.asarray(warmup_steps, jnp.float32)
+    decay_steps = jnp.maximum(1.0, jnp.asarray(total_steps, jnp.float32) - warmup)
+    done = jnp.clip(step - warmup, 0.0, decay_steps) / decay_steps  # The fraction of the decay behind.
+    if self.name == "constant":
+      decayed = jnp.full_like(done, self.lr)
+    elif self.name == "cosine":
+      alpha = self.end_lr / self.lr if self.lr else 0.0
+      decayed = self.lr * ((1.0 - alpha) * 0.5 * (1.0 + jnp.cos(jnp.pi * done)) + alpha)
+    else:
+      power = 1.0 if self.name == "linear" else self.power
+      decayed = (self.lr - self.end_lr) * (1.0 - done) ** power + self.end_lr
+    return jnp.where(step < warmup, self.lr * step / jnp.maximum(warmup, 1.0), decayed)
+
+
+class HorizonState(NamedTuple):
+  count: jax.Array  # The updates applied so far (int32).
+  warmup_steps: jax.Array
+  total_steps: jax.Array
+
+
+def scale_by_horizon_schedule(schedule: HorizonSchedule, warmup_steps: int,
+                              total_steps: int) -> optax.GradientTransformation:
+  """`optax.scale_by_learning_rate` for a `HorizonSchedule`, the step counts in the state."""
+
+  def init(params):
+    del params
+    return HorizonState(jnp.zeros((), jnp.int32), jnp.asarray(warmup_steps, jnp.int32),
+                        jnp.asarray(total_steps, jnp.int32))
+
+  def update(updates, state, params=None):
+    del params
+    rate = schedule(state.count, state.warmup_steps, state.total_steps)
+    updates = jax.tree.map(lambda u: jnp.asarray(-rate, u.dtype) * u, updates)  # As optax casts it.
+    return updates, state._replace(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init, update)
+
+
+def rate_at(schedule: Any, step: jax.Array, opt_state: Any) -> jax.Array:
+  """The learning rate of `step`: `schedule(step)`, or a `HorizonSchedule`'s at the counts `opt_state` holds."""
+  if not isinstance(schedule, HorizonSchedule):
+    return schedule(step)
+  found = [leaf for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HorizonState))
+           if isinstance(leaf, HorizonState)]
+  if len(found) != 1:
+    raise ValueError(f"a HorizonSchedule needs one HorizonState in the optimizer state, found {len(found)}")
+  return schedule(step, found[0].warmup_steps, found[0].total_steps)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int, lr_factors: Any | None = None,
+                   horizon_in_state: bool = False) -> tuple[optax.GradientTransformation, Any]:
   """Builds the optimizer of `config.optim` (name, lr, b1, b2, eps, weight_decay, clip_norm, schedule...).
 
+  horizon_in_state: the schedule's warmup and total steps live in the optimizer state as arrays, not in the
+  compiled step (a `HorizonSchedule`); fine-tuning runs of different lengths then share their compilations.
+
   Returns:
-    (transformation, learning-rate schedule).
+    (transformation, learning-rate schedule: an optax schedule, or the `HorizonSchedule`; `rate_at` reads either).
   """
   if config.name not in OPTIMIZERS:
     raise ValueError(f"config.optim.name={config.name!r}: expected one of {OPTIMIZERS}")
-  schedule = learning_rate_schedule(config, total_steps)
+  schedule = learning_rate_schedule(config, total_steps)  # Checks the schedule's settings in either case.
   parts = []
   if config.clip_norm and config.clip_norm > 0:
     parts.append(clip_by_global_norm(config.clip_norm))
-  if config.name == "adamw":
-    parts += [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
-              optax.add_decayed_weights(config.weight_decay, mask=decay_mask)]
-  else:
-    parts += [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
-              optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
-              optax.scale_by_trust_ratio()]
+  parts += [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+            optax.add_decayed_weights(config.weight_decay, mask=decay_mask)]
+  if config.name == "lamb":
+    parts.append(optax.scale_by_trust_ratio())
   if lr_factors is not None:
     parts.append(scale_by_tree(lr_factors))
-  parts.append(optax.scale_by_learning_rate(schedule))
+  if horizon_in_state:
+    schedule = HorizonSchedule(config.schedule, config.lr, config.end_lr, config.power)
+    parts.append(scale_by_horizon_schedule(schedule, int(config.warmup_steps), total_steps))
+  else:
+    parts.append(optax.scale_by_learning_rate(schedule))
   return optax.chain(*parts), schedule

@@ -129,16 +129,17 @@ def _model_params(partitioning: Partitioning, param_shardings: Any) -> Callable[
   return lambda params: jax.tree.map(sharding_lib.GatherOnUse, params, gather_to)
 
 
-def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, *, accum_steps: int,
+def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: Any, *, accum_steps: int,
                     rng: Array, partitioning: Partitioning, state_shardings: Any, param_norms: bool = False,
                     steps_per_call: int = 1) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
   """Returns `train_step(state, batch) -> (state, metrics)`, jitted with in/out shardings and the state donated.
 
   The step's random key is `fold_in(rng, state.step)` (and, under accumulation, folded again with the
   micro-batch index). The metrics always hold the loss, its terms, the gradients' global norm and the learning
-  rate. With `param_norms` they also hold `param_norm` (the parameters before the update) and `update_norm`
-  (the update the optimizer computed); off by default, as Megatron-LM's --log-params-norm, because the two
-  extra reductions over every parameter slow the update (docs/performance.md).
+  rate (of `schedule`, `make_optimizer`'s second result). With `param_norms` they also hold `param_norm` (the
+  parameters before the update) and `update_norm` (the update the optimizer computed); off by default, as
+  Megatron-LM's --log-params-norm, because the two extra reductions over every parameter slow the update
+  (docs/performance.md).
 
   `steps_per_call` k > 1: `train_step(state, batches) -> (state, metrics)` takes a sequence of k batches and
   takes the step k times in one call (a `lax.scan` over the batches, one compiled step body), so the host's cost
@@ -185,8 +186,8 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
       new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
                                 opt_state=keep(opt_state, state.opt_state))
       metrics = summarize(task, terms, denominators)
-      metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step),
-                     nonfinite=1 - finite.astype(jnp.int32))
+      metrics.update(loss=loss, grad_norm=grad_norm, nonfinite=1 - finite.astype(jnp.int32),
+                     learning_rate=optim.rate_at(schedule, state.step, state.opt_state))
       if param_norms:
         metrics.update(param_norm=optim.global_norm(state.params), update_norm=optim.global_norm(updates))
       return new_state, metrics
