@@ -295,13 +295,14 @@ class _Run:
   train_step: Any = None
   multi_step: Any = None  # train.steps_per_call steps a call, or None
   predict_step: Any = None
+  given: Any = None  # the loaded params on the mesh, None where the init draws them
   compile_seconds: float = 0.0
   compile_cache: dict[str, int] = dataclasses.field(default_factory=dict)  # `persistent_cache_hits`' counts
   head_report: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def _init_state(run: _Run, seed: int):
-  """Sharded state for `seed`: random head, loaded encoder (and reusable head leaves).
+  """Sharded state for `seed`: random head, loaded encoder (and reusable head leaves), built on the mesh.
 
   The first call also builds the train and predict steps and compiles them
   (`_compile_steps`).
@@ -323,10 +324,13 @@ def _init_state(run: _Run, seed: int):
     run.multi_step = (make_train_step(run.objective, run.tx, run.schedule, steps_per_call=per_call, **step_settings)
                       if per_call > 1 else None)
     run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
-  state = run.state_init(jax.random.key(seed))
-  params, reused, fresh = merge_initial_params(state.params, run.initial_params)
-  run.head_report = {"reused": reused, "reinitialised": fresh}
-  state = state.replace(params=jax.device_put(params, run.state_shardings.params), frozen=run.frozen)
+    # The loaded leaves, on the mesh once for every seed; the init draws only the others (`make_state_init`).
+    abstract = jax.eval_shape(lambda: run.state_init(jax.random.key(0))).params
+    merged, reused, fresh = merge_initial_params(abstract, run.initial_params)
+    run.head_report = {"reused": reused, "reinitialised": fresh}
+    run.given = jax.tree.map(lambda value, sharding: None if isinstance(value, jax.ShapeDtypeStruct)
+                             else jax.device_put(value, sharding), merged, run.state_shardings.params)
+  state = run.state_init(jax.random.key(seed), run.given).replace(frozen=run.frozen)
   if first:
     _compile_steps(run, state)
   return state

@@ -361,7 +361,7 @@ def merge_initial_params(initialised: Params, loaded: Params) -> tuple[Params, l
   run's classifier with as many labels) and re-initialised otherwise.
 
   Args:
-    initialised: host params of the new model.
+    initialised: host params of the new model, or their shapes (`jax.ShapeDtypeStruct`s, returned where drawn).
     loaded: `InitialModel.params`.
 
   Returns:

@@ -308,11 +308,15 @@ def make_predict_step(task: Any, partitioning: Partitioning, param_shardings: An
 
 
 def make_state_init(init_variables: Callable[[Array], Any], tx: optax.GradientTransformation,
-                    partitioning: Partitioning, example_rng: Array) -> tuple[Callable[[Array], TrainState], Any]:
-  """`create_state` split into a jitted `init(rng) -> state` compiled once, and the state shardings.
+                    partitioning: Partitioning, example_rng: Array) -> tuple[Callable[..., TrainState], Any]:
+  """`create_state` split into a jitted `init(rng, given=None) -> state` compiled once, and the state shardings.
 
   For runs that build many states of one model (fine-tuning seeds): each call
-  initialises directly in its shards without compiling again.
+  initialises directly in its shards without compiling again. `given`, a tree of
+  the params' structure holding arrays (placed with the params' shardings) or
+  None, supplies the parameters not to draw: a pre-trained encoder. Their random
+  initialisers are then dead code that XLA drops, so only the rest (a task head)
+  is compiled and drawn, a fraction of the whole model's initialisation.
 
   Args:
     init_variables: rng -> boxed variables ({"params": ...}) with logical axes.
@@ -327,13 +331,21 @@ def make_state_init(init_variables: Callable[[Array], Any], tx: optax.GradientTr
     params = init_variables(key)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
+  def init_unboxed(key, given):
+    state = nn.unbox(init_boxed(key))
+    if given is None:
+      return state
+    # The optimizer's initial state depends on the params' shapes only, so it stays as initialised.
+    return state.replace(params=jax.tree.map(lambda value, drawn: drawn if value is None else value, given,
+                                             state.params, is_leaf=lambda x: x is None))
+
   with partitioning.context():
     abstract = jax.eval_shape(init_boxed, example_rng)
     shardings = sharding_lib.logical_shardings(abstract, partitioning.mesh, partitioning.rules)
-    jitted = jax.jit(lambda key: nn.unbox(init_boxed(key)), out_shardings=shardings)
+    jitted = jax.jit(init_unboxed, out_shardings=shardings)
 
-  def init(rng: Array) -> TrainState:
+  def init(rng: Array, given: Any = None) -> TrainState:
     with partitioning.context():
-      return jitted(rng)
+      return jitted(rng, given)
 
   return init, shardings
