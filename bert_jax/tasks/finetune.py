@@ -287,6 +287,7 @@ class _Run:
   eval_batches: BatchMaker
   dummy_batch: dict[str, jax.Array]
   initial_params: dict[str, Any]
+  abstract_params: Any  # the model's params as shapes (`jax.ShapeDtypeStruct`s)
   steps_per_epoch: int
   teacher: tuple[Any, Any] | None = None  # (the teacher's task, its host params) when distilling
   frozen: Any = None  # the teacher's params on the mesh (`TrainState.frozen`)
@@ -325,8 +326,7 @@ def _init_state(run: _Run, seed: int):
                       if per_call > 1 else None)
     run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
     # The loaded leaves, on the mesh once for every seed; the init draws only the others (`make_state_init`).
-    abstract = jax.eval_shape(lambda: run.state_init(jax.random.key(0))).params
-    merged, reused, fresh = merge_initial_params(abstract, run.initial_params)
+    merged, reused, fresh = merge_initial_params(run.abstract_params, run.initial_params)
     run.head_report = {"reused": reused, "reinitialised": fresh}
     run.given = jax.tree.map(lambda value, sharding: None if isinstance(value, jax.ShapeDtypeStruct)
                              else jax.device_put(value, sharding), merged, run.state_shardings.params)
@@ -589,7 +589,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              schedule=schedule, train_features=train_features, eval_sets=eval_sets,
              train_batches=BatchMaker(fields, batch_size, mesh),
              eval_batches=BatchMaker(fields, config.train.eval_batch_size, mesh), dummy_batch=dummy,
-             initial_params=initial.params, steps_per_epoch=steps_per_epoch, teacher=teacher)
+             initial_params=initial.params, abstract_params=abstract_params, steps_per_epoch=steps_per_epoch,
+             teacher=teacher)
 
   if primary:
     workdir.mkdir(parents=True, exist_ok=True)
