@@ -8,10 +8,14 @@ the kernel path uses against autodiff of the XLA form, and that off GPU nothing 
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from jax.sharding import PartitionSpec as P
 
 from bert_jax.kernels import ffn as ffn_kernel
 from bert_jax.kernels import ops
@@ -152,3 +156,34 @@ def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded, save_der
       continue
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-2, name  # bf16: where each form rounds
+
+
+def test_a_kernel_lowered_once_is_embedded_verbatim_in_every_program():
+  """`_lowered_once`: a kernel whose every lowering differs (as a Mosaic GPU kernel's, stamped with a
+  process-wide count) is lowered once per mode, tiles and operand types, so two programs calling it lower to the
+  same text, which the persistent compilation cache keys on; its values, also per shard under a shard_map."""
+  count = itertools.count()
+
+  def body(mode, a, b, side, tiles):
+    del mode, tiles
+    return (a @ b + side + next(count),)  # the count: a constant of this lowering
+
+  call = ffn_kernel._lowered_once(body, platforms=("cpu",))
+  a = jax.random.normal(jax.random.key(0), (8, 4))
+  b = jax.random.normal(jax.random.key(1), (4, 3))
+  side = jnp.arange(3.0)
+  stamped = [jax.jit(lambda a, b, side: body("plain", a, b, side, None)[0]) for _ in range(2)]
+  assert stamped[0].lower(a, b, side).as_text() != stamped[1].lower(a, b, side).as_text()
+  programs = [jax.jit(lambda a, b, side: 2 * call("plain", a, b, side, ffn_kernel.Tiles())[0]) for _ in range(2)]
+  texts = [program.lower(a, b, side).as_text() for program in programs]
+  assert texts[0] == texts[1]
+  first = 2  # the one lowering through `call`, after the two stamped ones
+  np.testing.assert_allclose(programs[1](a, b, side), 2 * (a @ b + side + first), rtol=1e-6)
+  assert call.exported.cache_info().misses == 1
+
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  sharded = jax.jit(jax.shard_map(lambda a, b, side: call("plain", a, b, side, ffn_kernel.Tiles()), mesh=mesh,
+                                  in_specs=(P("data"), P(), P()), out_specs=(P("data"),)))
+  rows = jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data")))
+  np.testing.assert_allclose(sharded(rows, b, side)[0], a @ b + side + first + 1, rtol=1e-6)
+  assert call.exported.cache_info().misses == 2  # the shards' rows: one more shape

@@ -122,3 +122,18 @@ def test_triton_ir_and_launch_of_each_flash_kernel_extracted_for_the_offline_reg
   assert launches == {f"flash_attention_{k}": (params[k].num_warps, params[k].num_stages)
                       for k in ("forward", "dq", "dkdv")}
   assert all("tt.func" in ttir for *_, ttir in kernels)
+
+
+def test_ffn_kernel_is_lowered_once_for_every_program(monkeypatch):
+  """Two programs calling the FFN kernels lower to one text (`ffn._lowered_once` lowers each kernel once: from jax
+  0.11 Mosaic GPU stamps every kernel module it lowers with a process-wide count), so a second fine-tuning task of
+  the same shapes reads the first's compilation from the persistent cache."""
+  monkeypatch.setattr(jax, "devices", lambda *_: [_H100()])
+  x, wi, wo = shape((2048, 256), jnp.bfloat16), shape((256, 1024), jnp.bfloat16), shape((1024, 256), jnp.bfloat16)
+
+  def program(x, wi, wo, bias):
+    h, _ = ffn_kernel.bias_gelu_matmul_pingpong(x, wi, bias, derivative=True)
+    return ffn_kernel.dgelu_matmul(x, wo, h, saved=True)
+
+  texts = [lower_for_cuda(lambda *args: program(*args), x, wi, wo, shape((1024,), jnp.float32)) for _ in range(2)]
+  assert "mosaic_gpu" in texts[0] and texts[0] == texts[1]

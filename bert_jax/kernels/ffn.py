@@ -454,9 +454,34 @@ def _dgelu_epilogue(acc, h_smem, dh_tile, epi: int, saved: bool = False) -> list
   return sums
 
 
-# A jit of its own: the layers' call sites of one shape share one lowering (jax caches an inner jit's lowering per
-# module), so the step compiles the kernel once instead of once per layer (a third of the compile time it adds).
-@functools.partial(jax.jit, static_argnums=(0, 4))
+def _lowered_once(body, platforms: tuple[str, ...] = ("cuda",)):
+  """body(mode, a, b, side, tiles) as `call(mode, a, b, side, tiles)`, whose kernel is lowered once per process
+  for each mode, tiles and operand types (a `jax.export` of it for `platforms`) and embedded verbatim in every
+  program calling it.
+
+  Mosaic GPU stamps each kernel module it lowers with a process-wide count, so a program lowering the kernel
+  again (the next fine-tuning task's step, of the same shapes) would differ from the first in its text and miss
+  the persistent compilation cache.
+  """
+  @functools.cache
+  def exported(mode: str, tiles: Tiles, types: tuple) -> jax.export.Exported:
+    fun = jax.jit(functools.partial(body, mode, tiles=tiles))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+    return jax.export.export(fun, platforms=platforms, disabled_checks=checks)(
+        *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types))
+
+  # A jit of its own: the layers' call sites of one shape share one lowering (jax caches an inner jit's lowering
+  # per module), so the step compiles the kernel once instead of once per layer (a third of the compile time it
+  # adds).
+  @functools.partial(jax.jit, static_argnums=(0, 4))
+  def call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
+    return exported(mode, tiles, tuple((x.shape, jnp.dtype(x.dtype)) for x in (a, b, side))).call(a, b, side)
+
+  call.exported = exported
+  return call
+
+
+@_lowered_once
 def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   m, n = a.shape[0], b.shape[1]
   out = jax.ShapeDtypeStruct((m, n), a.dtype)
@@ -464,7 +489,7 @@ def _call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
                  tiles, grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",))(a, b, side)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
+@_lowered_once
 def _pingpong_call(mode: str, a: Array, b: Array, side: Array, tiles: Tiles):
   n = b.shape[0] if mode.startswith("dgelu") else b.shape[1]
   out = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
