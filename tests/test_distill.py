@@ -17,7 +17,7 @@ from bert_jax.tasks.finetune_model import FinetuneObjective
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib, distill, optim, trainer
 from bert_jax.train.losses import soft_target_sums
-from bert_jax.train.step import Partitioning, create_state, make_train_step
+from bert_jax.train.step import Partitioning, make_state_init, make_train_step
 from test_finetune import _finetune, _glue_sst2
 from test_trainer import prepared, tiny_config  # noqa: F401 (a fixture)
 
@@ -63,13 +63,16 @@ def _optim_config(lr):
   return config
 
 
-def _setup(objective, tx, frozen=None, teacher=None, mesh_sizes=None):
+def _setup(objective, tx, frozen=None, teacher=None, mesh_sizes=None, initial=None):
+  """(state, shardings, partitioning, mesh); `initial`, a host copy of a state, is placed in the state's shards
+  instead of drawing the state again."""
   mesh_sizes = mesh_sizes or {"data": 1}
   mesh = sharding_lib.create_mesh(mesh_sizes, devices=jax.devices()[:int(np.prod(list(mesh_sizes.values())))])
   partitioning = Partitioning(mesh, sharding_lib.DEFAULT_RULES)
   dummy = {k: jnp.asarray(v) for k, v in _batch().items()}
-  state, shardings = create_state(lambda key: objective.init_variables(key, dummy), tx, jax.random.key(0),
-                                  partitioning)
+  init, shardings = make_state_init(lambda key: objective.init_variables(key, dummy), tx, partitioning,
+                                    jax.random.key(0))
+  state = init(jax.random.key(0)) if initial is None else jax.device_put(initial, shardings)
   if teacher is not None:
     placed, frozen_shardings = distill.place_frozen(teacher, frozen, dummy, partitioning)
     state, shardings = state.replace(frozen=placed), shardings.replace(frozen=frozen_shardings)
@@ -130,9 +133,10 @@ def test_a_call_of_two_steps_with_the_teacher_equals_two_single_steps():
   teacher_params = _params(task, seed=7)
   tx, schedule = optim.make_optimizer(_optim_config(1e-3), total_steps=10)
   objective = distill.Distillation(task, task, TINY, TINY, temperature=2.0, alpha=0.5, cos_weight=1.0)
-  results = []
+  results, initial = [], None
   for steps_per_call in (1, 2):
-    state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, task)
+    state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, task, initial=initial)
+    initial = jax.device_get(state.replace(frozen=None))  # drawn once; before the steps donate it
     step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
                            state_shardings=shardings, steps_per_call=steps_per_call)
     batches = [sharding_lib.global_batch(_batch(seed=seed), mesh) for seed in range(2)]
@@ -172,16 +176,18 @@ def test_a_narrower_student_learns_a_projection_and_its_pkd_loss_falls():
 
 def test_a_teacher_sharded_by_fsdp_gives_the_single_device_step():
   """The teacher's weights are sharded like the student's and gathered where its modules read them (a teacher as
-  deep as the student: sharding, not depth, is what this compares)."""
+  deep as the student: sharding, not depth, is what this compares). Both runs start from one initial state, drawn
+  once and placed in each mesh's shards (that a sharded init draws the same state: tests/test_train_step.py)."""
   task = _task()
   teacher = _task()
   teacher_params = _params(teacher, seed=5)
   objective = distill.Distillation(task, teacher, TINY, TINY, pkd_weight=1.0, cos_weight=1.0)
   assert objective.pkd_layers() == ((1,), (1,))
   tx, schedule = optim.make_optimizer(_optim_config(1e-2), total_steps=10)
-  results = []
+  results, initial = [], None
   for mesh_sizes in ({"data": 1}, {"data": 2, "fsdp": 4}):
-    state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, teacher, mesh_sizes)
+    state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, teacher, mesh_sizes, initial)
+    initial = jax.device_get(state.replace(frozen=None))  # before the steps donate it
     step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
                            state_shardings=shardings)
     for seed in range(2):
