@@ -22,12 +22,16 @@ from bert_jax.train import config_lib, trainer
 from bert_jax.train.checkpoint import restore_params
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# XLA's CPU fusion emitters off: the processes a test here starts compile a tiny model's programs in about half the
+# time and run them as fast; their runs are compared only with each other.
+SUBPROCESS_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags and compilation cache
-  (conftest.py); a test that gives BERT_JAX_COMPILATION_CACHE gets the CLI's own cache there instead."""
-  flags = " ".join(["--xla_force_host_platform_device_count=1", *FAST_COMPILE_FLAGS])
+  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags (conftest.py) with
+  SUBPROCESS_FLAGS, and the suite's compilation cache; a test that gives BERT_JAX_COMPILATION_CACHE gets the CLI's
+  own cache there instead."""
+  flags = " ".join(["--xla_force_host_platform_device_count=1", *FAST_COMPILE_FLAGS, SUBPROCESS_FLAGS])
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
   if "BERT_JAX_COMPILATION_CACHE" in extra:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # it would win over the CLI's variable
@@ -83,7 +87,7 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, schedule="linear", 
 # steps equal the single-device one: tests/test_train_step.py), which share the same cores and only slow each step.
 # The run is compared with no other, so XLA optimises it: its first level without LLVM's expensive passes runs the
 # steps as fast as the full optimisation and compiles faster.
-LEARNING_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
+LEARNING_FLAGS = f"--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true {SUBPROCESS_FLAGS}"
 _LEARNING_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
@@ -442,16 +446,16 @@ def test_every_shipped_config_loads():
 def test_demo_cli_runs(tmp_path):
   """The README's demo command, shortened: built-in corpus -> vocab -> shards -> pretrain -> fill-mask."""
   env = cli_env()
-  out = subprocess.run([sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", "configs/demo.py:steps=20",
-                        "--workdir", str(tmp_path / "demo"), "--config.train.eval_every=10",
-                        "--config.train.log_every=10"], env=env, cwd=REPO, capture_output=True, text=True)
+  out = subprocess.run([sys.executable, "-m", "bert_jax.cli", "pretrain", "--config", "configs/demo.py:steps=8",
+                        "--workdir", str(tmp_path / "demo"), "--config.train.eval_every=8",
+                        "--config.train.log_every=4"], env=env, cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 0, out.stdout + out.stderr
   assert "Fill-mask predictions" in out.stdout and "MLM loss" in out.stdout
   baseline = re.search(r"the model predicts ([\d.]+)% right; the best frequency guess, always '(.+)' \(their most "
                        r"frequent answer\), gets ([\d.]+)%", out.stdout)
   assert baseline and 0 < float(baseline[3]) < 50, out.stdout
   assert (tmp_path / "demo" / "metrics.jsonl").exists() and (tmp_path / "demo" / "plots" / "loss.png").exists()
-  assert "\r" not in out.stdout and "pretrain: 20/20 step (100%)" in out.stdout  # lines, not a bar, in a pipe
+  assert "\r" not in out.stdout and "pretrain: 8/8 step (100%)" in out.stdout  # lines, not a bar, in a pipe
   fill = subprocess.run([sys.executable, "-m", "bert_jax.cli", "fill-mask", "--model", str(tmp_path / "demo"),
                          "A [MASK] is a sequence."], env=env, cwd=REPO, capture_output=True, text=True)
   assert fill.returncode == 0, fill.stderr
