@@ -17,7 +17,6 @@ the data pipeline to record the `example_ids` each process fed into each step.
 """
 
 import json
-import os
 import pathlib
 import shutil
 import sys
@@ -34,10 +33,6 @@ pytestmark = pytest.mark.slow
 TESTS = pathlib.Path(__file__).resolve().parent
 STEPS, CHECKPOINT_EVERY, GLOBAL_BATCH = 6, 3, 16
 MESHES = {"data": dict(data=-1, fsdp=1), "fsdp": dict(data=1, fsdp=-1)}
-# Every run here compiles its steps in each of its processes, and the runs are compared only with each other: XLA's
-# CPU backend without its fusion emitters and with one code-generation thread (the cores are busy with the other
-# processes) compiles them in about half the time.
-RUN_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
 # Runs the CLI with the train pipeline wrapped to record the example ids of
 # every batch this process fed, then reports them on a RESULT line. With
@@ -109,13 +104,9 @@ class Runner:
     overrides = [f"--config.mesh.sizes.{axis}={size}" for axis, size in MESHES[mesh].items()] + list(overrides)
     command = [sys.executable, "-c", _DRIVER, "pretrain", "--config", str(self.config_file), "--workdir",
                str(workdir)] + overrides
-    # Set whole, as run_processes would: the inherited flags, this run's device count and RUN_FLAGS.
-    flags = multiprocess_util.process_env(0, num_processes, 0, 4 // num_processes)["XLA_FLAGS"].split()
-    flags += [flag for flag in RUN_FLAGS if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
     return multiprocess_util.run_processes(command, num_processes, local_devices=4 // num_processes,
                                            timeout_s=300,
-                                           extra_env={**self.env, "SIGTERM_AT_BATCH": str(sigterm_at_batch),
-                                                      "XLA_FLAGS": " ".join(flags)})
+                                           extra_env={**self.env, "SIGTERM_AT_BATCH": str(sigterm_at_batch)})
 
 
 def metrics(workdir: pathlib.Path) -> list[dict]:

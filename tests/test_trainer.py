@@ -15,23 +15,19 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess_util import FAST_COMPILE_FLAGS
+from multiprocess_util import CHEAP_CODEGEN_FLAGS, FAST_COMPILE_FLAGS
 
 from bert_jax.data import builtin_corpus, prepare, tokenizers
 from bert_jax.train import config_lib, trainer
 from bert_jax.train.checkpoint import restore_params
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# XLA's CPU fusion emitters off: the processes a test here starts compile a tiny model's programs in about half the
-# time and run them as fast; their runs are compared only with each other.
-SUBPROCESS_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags (conftest.py) with
-  SUBPROCESS_FLAGS, and the suite's compilation cache; a test that gives BERT_JAX_COMPILATION_CACHE gets the CLI's
-  own cache there instead."""
-  flags = " ".join(["--xla_force_host_platform_device_count=1", *FAST_COMPILE_FLAGS, SUBPROCESS_FLAGS])
+  """The environment of a CLI process a test starts: one CPU device, the suite's compile flags and compilation cache
+  (conftest.py); a test that gives BERT_JAX_COMPILATION_CACHE gets the CLI's own cache there instead."""
+  flags = " ".join(["--xla_force_host_platform_device_count=1", *FAST_COMPILE_FLAGS])
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
   if "BERT_JAX_COMPILATION_CACHE" in extra:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # it would win over the CLI's variable
@@ -87,7 +83,8 @@ def tiny_config(prepared_dir, objective="mlm+nsp", steps=40, schedule="linear", 
 # steps equal the single-device one: tests/test_train_step.py), which share the same cores and only slow each step.
 # The run is compared with no other, so XLA optimises it: its first level without LLVM's expensive passes runs the
 # steps as fast as the full optimisation and compiles faster.
-LEARNING_FLAGS = f"--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true {SUBPROCESS_FLAGS}"
+LEARNING_FLAGS = " ".join(["--xla_backend_optimization_level=1", "--xla_llvm_disable_expensive_passes=true",
+                           *CHEAP_CODEGEN_FLAGS])
 _LEARNING_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
