@@ -123,7 +123,9 @@ def test_gelu_matches_jax_in_float32(approximate):
   _close(ops.gelu(x, approximate), jax.nn.gelu(x, approximate=approximate), rtol=1e-6, atol=1e-6)
   ours = jax.grad(lambda x: jnp.sum(ops.gelu(x, approximate)))(x)
   reference = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x, approximate=approximate)))(x)
-  _close(ours, reference, rtol=1e-5, atol=1e-6)
+  # The tanh form's derivative cancels at the negative tail (1 + tanh(u) ~ 0 in float32): there any float32 form of
+  # it, jax's autodiff as much as ours, is up to ~1e-5 from the float64 value, depending on how XLA compiles tanh.
+  _close(ours, reference, rtol=1e-5, atol=2e-5 if approximate else 1e-6)
 
 
 def test_gelu_bfloat16_is_the_rounded_float32_value():
