@@ -136,7 +136,8 @@ def test_a_call_of_two_steps_with_the_teacher_equals_two_single_steps():
   results, initial = [], None
   for steps_per_call in (1, 2):
     state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, task, initial=initial)
-    initial = jax.device_get(state.replace(frozen=None))  # drawn once; before the steps donate it
+    if initial is None:  # drawn once; before the steps donate it
+      initial = jax.device_get(state.replace(frozen=None))
     step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
                            state_shardings=shardings, steps_per_call=steps_per_call)
     batches = [sharding_lib.global_batch(_batch(seed=seed), mesh) for seed in range(2)]
@@ -187,7 +188,8 @@ def test_a_teacher_sharded_by_fsdp_gives_the_single_device_step():
   results, initial = [], None
   for mesh_sizes in ({"data": 1}, {"data": 2, "fsdp": 4}):
     state, shardings, partitioning, mesh = _setup(objective, tx, teacher_params, teacher, mesh_sizes, initial)
-    initial = jax.device_get(state.replace(frozen=None))  # before the steps donate it
+    if initial is None:  # before the steps donate it
+      initial = jax.device_get(state.replace(frozen=None))
     step = make_train_step(objective, tx, schedule, accum_steps=1, rng=jax.random.key(1), partitioning=partitioning,
                            state_shardings=shardings)
     for seed in range(2):

@@ -238,7 +238,6 @@ def test_param_norms_are_those_of_the_parameters_before_and_the_update():
   assert "param_norm" not in plain_step(plain_state, sharding_lib.global_batch(synthetic_batch(), mesh))[1]
 
 
-@functools.cache
 @functools.cache  # the reference of several tests: computed once a process
 def single_device_losses():
   state, step, mesh, *_ = build()
