@@ -2,50 +2,84 @@
 
   python bench/electra_vs_reference.py                 # CPU, ~2 minutes: the built-in corpus, 600 steps
   python bench/electra_vs_reference.py --steps 1500 --out bench/results/electra_vs_reference.md
+  # a GPU, the ELECTRA Table 1 row's sizes and recipe on the Wikipedia sample (bench/reproduce.py's carried folder);
+  # the two sides run at once, on the same card
+  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --out $OUT/electra_vs_reference.md
 
-Ours: `bert-jax pretrain --config configs/ablations/electra_compute.py:scale=tiny` (objective rtd: a 2-layer,
-width-64 discriminator, its generator a quarter as wide, embeddings shared), learning rate 1e-3, warm-up 30 steps,
-linear decay, batch 16 x 64 tokens. The reference is written here from the paper's description with
-`ElectraForMaskedLM` (generator) and `ElectraForPreTraining` (discriminator) sharing one embedding module and the
-generator's output projection, the same sizes, dropout, optimiser (AdamW, eps 1e-6, weight decay 0.01 off biases
-and LayerNorm, clipping at 1.0), loss (MLM + 50 x replaced-token detection over every real token), masking rule
-(15% of the non-special tokens, at most 10 a row; 80% [MASK], 10% a random token, 10% kept) and generator
-sampling; it reads the same batches (this project's pipeline over the same prepared corpus). The two are not
-expected to agree step by step (different initialisation and random draws), only in how the discriminator learns:
-the table shows, every `--every` steps, each side's generator MLM accuracy, replaced fraction, RTD loss and the
-loss of always answering "original" at that replaced fraction (the constant's).
+Ours: `bert-jax pretrain --config configs/ablations/electra_compute.py:scale=SCALE --config.objective=rtd` (a
+discriminator, its generator `--generator-fraction` as wide at the same depth, embeddings shared; at scale tiny a
+2-layer, width-64 discriminator, learning rate 1e-3, warm-up 30 steps, batch 16 x 64 tokens, on the built-in corpus;
+at scale gpu the table's 4 layers of width 512, 5e-4, warm-up 300, batch 256 x 128, bf16). The reference is written
+here from the paper's description with `ElectraForMaskedLM` (generator) and `ElectraForPreTraining`
+(discriminator) sharing one embedding module and the generator's output projection, the same sizes, dropout,
+optimiser (AdamW, eps 1e-6, weight decay 0.01 off biases and LayerNorm, clipping at 1.0, linear warm-up and decay
+to 0), loss (MLM + 50 x replaced-token detection over every real token), masking rule (15% of the non-special
+tokens, at most `max_predictions` a row; 80% [MASK], 10% a random token, 10% kept) and generator sampling, with
+bf16 autocast on a GPU; it reads the same corpus through this project's pipeline (its own masking and random
+draws). The two are not expected to agree step by step, only in how the discriminator learns: the table shows,
+every `--every` steps, each side's generator MLM accuracy, replaced fraction, RTD loss and the loss of always
+answering "original" at that replaced fraction (the constant's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from bert_jax.data import pipeline  # noqa: E402  (after the path so that a checkout runs without installing)
 
-LR, WARMUP, BATCH, SEQ, MAX_PREDICTIONS = 1e-3, 30, 16, 64, 10
+# Per scale: what ours' config sets at that scale (configs/ablations/electra_compute.py, `ablation.base_config`),
+# written out again for the reference. The generator's sizes follow `electra_generator_config`'s rule.
+SCALES = {
+    "tiny": dict(layers=2, hidden=64, heads=2, ffn=128, embed=64, positions=128, lr=1e-3, warmup=30, batch=16,
+                 seq=64, max_predictions=10, steps=600),
+    "gpu": dict(layers=4, hidden=512, heads=8, ffn=2048, embed=128, positions=512, lr=5e-4, warmup=300, batch=256,
+                seq=128, max_predictions=20, steps=3000),
+}
 
 
 def constant_loss(replaced: float) -> float:
   return float(-(replaced * np.log(replaced) + (1 - replaced) * np.log(1 - replaced)))
 
 
-def ours(workdir: pathlib.Path, steps: int, every: int) -> dict[int, dict[str, float]]:
+def generator_sizes(size: dict, fraction: float) -> tuple[int, int, int]:
+  """(hidden, heads, feed-forward) of the generator, by the rule of `electra_generator_config`."""
+  hidden = max(16, int(round(size["hidden"] * fraction)))
+  heads = max(1, hidden // 64) if hidden % 64 == 0 else max(1, size["heads"] * hidden // size["hidden"])
+  while hidden % heads:
+    heads -= 1
+  return hidden, heads, int(hidden * size["ffn"] / size["hidden"])
+
+
+def ours_command(workdir: pathlib.Path, scale: str, steps: int, every: int, fraction: float,
+                 prepared: pathlib.Path | None) -> list[str]:
+  size = SCALES[scale]
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config",
-             str(REPO / "configs/ablations/electra_compute.py") + ":scale=tiny", "--workdir", str(workdir),
+             str(REPO / "configs/ablations/electra_compute.py") + f":scale={scale}", "--workdir", str(workdir),
              "--config.objective=rtd", f"--config.train.steps={steps}", f"--config.train.log_every={every}",
              f"--config.train.eval_every={steps}", f"--config.train.checkpoint_every={steps}",
-             f"--config.optim.warmup_steps={WARMUP}", f"--config.optim.lr={LR}", f"--config.train.batch_size={BATCH}",
-             f"--config.data.seq_len={SEQ}", f"--config.masking.max_predictions={MAX_PREDICTIONS}"]
-  subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+             f"--config.model.generator_fraction={fraction}"]
+  if scale == "tiny":  # the reference's settings, which the tiny scale does not set itself
+    command += [f"--config.optim.warmup_steps={size['warmup']}", f"--config.optim.lr={size['lr']}",
+                f"--config.train.batch_size={size['batch']}", f"--config.data.seq_len={size['seq']}",
+                f"--config.masking.max_predictions={size['max_predictions']}"]
+  if prepared is not None:
+    command.append(f"--config.data.prepared={prepared}")
+  return command
+
+
+def read_ours(workdir: pathlib.Path) -> dict[int, dict[str, float]]:
   rows = {}
   for line in (workdir / "metrics.jsonl").read_text().splitlines():
     record = json.loads(line)
@@ -55,82 +89,97 @@ def ours(workdir: pathlib.Path, steps: int, every: int) -> dict[int, dict[str, f
   return rows
 
 
-def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: int, steps: int,
-              every: int) -> dict[int, dict[str, float]]:
-  import torch  # pylint: disable=import-outside-toplevel
+def special_ids(tokenizer_file: pathlib.Path) -> dict[str, int]:
+  """[PAD], [CLS], [SEP] and [MASK]'s ids, from a WordPiece vocab.txt or a `tokenizers` JSON file."""
+  names = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
+  if tokenizer_file.suffix == ".txt":
+    vocab = {token: i for i, token in enumerate(tokenizer_file.read_text(encoding="utf-8").splitlines())}
+    return {name: vocab[name] for name in names}
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  tokenizer = Tokenizer.from_file(str(tokenizer_file))
+  return {name: tokenizer.token_to_id(name) for name in names}
+
+
+def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: int, scale: str, steps: int,
+              every: int, fraction: float, stop_at: float = float("inf")) -> dict[int, dict[str, float]]:
+  """The reference's interval means, until `steps` or the `time.monotonic()` value `stop_at`."""
+  import torch  # pylint: disable=import-outside-toplevel
   from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining  # pylint: disable=import-outside-toplevel
 
+  size = SCALES[scale]
+  device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
   torch.manual_seed(0)
-  tokenizer = Tokenizer.from_file(str(tokenizer_file))
-  mask_id = tokenizer.token_to_id("[MASK]")
-  special = torch.tensor(sorted(tokenizer.token_to_id(t) for t in ("[PAD]", "[CLS]", "[SEP]")))
-  common = dict(vocab_size=vocab_size, embedding_size=64, max_position_embeddings=128, hidden_act="gelu",
-                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, layer_norm_eps=1e-12, num_hidden_layers=2)
-  discriminator = ElectraForPreTraining(ElectraConfig(hidden_size=64, num_attention_heads=2, intermediate_size=128,
-                                                      **common))
-  generator = ElectraForMaskedLM(ElectraConfig(hidden_size=16, num_attention_heads=1, intermediate_size=32, **common))
+  ids_of = special_ids(tokenizer_file)
+  mask_id = ids_of["[MASK]"]
+  special = torch.tensor(sorted(ids_of[t] for t in ("[PAD]", "[CLS]", "[SEP]")), device=device)
+  common = dict(vocab_size=vocab_size, embedding_size=size["embed"], max_position_embeddings=size["positions"],
+                hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, layer_norm_eps=1e-12,
+                num_hidden_layers=size["layers"])
+  discriminator = ElectraForPreTraining(ElectraConfig(hidden_size=size["hidden"], num_attention_heads=size["heads"],
+                                                      intermediate_size=size["ffn"], **common))
+  gen_hidden, gen_heads, gen_ffn = generator_sizes(size, fraction)
+  generator = ElectraForMaskedLM(ElectraConfig(hidden_size=gen_hidden, num_attention_heads=gen_heads,
+                                               intermediate_size=gen_ffn, **common))
   generator.electra.embeddings = discriminator.electra.embeddings
   generator.generator_lm_head.weight = discriminator.electra.embeddings.word_embeddings.weight
+  discriminator.to(device)
+  generator.to(device)
   params = list({id(p): p for p in [*discriminator.parameters(), *generator.parameters()]}.values())
   optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.01},
-                                 {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], lr=LR, eps=1e-6)
+                                 {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                                lr=size["lr"], eps=1e-6)
+  warmup = size["warmup"]
   schedule = torch.optim.lr_scheduler.LambdaLR(
-      optimizer, lambda s: s / WARMUP if s < WARMUP else max(0.0, (steps - s) / (steps - WARMUP)))
-  batches = pipeline.pretraining_iterator(prepared, example_format="full_sentences", seq_len=SEQ, batch_size=BATCH,
-                                          seed=0, prefetch=0, workers=0)
+      optimizer, lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / (steps - warmup)))
+  autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+  batches = pipeline.pretraining_iterator(prepared, example_format="full_sentences", seq_len=size["seq"],
+                                          batch_size=size["batch"], seed=0, prefetch=2, workers=0)
   rows, window = {}, []
   for step in range(1, steps + 1):
     batch = next(batches)
-    ids = torch.as_tensor(np.asarray(batch["input_ids"]), dtype=torch.long)
-    real = torch.as_tensor(np.asarray(batch["pack_ids"]) > 0)
-    segments = torch.as_tensor(np.asarray(batch["segment_ids"]), dtype=torch.long)
+    ids = torch.as_tensor(np.asarray(batch["input_ids"]), dtype=torch.long, device=device)
+    real = torch.as_tensor(np.asarray(batch["pack_ids"]) > 0, device=device)
+    segments = torch.as_tensor(np.asarray(batch["segment_ids"]), dtype=torch.long, device=device)
     candidates = real & ~torch.isin(ids, special)
-    order = torch.argsort(torch.rand(ids.shape) + (~candidates) * 10.0, dim=1)
-    counts = torch.clamp(torch.round(0.15 * candidates.sum(1)).long(), 1, MAX_PREDICTIONS)
-    masked = torch.zeros_like(candidates).scatter_(1, order, torch.arange(ids.shape[1])[None] < counts[:, None])
-    masked &= candidates
-    draw = torch.rand(ids.shape)
+    order = torch.argsort(torch.rand(ids.shape, device=device) + (~candidates) * 10.0, dim=1)
+    counts = torch.clamp(torch.round(0.15 * candidates.sum(1)).long(), 1, size["max_predictions"])
+    positions = torch.arange(ids.shape[1], device=device)[None] < counts[:, None]
+    masked = torch.zeros_like(candidates).scatter_(1, order, positions) & candidates
+    draw = torch.rand(ids.shape, device=device)
     generator_input = torch.where(masked & (draw < 0.8), torch.full_like(ids, mask_id), ids)
-    generator_input = torch.where(masked & (draw >= 0.8) & (draw < 0.9), torch.randint(0, vocab_size, ids.shape),
-                                  generator_input)
-    logits = generator(input_ids=generator_input, attention_mask=real.long(), token_type_ids=segments).logits[masked]
-    mlm_loss = torch.nn.functional.cross_entropy(logits, ids[masked])
-    with torch.no_grad():
-      corrupted = ids.clone()
-      corrupted[masked] = torch.distributions.Categorical(logits=logits.float()).sample()
-    replaced = (corrupted != ids).float()
-    rtd_logits = discriminator(input_ids=corrupted, attention_mask=real.long(), token_type_ids=segments).logits
-    rtd_loss = torch.nn.functional.binary_cross_entropy_with_logits(rtd_logits[real], replaced[real])
+    generator_input = torch.where(masked & (draw >= 0.8) & (draw < 0.9),
+                                  torch.randint(0, vocab_size, ids.shape, device=device), generator_input)
+    with autocast:
+      # The generator's head on the masked positions only (what ElectraForMaskedLM does at every position).
+      hidden = generator.electra(input_ids=generator_input, attention_mask=real.long(),
+                                 token_type_ids=segments).last_hidden_state[masked]
+      logits = generator.generator_lm_head(generator.generator_predictions(hidden)).float()
+      mlm_loss = torch.nn.functional.cross_entropy(logits, ids[masked])
+      with torch.no_grad():
+        corrupted = ids.clone()
+        corrupted[masked] = torch.distributions.Categorical(logits=logits).sample()
+      replaced = (corrupted != ids).float()
+      rtd_logits = discriminator(input_ids=corrupted, attention_mask=real.long(), token_type_ids=segments).logits
+      rtd_loss = torch.nn.functional.binary_cross_entropy_with_logits(rtd_logits[real].float(), replaced[real])
     optimizer.zero_grad()
     (mlm_loss + 50.0 * rtd_loss).backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
     schedule.step()
-    window.append(((logits.argmax(-1) == ids[masked]).float().mean().item(), rtd_loss.item(),
-                   replaced[real].mean().item()))
+    # Kept on the device and read once an interval: a read a step would wait for the step.
+    window.append(torch.stack([(logits.argmax(-1) == ids[masked]).float().mean(), rtd_loss.detach().float(),
+                               replaced[real].mean()]))
     if step % every == 0:
-      mlm_accuracy, loss, fraction = np.mean(window, axis=0)
-      rows[step] = {"mlm_accuracy": mlm_accuracy, "rtd_loss": loss, "replaced": fraction}
+      mlm_accuracy, loss, replaced_fraction = torch.stack(window).mean(0).tolist()
+      rows[step] = {"mlm_accuracy": mlm_accuracy, "rtd_loss": loss, "replaced": replaced_fraction}
       window = []
+      if time.monotonic() > stop_at:
+        print(f"reference: stopped at the deadline after step {step}", flush=True)
+        break
   return rows
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=int, default=600)
-  parser.add_argument("--every", type=int, default=100)
-  parser.add_argument("--out", help="also write the table to this Markdown file")
-  args = parser.parse_args()
-  with tempfile.TemporaryDirectory() as tmp:
-    workdir = pathlib.Path(tmp) / "ours"
-    print(f"ours: {args.steps} steps ...", flush=True)
-    mine = ours(workdir, args.steps, args.every)
-    vocab_size = json.loads((workdir / "model_config.json").read_text())["vocab_size"]
-    print(f"reference: {args.steps} steps ...", flush=True)
-    theirs = reference(workdir / "builtin_corpus" / "prepared", workdir / "tokenizer" / "tokenizer.json",
-                       vocab_size, args.steps, args.every)
+def table(mine: dict, theirs: dict, title: str) -> str:
   lines = ["| step | ours MLM acc | ours replaced | ours RTD loss | constant's | reference MLM acc | reference replaced "
            "| reference RTD loss | constant's |", "|---|---|---|---|---|---|---|---|---|"]
   for step in sorted(set(mine) & set(theirs)):
@@ -138,9 +187,87 @@ def main() -> int:
     lines.append(f"| {step} | {a['mlm_accuracy']:.3f} | {a['replaced']:.3f} | {a['rtd_loss']:.4f} | "
                  f"{constant_loss(a['replaced']):.4f} | {b['mlm_accuracy']:.3f} | {b['replaced']:.3f} | "
                  f"{b['rtd_loss']:.4f} | {constant_loss(b['replaced']):.4f} |")
-  text = (f"ELECTRA at the tiny scale, {args.steps} steps of {BATCH} x {SEQ} tokens, ours against the transformers "
-          "reference (means over each interval; ours' replaced fraction is 1 - its RTD accuracy, which is "
-          "the replaced fraction while the discriminator answers 'original' everywhere)\n\n" + "\n".join(lines) + "\n")
+  return title + "\n\n" + "\n".join(lines) + "\n"
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
+  parser.add_argument("--steps", type=int, help="default: the scale's (tiny 600, gpu 3000)")
+  parser.add_argument("--every", type=int, default=100)
+  parser.add_argument("--generator-fraction", type=float, default=0.25)
+  parser.add_argument("--carry", type=pathlib.Path,
+                      help="scale gpu: bench/reproduce.py's carried folder (the Wikipedia sample and vocab.txt)")
+  parser.add_argument("--scratch", type=pathlib.Path, help="where the corpus is prepared (default: a temporary one)")
+  parser.add_argument("--deadline", type=float, default=float("inf"),
+                      help="seconds: stop both sides then and show the steps both reached")
+  parser.add_argument("--out", help="also write the table to this Markdown file")
+  args = parser.parse_args()
+  steps = args.steps or SCALES[args.scale]["steps"]
+  if args.scale == "gpu" and args.carry is None:
+    parser.error("--scale gpu reads the Wikipedia sample: give --carry (see bench/reproduce.py pack)")
+  stop_at = time.monotonic() + args.deadline
+  with tempfile.TemporaryDirectory() as tmp:
+    scratch = args.scratch or pathlib.Path(tmp)
+    workdir = scratch / f"ours_g{args.generator_fraction:g}"
+    seconds = {}
+    if args.scale == "tiny":  # the built-in corpus, prepared by ours' run, which therefore goes first
+      start = time.perf_counter()
+      print(f"ours: {steps} steps ...", flush=True)
+      subprocess.run(ours_command(workdir, "tiny", steps, args.every, args.generator_fraction, None), check=True,
+                     cwd=REPO, stdout=subprocess.DEVNULL)
+      seconds["ours"] = time.perf_counter() - start
+      prepared = workdir / "builtin_corpus" / "prepared"
+      tokenizer_file = workdir / "tokenizer" / "tokenizer.json"
+      ours_process = None
+    else:  # the two at once on one card, ours' JAX leaving the reference room
+      from reproduce import _prepare  # pylint: disable=import-outside-toplevel
+      env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")}
+      prepared, tokenizer_file = _prepare(args.carry, scratch, "gpu", env), args.carry / "vocab.txt"
+      workdir.mkdir(parents=True, exist_ok=True)
+      print(f"ours and the reference: {steps} steps at once ...", flush=True)
+      log = open(workdir.parent / f"{workdir.name}.log", "w")  # pylint: disable=consider-using-with
+      ours_start = time.perf_counter()
+      ours_process = subprocess.Popen(
+          ours_command(workdir, "gpu", steps, args.every, args.generator_fraction, prepared), cwd=REPO, env=env,
+          stdout=log, stderr=subprocess.STDOUT)
+
+      def time_ours():  # ours' own wall time, whichever side finishes first
+        ours_process.wait()
+        seconds.setdefault("ours", time.perf_counter() - ours_start)
+
+      threading.Thread(target=time_ours, daemon=True).start()
+    start = time.perf_counter()
+    vocab_size = (len(tokenizer_file.read_text(encoding="utf-8").splitlines()) if tokenizer_file.suffix == ".txt"
+                  else json.loads((workdir / "model_config.json").read_text())["vocab_size"])
+    theirs = reference(prepared, tokenizer_file, vocab_size, args.scale, steps, args.every, args.generator_fraction,
+                       stop_at)
+    seconds["reference"] = time.perf_counter() - start
+    if ours_process is not None:
+      stopped = False
+      try:
+        ours_process.wait(timeout=max(1.0, stop_at - time.monotonic()))
+      except subprocess.TimeoutExpired:  # the trainer saves and exits on SIGTERM; its metrics so far are kept
+        print("ours: stopped at the deadline", flush=True)
+        stopped = True
+        ours_process.terminate()
+        ours_process.wait()
+      log.close()
+      if (ours_process.returncode != 0 and not stopped) or not (workdir / "metrics.jsonl").exists():
+        print((workdir.parent / f"{workdir.name}.log").read_text()[-4000:], file=sys.stderr)
+        raise SystemExit(f"ours' pre-training failed (exit {ours_process.returncode})")
+      seconds.setdefault("ours", time.perf_counter() - ours_start)
+    mine = read_ours(workdir)
+  import torch  # pylint: disable=import-outside-toplevel
+  card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+  size = SCALES[args.scale]
+  text = table(mine, theirs, (
+      f"ELECTRA at scale {args.scale} ({size['layers']} layers, width {size['hidden']}, generator "
+      f"{args.generator_fraction:g} of it), {steps} steps of {size['batch']} x {size['seq']} tokens, ours against the "
+      f"transformers reference on {card} (ours {seconds['ours']:.0f} s, reference {seconds['reference']:.0f} s"
+      f"{', at once' if ours_process is not None else ''}; means over each interval; ours' replaced fraction is "
+      "1 - its RTD accuracy, which is the replaced fraction while the discriminator answers 'original' everywhere)"))
   print("\n" + text)
   if args.out:
     pathlib.Path(args.out).write_text(text)

@@ -1,0 +1,48 @@
+"""bench/electra_vs_reference.py writes its reference from numbers of its own: they must stay ours' at each scale."""
+
+import pathlib
+import sys
+
+import pytest
+
+from bert_jax.models import electra_generator_config
+from bert_jax.models.config import ModelConfig
+from bert_jax.train import config_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+  sys.path.insert(0, str(REPO / "bench"))
+  try:
+    import electra_vs_reference
+  finally:
+    sys.path.remove(str(REPO / "bench"))
+  return electra_vs_reference
+
+
+@pytest.mark.parametrize("scale", ["tiny", "gpu"])
+def test_reference_sizes_and_recipe_are_the_configs(bench, scale):
+  size = bench.SCALES[scale]
+  config = config_lib.load_config(f"{REPO}/configs/ablations/electra_compute.py:scale={scale}")
+  model = config.model
+  assert (size["layers"], size["hidden"], size["heads"], size["ffn"], size["embed"], size["positions"]) == (
+      model.num_layers, model.hidden_size, model.num_heads, model.intermediate_size, model.embedding_size,
+      model.max_position_embeddings)
+  assert config.loss.rtd_weight == 50.0 and config.loss.generator_weight == 1.0
+  if scale == "gpu":  # at scale tiny the bench sets these itself (`ours_command`)
+    assert (size["lr"], size["warmup"], size["batch"], size["seq"], size["max_predictions"], size["steps"]) == (
+        config.optim.lr, config.optim.warmup_steps, config.train.batch_size, config.data.seq_len,
+        config.masking.max_predictions, config.train.steps)
+
+
+@pytest.mark.parametrize("scale", ["tiny", "gpu"])
+@pytest.mark.parametrize("fraction", [0.125, 0.25, 1 / 3, 0.5, 1.0])
+def test_reference_generator_follows_the_generator_rule(bench, scale, fraction):
+  size = bench.SCALES[scale]
+  discriminator = ModelConfig(vocab_size=100, hidden_size=size["hidden"], num_layers=size["layers"],
+                              num_heads=size["heads"], intermediate_size=size["ffn"], embedding_size=size["embed"])
+  generator = electra_generator_config(discriminator, fraction)
+  assert bench.generator_sizes(size, fraction) == (generator.hidden_size, generator.num_heads,
+                                                   generator.intermediate_size)
