@@ -531,7 +531,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--masking", default="token", help=f"GPU part: of {','.join(MASKING)}")
   parser.add_argument("--batch", type=int, default=256, help="GPU part: batch size")
   parser.add_argument("--mini-batch", type=int, default=1024, help="GPU part: mini also at this batch")
-  parser.add_argument("--loop-seconds", type=float, default=6.0, help="GPU part: about this long a loop")
+  parser.add_argument("--loop-seconds", type=float, default=6.0,
+                      help="GPU part: about this long a loop, from the synthetic step's rate (the trivial step has "
+                           "none: it runs --loop-steps, or 1000 steps)")
   parser.add_argument("--loop-workers", default="auto", help="GPU part: data.workers of the loop")
   parser.add_argument("--profile", help="also print a cProfile of one thread building this format's batches")
   parser.add_argument("--budget-seconds", type=float, default=420,
@@ -540,7 +542,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--loop-step", choices=("real", "trivial"), default="real",
                       help="GPU part: the real jitted step, or one that only reads the batch and counts the step "
                            "(the loop's host work alone; no synthetic step is measured)")
-  parser.add_argument("--loop-steps", type=int, help="GPU part: steps per loop (default: from --loop-seconds)")
+  parser.add_argument("--loop-steps", type=int,
+                      help="GPU part: steps per loop (default: from --loop-seconds; 1000 with --loop-step trivial)")
   parser.add_argument("--loop-profile", action="store_true",
                       help="GPU part: sample every thread's stack during the timed steps and print where each "
                            "busy thread's time goes (adds a little work of its own; with --repeat, from the second "
