@@ -7,8 +7,9 @@ with 4 devices: the same global devices, batch and steps. A small driver wraps
 the data pipeline to record the `example_ids` each process fed into each step.
 
   reference    1 process x 4 devices, data parallel, 6 steps (checkpoints at 3 and 6)
-  two_process  2 processes x 2 devices, data parallel and FSDP, 6 steps
-  four_process 4 processes x 1 device, FSDP (every parameter split over the 4 processes), 6 steps
+  two_process  2 processes x 2 devices, data parallel, 6 steps
+  four_process 4 processes x 1 device, FSDP (every parameter split over the 4 processes), 6 steps, checked for
+               everything two_process is
   resumed      the step-3 checkpoint of one run continued to step 6 by another
                process count (resharding on restore): 1 -> 2 and 4 -> 1
   preempted    2 processes, SIGTERM to process 0 only: both stop after the same
@@ -16,6 +17,7 @@ the data pipeline to record the `example_ids` each process fed into each step.
                with two steps a jitted call: both stop at the end of the same call)
 """
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -88,12 +90,16 @@ _CONFIG = textwrap.dedent("""
 
 
 class Runner:
-  """Starts `bert-jax pretrain` in N processes on the tiny config; one compilation cache for the module."""
+  """Starts `bert-jax pretrain` in N processes on the tiny config that `write_config` wrote in `root`; one
+  compilation cache for the module."""
 
-  def __init__(self, root: pathlib.Path, prepared_dir: pathlib.Path):
+  @staticmethod
+  def write_config(root: pathlib.Path, prepared_dir: pathlib.Path):
+    (root / "tiny_multihost.py").write_text(_CONFIG.format(tests=str(TESTS), prepared=str(prepared_dir), steps=STEPS,
+                                                           checkpoint_every=CHECKPOINT_EVERY, batch=GLOBAL_BATCH))
+
+  def __init__(self, root: pathlib.Path):
     self.config_file = root / "tiny_multihost.py"
-    self.config_file.write_text(_CONFIG.format(tests=str(TESTS), prepared=str(prepared_dir), steps=STEPS,
-                                               checkpoint_every=CHECKPOINT_EVERY, batch=GLOBAL_BATCH))
     # JAX reads and writes this cache on process 0 only, which still spares
     # that process's compile (and a CPU core) for programs seen before.
     self.env = {"JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
@@ -135,22 +141,35 @@ def resume_copy(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
   return target
 
 
-@pytest.fixture(scope="module")
+def run_once(tmp_path_factory, name, run) -> tuple[pathlib.Path, list[multiprocess_util.ProcessResult]]:
+  """(workdir, results) of `run(workdir)`, run once for xdist's workers (conftest.py's built_once): the tests of
+  this module that read one run may be spread over both."""
+  from conftest import built_once
+
+  def build(root):
+    results = run(root / "run")
+    (root / "results.json").write_text(json.dumps([dataclasses.asdict(result) for result in results]))
+
+  root = built_once(tmp_path_factory, name, build)
+  return root / "run", [multiprocess_util.ProcessResult(**r) for r in json.loads((root / "results.json").read_text())]
+
+
+@pytest.fixture(scope="session")
 def runner(prepared, tmp_path_factory):  # noqa: F811
-  return Runner(tmp_path_factory.mktemp("multihost"), prepared)
+  from conftest import built_once
+  return Runner(built_once(tmp_path_factory, "multihost", lambda root: Runner.write_config(root, prepared)))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(runner, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("reference")
-  (result,) = runner(workdir, 1, "data")
+  workdir, (result,) = run_once(tmp_path_factory, "multihost_reference", lambda workdir: runner(workdir, 1, "data"))
   return workdir, result.json()["fed"]
 
 
-@pytest.fixture(scope="module", params=sorted(MESHES))
-def two_process(request, runner, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp(f"two_process_{request.param}")
-  return workdir, runner(workdir, 2, request.param)
+# Data parallel only: FSDP over processes from the first step is the four-process run's (same checks, below).
+@pytest.fixture(scope="session")
+def two_process(runner, tmp_path_factory):
+  return run_once(tmp_path_factory, "multihost_two_process", lambda workdir: runner(workdir, 2, "data"))
 
 
 def assert_losses_match(workdir, reference_dir, steps):
@@ -175,28 +194,38 @@ def test_each_process_feeds_only_its_own_rows(two_process, reference):
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, STEPS + 1))
 
 
-def test_losses_equal_the_single_process_run(two_process, reference):
-  (workdir, _), (reference_dir, _) = two_process, reference
-  assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
+def assert_evaluation_matches(workdir, reference_dir):
+  """The run logged one evaluation, with the single-process run's MLM loss."""
   evaluation = [r for r in metrics(workdir) if "eval/mlm_loss" in r]
   reference_eval = [r for r in metrics(reference_dir) if "eval/mlm_loss" in r]
   assert len(evaluation) == 1
   np.testing.assert_allclose(evaluation[0]["eval/mlm_loss"], reference_eval[0]["eval/mlm_loss"], rtol=1e-5)
 
 
-def test_primary_only_side_effects_happen_once(two_process):
-  workdir, results = two_process
+def assert_primary_only_side_effects_happen_once(workdir, results):
+  """Files and reports of the whole run are written and printed once, by process 0."""
   assert len(metrics(workdir)) == STEPS + 1  # one line per train step and one eval line, no duplicates
-  assert json.loads((workdir / "environment.json").read_text())["process_count"] == 2
+  assert json.loads((workdir / "environment.json").read_text())["process_count"] == len(results)
   assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == STEPS
   assert len(list((workdir / "tensorboard").iterdir())) == 1  # one event file
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(CHECKPOINT_EVERY), str(STEPS)]
-  primary, other = results[0].stdout, results[1].stdout
+  primary = results[0].stdout
   assert primary.count("bert_jax pretrain:") == 1
   assert f"pretrain: {STEPS}/{STEPS} step (100%)" in primary  # the progress lines (not a terminal)
   assert primary.count("Checkpoints: ") == 1  # the CLI's closing report
-  for text in ("pretrain", "eval @", "Checkpoints", "MLM loss"):
-    assert text not in other, f"process 1 printed {text!r}:\n{other}"
+  for result in results[1:]:
+    for text in ("pretrain", "eval @", "Checkpoints", "MLM loss"):
+      assert text not in result.stdout, f"process {result.process_id} printed {text!r}:\n{result.stdout}"
+
+
+def test_losses_equal_the_single_process_run(two_process, reference):
+  (workdir, _), (reference_dir, _) = two_process, reference
+  assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
+  assert_evaluation_matches(workdir, reference_dir)
+
+
+def test_primary_only_side_effects_happen_once(two_process):
+  assert_primary_only_side_effects_happen_once(*two_process)
 
 
 def test_one_process_checkpoint_continues_in_two_processes_with_fsdp(reference, runner, tmp_path):
@@ -210,17 +239,16 @@ def test_one_process_checkpoint_continues_in_two_processes_with_fsdp(reference, 
 
 @pytest.mark.slow
 def test_four_processes_with_fsdp_equal_the_single_process_run_and_continue_in_one(reference, runner, tmp_path):
-  """4 processes with one device each: rows, losses and side effects as one process; the checkpoint, each process
-  holding its own parameter shards, is restored and continued by 1 process (replicated)."""
+  """4 processes with one device each, FSDP from the first step: rows, losses, evaluation and side effects as one
+  process; the checkpoint, each process holding its own parameter shards, is restored and continued by 1 process
+  (replicated)."""
   reference_dir, reference_fed = reference
   workdir = tmp_path / "four_process"
   results = runner(workdir, 4, "fsdp")
   assert_rows_split_by_process(fed_per_process(results), reference_fed, range(1, STEPS + 1))
   assert_losses_match(workdir, reference_dir, range(1, STEPS + 1))
-  assert len(metrics(workdir)) == STEPS + 1
-  assert json.loads((workdir / "environment.json").read_text())["process_count"] == 4
-  assert results[0].stdout.count("Checkpoints: ") == 1
-  assert not any("Checkpoints" in r.stdout or "eval @" in r.stdout for r in results[1:])
+  assert_evaluation_matches(workdir, reference_dir)
+  assert_primary_only_side_effects_happen_once(workdir, results)
 
   resumed = resume_copy(workdir, tmp_path / "resumed")
   (result,) = runner(resumed, 1, "data")

@@ -36,13 +36,17 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
-  """The built-in corpus with a small WordPiece vocabulary, prepared once for the session."""
-  root = tmp_path_factory.mktemp("builtin")
-  corpus = builtin_corpus.build_builtin_corpus(root / "corpus.txt")
-  tokenizers.train_tokenizer("wordpiece", [str(corpus)], 2000, root / "tokenizer")
-  prepare.prepare_corpus([str(corpus)], root / "tokenizer", root / "prepared", eval_fraction=0.05, num_workers=1,
-                         log=lambda *a: None)
-  return root / "prepared"
+  """The built-in corpus with a small WordPiece vocabulary, prepared once for the run (xdist's workers share it, so
+  runs that one worker writes and another continues name the same corpus)."""
+  from conftest import built_once  # here: the processes that tests start import this module, never conftest
+
+  def build(root):
+    corpus = builtin_corpus.build_builtin_corpus(root / "corpus.txt")
+    tokenizers.train_tokenizer("wordpiece", [str(corpus)], 2000, root / "tokenizer")
+    prepare.prepare_corpus([str(corpus)], root / "tokenizer", root / "prepared", eval_fraction=0.05, num_workers=1,
+                           log=lambda *a: None)
+
+  return built_once(tmp_path_factory, "builtin", build) / "prepared"
 
 
 FORMATS = {"mlm+nsp": "segment_pair", "mlm+sop": "sop", "mlm": "full_sentences", "mlm+sbo": "doc_sentences",
@@ -129,12 +133,17 @@ def short_config(prepared_dir, steps, **train):
   return tiny_config(prepared_dir, steps=steps, schedule="constant", **train)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def four_steps(prepared, tmp_path_factory):
-  """A finished 4-step run (checkpoints at 2 and 4, every step logged): the resume tests continue copies of it."""
-  workdir = tmp_path_factory.mktemp("four_steps") / "run"
-  trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1), workdir)
-  return workdir
+  """A finished 4-step run (checkpoints at 2 and 4, every step logged), run once for xdist's workers: the resume
+  tests continue copies of it."""
+  from conftest import built_once
+
+  def build(root):
+    trainer.train_and_evaluate(short_config(prepared, steps=4, checkpoint_every=2, eval_every=0, log_every=1),
+                               root / "run")
+
+  return built_once(tmp_path_factory, "four_steps", build) / "run"
 
 
 def _continued(workdir: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
