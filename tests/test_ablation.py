@@ -68,19 +68,40 @@ def _glue_sst2(root: pathlib.Path) -> pathlib.Path:
   return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def setup(tmp_path_factory):
-  root = tmp_path_factory.mktemp("ablation")
-  config_file = root / "table_t.py"
-  config_file.write_text(TABLE_CONFIG)
-  return str(config_file), {"glue": str(_glue_sst2(root / "glue"))}, root
+  """(table config file, data folders, their folder), written once for xdist's workers."""
+  from conftest import built_once
+
+  def build(root):
+    (root / "table_t.py").write_text(TABLE_CONFIG)
+    _glue_sst2(root / "glue")
+
+  root = built_once(tmp_path_factory, "ablation", build)
+  return str(root / "table_t.py"), {"glue": str(root / "glue")}, root
 
 
-@pytest.fixture(scope="module")
-def swept(setup):
-  spec, data_dirs, root = setup
-  results = ablation.run_sweep(ablation.load_table(spec), root / "run", data_dirs)
-  return results, root / "run"
+@pytest.fixture(scope="session")
+def swept_once(setup, tmp_path_factory):
+  """(results, workdir) of the real sweep, run once for xdist's workers."""
+  from conftest import built_once
+  spec, data_dirs, _ = setup
+
+  def build(root):
+    results = ablation.run_sweep(ablation.load_table(spec), root / "run", data_dirs)
+    (root / "results.json").write_text(json.dumps(results))
+
+  built = built_once(tmp_path_factory, "ablation_sweep", build)
+  return json.loads((built / "results.json").read_text()), built / "run"
+
+
+@pytest.fixture
+def swept(swept_once):
+  """The real sweep, one test at a time across xdist's workers: a test may change its workdir and put it back."""
+  import filelock
+  results, workdir = swept_once
+  with filelock.FileLock(str(workdir) + ".lock"):
+    yield results, workdir
 
 
 def _main_table(markdown: str) -> str:
