@@ -200,12 +200,20 @@ def _prepare(carry: pathlib.Path, scratch: pathlib.Path, scale: str, env: dict) 
   return prepared
 
 
-def _needs_spans(table_name: str, scale: str) -> bool:
+def _needs_spans(table_name: str, scale: str, sweep_args: list[str]) -> bool:
+  """Whether a row that this call runs (all, or those `--rows` names) masks marked linguistic spans."""
   from bert_jax.data import masking
   from bert_jax.experiments import ablation
 
   table = ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}"))
-  return any(row.overrides.get("masking.granularity") in masking.LINGUISTIC_GRANULARITIES for row in table.rows)
+  rows = table.rows
+  if "--rows" in sweep_args:
+    text = sweep_args[sweep_args.index("--rows") + 1]
+    try:
+      rows = [rows[int(index)] for index in text.split(",") if index.strip()]
+    except (ValueError, IndexError):
+      raise SystemExit(f"--rows {text}: {table_name} has rows 0 to {len(rows) - 1}; give their indices, e.g. 0,2")
+  return any(row.overrides.get("masking.granularity") in masking.LINGUISTIC_GRANULARITIES for row in rows)
 
 
 def _f1(workdir: pathlib.Path) -> float:
@@ -265,7 +273,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   prepared = _prepare(carry, scratch, args.scale, env)
   prepare_seconds = round(time.time() - started, 1)
   taggers = None
-  if any(_needs_spans(name, args.scale) for name in tables):
+  if any(_needs_spans(name, args.scale, sweep_args) for name in tables):
     from bert_jax.tasks import spans as spans_lib
 
     if (carry / SPANS_FILE).exists():

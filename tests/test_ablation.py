@@ -262,6 +262,21 @@ def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypat
   assert reproduce._rows_per_device(2) == "4" and reproduce._rows_per_device(6) == "6"
 
 
+def test_reproduce_marks_spans_only_for_the_rows_it_runs():
+  """SpanBERT's masking table: only its entity and noun-phrase rows (2, 3) need the corpus' spans marked first."""
+  sys.path.insert(0, str(REPO / "bench"))
+  try:
+    import reproduce
+  finally:
+    sys.path.remove(str(REPO / "bench"))
+  assert reproduce._needs_spans("spanbert_masking", "tiny", [])
+  assert not reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "0,4", "--config.seed=2"])
+  assert reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "0,3"])
+  assert not reproduce._needs_spans("bert_table5", "tiny", [])
+  with pytest.raises(SystemExit, match="spanbert_masking has rows 0 to 4"):
+    reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "5"])
+
+
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
