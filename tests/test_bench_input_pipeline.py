@@ -19,8 +19,8 @@ def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
   out = tmp_path / "out"
   assert bench.main(["--out", str(out), "--scratch", str(tmp_path / "scratch"), "--data", str(prepared),
                      "--formats", "segment_pair", "--batches", "8", "--workers", "0", "--seconds", "0.3",
-                     "--sizes", "tiny", "--batch", "8", "--loop-formats", "packed",
-                     "--loop-steps", "200", "--loop-on-cpu", "--loop-step", "trivial", "--loop-profile",
+                     "--sizes", "mini", "--batch", "8", "--mini-batch", "8", "--loop-formats", "packed",
+                     "--loop-seconds", "1", "--loop-on-cpu", "--loop-step", "trivial", "--loop-profile",
                      "--steps-per-call", "1,2"]) == 0
   report = json.loads((out / "input_pipeline.json").read_text())
   (host,) = report["host"]
@@ -38,4 +38,4 @@ def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
   assert report["loop"][0]["profile"]["thread_cores"][0][0] == "main"
   assert sorted(path.name for path in out.iterdir()) == ["input_pipeline.json", "input_pipeline.md", "loop.log"]
   printed = capsys.readouterr().out
-  assert "| tiny/packed/8/trivial #1" in printed and "| tiny/packed/8/trivial/k2 #1" in printed
+  assert "| mini/packed/8/trivial #1" in printed and "| mini/packed/8/trivial/k2 #1" in printed
