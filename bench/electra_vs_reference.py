@@ -38,9 +38,10 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from bert_jax.data import pipeline  # noqa: E402  (after the path so that a checkout runs without installing)
+from bert_jax.models import ModelConfig, electra_generator_config  # noqa: E402
 
 # Per scale: what ours' config sets at that scale (configs/ablations/electra_compute.py, `ablation.base_config`),
-# written out again for the reference. The generator's sizes follow `electra_generator_config`'s rule.
+# written out again for the reference; the generator's sizes are ours' rule's (`generator_sizes`).
 SCALES = {
     "tiny": dict(layers=2, hidden=64, heads=2, ffn=128, embed=64, positions=128, lr=1e-3, warmup=30, batch=16,
                  seq=64, max_predictions=10, steps=600),
@@ -54,12 +55,11 @@ def constant_loss(replaced: float) -> float:
 
 
 def generator_sizes(size: dict, fraction: float) -> tuple[int, int, int]:
-  """(hidden, heads, feed-forward) of the generator, by the rule of `electra_generator_config`."""
-  hidden = max(16, int(round(size["hidden"] * fraction)))
-  heads = max(1, hidden // 64) if hidden % 64 == 0 else max(1, size["heads"] * hidden // size["hidden"])
-  while hidden % heads:
-    heads -= 1
-  return hidden, heads, int(hidden * size["ffn"] / size["hidden"])
+  """(hidden, heads, feed-forward) of the generator: ours' (`electra_generator_config`) for this discriminator."""
+  generator = electra_generator_config(
+      ModelConfig(vocab_size=1, hidden_size=size["hidden"], num_layers=size["layers"], num_heads=size["heads"],
+                  intermediate_size=size["ffn"], embedding_size=size["embed"]), fraction)
+  return generator.hidden_size, generator.num_heads, generator.intermediate_size
 
 
 def ours_command(workdir: pathlib.Path, scale: str, steps: int, every: int, fraction: float,

@@ -160,12 +160,18 @@ def pack_results(root: pathlib.Path, archive: pathlib.Path, skip=lambda relative
   return files
 
 
-def _row_count(table_name: str, scale: str, sweep_args: list[str]) -> int:
+def _selected_rows(table_name: str, scale: str, sweep_args: list[str]) -> list:
+  """The table's rows that this call runs: all, or those `--rows` names."""
   from bert_jax.experiments import ablation
 
-  if "--rows" in sweep_args:
-    return len(sweep_args[sweep_args.index("--rows") + 1].split(","))
-  return len(ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}")).rows)
+  rows = ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}")).rows
+  if "--rows" not in sweep_args:
+    return list(rows)
+  text = sweep_args[sweep_args.index("--rows") + 1]
+  try:
+    return [rows[int(index)] for index in text.split(",") if index.strip()]
+  except (ValueError, IndexError):
+    raise SystemExit(f"--rows {text}: {table_name} has rows 0 to {len(rows) - 1}; give their indices, e.g. 0,2")
 
 
 def _core_shares(counts: list[int]) -> list[list[int]]:
@@ -203,17 +209,9 @@ def _prepare(carry: pathlib.Path, scratch: pathlib.Path, scale: str, env: dict) 
 def _needs_spans(table_name: str, scale: str, sweep_args: list[str]) -> bool:
   """Whether a row that this call runs (all, or those `--rows` names) masks marked linguistic spans."""
   from bert_jax.data import masking
-  from bert_jax.experiments import ablation
 
-  table = ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}"))
-  rows = table.rows
-  if "--rows" in sweep_args:
-    text = sweep_args[sweep_args.index("--rows") + 1]
-    try:
-      rows = [rows[int(index)] for index in text.split(",") if index.strip()]
-    except (ValueError, IndexError):
-      raise SystemExit(f"--rows {text}: {table_name} has rows 0 to {len(rows) - 1}; give their indices, e.g. 0,2")
-  return any(row.overrides.get("masking.granularity") in masking.LINGUISTIC_GRANULARITIES for row in rows)
+  return any(row.overrides.get("masking.granularity") in masking.LINGUISTIC_GRANULARITIES
+             for row in _selected_rows(table_name, scale, sweep_args))
 
 
 def _f1(workdir: pathlib.Path) -> float:
@@ -281,7 +279,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     elif "spans" not in json.loads((prepared / "manifest.json").read_text()):
       taggers = mark(carry, scratch, prepared, args.scale, env, out)
   mark_seconds = round(time.time() - started - prepare_seconds, 1)
-  counts = [_row_count(name, args.scale, sweep_args) for name in tables]
+  counts = [len(_selected_rows(name, args.scale, sweep_args)) for name in tables]
   devices = 1 if args.table_per_device else args.devices or sum(counts)
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(len(tables))))).split(",")
   # Every row of every table side by side: each sweep splits memory by all the rows on its accelerator.
