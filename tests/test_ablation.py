@@ -249,13 +249,19 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
   assert _main_table((workdir / "table.md").read_text()) == reference
 
 
-def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypatch):
-  """Two `reproduce.py run` processes on one GPU: each call's sweeps split its memory by every row on it, when told."""
+def _bench_reproduce():
+  """bench/reproduce.py as a module."""
   sys.path.insert(0, str(REPO / "bench"))
   try:
     import reproduce
   finally:
     sys.path.remove(str(REPO / "bench"))
+  return reproduce
+
+
+def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypatch):
+  """Two `reproduce.py run` processes on one GPU: each call's sweeps split its memory by every row on it, when told."""
+  reproduce = _bench_reproduce()
   monkeypatch.delenv(ablation.SHARING_ENV, raising=False)
   assert reproduce._rows_per_device(2) == "2"
   monkeypatch.setenv(ablation.SHARING_ENV, "4")
@@ -264,11 +270,7 @@ def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypat
 
 def test_reproduce_marks_spans_only_for_the_rows_it_runs():
   """SpanBERT's masking table: only its entity and noun-phrase rows (2, 3) need the corpus' spans marked first."""
-  sys.path.insert(0, str(REPO / "bench"))
-  try:
-    import reproduce
-  finally:
-    sys.path.remove(str(REPO / "bench"))
+  reproduce = _bench_reproduce()
   assert reproduce._needs_spans("spanbert_masking", "tiny", [])
   assert not reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "0,4", "--config.seed=2"])
   assert reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "0,3"])
@@ -277,15 +279,23 @@ def test_reproduce_marks_spans_only_for_the_rows_it_runs():
     reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "5"])
 
 
+def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):
+  """`pack --wheels DIR` names the carried packages DIR has no wheel of, before copying anything."""
+  reproduce = _bench_reproduce()
+  for name in ("grain-0.2.13-cp312-cp312-manylinux2014_x86_64.whl", "ml_collections-1.1.0-py3-none-any.whl",
+               "tensorboardx-2.6.5-py3-none-any.whl", "portpicker-1.6.0-py3-none-any.whl"):
+    (tmp_path / name).touch()
+  assert reproduce.missing_wheels(tmp_path) == ["array_record", "dm_tree"]
+  with pytest.raises(SystemExit, match="no wheel of array_record, dm_tree"):
+    reproduce.pack(tmp_path / "carry", tmp_path)
+  assert not (tmp_path / "carry").exists()
+
+
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
   that came back twice from the later call."""
-  sys.path.insert(0, str(REPO / "bench"))
-  try:
-    import reproduce
-  finally:
-    sys.path.remove(str(REPO / "bench"))
+  reproduce = _bench_reproduce()
   results, workdir = swept
   calls = [tmp_path / "call1" / "table_t", tmp_path / "call2" / "table_t", tmp_path / "call3" / "table_t"]
 
