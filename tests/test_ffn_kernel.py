@@ -2,13 +2,15 @@
 
 The kernels themselves (`ffn_kernel.bias_gelu_matmul` and its ping-pong forms, Mosaic GPU) run on a Hopper GPU
 only: tests/test_ffn_kernel_gpu.py checks them there against the XLA forms, tests/test_kernels_lower.py lowers
-them here. Here: their erf, GELU and GELU' against `lax.erf` / `ops.gelu` / autodiff, the custom gradient that
+them here. Here: their erf, GELU and GELU' against `lax.erf` / `ops.gelu` / autodiff, both GELU forms against
+their float64 closed forms, the custom gradient that
 the kernel path uses against autodiff of the XLA form, and that off GPU nothing changes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from bert_jax.kernels import ffn as ffn_kernel
 from bert_jax.kernels import ops
+from bert_jax.models import encoder
 from bert_jax.models.config import ModelConfig
 
 
@@ -26,6 +29,23 @@ def test_kernel_erf_and_gelu_match_lax_to_float32_rounding():
   x = jnp.linspace(-9.0, 9.0, 100_001, dtype=jnp.float32)
   assert float(jnp.max(jnp.abs(ffn_kernel.erf(x) - jax.lax.erf(x)))) < 1e-6
   assert float(jnp.max(jnp.abs(ffn_kernel.gelu(x) - ops.gelu(x)))) < 2e-6
+
+
+def test_both_gelu_forms_match_float64_closed_forms():
+  """Exact GELU (the kernels' and the XLA form) and the tanh form (ALBERT's gelu_new, the encoder's "gelu_tanh")
+  against their formulas evaluated in float64 with the standard library's erf and tanh."""
+  x = jnp.linspace(-9.0, 9.0, 20_001, dtype=jnp.float32)
+  values = np.asarray(x, np.float64)
+  exact = np.array([0.5 * v * (1.0 + math.erf(v / math.sqrt(2.0))) for v in values])
+  tanh_form = np.array([0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3)))
+                        for v in values])
+  # float32 rounding, and the cancellation in 1 + erf (or tanh) where it is near -1: a few ulps of max(|x|, 1).
+  bound = 2 * np.finfo(np.float32).eps * np.maximum(np.abs(values), 1.0)
+  for candidate in (ffn_kernel.gelu(x), ops.gelu(x), encoder.activation(ModelConfig(hidden_act="gelu"))(x)):
+    assert np.all(np.abs(np.asarray(candidate, np.float64) - exact) <= bound)
+  tanh_gelu = encoder.activation(ModelConfig(hidden_act="gelu_tanh"))
+  assert np.all(np.abs(np.asarray(tanh_gelu(x), np.float64) - tanh_form) <= bound)
+  assert np.max(np.abs(tanh_form - exact)) > 1e-4  # the two forms are told apart at this bound
 
 
 def test_kernel_gelu_derivative_matches_autodiff():
