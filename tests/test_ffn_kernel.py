@@ -3,8 +3,8 @@
 The kernels themselves (`ffn_kernel.bias_gelu_matmul` and its ping-pong forms, Mosaic GPU) run on a Hopper GPU
 only: tests/test_ffn_kernel_gpu.py checks them there against the XLA forms, tests/test_kernels_lower.py lowers
 them here. Here: their erf, GELU and GELU' against `lax.erf` / `ops.gelu` / autodiff, both GELU forms against
-their float64 closed forms, the custom gradient that
-the kernel path uses against autodiff of the XLA form, and that off GPU nothing changes.
+their float64 closed forms, the custom gradient that the kernel path uses against autodiff of the XLA form, and
+that off GPU nothing changes.
 """
 
 from __future__ import annotations
