@@ -72,9 +72,20 @@ class _H100:
   core_count = 132  # the persistent grid's size
 
 
-@pytest.mark.parametrize("tokens, hidden, intermediate", [(32768, 768, 3072), (16384, 1024, 4096)])
-def test_ffn_kernel_lowers(monkeypatch, tokens, hidden, intermediate):
+@pytest.fixture
+def h100(monkeypatch):
+  """jax.devices() answering an H100 while the test runs; the FFN kernels lowered meanwhile (for its core count)
+  are then dropped from the kernel module's caches, so no later test in this process reuses them."""
   monkeypatch.setattr(jax, "devices", lambda *_: [_H100()])
+  yield
+  for call in (ffn_kernel._call, ffn_kernel._pingpong_call):  # noqa: SLF001
+    call.exported.cache_clear()
+    call.clear_cache()
+
+
+@pytest.mark.parametrize("tokens, hidden, intermediate", [(32768, 768, 3072), (16384, 1024, 4096)])
+@pytest.mark.usefixtures("h100")
+def test_ffn_kernel_lowers(tokens, hidden, intermediate):
   args = (shape((tokens, hidden), jnp.bfloat16), shape((hidden, intermediate), jnp.bfloat16),
           shape((intermediate,), jnp.float32))
   assert "mosaic_gpu" in lower_for_cuda(ffn_kernel.bias_gelu_matmul, *args)
@@ -83,10 +94,10 @@ def test_ffn_kernel_lowers(monkeypatch, tokens, hidden, intermediate):
 
 
 @pytest.mark.parametrize("tokens, hidden, intermediate", [(32768, 768, 3072), (16384, 1024, 4096)])
-def test_pingpong_kernels_lower(monkeypatch, tokens, hidden, intermediate):
+@pytest.mark.usefixtures("h100")
+def test_pingpong_kernels_lower(tokens, hidden, intermediate):
   """The ping-pong forward (with the model's ring depth) and the backward (dh) kernels: their hand-built ring,
   barriers and epilogues, within the shared-memory budget."""
-  monkeypatch.setattr(jax, "devices", lambda *_: [_H100()])
   x, h = shape((tokens, hidden), jnp.bfloat16), shape((tokens, intermediate), jnp.bfloat16)
   wi, wo = shape((hidden, intermediate), jnp.bfloat16), shape((intermediate, hidden), jnp.bfloat16)
   forward = functools.partial(ffn_kernel.bias_gelu_matmul_pingpong, tiles=ffn_kernel.PINGPONG_FORWARD_TILES)
@@ -124,11 +135,11 @@ def test_triton_ir_and_launch_of_each_flash_kernel_extracted_for_the_offline_reg
   assert all("tt.func" in ttir for *_, ttir in kernels)
 
 
-def test_ffn_kernel_is_lowered_once_for_every_program(monkeypatch):
+@pytest.mark.usefixtures("h100")
+def test_ffn_kernel_is_lowered_once_for_every_program():
   """Two programs calling the FFN kernels lower to one text (`ffn._lowered_once` lowers each kernel once: from jax
   0.11 Mosaic GPU stamps every kernel module it lowers with a process-wide count), so a second fine-tuning task of
   the same shapes reads the first's compilation from the persistent cache."""
-  monkeypatch.setattr(jax, "devices", lambda *_: [_H100()])
   x, wi, wo = shape((2048, 256), jnp.bfloat16), shape((256, 1024), jnp.bfloat16), shape((1024, 256), jnp.bfloat16)
 
   def program(x, wi, wo, bias):
