@@ -20,6 +20,9 @@
   python bench/reproduce.py publish OUT/bert_table5
   # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one table
   python bench/reproduce.py publish OUT1/bert_table6 OUT2/bert_table6
+  # one table published at several budgets: a row's score minus another's per task against pre-training steps
+  python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
+      --rows "Geometric Spans" "Subword Tokens" --out docs/reproductions/spanbert_masking_18000/gap_by_budget.png
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
@@ -398,6 +401,21 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
   print(f"published {first.name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 
 
+def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.Path) -> None:
+  """Writes `out`: row `first` minus row `second` per task against pre-training steps, one point per folder."""
+  from bert_jax.experiments import table
+
+  tables = []
+  for folder in folders:
+    if not (folder / "results.json").is_file():
+      raise SystemExit(f"{folder}: no results.json; give folders that `publish` wrote (docs/reproductions/TABLE)")
+    tables.append((str(folder), json.loads((folder / "results.json").read_text())))
+  try:
+    print(table.plot_gap_by_budget(tables, first, second, out))
+  except ValueError as error:
+    raise SystemExit(str(error)) from None
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -427,7 +445,17 @@ def main() -> int:
                               help="OUT/TABLE folders as they came back; one table's folders from several calls (each "
                               "some of its rows; a row from the last call that ran it) make one table")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
+  gap_parser = sub.add_parser("gap", help="plot one row's score minus another's per task against pre-training steps, "
+                              "over published runs of one table at several budgets")
+  gap_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE folders (their results.json)")
+  gap_parser.add_argument("--rows", nargs=2, required=True, metavar=("FIRST", "SECOND"), help="the two rows' names")
+  gap_parser.add_argument("--out", required=True, help="the PNG to write")
   args, rest = parser.parse_known_args()
+  if args.command == "gap":
+    if rest:
+      parser.error(f"unrecognised arguments {rest}")
+    gap(list(map(pathlib.Path, args.published)), *args.rows, pathlib.Path(args.out))
+    return 0
   if args.command == "publish":
     by_table: dict[str, list[pathlib.Path]] = {}
     for returned in map(pathlib.Path, args.returned):

@@ -291,6 +291,23 @@ def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):
   assert not (tmp_path / "carry").exists()
 
 
+def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_path):
+  """`reproduce.py gap`: one table run at two budgets; per task, first minus second at the first row's steps, the
+  seed spreads added in quadrature; a task one row lacks is left out of that run; a wrong row name is one line."""
+  def run(steps, a, b, a_std=3.0, b_std=4.0):
+    task = lambda median, std: {"median": median, "std": std}  # noqa: E731
+    return {"published": {"table": "Table 6"}, "suite": {"tasks": ["mrpc", "squad1.1_f1"]},
+            "rows": [{"name": "Spans", "pretrain": {"step": steps}, "tasks": {"mrpc": task(a, a_std),
+                                                                             "squad1.1_f1": task(a, a_std)}},
+                     {"name": "Tokens", "pretrain": {"step": steps}, "tasks": {"mrpc": task(b, b_std)}}]}
+
+  tables = [("long", run(18000, 70.0, 60.0)), ("short", run(3000, 50.0, 62.5, a_std=0.0, b_std=0.0))]
+  assert table.gap_by_budget(tables, "Spans", "Tokens") == {"mrpc": [(3000, -12.5, 0.0), (18000, 10.0, 5.0)]}
+  assert table.plot_gap_by_budget(tables, "Spans", "Tokens", tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(ValueError, match="long: no row named 'Words'; its rows are 'Spans', 'Tokens'"):
+    table.gap_by_budget(tables, "Words", "Tokens")
+
+
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row

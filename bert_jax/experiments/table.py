@@ -309,6 +309,58 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
   return written
 
 
+def gap_by_budget(tables: Sequence[tuple[str, dict[str, Any]]], first: str, second: str) -> dict[str, list]:
+  """Per downstream task, [(steps, first - second, spread)] over runs of one table at several budgets: `tables`
+  holds (name, results.json) pairs; steps are the first row's pre-training steps, spread the two medians'
+  seed standard deviations added in quadrature. A task either row lacks in a run is left out of that run."""
+  gaps: dict[str, list] = {}
+  for name, results in tables:
+    by_name = {row["name"]: row for row in results["rows"]}
+    for wanted in (first, second):
+      if wanted not in by_name:
+        raise ValueError(f"{name}: no row named {wanted!r}; its rows are {', '.join(map(repr, by_name))}")
+    steps = (by_name[first].get("pretrain") or {}).get("step")
+    if steps is None:
+      raise ValueError(f"{name}: row {first!r} has no finished pre-training")
+    for task in results["suite"]["tasks"]:
+      a, b = by_name[first]["tasks"].get(task), by_name[second]["tasks"].get(task)
+      if a and b:
+        gaps.setdefault(task, []).append((steps, a["median"] - b["median"], math.hypot(a["std"], b["std"])))
+  return {task: sorted(points) for task, points in gaps.items()}
+
+
+def plot_gap_by_budget(tables: Sequence[tuple[str, dict[str, Any]]], first: str, second: str,
+                       out: str | os.PathLike) -> epath.Path:
+  """One line per task: `first`'s score minus `second`'s against pre-training steps (gap_by_budget), as a PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  gaps = gap_by_budget(tables, first, second)
+  figure, axis = plt.subplots(figsize=(8, 5))
+  for index, (task, points) in enumerate(gaps.items()):
+    steps, gap, spread = zip(*points)
+    axis.errorbar(steps, gap, yerr=spread, marker="o", capsize=3, color=f"C{index % 10}", label=_label(task))
+  axis.axhline(0.0, color="black", linewidth=0.8)
+  axis.set_xscale("log")
+  budgets = sorted({steps for points in gaps.values() for steps, _, _ in points})
+  axis.set_xticks(budgets, [f"{steps:,}" for steps in budgets])
+  axis.minorticks_off()
+  axis.set_xlabel(f"pre-training steps ({first})")
+  axis.set_ylabel(f"{first} minus {second} (dev, median over seeds)")
+  table = tables[0][1]["published"].get("table", "")
+  axis.set_title(f"{table}: {first} against {second} as the budget grows\n(whiskers: the two rows' seed standard "
+                 "deviations in quadrature)", fontsize=10)
+  axis.legend(fontsize=8)
+  axis.grid(alpha=0.3)
+  figure.tight_layout()
+  out = paths.as_path(out)
+  paths.write_bytes_with(out, lambda handle: figure.savefig(handle, format="png", dpi=120))
+  plt.close(figure)
+  return out
+
+
 def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, epath.Path]:
   """Collects WORKDIR's results and writes table.md, table.csv and the figures into `out` (default WORKDIR);
   either may be local or `gs://`."""
