@@ -541,16 +541,25 @@ def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):
   assert json.loads((tmp_path / "rows" / "broken" / "row.json").read_text())["phase"] == "pretrain"
 
 
-def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_path, monkeypatch):
+def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_path, monkeypatch, capsys):
   spec, _, _ = setup
   seen = []
   monkeypatch.setattr(ablation, "run_row", lambda table, index, *args, **kwargs: seen.append(table.suite) or {
       "status": "done"})
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte",
-                        "--seeds", "3,4,5", "--lrs", "1e-4"]) == 0
+                        "--seeds", "3,4,5", "--lrs", "1e-4", "--finetune", "optim.layerwise_lr_decay=0.8"]) == 0
   assert seen[0].tasks == ("mrpc", "rte") and seen[0].seeds == (3, 4, 5) and seen[0].lrs == (1e-4,)
-  assert list(ablation.collect(tmp_path)["suite"]["seeds"]) == [3, 4, 5]
+  assert seen[0].overrides[-1] == "optim.layerwise_lr_decay=0.8"
+  results = ablation.collect(tmp_path)
+  assert list(results["suite"]["seeds"]) == [3, 4, 5]
+  assert "`optim.layerwise_lr_decay=0.8`" in table.render_markdown(results)
+  tab = dataclasses.replace(ablation.load_table(spec), suite=seen[0])
+  config = ablation.finetune_config(tab, tab.rows[0], suite.TASKS["rte"], 1e-4, tmp_path, {"glue": "DATA"})
+  assert config.optim.layerwise_lr_decay == 0.8
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
+  for bad in ("optim.layerwise_decay=0.8", "optim.layerwise_lr_decay"):
+    assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--finetune", bad]) == 2
+  assert "--finetune: " in capsys.readouterr().out
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
   assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)
 

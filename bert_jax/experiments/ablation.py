@@ -352,13 +352,20 @@ def _finetune_row(config, row_dir: epath.Path, finetune: Callable | None) -> Non
   _write_json(row_dir / "state" / "finetune.json", {"task": results.get("task"), "summary": results["summary"]})
 
 
-def _check_finetune_overrides(row: Row) -> None:
-  """Fails before pre-training when a row's fine-tuning overrides name keys no fine-tuning config has."""
+def _check_finetune_keys(overrides: Sequence[str], where: str) -> None:
+  """Fails before pre-training when fine-tuning overrides (`key=value`) name keys no fine-tuning config has."""
   from bert_jax.tasks.finetune import finetune_defaults
 
   probe = finetune_defaults()
   probe.lock()
-  config_lib.apply_overrides(probe, [f"{key}={value}" for key, value in row.finetune.items()])
+  try:
+    config_lib.apply_overrides(probe, list(overrides))
+  except config_lib.ConfigError as error:
+    raise config_lib.ConfigError(f"{where}: {error}") from None
+
+
+def _check_finetune_overrides(row: Row) -> None:
+  _check_finetune_keys([f"{key}={value}" for key, value in row.finetune.items()], f"row {row.name!r} finetune")
 
 
 def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, str],
@@ -561,8 +568,12 @@ def _parse_rows(text: str) -> list[int]:
 
 
 def _suite_from_args(suite: suite_lib.Suite, args: argparse.Namespace) -> suite_lib.Suite:
-  """The config's suite with the command line's --tasks, --seeds and --lrs in place of its own."""
+  """The config's suite with the command line's --tasks, --seeds and --lrs in place of its own, and its
+  --finetune overrides after the suite's."""
   changes = {}
+  if args.finetune:
+    _check_finetune_keys(args.finetune, "--finetune")
+    changes["overrides"] = (*suite.overrides, *args.finetune)
   try:
     if args.tasks:
       changes["tasks"] = tuple(task for task in args.tasks.split(",") if task)
@@ -608,6 +619,9 @@ def main(argv: list[str]) -> int:
                                       f"(known: {','.join(suite_lib.TASKS)})")
   parser.add_argument("--seeds", help="comma-separated fine-tuning seeds replacing the suite's, e.g. 1,2,3")
   parser.add_argument("--lrs", help="comma-separated fine-tuning learning rates replacing the suite's grid")
+  parser.add_argument("--finetune", action="append", default=[], metavar="KEY=VALUE",
+                      help="a fine-tuning config override for every task of every row, after the suite's own "
+                           "(e.g. optim.layerwise_lr_decay=0.8); repeatable")
   args, rest = parser.parse_known_args(argv)
   unknown = [a for a in rest if not a.startswith("--config.")]
   if unknown:
@@ -624,7 +638,8 @@ def main(argv: list[str]) -> int:
       data_dirs = _parse_data_dirs(args.data_dir)
       indices = [args.row_index] if args.row_index is not None else args.rows
       child_args = [f"--data-dir={item}" for item in args.data_dir] + [
-          f"--{name}={value}" for name in ("tasks", "seeds", "lrs") if (value := getattr(args, name))]
+          f"--{name}={value}" for name in ("tasks", "seeds", "lrs") if (value := getattr(args, name))] + [
+          f"--finetune={item}" for item in args.finetune]
       if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
       results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args,
