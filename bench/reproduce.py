@@ -364,6 +364,14 @@ def _rows_in(tar: tarfile.TarFile) -> set[str]:
           and member.name.count("/") >= 2}
 
 
+def comparable(sweep: dict) -> tuple:
+  """What calls of one table must share: its config and overrides, but for where each call's scratch held the
+  prepared corpus (the same corpus, prepared again by each call)."""
+  overrides = [o for o in sweep.get("overrides") or []
+               if not o.removeprefix("--").removeprefix("config.").startswith("data.prepared=")]
+  return sweep.get("config"), overrides
+
+
 def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
   that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one (under the
@@ -383,8 +391,7 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
         shutil.rmtree(sweep / "rows" / row)
       owners.update(dict.fromkeys(_rows_in(tar), folder))
       spec = json.load(tar.extractfile("sweep.json"))
-      if calls and {key: spec.get(key) for key in ("config", "overrides")} != {
-          key: calls[0]["sweep"].get(key) for key in ("config", "overrides")}:
+      if calls and comparable(spec) != comparable(calls[0]["sweep"]):
         raise SystemExit(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s ran "
                          f"{calls[0]['sweep'].get('config')} {calls[0]['sweep'].get('overrides')}: one table's calls "
                          "must share the config and overrides")

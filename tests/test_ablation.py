@@ -339,6 +339,11 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   statuses = {row["name"]: row["status"] for row in json.loads((docs / "table_t" / "results.json").read_text())["rows"]}
   assert statuses == {"MLM+NSP": "done", "broken": "failed", "MLM": "incomplete"}
   assert json.loads((docs / "table_t" / "reproduce.json").read_text())["rows_replaced"] == {"MLM": str(calls[1])}
+  # Calls that prepared the corpus in different scratch folders still make one table; other overrides may not differ.
+  spec = {"config": "t.py", "overrides": ["--config.data.prepared=/tmp/s1/wiki", "--config.train.steps=30"]}
+  assert reproduce.comparable(spec) == reproduce.comparable(
+      {**spec, "overrides": ["--config.data.prepared=/tmp/s5/wiki", "--config.train.steps=30"]})
+  assert reproduce.comparable(spec) != reproduce.comparable({**spec, "overrides": ["--config.train.steps=30"] * 2})
 
 
 def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
