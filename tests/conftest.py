@@ -86,6 +86,20 @@ def built_once(tmp_path_factory, name: str, build) -> pathlib.Path:
   return folder
 
 
+def bench_module(name: str):
+  """bench/NAME.py as a module (bench/ is a folder of scripts, not a package). bench/ is put on sys.path for the
+  import only; what the script adds itself (for its own later imports of its neighbours) stays."""
+  import importlib
+  import sys
+
+  bench = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
+  sys.path.insert(0, bench)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(bench)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> pathlib.Path:
   """A randomly initialised 2-layer, width-32 BERT in our converted format, with its WordPiece vocabulary (the words

@@ -250,13 +250,9 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
 
 
 def _bench_reproduce():
-  """bench/reproduce.py as a module."""
-  sys.path.insert(0, str(REPO / "bench"))
-  try:
-    import reproduce
-  finally:
-    sys.path.remove(str(REPO / "bench"))
-  return reproduce
+  from conftest import bench_module
+
+  return bench_module("reproduce")
 
 
 def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypatch):

@@ -1,7 +1,6 @@
 """bench/electra_vs_reference.py writes its reference from numbers of its own: they must stay ours' at each scale."""
 
 import pathlib
-import sys
 
 import pytest
 
@@ -14,12 +13,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-  sys.path.insert(0, str(REPO / "bench"))
-  try:
-    import electra_vs_reference
-  finally:
-    sys.path.remove(str(REPO / "bench"))
-  return electra_vs_reference
+  from conftest import bench_module
+
+  return bench_module("electra_vs_reference")
 
 
 @pytest.mark.parametrize("scale", ["tiny", "gpu"])

@@ -1,22 +1,16 @@
 """bench/inference.py's smoke setting: both sides timed on the CPU, the table and the md/json report written."""
 
 import json
-import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+from conftest import bench_module
 
 
 def test_inference_bench_smoke(tmp_path, capsys):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  sys.path.insert(0, str(BENCH))
-  try:
-    import inference as bench
-  finally:
-    sys.path.remove(str(BENCH))
+  bench = bench_module("inference")
   assert bench.main(["--smoke", "--out", str(tmp_path), "--profile", str(tmp_path / "trace"), "--profile-batch",
                      "4", "--plain", "--int8"]) == 0
   report = json.loads((tmp_path / "inference_cpu.json").read_text())

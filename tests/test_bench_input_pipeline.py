@@ -2,20 +2,14 @@
 split, the sampled stacks and the report written."""
 
 import json
-import pathlib
-import sys
 
 from test_trainer import prepared  # noqa: F401 - the session fixture (prepared built-in corpus)
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+from conftest import bench_module
 
 
 def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
-  sys.path.insert(0, str(BENCH))
-  try:
-    import input_pipeline as bench
-  finally:
-    sys.path.remove(str(BENCH))
+  bench = bench_module("input_pipeline")
   out = tmp_path / "out"
   assert bench.main(["--out", str(out), "--scratch", str(tmp_path / "scratch"), "--data", str(prepared),
                      "--formats", "segment_pair", "--batches", "8", "--workers", "0", "--seconds", "0.3",

@@ -3,15 +3,10 @@
 import argparse
 import json
 import pathlib
-import sys
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
-_PATH = list(sys.path)
-sys.path.insert(0, str(BENCH))
-try:
-  import compression_gpu as bench  # it puts the checkout and bench/ on the path for its helpers
-finally:
-  sys.path[:] = _PATH
+from conftest import bench_module
+
+bench = bench_module("compression_gpu")
 
 
 def _args(**overrides):

@@ -112,12 +112,9 @@ def test_pingpong_kernels_lower(tokens, hidden, intermediate):
 def test_triton_ir_and_launch_of_each_flash_kernel_extracted_for_the_offline_register_count():
   """bench/triton_registers.py reads each Pallas Triton kernel's IR and launch out of the CUDA lowering (then
   compiles them with pip's Triton, not installed here). Newer jax compiles the kernels while lowering (skipped)."""
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "triton_registers.py"
-  spec = importlib.util.spec_from_file_location("triton_registers", path)
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
+  from conftest import bench_module
+
+  tool = bench_module("triton_registers")
   qkv = shape((8, 128, 12, 3, 64), jnp.bfloat16)
 
   def loss(qkv):

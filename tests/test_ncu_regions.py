@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "ncu_regions.py"
-_spec = importlib.util.spec_from_file_location("ncu_regions", _PATH)
-ncu_regions = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ncu_regions)
+from conftest import bench_module
+
+ncu_regions = bench_module("ncu_regions")
 
 _HEADER = ['"Address"', '"Source"', '"Warp Stall Sampling (All Samples)"', '"Instructions Executed"',
            '"stall_barrier"', '"stall_long_sb"', '"stall_barrier (Not Issued)"']

@@ -2,8 +2,6 @@
 compiled once each, unlabelled inputs, one-line errors for bad files, the pruned model folder."""
 
 import json
-import pathlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -216,12 +214,9 @@ def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_f
 
 def test_inference_bench_times_a_fine_tuned_variant(sst2_run, tmp_path, capsys):
   workdir, _ = sst2_run
-  bench_dir = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
-  sys.path.insert(0, bench_dir)
-  try:
-    import inference as bench  # bench/inference.py
-  finally:
-    sys.path.remove(bench_dir)
+  from conftest import bench_module
+
+  bench = bench_module("inference")
   assert bench.main(["--models", "", "--variant", f"sst2={workdir}", "--no-reference", "--batches", "1,8",
                      "--lengths", "16,128", "--seconds", "0.01", "--latency-calls", "3", "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "inference_cpu.json").read_text())["rows"]
