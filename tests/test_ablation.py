@@ -561,6 +561,9 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
   for bad in ("optim.layerwise_decay=0.8", "optim.layerwise_lr_decay"):
     assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--finetune", bad]) == 2
   assert "--finetune: " in capsys.readouterr().out
+  # The sweep fine-tuned with the decay: resuming it without would mix scores of both recipes.
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte"]) == 2
+  assert "run it with the same --finetune, or give a new --workdir" in capsys.readouterr().out
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
   assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)
 

@@ -408,6 +408,12 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
 # The sweep ------------------------------------------------------------------------------------------------------
 
 def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, str]) -> None:
+  before = (_read_json(workdir / "sweep.json") or {}).get("suite", {}).get("overrides")
+  if before is not None and list(before) != list(table.suite.overrides):
+    # A finished task's scores are kept and not run again: they would stand beside scores fine-tuned otherwise.
+    raise config_lib.ConfigError(
+        f"{workdir / 'sweep.json'}: this sweep fine-tuned with the overrides {list(before)}, the command gives "
+        f"{list(table.suite.overrides)}; run it with the same --finetune, or give a new --workdir")
   _write_json(workdir / "sweep.json", {"config": table.spec, "overrides": list(table.base_overrides),
                                        "data_dirs": data_dirs, "rows": [row.name for row in table.rows],
                                        "suite": dataclasses.asdict(table.suite)})
