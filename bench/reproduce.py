@@ -20,6 +20,8 @@
   python bench/reproduce.py publish OUT/bert_table5
   # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one table
   python bench/reproduce.py publish OUT1/bert_table6 OUT2/bert_table6
+  # rows run in a later session join a published table (its folder keeps what the table is rendered from)
+  python bench/reproduce.py publish docs/reproductions/bert_table6 OUT3/bert_table6
   # one table published at several budgets: a row's score minus another's per task against pre-training steps
   python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
       --rows "Geometric Spans" "Subword Tokens" --out docs/reproductions/spanbert_masking_18000/gap_by_budget.png
@@ -372,41 +374,55 @@ def comparable(sweep: dict) -> tuple:
   return sweep.get("config"), overrides
 
 
+def _kept(relative: pathlib.Path) -> bool:
+  """The files of a sweep that its table is rendered from again: what `publish` keeps beside the page."""
+  parts = relative.parts
+  return parts == ("sweep.json",) or (len(parts) >= 3 and parts[0] == "rows" and (
+      parts[2] in ("row.json", "state") or parts[2:] in (("pretrain", "metrics.jsonl"), ("pretrain", "config.json"))))
+
+
 def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
-  that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one (under the
-  first OUT/TABLE/sweep), the table rendered again here from every row, and its small files copied. The calls
-  must have run the same table config and overrides; a row that came back from several is taken whole from the
-  last of them (a row run again), and reproduce.json says so."""
+  that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one, the table
+  rendered again from every row, and its small files copied. The calls must have run the same table config and
+  overrides; a row that came back from several is taken whole from the last of them (a row run again), and
+  reproduce.json says so. The page's folder keeps a sweep.tar.gz of what the table is rendered from (states and
+  loss curves), so a published folder may be given again with a later call's, to add rows run in another session."""
+  import tempfile
+
   from bert_jax.experiments import table
 
   first = returned[0]
-  sweep, owners, calls, replaced = first / "sweep", {}, [], {}
-  shutil.rmtree(sweep, ignore_errors=True)  # What an earlier publish unpacked here.
-  for folder in returned:
-    with tarfile.open(folder / "sweep.tar.gz") as tar:
-      for row in sorted(_rows_in(tar) & owners.keys()):  # e.g. an incomplete row run again: the later call's
-        print(f"row {row!r}: from {folder}, not {owners[row]}")
-        replaced[row] = str(owners[row])
-        shutil.rmtree(sweep / "rows" / row)
-      owners.update(dict.fromkeys(_rows_in(tar), folder))
-      spec = json.load(tar.extractfile("sweep.json"))
-      if calls and comparable(spec) != comparable(calls[0]["sweep"]):
-        raise SystemExit(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s ran "
-                         f"{calls[0]['sweep'].get('config')} {calls[0]['sweep'].get('overrides')}: one table's calls "
-                         "must share the config and overrides")
-      tar.extractall(sweep, filter="data")
-    calls.append({"sweep": spec, "report": json.loads((folder / "reproduce.json").read_text())})
-  reports = [call["report"] for call in calls]
-  (sweep / "reproduce.json").write_text(json.dumps(
-      reports[0] if len(reports) == 1 else {"table": first.name, "calls": reports, "rows_replaced": replaced},
-      indent=1) + "\n")
-  table.render(sweep)
-  target = docs / first.name
-  target.mkdir(parents=True, exist_ok=True)
-  for name in PUBLISHED_FILES:
-    if (sweep / name).exists():
-      shutil.copy(sweep / name, target / name)
+  owners, calls, replaced = {}, [], {}
+  with tempfile.TemporaryDirectory() as scratch:
+    sweep = pathlib.Path(scratch) / "sweep"
+    for folder in returned:
+      with tarfile.open(folder / "sweep.tar.gz") as tar:
+        for row in sorted(_rows_in(tar) & owners.keys()):  # e.g. an incomplete row run again: the later call's
+          print(f"row {row!r}: from {folder}, not {owners[row]}")
+          replaced[row] = str(owners[row])
+          shutil.rmtree(sweep / "rows" / row)
+        owners.update(dict.fromkeys(_rows_in(tar), folder))
+        spec = json.load(tar.extractfile("sweep.json"))
+        if calls and comparable(spec) != comparable(calls[0]["sweep"]):
+          raise SystemExit(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s "
+                           f"ran {calls[0]['sweep'].get('config')} {calls[0]['sweep'].get('overrides')}: one table's "
+                           "calls must share the config and overrides")
+        tar.extractall(sweep, filter="data")
+      report = json.loads((folder / "reproduce.json").read_text())
+      replaced.update(report.get("rows_replaced", {}))  # A published folder's own calls, listed one by one.
+      calls += [{"sweep": spec, "report": call} for call in report.get("calls", [report])]
+    reports = [call["report"] for call in calls]
+    (sweep / "reproduce.json").write_text(json.dumps(
+        reports[0] if len(reports) == 1 else {"table": first.name, "calls": reports, "rows_replaced": replaced},
+        indent=1) + "\n")
+    table.render(sweep)
+    target = docs / first.name
+    target.mkdir(parents=True, exist_ok=True)
+    for name in PUBLISHED_FILES:
+      if (sweep / name).exists():
+        shutil.copy(sweep / name, target / name)
+    pack_results(sweep, target / "sweep.tar.gz", skip=lambda relative: not _kept(relative))
   print(f"published {first.name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 
 

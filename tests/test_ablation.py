@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -335,6 +336,17 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   statuses = {row["name"]: row["status"] for row in json.loads((docs / "table_t" / "results.json").read_text())["rows"]}
   assert statuses == {"MLM+NSP": "done", "broken": "failed", "MLM": "incomplete"}
   assert json.loads((docs / "table_t" / "reproduce.json").read_text())["rows_replaced"] == {"MLM": str(calls[1])}
+  # A published folder keeps what its table is rendered from: given again with a later call's, it takes the rows.
+  reproduce.publish(calls[:1], tmp_path / "earlier")
+  kept = tmp_path / "earlier" / "table_t"
+  with tarfile.open(kept / "sweep.tar.gz") as tar:
+    assert not [name for name in tar.getnames() if "tensorboard" in name or name.endswith(".png")]
+  reproduce.publish([kept, calls[1]], tmp_path / "later")
+  merged = json.loads((tmp_path / "later" / "table_t" / "results.json").read_text())
+  assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
+  assert [call["rows"] for call in json.loads((tmp_path / "later" / "table_t" / "reproduce.json").read_text())[
+      "calls"]] == [["MLM+NSP", "broken"], ["MLM"]]
+  assert (tmp_path / "later" / "table_t" / "pretrain_loss.png").exists() and not (kept / "sweep").exists()
   # Calls that prepared the corpus in different scratch folders still make one table; other overrides may not differ.
   spec = {"config": "t.py", "overrides": ["--config.data.prepared=/tmp/s1/wiki", "--config.train.steps=30"]}
   assert reproduce.comparable(spec) == reproduce.comparable(
@@ -492,6 +504,8 @@ def test_electras_mlm_row_scales_the_steps_given_on_the_command_line():
   # At equal compute, to the nearest multiple of the steps a call takes.
   per_call = electra.train.steps_per_call
   assert mlm.train.steps == per_call * round(4000 * (1 + electra.model.generator_fraction ** 2) / per_call) > 4000
+  # results.json records the computed values.
+  assert ablation.resolved_overrides(tab, tab.rows[0])["train.steps"] == mlm.train.steps
 
 
 def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):

@@ -126,13 +126,18 @@ def load_table(spec: str, base_overrides: Sequence[str] = ()) -> Table:
   return Table(spec, tuple(base_overrides), rows, suite, published)
 
 
+def resolved_overrides(table: Table, row: Row, config=None) -> dict[str, Any]:
+  """The row's overrides with each callable value computed from the config before any of the row's overrides
+  (steps scaled from the command line's, say)."""
+  if any(callable(value) for value in row.overrides.values()):
+    config = config or config_lib.load_config(table.spec, list(table.base_overrides))
+  return {key: value(config) if callable(value) else value for key, value in row.overrides.items()}
+
+
 def row_config(table: Table, row: Row):
   """The row's pre-training config: the file's config, the command line's overrides, then the row's."""
   config = config_lib.load_config(table.spec, list(table.base_overrides))
-  # A callable value is computed from the config before any of the row's overrides (steps scaled from the
-  # command line's, say).
-  resolved = {key: value(config) if callable(value) else value for key, value in row.overrides.items()}
-  for key, value in resolved.items():
+  for key, value in resolved_overrides(table, row, config).items():
     config_lib.set_by_path(config, key, str(value))
   return config
 
@@ -557,7 +562,8 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
     pretrain = _read_json(pretrained_dir(table, row, workdir) / "state" / "pretrain.json")
     if pretrain is not None and row.pretrained is not None:
       pretrain = {**pretrain, "wall_seconds": 0.0, "pretrained_by": row.pretrained}
-    rows.append({"name": row.name, "slug": row.slug, "overrides": row.overrides, "finetune": row.finetune,
+    rows.append({"name": row.name, "slug": row.slug, "overrides": resolved_overrides(table, row),
+                 "finetune": row.finetune,
                  "pretrained": row.pretrained, "status": status.get("status"), "phase": status.get("phase"),
                  "error": status.get("error"), "pretrain": pretrain, "tasks": tasks})
   results = {"config": table.spec, "overrides": list(table.base_overrides),
