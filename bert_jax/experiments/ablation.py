@@ -129,8 +129,8 @@ def load_table(spec: str, base_overrides: Sequence[str] = ()) -> Table:
 def resolved_overrides(table: Table, row: Row, config=None) -> dict[str, Any]:
   """The row's overrides with each callable value computed from the config before any of the row's overrides
   (steps scaled from the command line's, say)."""
-  if any(callable(value) for value in row.overrides.values()):
-    config = config or config_lib.load_config(table.spec, list(table.base_overrides))
+  if config is None and any(callable(value) for value in row.overrides.values()):
+    config = config_lib.load_config(table.spec, list(table.base_overrides))
   return {key: value(config) if callable(value) else value for key, value in row.overrides.items()}
 
 

@@ -138,9 +138,9 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"- downstream: {', '.join(suite['tasks']) or 'none'}; seeds {tuple(suite['seeds'])}; "
            f"learning rates {tuple(suite['lrs'])}; ours = median over seeds at the learning rate with the best "
            "dev median, ± std over those seeds",
+           *(["- fine-tuning overrides, every task: " + ", ".join(f"`{o}`" for o in suite["overrides"])]
+             if suite.get("overrides") else []),
            f"- published numbers: {published.get('source', 'none given')}"]
-  if suite.get("overrides"):
-    lines.insert(-1, "- fine-tuning overrides, every task: " + ", ".join(f"`{o}`" for o in suite["overrides"]))
   if "glue" in names:
     run = [task for task in suite["tasks"] if task in suite_lib.GLUE]
     lines.append(f"- GLUE score: ours is the mean over seeds of each seed's mean over the GLUE tasks run "
