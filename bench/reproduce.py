@@ -24,7 +24,8 @@
   python bench/reproduce.py publish docs/reproductions/bert_table6 OUT3/bert_table6
   # one table published at several budgets: a row's score minus another's per task against pre-training steps
   python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
-      --rows "Geometric Spans" "Subword Tokens" --out docs/reproductions/spanbert_masking_18000/gap_by_budget.png
+      docs/reproductions/spanbert_masking_30000 --rows "Geometric Spans" "Subword Tokens" \\
+      --out docs/reproductions/spanbert_masking_30000/gap_by_budget.png
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
