@@ -22,6 +22,10 @@
   python bench/reproduce.py publish OUT1/bert_table6 OUT2/bert_table6
   # rows run in a later session join a published table (its folder keeps what the table is rendered from)
   python bench/reproduce.py publish docs/reproductions/bert_table6 OUT3/bert_table6
+  # the same table at another budget (--config.train.steps=30000), published beside the first under its own name
+  python bench/reproduce.py publish --as spanbert_masking_30000 OUT4/spanbert_masking
+  python bench/reproduce.py publish --as spanbert_masking_30000 docs/reproductions/spanbert_masking_30000 \\
+      OUT5/spanbert_masking
   # one table published at several budgets: a row's score minus another's per task against pre-training steps
   python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
       docs/reproductions/spanbert_masking_30000 --rows "Geometric Spans" "Subword Tokens" \\
@@ -382,18 +386,21 @@ def _kept(relative: pathlib.Path) -> bool:
       parts[2] in ("row.json", "state") or parts[2:] in (("pretrain", "metrics.jsonl"), ("pretrain", "config.json"))))
 
 
-def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
+def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | None = None) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
   that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one, the table
   rendered again from every row, and its small files copied. The calls must have run the same table config and
   overrides; a row that came back from several is taken whole from the last of them (a row run again), and
   reproduce.json says so. The page's folder keeps a sweep.tar.gz of what the table is rendered from (states and
-  loss curves), so a published folder may be given again with a later call's, to add rows run in another session."""
+  loss curves), so a published folder may be given again with a later call's, to add rows run in another session.
+  The table is published as `name` (default: the first folder's name), e.g. a run at another budget beside the
+  table's first."""
   import tempfile
 
   from bert_jax.experiments import table
 
   first = returned[0]
+  name = name or first.name
   owners, calls, replaced = {}, [], {}
   with tempfile.TemporaryDirectory() as scratch:
     sweep = pathlib.Path(scratch) / "sweep"
@@ -415,16 +422,16 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path) -> None:
       calls += [{"sweep": spec, "report": call} for call in report.get("calls", [report])]
     reports = [call["report"] for call in calls]
     (sweep / "reproduce.json").write_text(json.dumps(
-        reports[0] if len(reports) == 1 else {"table": first.name, "calls": reports, "rows_replaced": replaced},
+        reports[0] if len(reports) == 1 else {"table": name, "calls": reports, "rows_replaced": replaced},
         indent=1) + "\n")
     table.render(sweep)
-    target = docs / first.name
+    target = docs / name
     target.mkdir(parents=True, exist_ok=True)
     for name in PUBLISHED_FILES:
       if (sweep / name).exists():
         shutil.copy(sweep / name, target / name)
     pack_results(sweep, target / "sweep.tar.gz", skip=lambda relative: not _kept(relative))
-  print(f"published {first.name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
+  print(f"published {name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 
 
 def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.Path) -> None:
@@ -442,7 +449,7 @@ def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.P
     raise SystemExit(str(error)) from None
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   pack_parser = sub.add_parser("pack", help="gather the corpus, vocabulary, task data and wheels to carry")
@@ -471,23 +478,28 @@ def main() -> int:
                               help="OUT/TABLE folders as they came back; one table's folders from several calls (each "
                               "some of its rows; a row from the last call that ran it) make one table")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
+  publish_parser.add_argument("--as", dest="name", metavar="NAME",
+                              help="publish every folder given as one table, docs/reproductions/NAME, whatever the "
+                              "folders are called (without it, folders of one name make one table of that name)")
   gap_parser = sub.add_parser("gap", help="plot one row's score minus another's per task against pre-training steps, "
                               "over published runs of one table at several budgets")
   gap_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE folders (their results.json)")
   gap_parser.add_argument("--rows", nargs=2, required=True, metavar=("FIRST", "SECOND"), help="the two rows' names")
   gap_parser.add_argument("--out", required=True, help="the PNG to write")
-  args, rest = parser.parse_known_args()
+  args, rest = parser.parse_known_args(argv)
   if args.command == "gap":
     if rest:
       parser.error(f"unrecognised arguments {rest}")
     gap(list(map(pathlib.Path, args.published)), *args.rows, pathlib.Path(args.out))
     return 0
   if args.command == "publish":
+    if rest:
+      parser.error(f"unrecognised arguments {rest}")
     by_table: dict[str, list[pathlib.Path]] = {}
     for returned in map(pathlib.Path, args.returned):
-      by_table.setdefault(returned.name, []).append(returned)
-    for folders in by_table.values():
-      publish(folders, pathlib.Path(args.docs))
+      by_table.setdefault(args.name or returned.name, []).append(returned)
+    for name, folders in by_table.items():
+      publish(folders, pathlib.Path(args.docs), name)
     return 0
   if args.command == "mark":
     if rest:

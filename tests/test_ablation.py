@@ -347,6 +347,15 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   assert [call["rows"] for call in json.loads((tmp_path / "later" / "table_t" / "reproduce.json").read_text())[
       "calls"]] == [["MLM+NSP", "broken"], ["MLM"]]
   assert (tmp_path / "later" / "table_t" / "pretrain_loss.png").exists() and not (kept / "sweep").exists()
+  # --as names the table, whatever the folders are called: a run at another budget, then its rows of a later call.
+  assert reproduce.main(["publish", "--as", "table_t_long", "--docs", str(tmp_path / "named"), str(calls[0])]) == 0
+  named = tmp_path / "named" / "table_t_long"
+  assert reproduce.main(["publish", "--as", "table_t_long", "--docs", str(tmp_path / "named"), str(named),
+                         str(calls[1])]) == 0
+  merged = json.loads((named / "results.json").read_text())
+  assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
+  assert json.loads((named / "reproduce.json").read_text())["table"] == "table_t_long"
+  assert sorted(path.name for path in (tmp_path / "named").iterdir()) == ["table_t_long"]
   # Calls that prepared the corpus in different scratch folders still make one table; other overrides may not differ.
   spec = {"config": "t.py", "overrides": ["--config.data.prepared=/tmp/s1/wiki", "--config.train.steps=30"]}
   assert reproduce.comparable(spec) == reproduce.comparable(
