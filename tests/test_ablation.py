@@ -4,7 +4,9 @@ import csv
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -434,6 +436,25 @@ def test_every_table_config_expands_to_its_papers_rows(path, scale):
       assert config.train.steps <= 100 and config.model.hidden_size <= 64
 
 
+def _sweep_commands(text: str) -> list[list[str]]:
+  """The `bert-jax sweep --config ...` commands of a document, continuation lines joined, as argument lists."""
+  joined = re.sub(r"\\\n\s*", " ", text)
+  return [shlex.split(match)[2:] for match in re.findall(r"bert-jax sweep --config [^\n`\"]*", joined)
+          if "..." not in match]
+
+
+def test_the_documented_sweep_commands_give_every_task_its_data_folder():
+  """A sweep checks its data folders before pre-training; the commands the configs, the module and the README
+  show must pass that check (scale=gpu fine-tunes on GLUE, SQuAD and CoNLL-2003 whatever the paper's tasks)."""
+  documents = [*TABLE_CONFIGS, REPO / "bert_jax/experiments/ablation.py", REPO / "README.md"]
+  commands = [(path.name, argv) for path in documents for argv in _sweep_commands(path.read_text())]
+  assert {name for name, _ in commands} >= {path.name for path in TABLE_CONFIGS} | {"ablation.py", "README.md"}
+  for name, argv in commands:
+    args, _ = ablation._parser().parse_known_args(argv)
+    needed = {suite.TASKS[task].data for task in ablation.load_table(args.config).suite.tasks}
+    assert needed <= {item.partition("=")[0] for item in args.data_dir}, (name, args.data_dir, needed)
+
+
 def test_published_numbers_from_the_seeds():
   t5 = ablation.load_table(str(REPO / "configs/ablations/bert_table5.py")).published
   assert t5["rows"]["+ BiLSTM"] == {"mnli_m": 82.1, "qnli": 84.1, "mrpc": 75.7, "sst2": 91.6, "squad1.1_f1": 84.9}
@@ -556,27 +577,48 @@ def test_a_sweep_given_some_gpus_numbers_its_accelerators_within_them(monkeypatc
 
 def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):
   """`--row-index I` as a cluster job runs it: the row fails (3 heads do not divide width 64) and says so."""
-  spec, _, _ = setup
+  spec, data_dirs, _ = setup
   out = subprocess.run([sys.executable, "-m", "bert_jax.experiments.ablation", "--config", spec, "--workdir",
-                        str(tmp_path), "--row-index", "1", "--data-dir", "glue=unused"],
+                        str(tmp_path), "--row-index", "1", "--data-dir", f"glue={data_dirs['glue']}"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stdout + out.stderr
   assert "0/3 rows done; failed: ['broken']" in out.stdout
   assert json.loads((tmp_path / "rows" / "broken" / "row.json").read_text())["phase"] == "pretrain"
 
 
+def test_a_sweep_missing_a_tasks_data_folder_stops_before_any_row_runs(setup, tmp_path, capsys):
+  spec, data_dirs, _ = setup
+  for data_dir, message in ((["--tasks", "rte,squad1.1_f1"], "need --data-dir squad=PATH (for squad1.1_f1)"),
+                            (["--data-dir", f"glue={tmp_path / 'nowhere'}"], "nowhere: no such folder")):
+    args = data_dir if data_dir[0] == "--data-dir" else [*data_dir, "--data-dir", f"glue={data_dirs['glue']}"]
+    assert ablation.main(["--config", spec, "--workdir", str(tmp_path / "run"), *args]) == 2
+    printed = capsys.readouterr().out
+    assert message in printed and "nothing was run" in printed and len(printed.splitlines()) == 1, printed
+    assert not (tmp_path / "run" / "rows").exists()
+
+
 def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_path, monkeypatch, capsys):
-  spec, _, _ = setup
+  spec, data_dirs, _ = setup
+  glue = ["--data-dir", f"glue={data_dirs['glue']}"]
   seen = []
   monkeypatch.setattr(ablation, "run_row", lambda table, index, *args, **kwargs: seen.append(table.suite) or {
       "status": "done"})
   assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte",
-                        "--seeds", "3,4,5", "--lrs", "1e-4", "--finetune", "optim.layerwise_lr_decay=0.8"]) == 0
+                        "--seeds", "3,4,5", "--lrs", "1e-4", "--finetune", "optim.layerwise_lr_decay=0.8",
+                        "--config.data.prepared=/scratch/s1/wiki", "--config.train.steps=7", *glue]) == 0
   assert seen[0].tasks == ("mrpc", "rte") and seen[0].seeds == (3, 4, 5) and seen[0].lrs == (1e-4,)
   assert seen[0].overrides[-1] == "optim.layerwise_lr_decay=0.8"
   results = ablation.collect(tmp_path)
   assert list(results["suite"]["seeds"]) == [3, 4, 5]
   assert "`optim.layerwise_lr_decay=0.8`" in table.render_markdown(results)
+  # The table records the command that runs it again, its data under data/: parsed back, the same table.
+  rerun = shlex.split(results["rerun"])
+  assert rerun[:2] == ["bert-jax", "sweep"] and f"`{results['rerun']}`" in table.render_markdown(results)
+  args, rest = ablation._parser().parse_known_args(rerun[2:])
+  assert rest == ["--config.data.prepared=data/wiki", "--config.train.steps=7"] and args.data_dir == ["glue=data/glue"]
+  assert args.rows is None and ablation._suite_from_args(ablation.load_table(args.config).suite, args) == seen[0]
+  assert ablation.rerun_command(ablation.load_table(spec), ablation.load_table(spec).suite) == (
+      f"bert-jax sweep --config {spec} --workdir runs/{pathlib.Path(spec).stem} --data-dir glue=data/glue")
   tab = dataclasses.replace(ablation.load_table(spec), suite=seen[0])
   config = ablation.finetune_config(tab, tab.rows[0], suite.TASKS["rte"], 1e-4, tmp_path, {"glue": "DATA"})
   assert config.optim.layerwise_lr_decay == 0.8
@@ -585,7 +627,7 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
     assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--finetune", bad]) == 2
   assert "--finetune: " in capsys.readouterr().out
   # The sweep fine-tuned with the decay: resuming it without would mix scores of both recipes.
-  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte"]) == 2
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte", *glue]) == 2
   assert "run it with the same --finetune, or give a new --workdir" in capsys.readouterr().out
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
   assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)

@@ -1,7 +1,8 @@
 r"""Run a paper's ablation table end to end: pre-train every row, fine-tune the downstream suite, score, collect.
 
   bert-jax sweep --config configs/ablations/bert_table5.py:scale=gpu --workdir runs/bert_table5 \
-      --data-dir glue=data/glue --data-dir squad=data/squad --config.data.prepared=data/wiki --parallel 8
+      --data-dir glue=data/glue --data-dir squad=data/squad --data-dir conll2003=data/conll2003 \
+      --config.data.prepared=data/wiki --parallel 8
   bert-jax table runs/bert_table5
 
 The config file gives `get_config(arg)` (the base pre-training config),
@@ -25,7 +26,8 @@ A cluster runs one row per job, all into one shared workdir, then collects:
       --row-index \$SLURM_ARRAY_TASK_ID --data-dir glue=/shared/data/glue"
   bert-jax sweep --workdir /shared/runs/t5 --collect && bert-jax table /shared/runs/t5
 
-A failing row is recorded and the other rows go on; a row process that
+Every task's --data-dir is checked before the first row starts. A failing row
+is recorded and the other rows go on; a row process that
 crashes (killed by SIGSEGV and the like, or by the out-of-memory killer) is
 started once more and goes on from its last checkpoint. `--parallel N` runs rows
 as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES), or
@@ -38,7 +40,8 @@ only collects.
 Recorded per row: tokens seen (batch x sequence length x steps: positions fed,
 padding included), epochs over the corpus's training tokens, the wall time of
 the pre-training call that finished it, the device, the held-out MLM perplexity
-and every task's best-lr median over seeds with its spread.
+and every task's best-lr median over seeds with its spread; per table, the
+`bert-jax sweep` command that runs it again (results.json's `rerun`, on table.md).
 """
 
 from __future__ import annotations
@@ -424,6 +427,20 @@ def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, st
                                        "suite": dataclasses.asdict(table.suite)})
 
 
+def _check_data_dirs(suite: suite_lib.Suite, data_dirs: dict[str, str]) -> None:
+  """Before any row pre-trains: every task of the suite has its data folder, so no sweep stops hours in."""
+  needed = {}
+  for task in suite.tasks:
+    needed.setdefault(suite_lib.TASKS[task].data, []).append(task)
+  missing = [f"--data-dir {kind}=PATH (for {', '.join(tasks)})" for kind, tasks in needed.items()
+             if kind not in data_dirs]
+  if missing:
+    raise ValueError(f"the suite's tasks need {'; '.join(missing)}; nothing was run")
+  absent = [f"--data-dir {kind}={data_dirs[kind]}" for kind in needed if not paths.as_path(data_dirs[kind]).exists()]
+  if absent:
+    raise FileNotFoundError(f"{', '.join(absent)}: no such folder; nothing was run")
+
+
 def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str] | None = None,
               indices: Sequence[int] | None = None, parallel: int = 1, finetune: Callable | None = None,
               child_args: Sequence[str] = (), devices: int | None = None) -> dict[str, Any]:
@@ -435,6 +452,7 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   bad = [i for i in indices if not 0 <= i < len(table.rows)]
   if bad:
     raise ValueError(f"row indices {bad} out of range: the sweep has {len(table.rows)} rows (0..{len(table.rows) - 1})")
+  _check_data_dirs(table.suite, data_dirs)
   # A row that fine-tunes another's pre-trained model waits for it: that row runs first.
   indices.sort(key=lambda i: table.rows[i].pretrained is not None)
   _write_sweep_file(table, workdir, data_dirs)
@@ -535,6 +553,7 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
     raise FileNotFoundError(f"{workdir} has no sweep.json: run `bert-jax sweep --config ... --workdir {workdir}` "
                             "first")
   table = load_table(sweep["config"], sweep["overrides"])
+  default_suite = table.suite
   if "suite" in sweep:  # The suite the sweep ran, command-line changes included.
     table = dataclasses.replace(table, suite=suite_lib.Suite(
         **{key: tuple(value) if isinstance(value, list) else value for key, value in sweep["suite"].items()}))
@@ -567,7 +586,8 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
                  "pretrained": row.pretrained, "status": status.get("status"), "phase": status.get("phase"),
                  "error": status.get("error"), "pretrain": pretrain, "tasks": tasks})
   results = {"config": table.spec, "overrides": list(table.base_overrides),
-             "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows}
+             "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows,
+             "rerun": rerun_command(table, default_suite)}
   _write_json(workdir / "results.json", results)
   return results
 
@@ -599,6 +619,32 @@ def _suite_from_args(suite: suite_lib.Suite, args: argparse.Namespace) -> suite_
   return dataclasses.replace(suite, **changes)
 
 
+def _suite_args(suite: suite_lib.Suite, default: suite_lib.Suite) -> list[str] | None:
+  """The --tasks, --seeds, --lrs and --finetune flags that turn the config's suite `default` into `suite` (the
+  inverse of `_suite_from_args`); None when no flags do (the config's own suite changed since)."""
+  args = [f"--{name} {','.join(map(str, getattr(suite, name)))}" for name in ("tasks", "seeds", "lrs")
+          if tuple(getattr(suite, name)) != tuple(getattr(default, name))]
+  own = tuple(default.overrides)
+  if tuple(suite.overrides[:len(own)]) != own or any(
+      getattr(suite, name) != getattr(default, name) for name in ("epochs", "max_len", "batch_size", "train_examples")):
+    return None
+  return args + [f"--finetune {item}" for item in suite.overrides[len(own):]]
+
+
+def rerun_command(table: Table, default_suite: suite_lib.Suite, data: str = "data") -> str | None:
+  """The `bert-jax sweep` command that runs `table` (config, command-line overrides and suite) again, its data
+  under `data/` (README's layout: data/wiki, data/glue, ...); `--rows I` added runs one row. None when the
+  config's suite is no longer the one the table ran with."""
+  suite_args = _suite_args(table.suite, default_suite)
+  if suite_args is None:
+    return None
+  name = pathlib.Path(table.spec.partition(":")[0]).stem
+  overrides = [re.sub(r"(data\.prepared=).*", rf"\g<1>{data}/wiki", item) for item in table.base_overrides]
+  kinds = sorted({suite_lib.TASKS[task].data for task in table.suite.tasks})
+  return " ".join(["bert-jax sweep", f"--config {table.spec}", f"--workdir runs/{name}",
+                   *(f"--data-dir {kind}={data}/{kind}" for kind in kinds), *overrides, *suite_args])
+
+
 def _parse_data_dirs(items: Sequence[str]) -> dict[str, str]:
   out = {}
   for item in items:
@@ -609,7 +655,7 @@ def _parse_data_dirs(items: Sequence[str]) -> dict[str, str]:
   return out
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="bert-jax sweep", description=__doc__, allow_abbrev=False,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="table config configs/ablations/NAME.py[:arg] (get_config, get_sweep, "
@@ -634,6 +680,11 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--finetune", action="append", default=[], metavar="KEY=VALUE",
                       help="a fine-tuning config override for every task of every row, after the suite's own "
                            "(e.g. optim.layerwise_lr_decay=0.8); repeatable")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  parser = _parser()
   args, rest = parser.parse_known_args(argv)
   unknown = [a for a in rest if not a.startswith("--config.")]
   if unknown:

@@ -135,6 +135,7 @@ def render_markdown(results: dict[str, Any]) -> str:
   lines = [f"# {published.get('table', 'Sweep')}: {published.get('paper', results['config'])}", "",
            f"- config: `{results['config']}`" + (f" with {' '.join(results['overrides'])}"
                                                    if results["overrides"] else ""),
+           *([f"- rerun (one row: add `--rows I`): `{results['rerun']}`"] if results.get("rerun") else []),
            f"- downstream: {', '.join(suite['tasks']) or 'none'}; seeds {tuple(suite['seeds'])}; "
            f"learning rates {tuple(suite['lrs'])}; ours = median over seeds at the learning rate with the best "
            "dev median, ± std over those seeds",

@@ -1,7 +1,8 @@
 """ALBERT Table 3 (Lan et al. 2020): the vocabulary embedding size E, not-shared and all-shared ALBERT-base.
 
   bert-jax sweep --config configs/ablations/albert_embedding.py:scale=gpu --workdir runs/albert_embedding \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --data-dir race=data/race
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/albert_embedding
 
 At scale=tiny (width 64) E=64/128/256/768 become 8/16/32/64. Arguments: scale.

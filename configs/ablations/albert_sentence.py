@@ -1,7 +1,8 @@
 """ALBERT Table 5 (Lan et al. 2020): the inter-sentence loss, none vs NSP vs SOP, ALBERT-base.
 
   bert-jax sweep --config configs/ablations/albert_sentence.py:scale=gpu --workdir runs/albert_sentence \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --data-dir race=data/race
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/albert_sentence
 
 Intrinsic columns come from the pre-training evaluation on held-out data: MLM accuracy, and NSP and SOP

@@ -1,7 +1,8 @@
 """ALBERT Table 4 (Lan et al. 2020): cross-layer parameter sharing, ALBERT-base at E=768 and E=128.
 
   bert-jax sweep --config configs/ablations/albert_sharing.py:scale=gpu --workdir runs/albert_sharing \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --data-dir race=data/race
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/albert_sharing
 
 all-shared: one set of block parameters for every layer; shared-attention: only the attention sub-layers

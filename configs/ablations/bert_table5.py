@@ -1,7 +1,8 @@
 """BERT Table 5 (Devlin et al. 2019): ablation over the pre-training tasks, BERT-Base architecture.
 
   bert-jax sweep --config configs/ablations/bert_table5.py:scale=gpu --workdir runs/bert_table5 \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --parallel 4
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003 --parallel 4
   bert-jax table runs/bert_table5
 
 Arguments: scale (tiny: CPU minutes on the built-in corpus; gpu: four rows side by side on one GPU; paper: BERT-Base's recipe).

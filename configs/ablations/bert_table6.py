@@ -1,7 +1,8 @@
 """BERT Table 6 (Devlin et al. 2019): ablation over model size (#L layers, #H hidden, #A heads).
 
   bert-jax sweep --config configs/ablations/bert_table6.py:scale=gpu --workdir runs/bert_table6 \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/bert_table6
 
 "LM (ppl)" is the masked-LM perplexity of held-out data (the pre-training evaluation). Arguments: scale

@@ -1,7 +1,8 @@
 """ELECTRA vs masked-LM pre-training at equal compute (Clark et al. 2020, Table 1's small models).
 
   bert-jax sweep --config configs/ablations/electra_compute.py:scale=gpu --workdir runs/electra_compute \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/electra_compute
 
 Both rows share ELECTRA-Small's encoder and recipe. The MLM row trains for more steps, so that its

@@ -1,7 +1,8 @@
 """ELECTRA's generator size (Clark et al. 2020, Figure 3 left): GLUE against the generator's width fraction.
 
   bert-jax sweep --config configs/ablations/electra_generator.py:scale=gpu --workdir runs/electra_generator \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/electra_generator
 
 The generator keeps the discriminator's depth and shares its embeddings; its hidden size is the fraction of

@@ -1,7 +1,8 @@
 """ELECTRA's efficiency analysis (Clark et al. 2020, Table 5): where ELECTRA's gains come from.
 
   bert-jax sweep --config configs/ablations/electra_variants.py:scale=gpu --workdir runs/electra_variants \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/electra_variants
 
 BERT: masked LM. ELECTRA 15%: the discriminator's loss on the 15% masked-out positions only. Replace MLM:

@@ -1,7 +1,8 @@
 """RoBERTa Table 1 (Liu et al. 2019): static vs dynamic masking, BERT-Base setup (SEGMENT-PAIR + NSP).
 
   bert-jax sweep --config configs/ablations/roberta_table1.py:scale=gpu --workdir runs/roberta_table1 \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/roberta_table1
 
 Static: the training data duplicated `dupe_factor` = 10 times, each copy masked once, so each sequence is seen

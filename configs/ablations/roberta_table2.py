@@ -1,7 +1,8 @@
 """RoBERTa Table 2 (Liu et al. 2019): input format and the NSP loss, BERT-Base size, dynamic masking.
 
   bert-jax sweep --config configs/ablations/roberta_table2.py:scale=gpu --workdir runs/roberta_table2 \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad --data-dir race=data/race
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/roberta_table2
 
 SEGMENT-PAIR + NSP: pairs of segments of several sentences; SENTENCE-PAIR + NSP: pairs of single natural

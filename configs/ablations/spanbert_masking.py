@@ -7,7 +7,8 @@
       --config.init.model=MODEL --config.data_dir=data/conll2003
   bert-jax mark-spans --prepared data/wiki --ner runs/ner --chunker runs/np_chunker
   bert-jax sweep --config configs/ablations/spanbert_masking.py:scale=gpu --workdir runs/spanbert_masking \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/spanbert_masking
 
 Subword Tokens: BERT's random subword masking; Whole Words: random whole words; Named Entities and Noun

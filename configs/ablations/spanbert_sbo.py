@@ -1,7 +1,8 @@
 """SpanBERT Table 7 (Joshi et al. 2020): auxiliary objectives with geometric span masking.
 
   bert-jax sweep --config configs/ablations/spanbert_sbo.py:scale=gpu --workdir runs/spanbert_sbo \
-      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad
+      --config.data.prepared=data/wiki --data-dir glue=data/glue --data-dir squad=data/squad \
+      --data-dir conll2003=data/conll2003
   bert-jax table runs/spanbert_sbo
 
 Span Masking (2seq) + NSP: segment pairs with NSP; Span Masking (1seq): single sequences, no auxiliary
