@@ -14,7 +14,7 @@ def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
   assert bench.main(["--out", str(out), "--scratch", str(tmp_path / "scratch"), "--data", str(prepared),
                      "--formats", "segment_pair", "--batches", "8", "--workers", "0", "--seconds", "0.3",
                      "--sizes", "mini", "--batch", "8", "--mini-batch", "8", "--loop-formats", "packed",
-                     "--loop-seconds", "1", "--loop-on-cpu", "--loop-step", "trivial", "--loop-profile",
+                     "--loop-steps", "200", "--loop-on-cpu", "--loop-step", "trivial", "--loop-profile",
                      "--steps-per-call", "1,2"]) == 0
   report = json.loads((out / "input_pipeline.json").read_text())
   (host,) = report["host"]
