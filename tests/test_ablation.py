@@ -5,8 +5,8 @@ import dataclasses
 import json
 import pathlib
 import re
-import shutil
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -446,9 +446,15 @@ def _sweep_commands(text: str) -> list[list[str]]:
 def test_the_documented_sweep_commands_give_every_task_its_data_folder():
   """A sweep checks its data folders before pre-training; the commands the configs, the module and the README
   show must pass that check (scale=gpu fine-tunes on GLUE, SQuAD and CoNLL-2003 whatever the paper's tasks)."""
-  documents = [*TABLE_CONFIGS, REPO / "bert_jax/experiments/ablation.py", REPO / "README.md"]
-  commands = [(path.name, argv) for path in documents for argv in _sweep_commands(path.read_text())]
-  assert {name for name, _ in commands} >= {path.name for path in TABLE_CONFIGS} | {"ablation.py", "README.md"}
+  documents = [*TABLE_CONFIGS, REPO / "bert_jax/experiments/ablation.py", REPO / "README.md",
+               REPO / "docs/reproductions.md"]
+  texts = {path.name: path.read_text() for path in documents}
+  # The reproductions page's commands end in $DATA, which the page defines once.
+  data = re.search(r'^DATA="([^"]*)"', texts["reproductions.md"], re.M)[1]
+  texts["reproductions.md"] = texts["reproductions.md"].replace("$DATA", re.sub(r"\\\n\s*", " ", data))
+  commands = [(name, argv) for name, text in texts.items() for argv in _sweep_commands(text)]
+  assert {name for name, _ in commands} == set(texts)
+  assert len([name for name, _ in commands if name == "reproductions.md"]) >= len(TABLE_CONFIGS)
   for name, argv in commands:
     args, _ = ablation._parser().parse_known_args(argv)
     needed = {suite.TASKS[task].data for task in ablation.load_table(args.config).suite.tasks}
