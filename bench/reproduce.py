@@ -427,9 +427,9 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
     table.render(sweep)
     target = docs / name
     target.mkdir(parents=True, exist_ok=True)
-    for name in PUBLISHED_FILES:
-      if (sweep / name).exists():
-        shutil.copy(sweep / name, target / name)
+    for file_name in PUBLISHED_FILES:
+      if (sweep / file_name).exists():
+        shutil.copy(sweep / file_name, target / file_name)
     pack_results(sweep, target / "sweep.tar.gz", skip=lambda relative: not _kept(relative))
   print(f"published {name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 

@@ -308,7 +308,7 @@ def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_pa
 
 
 @pytest.mark.slow
-def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path):
+def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path, capsys):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
   that came back twice from the later call."""
   reproduce = _bench_reproduce()
@@ -324,6 +324,7 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   pack(calls[1], {"MLM"})
   docs = tmp_path / "docs"
   reproduce.publish(calls[:2], docs)
+  assert capsys.readouterr().out.endswith(f"published table_t to {docs / 'table_t'} (2 calls)\n")
   merged = json.loads((docs / "table_t" / "results.json").read_text())
   assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
   assert [call["rows"] for call in json.loads((docs / "table_t" / "reproduce.json").read_text())["calls"]] == [
@@ -357,6 +358,7 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   merged = json.loads((named / "results.json").read_text())
   assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
   assert json.loads((named / "reproduce.json").read_text())["table"] == "table_t_long"
+  assert f"published table_t_long to {named} (2 calls)" in capsys.readouterr().out
   assert sorted(path.name for path in (tmp_path / "named").iterdir()) == ["table_t_long"]
   # Calls that prepared the corpus in different scratch folders still make one table; other overrides may not differ.
   spec = {"config": "t.py", "overrides": ["--config.data.prepared=/tmp/s1/wiki", "--config.train.steps=30"]}
