@@ -427,11 +427,17 @@ def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, st
                                        "suite": dataclasses.asdict(table.suite)})
 
 
+def _tasks_by_data(suite: suite_lib.Suite) -> dict[str, list[str]]:
+  """The suite's tasks by the `--data-dir` kind each reads."""
+  kinds: dict[str, list[str]] = {}
+  for task in suite.tasks:
+    kinds.setdefault(suite_lib.TASKS[task].data, []).append(task)
+  return kinds
+
+
 def _check_data_dirs(suite: suite_lib.Suite, data_dirs: dict[str, str]) -> None:
   """Before any row pre-trains: every task of the suite has its data folder, so no sweep stops hours in."""
-  needed = {}
-  for task in suite.tasks:
-    needed.setdefault(suite_lib.TASKS[task].data, []).append(task)
+  needed = _tasks_by_data(suite)
   missing = [f"--data-dir {kind}=PATH (for {', '.join(tasks)})" for kind, tasks in needed.items()
              if kind not in data_dirs]
   if missing:
@@ -640,9 +646,9 @@ def rerun_command(table: Table, default_suite: suite_lib.Suite, data: str = "dat
     return None
   name = pathlib.Path(table.spec.partition(":")[0]).stem
   overrides = [re.sub(r"(data\.prepared=).*", rf"\g<1>{data}/wiki", item) for item in table.base_overrides]
-  kinds = sorted({suite_lib.TASKS[task].data for task in table.suite.tasks})
   return " ".join(["bert-jax sweep", f"--config {table.spec}", f"--workdir runs/{name}",
-                   *(f"--data-dir {kind}={data}/{kind}" for kind in kinds), *overrides, *suite_args])
+                   *(f"--data-dir {kind}={data}/{kind}" for kind in sorted(_tasks_by_data(table.suite))),
+                   *overrides, *suite_args])
 
 
 def _parse_data_dirs(items: Sequence[str]) -> dict[str, str]:
