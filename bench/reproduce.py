@@ -30,6 +30,10 @@
   python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
       docs/reproductions/spanbert_masking_30000 --rows "Geometric Spans" "Subword Tokens" \\
       --out docs/reproductions/spanbert_masking_30000/gap_by_budget.png
+  # one table run several times at one budget (--config.seed=2, repeats): each row over the runs, per task
+  python bench/reproduce.py runs docs/reproductions/spanbert_masking_30000 \\
+      docs/reproductions/spanbert_masking_30000_run1 docs/reproductions/spanbert_masking_30000_seed2 \\
+      --out docs/reproductions/spanbert_masking_30000_seed2/runs.png
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
@@ -434,17 +438,35 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
   print(f"published {name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 
 
-def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.Path) -> None:
-  """Writes `out`: row `first` minus row `second` per task against pre-training steps, one point per folder."""
-  from bert_jax.experiments import table
-
+def _published(folders: Sequence[pathlib.Path], name=str) -> list[tuple[str, dict]]:
+  """(name(folder), results.json) of each published folder; a folder without one is one line."""
   tables = []
   for folder in folders:
     if not (folder / "results.json").is_file():
       raise SystemExit(f"{folder}: no results.json; give folders that `publish` wrote (docs/reproductions/TABLE)")
-    tables.append((str(folder), json.loads((folder / "results.json").read_text())))
+    tables.append((name(folder), json.loads((folder / "results.json").read_text())))
+  return tables
+
+
+def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.Path) -> None:
+  """Writes `out`: row `first` minus row `second` per task against pre-training steps, one point per folder."""
+  from bert_jax.experiments import table
+
   try:
-    print(table.plot_gap_by_budget(tables, first, second, out))
+    print(table.plot_gap_by_budget(_published(folders), first, second, out))
+  except ValueError as error:
+    raise SystemExit(str(error)) from None
+
+
+def runs(folders: Sequence[pathlib.Path], out: pathlib.Path) -> None:
+  """Prints each row's mean, range and count over the folders (runs of one table at one budget) per task, and
+  writes `out`: every run's score per row and task."""
+  from bert_jax.experiments import table
+
+  tables = _published(folders, name=lambda folder: folder.name)
+  try:
+    print(table.runs_markdown(tables), end="")
+    print(table.plot_across_runs(tables, out))
   except ValueError as error:
     raise SystemExit(str(error)) from None
 
@@ -486,11 +508,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   gap_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE folders (their results.json)")
   gap_parser.add_argument("--rows", nargs=2, required=True, metavar=("FIRST", "SECOND"), help="the two rows' names")
   gap_parser.add_argument("--out", required=True, help="the PNG to write")
+  runs_parser = sub.add_parser("runs", help="each row's score per task over published runs of one table at one "
+                               "budget (pre-training seeds, repeats): a markdown table and a figure")
+  runs_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE folders (their results.json)")
+  runs_parser.add_argument("--out", required=True, help="the PNG to write")
   args, rest = parser.parse_known_args(argv)
+  if args.command in ("gap", "runs") and rest:
+    parser.error(f"unrecognised arguments {rest}")
   if args.command == "gap":
-    if rest:
-      parser.error(f"unrecognised arguments {rest}")
     gap(list(map(pathlib.Path, args.published)), *args.rows, pathlib.Path(args.out))
+    return 0
+  if args.command == "runs":
+    runs(list(map(pathlib.Path, args.published)), pathlib.Path(args.out))
     return 0
   if args.command == "publish":
     if rest:

@@ -307,6 +307,46 @@ def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_pa
     table.gap_by_budget(tables, "Words", "Tokens")
 
 
+def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
+  """`reproduce.py runs`: per row and task each run's median; a row or task a run lacks is left out of it; the
+  markdown's cell is the mean over runs, the range and the count; rows at two budgets are one line."""
+  def run(squad, mrpc=None, spans=True, steps=30000):
+    task = lambda median: {"median": median, "std": 1.0}  # noqa: E731
+    rows = [{"name": "Tokens", "pretrain": {"step": steps},
+             "tasks": {"squad1.1_f1": task(squad), **({"mrpc": task(mrpc)} if mrpc is not None else {})}}]
+    if spans:
+      rows.append({"name": "Spans", "pretrain": {"step": steps}, "tasks": {"squad1.1_f1": task(squad + 1.0)}})
+    rows.append({"name": "Not run", "pretrain": None, "tasks": {}})
+    return {"published": {"table": "Table 6"}, "suite": {"tasks": ["mrpc", "squad1.1_f1"]}, "rows": rows}
+
+  tables = [("seed0", run(43.0, mrpc=72.5)), ("seed2", run(38.5, spans=False)), ("repeat", run(41.0))]
+  assert table.across_runs(tables) == {
+      "Tokens": {"mrpc": [("seed0", 72.5)], "squad1.1_f1": [("seed0", 43.0), ("seed2", 38.5), ("repeat", 41.0)]},
+      "Spans": {"squad1.1_f1": [("seed0", 44.0), ("repeat", 42.0)]}}
+  assert table.runs_markdown(tables).splitlines()[2:] == [
+      "| Tokens | 72.5 (72.5-72.5, 1) | 40.8 (38.5-43.0, 3) |", "| Spans |  | 43.0 (42.0-44.0, 2) |"]
+  assert table.plot_across_runs(tables, tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(ValueError, match="row 'Tokens': 3000 pre-training steps in short, 30000 in seed0; runs at "
+                     "several budgets compare with `gap`"):
+    table.across_runs(tables + [("short", run(20.0, steps=3000))])
+
+
+def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_results(tmp_path, capsys):
+  reproduce = _bench_reproduce()
+  results = {"published": {"table": "Table 7"}, "suite": {"tasks": ["rte"]},
+             "rows": [{"name": "1seq", "pretrain": {"step": 10}, "tasks": {"rte": {"median": 60.0, "std": 0.5}}}]}
+  for name, score in (("t_seed0", 60.0), ("t_seed2", 57.0)):
+    (tmp_path / name).mkdir()
+    results["rows"][0]["tasks"]["rte"]["median"] = score
+    (tmp_path / name / "results.json").write_text(json.dumps(results))
+  assert reproduce.main(["runs", str(tmp_path / "t_seed0"), str(tmp_path / "t_seed2"), "--out",
+                         str(tmp_path / "runs.png")]) == 0
+  assert "| 1seq | 58.5 (57.0-60.0, 2) |" in capsys.readouterr().out
+  assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(SystemExit, match=f"{tmp_path / 'absent'}: no results.json; give folders that `publish` wrote"):
+    reproduce.main(["runs", str(tmp_path / "absent"), "--out", str(tmp_path / "x.png")])
+
+
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path, capsys):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row

@@ -364,6 +364,85 @@ def plot_gap_by_budget(tables: Sequence[tuple[str, dict[str, Any]]], first: str,
   return out
 
 
+def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, list[tuple[str, float]]]]:
+  """Per row and task, [(run, median over seeds)] over several runs of one table at one budget (pre-training seeds,
+  or repeats): `tables` holds (run, results.json) pairs. A row must have pre-trained the same number of steps in
+  every run that has it (runs at several budgets are `gap_by_budget`'s); a task a run lacks is left out of it."""
+  scores: dict[str, dict[str, list[tuple[str, float]]]] = {}
+  steps: dict[str, tuple[str, int]] = {}
+  for run, results in tables:
+    for row in results["rows"]:
+      step = (row.get("pretrain") or {}).get("step")
+      if step is None:
+        continue
+      first = steps.setdefault(row["name"], (run, step))
+      if first[1] != step:
+        raise ValueError(f"row {row['name']!r}: {step} pre-training steps in {run}, {first[1]} in {first[0]}; "
+                         "runs at several budgets compare with `gap`")
+      for task in results["suite"]["tasks"]:
+        if task in row["tasks"]:
+          scores.setdefault(row["name"], {}).setdefault(task, []).append((run, row["tasks"][task]["median"]))
+  return scores
+
+
+def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
+  """across_runs as a markdown table: per row and task the mean over runs, the range and the number of runs, so
+  that the gaps between rows read against the spread between runs of one row."""
+  scores = across_runs(tables)
+  tasks = [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
+  lines = ["| row | " + " | ".join(_label(task) for task in tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+  for name, by_task in scores.items():
+    cells = []
+    for task in tasks:
+      values = [value for _, value in by_task.get(task, [])]
+      cells.append(f"{statistics.fmean(values):.1f} ({min(values):.1f}-{max(values):.1f}, {len(values)})"
+                   if values else "")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], out: str | os.PathLike) -> epath.Path:
+  """One panel per task: each row's median over seeds in every run (one marker per run), a bar at their mean."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  scores = across_runs(tables)
+  tasks = [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
+  runs = [run for run, _ in tables]
+  columns = min(4, len(tasks))
+  figure, axes = plt.subplots(-(-len(tasks) // columns), columns, figsize=(3.6 * columns, 3.4 * -(-len(tasks) //
+                                                                                                    columns)),
+                              squeeze=False)
+  names = list(scores)
+  for axis, task in zip(axes.flat, tasks):
+    for x, name in enumerate(names):
+      points = scores[name].get(task, [])
+      if points:
+        axis.hlines(statistics.fmean(value for _, value in points), x - 0.3, x + 0.3, color="black", linewidth=1.5)
+      for run, value in points:
+        index = runs.index(run)
+        axis.plot(x + 0.12 * (index - (len(runs) - 1) / 2), value, marker="os^Dv<>"[index % 7], linestyle="none",
+                  color=f"C{index % 10}", label=run)
+    axis.set_xticks(range(len(names)), names, rotation=25, fontsize=7, ha="right")
+    axis.set_title(_label(task), fontsize=9)
+    axis.grid(axis="y", alpha=0.3)
+  for axis in list(axes.flat)[len(tasks):]:
+    axis.axis("off")
+  handles = {label: handle for axis in axes.flat for handle, label in zip(*axis.get_legend_handles_labels())}
+  handles = {run: handles[run] for run in runs if run in handles}
+  figure.legend(handles.values(), handles.keys(), fontsize=8, loc="lower center", ncol=min(len(handles), 4))
+  table = tables[0][1]["published"].get("table", "")
+  figure.suptitle(f"{table}: each row over {len(runs)} runs (dev, median over fine-tuning seeds; bar: mean over "
+                  "runs)", fontsize=10)
+  figure.tight_layout(rect=(0, 0.08, 1, 0.96))
+  out = paths.as_path(out)
+  paths.write_bytes_with(out, lambda handle: figure.savefig(handle, format="png", dpi=120))
+  plt.close(figure)
+  return out
+
+
 def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, epath.Path]:
   """Collects WORKDIR's results and writes table.md, table.csv and the figures into `out` (default WORKDIR);
   either may be local or `gs://`."""
