@@ -329,6 +329,8 @@ def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
   with pytest.raises(ValueError, match="row 'Tokens': 3000 pre-training steps in short, 30000 in seed0; runs at "
                      "several budgets compare with `gap`"):
     table.across_runs(tables + [("short", run(20.0, steps=3000))])
+  with pytest.raises(ValueError, match="no row of empty has finished a downstream task"):
+    table.across_runs([("empty", {"suite": {"tasks": ["mrpc"]}, "rows": [{"name": "Tokens", "pretrain": None}]})])
 
 
 def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_results(tmp_path, capsys):

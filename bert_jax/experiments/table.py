@@ -382,6 +382,8 @@ def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[
       for task in results["suite"]["tasks"]:
         if task in row["tasks"]:
           scores.setdefault(row["name"], {}).setdefault(task, []).append((run, row["tasks"][task]["median"]))
+  if not scores:
+    raise ValueError(f"no row of {', '.join(run for run, _ in tables)} has finished a downstream task")
   return scores
 
 
@@ -412,9 +414,8 @@ def plot_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], out: str | os
   tasks = [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
   runs = [run for run, _ in tables]
   columns = min(4, len(tasks))
-  figure, axes = plt.subplots(-(-len(tasks) // columns), columns, figsize=(3.6 * columns, 3.4 * -(-len(tasks) //
-                                                                                                    columns)),
-                              squeeze=False)
+  lines = -(-len(tasks) // columns)
+  figure, axes = plt.subplots(lines, columns, figsize=(3.6 * columns, 3.4 * lines), squeeze=False)
   names = list(scores)
   for axis, task in zip(axes.flat, tasks):
     for x, name in enumerate(names):
