@@ -324,7 +324,7 @@ def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
       "Tokens": {"mrpc": [("seed0", 72.5)], "squad1.1_f1": [("seed0", 43.0), ("seed2", 38.5), ("repeat", 41.0)]},
       "Spans": {"squad1.1_f1": [("seed0", 44.0), ("repeat", 42.0)]}}
   assert table.runs_markdown(tables).splitlines()[2:] == [
-      "| Tokens | 72.5 (72.5-72.5, 1) | 40.8 (38.5-43.0, 3) |", "| Spans |  | 43.0 (42.0-44.0, 2) |"]
+      "| Tokens | 72.5 (1 run) | 40.8 (38.5 to 43.0, 3 runs) |", "| Spans |  | 43.0 (42.0 to 44.0, 2 runs) |"]
   assert table.plot_across_runs(tables, tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
   with pytest.raises(ValueError, match="row 'Tokens': 3000 pre-training steps in short, 30000 in seed0; runs at "
                      "several budgets compare with `gap`"):
@@ -343,7 +343,7 @@ def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_res
     (tmp_path / name / "results.json").write_text(json.dumps(results))
   assert reproduce.main(["runs", str(tmp_path / "t_seed0"), str(tmp_path / "t_seed2"), "--out",
                          str(tmp_path / "runs.png")]) == 0
-  assert "| 1seq | 58.5 (57.0-60.0, 2) |" in capsys.readouterr().out
+  assert "| 1seq | 58.5 (57.0 to 60.0, 2 runs) |" in capsys.readouterr().out
   assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
   with pytest.raises(SystemExit, match=f"{tmp_path / 'absent'}: no results.json; give folders that `publish` wrote"):
     reproduce.main(["runs", str(tmp_path / "absent"), "--out", str(tmp_path / "x.png")])

@@ -388,8 +388,8 @@ def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[
 
 
 def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
-  """across_runs as a markdown table: per row and task the mean over runs, the range and the number of runs, so
-  that the gaps between rows read against the spread between runs of one row."""
+  """across_runs as a markdown table: per row and task the mean over runs, the range and the number of runs (a
+  task one run has: its score), so that the gaps between rows read against the spread between runs of one row."""
   scores = across_runs(tables)
   tasks = [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
   lines = ["| row | " + " | ".join(_label(task) for task in tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
@@ -397,8 +397,10 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
     cells = []
     for task in tasks:
       values = [value for _, value in by_task.get(task, [])]
-      cells.append(f"{statistics.fmean(values):.1f} ({min(values):.1f}-{max(values):.1f}, {len(values)})"
-                   if values else "")
+      if len(values) > 1:
+        cells.append(f"{statistics.fmean(values):.1f} ({min(values):.1f} to {max(values):.1f}, {len(values)} runs)")
+      else:
+        cells.append(f"{values[0]:.1f} (1 run)" if values else "")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
