@@ -239,6 +239,16 @@ def _tokens_per_step(row: dict[str, Any], pretrain_dir: epath.Path) -> int:
     return 0
 
 
+def _save_png(figure, out: str | os.PathLike) -> epath.Path:
+  """Writes `figure` to `out` (local or `gs://`) as a PNG and closes it."""
+  import matplotlib.pyplot as plt
+
+  out = paths.as_path(out)
+  paths.write_bytes_with(out, lambda handle: figure.savefig(handle, format="png", dpi=120))
+  plt.close(figure)
+  return out
+
+
 def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[epath.Path]:
   import matplotlib
 
@@ -268,9 +278,7 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
     axis.legend(fontsize=8)
   axis.grid(alpha=0.3)
   figure.tight_layout()
-  written.append(out / "pretrain_loss.png")
-  paths.write_bytes_with(written[-1], lambda handle: figure.savefig(handle, format="png", dpi=120))
-  plt.close(figure)
+  written.append(_save_png(figure, out / "pretrain_loss.png"))
 
   tasks = [column for column in columns(results) if column not in INTRINSIC]
   names = dict(results["published"].get("columns", {}))
@@ -306,9 +314,7 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
     axis.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18))
   axis.grid(axis="y", alpha=0.3)
   figure.tight_layout()
-  written.append(out / "downstream.png")
-  paths.write_bytes_with(written[-1], lambda handle: figure.savefig(handle, format="png", dpi=120))
-  plt.close(figure)
+  written.append(_save_png(figure, out / "downstream.png"))
   return written
 
 
@@ -358,10 +364,7 @@ def plot_gap_by_budget(tables: Sequence[tuple[str, dict[str, Any]]], first: str,
   axis.legend(fontsize=8)
   axis.grid(alpha=0.3)
   figure.tight_layout()
-  out = paths.as_path(out)
-  paths.write_bytes_with(out, lambda handle: figure.savefig(handle, format="png", dpi=120))
-  plt.close(figure)
-  return out
+  return _save_png(figure, out)
 
 
 def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, list[tuple[str, float]]]]:
@@ -387,11 +390,16 @@ def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[
   return scores
 
 
+def _tasks_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], scores: dict[str, dict]) -> list[str]:
+  """The suite's tasks, in its order, that some row of across_runs' `scores` has."""
+  return [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
+
+
 def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
   """across_runs as a markdown table: per row and task the mean over runs, the range and the number of runs (a
   task one run has: its score), so that the gaps between rows read against the spread between runs of one row."""
   scores = across_runs(tables)
-  tasks = [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
+  tasks = _tasks_across_runs(tables, scores)
   lines = ["| row | " + " | ".join(_label(task) for task in tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
   for name, by_task in scores.items():
     cells = []
@@ -413,7 +421,7 @@ def plot_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], out: str | os
   import matplotlib.pyplot as plt
 
   scores = across_runs(tables)
-  tasks = [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
+  tasks = _tasks_across_runs(tables, scores)
   runs = [run for run, _ in tables]
   columns = min(4, len(tasks))
   lines = -(-len(tasks) // columns)
@@ -440,10 +448,7 @@ def plot_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], out: str | os
   figure.suptitle(f"{table}: each row over {len(runs)} runs (dev, median over fine-tuning seeds; bar: mean over "
                   "runs)", fontsize=10)
   figure.tight_layout(rect=(0, 0.08, 1, 0.96))
-  out = paths.as_path(out)
-  paths.write_bytes_with(out, lambda handle: figure.savefig(handle, format="png", dpi=120))
-  plt.close(figure)
-  return out
+  return _save_png(figure, out)
 
 
 def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, epath.Path]:
