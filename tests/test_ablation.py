@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import json
+import math
 import pathlib
 import re
 import shlex
@@ -309,7 +310,8 @@ def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_pa
 
 def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
   """`reproduce.py runs`: per row and task each run's median; a row or task a run lacks is left out of it; the
-  markdown's cell is the mean over runs, the range and the count; rows at two budgets are one line."""
+  markdown's cell is the mean over runs, the range and the count, and per pair of rows the difference of means ±
+  its standard error (closed form below; blank under two runs a row); rows at two budgets are one line."""
   def run(squad, mrpc=None, spans=True, steps=30000):
     task = lambda median: {"median": median, "std": 1.0}  # noqa: E731
     rows = [{"name": "Tokens", "pretrain": {"step": steps},
@@ -323,8 +325,13 @@ def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
   assert table.across_runs(tables) == {
       "Tokens": {"mrpc": [("seed0", 72.5)], "squad1.1_f1": [("seed0", 43.0), ("seed2", 38.5), ("repeat", 41.0)]},
       "Spans": {"squad1.1_f1": [("seed0", 44.0), ("repeat", 42.0)]}}
+  # Tokens' SQuAD: mean 40.83, sample variance 61/12, standard error sqrt(61/36); Spans': 43.0, 2, 1.
+  error = math.sqrt(61 / 36 + 1)
+  assert f"{error:.1f}" == "1.6"
   assert table.runs_markdown(tables).splitlines()[2:] == [
-      "| Tokens | 72.5 (1 run) | 40.8 (38.5 to 43.0, 3 runs) |", "| Spans |  | 43.0 (42.0 to 44.0, 2 runs) |"]
+      "| Tokens | 72.5 (1 run) | 40.8 (38.5 to 43.0, 3 runs) |", "| Spans |  | 43.0 (42.0 to 44.0, 2 runs) |", "",
+      "| difference of means ± standard error | MRPC (Acc) | SQuAD 1.1 (F1) |", "|---|---|---|",
+      "| Spans minus Tokens |  | +2.2 ± 1.6 |"]
   assert table.plot_across_runs(tables, tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
   with pytest.raises(ValueError, match="row 'Tokens': 3000 pre-training steps in short, 30000 in seed0; runs at "
                      "several budgets compare with `gap`"):

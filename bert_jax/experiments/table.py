@@ -395,12 +395,20 @@ def _tasks_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], scores: dic
   return [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
 
 
+def _mean_and_error(values: Sequence[float]) -> tuple[float, float]:
+  """The mean over two or more runs and its standard error."""
+  return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
 def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
-  """across_runs as a markdown table: per row and task the mean over runs, the range and the number of runs (a
-  task one run has: its score), so that the gaps between rows read against the spread between runs of one row."""
+  """across_runs as two markdown tables. First, per row and task, the mean over runs, the range and the number of
+  runs (a task one run has: its score). Second, per pair of rows (the later minus the earlier) and task, the
+  difference of their means ± its standard error (the two means' standard errors in quadrature; blank where a row
+  has one run), so that the gaps between rows read against the spread between runs of one row."""
   scores = across_runs(tables)
   tasks = _tasks_across_runs(tables, scores)
-  lines = ["| row | " + " | ".join(_label(task) for task in tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+  header = "|---" * (len(tasks) + 1) + "|"
+  lines = ["| row | " + " | ".join(_label(task) for task in tasks) + " |", header]
   for name, by_task in scores.items():
     cells = []
     for task in tasks:
@@ -410,6 +418,21 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
       else:
         cells.append(f"{values[0]:.1f} (1 run)" if values else "")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  names = list(scores)
+  if len(names) > 1:
+    lines += ["", "| difference of means ± standard error | " + " | ".join(_label(task) for task in tasks) + " |",
+              header]
+    for i, earlier in enumerate(names):
+      for later in names[i + 1:]:
+        cells = []
+        for task in tasks:
+          runs = [[value for _, value in scores[name].get(task, [])] for name in (later, earlier)]
+          if min(map(len, runs)) < 2:
+            cells.append("")
+            continue
+          (a, a_error), (b, b_error) = map(_mean_and_error, runs)
+          cells.append(f"{a - b:+.1f} ± {math.hypot(a_error, b_error):.1f}")
+        lines.append(f"| {later} minus {earlier} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
