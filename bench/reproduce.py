@@ -30,9 +30,11 @@
   python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
       docs/reproductions/spanbert_masking_30000 --rows "Geometric Spans" "Subword Tokens" \\
       --out docs/reproductions/spanbert_masking_30000/gap_by_budget.png
-  # one table run several times at one budget (--config.seed=2, repeats): each row over the runs, per task
+  # one table run several times at one budget (--config.seed=2, repeats): each row over the runs, per task, and
+  # each pair of rows' difference of means ± its standard error
   python bench/reproduce.py runs docs/reproductions/spanbert_masking_30000 \\
       docs/reproductions/spanbert_masking_30000_run1 docs/reproductions/spanbert_masking_30000_seed2 \\
+      docs/reproductions/spanbert_masking_30000_seed3 docs/reproductions/spanbert_masking_30000_seed4 \\
       --out docs/reproductions/spanbert_masking_30000_seed2/runs.png
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
@@ -459,8 +461,8 @@ def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.P
 
 
 def runs(folders: Sequence[pathlib.Path], out: pathlib.Path) -> None:
-  """Prints each row's mean, range and count over the folders (runs of one table at one budget) per task, and
-  writes `out`: every run's score per row and task."""
+  """Prints each row's mean, range and count over the folders (runs of one table at one budget) per task, and each
+  pair of rows' difference of means ± its standard error; writes `out`: every run's score per row and task."""
   from bert_jax.experiments import table
 
   tables = _published(folders, name=lambda folder: folder.name)
