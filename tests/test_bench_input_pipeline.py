@@ -28,8 +28,9 @@ def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
     for part in ("step_wall_us", "step_wait_us", "step_dispatch_us", "step_rest_us"):
       assert loop[part]["p50"] <= loop[part]["p90"] <= loop[part]["max"], part
     assert "main" in dict(loop["profile"]["thread_cores"]) and loop["profile"]["seconds"] > 0
-  # One step a call: the dispatching thread is the busiest (with two the prefetch thread may be busier).
-  assert report["loop"][0]["profile"]["thread_cores"][0][0] == "main"
+    # Busiest first; which thread leads depends on the host's load (a Grain prefetch thread can), so not checked.
+    cores = [used for _, used in loop["profile"]["thread_cores"]]
+    assert cores == sorted(cores, reverse=True)
   assert sorted(path.name for path in out.iterdir()) == ["input_pipeline.json", "input_pipeline.md", "loop.log"]
   printed = capsys.readouterr().out
   assert "| mini/packed/8/trivial #1" in printed and "| mini/packed/8/trivial/k2 #1" in printed
