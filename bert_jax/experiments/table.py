@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -407,32 +408,29 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
   has one run), so that the gaps between rows read against the spread between runs of one row."""
   scores = across_runs(tables)
   tasks = _tasks_across_runs(tables, scores)
-  header = "|---" * (len(tasks) + 1) + "|"
-  lines = ["| row | " + " | ".join(_label(task) for task in tasks) + " |", header]
-  for name, by_task in scores.items():
+  values = {name: {task: [value for _, value in by_task.get(task, [])] for task in tasks}
+            for name, by_task in scores.items()}
+  labels, header = " | ".join(map(_label, tasks)), "|---" * (len(tasks) + 1) + "|"
+  lines = [f"| row | {labels} |", header]
+  for name, by_task in values.items():
+    cells = []
+    for runs in by_task.values():
+      if len(runs) > 1:
+        cells.append(f"{statistics.fmean(runs):.1f} ({min(runs):.1f} to {max(runs):.1f}, {len(runs)} runs)")
+      else:
+        cells.append(f"{runs[0]:.1f} (1 run)" if runs else "")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  if len(values) > 1:
+    lines += ["", f"| difference of means ± standard error | {labels} |", header]
+  for earlier, later in itertools.combinations(values, 2):
     cells = []
     for task in tasks:
-      values = [value for _, value in by_task.get(task, [])]
-      if len(values) > 1:
-        cells.append(f"{statistics.fmean(values):.1f} ({min(values):.1f} to {max(values):.1f}, {len(values)} runs)")
-      else:
-        cells.append(f"{values[0]:.1f} (1 run)" if values else "")
-    lines.append(f"| {name} | " + " | ".join(cells) + " |")
-  names = list(scores)
-  if len(names) > 1:
-    lines += ["", "| difference of means ± standard error | " + " | ".join(_label(task) for task in tasks) + " |",
-              header]
-    for i, earlier in enumerate(names):
-      for later in names[i + 1:]:
-        cells = []
-        for task in tasks:
-          runs = [[value for _, value in scores[name].get(task, [])] for name in (later, earlier)]
-          if min(map(len, runs)) < 2:
-            cells.append("")
-            continue
-          (a, a_error), (b, b_error) = map(_mean_and_error, runs)
-          cells.append(f"{a - b:+.1f} ± {math.hypot(a_error, b_error):.1f}")
-        lines.append(f"| {later} minus {earlier} | " + " | ".join(cells) + " |")
+      if min(len(values[later][task]), len(values[earlier][task])) < 2:
+        cells.append("")
+        continue
+      (a, a_error), (b, b_error) = _mean_and_error(values[later][task]), _mean_and_error(values[earlier][task])
+      cells.append(f"{a - b:+.1f} ± {math.hypot(a_error, b_error):.1f}")
+    lines.append(f"| {later} minus {earlier} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
