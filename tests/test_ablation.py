@@ -311,7 +311,8 @@ def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_pa
 def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
   """`reproduce.py runs`: per row and task each run's median; a row or task a run lacks is left out of it; the
   markdown's cell is the mean over runs, the range and the count, and per pair of rows the difference of means ±
-  its standard error (closed form below; blank under two runs a row); rows at two budgets are one line."""
+  its standard error (closed form below; blank under two runs a row, a pair with no such cell left out); rows at two
+  budgets are one line."""
   def run(squad, mrpc=None, spans=True, steps=30000):
     task = lambda median: {"median": median, "std": 1.0}  # noqa: E731
     rows = [{"name": "Tokens", "pretrain": {"step": steps},
@@ -332,6 +333,12 @@ def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
       "| Tokens | 72.5 (1 run) | 40.8 (38.5 to 43.0, 3 runs) |", "| Spans |  | 43.0 (42.0 to 44.0, 2 runs) |", "",
       "| difference of means ± standard error | MRPC (Acc) | SQuAD 1.1 (F1) |", "|---|---|---|",
       "| Spans minus Tokens |  | +2.2 ± 1.6 |"]
+  # A row of one run has no pair with a cell; with no pair at all, no second table.
+  once = run(40.0) | {"rows": run(40.0)["rows"] + [{"name": "Entities", "pretrain": {"step": 30000},
+                                                     "tasks": {"squad1.1_f1": {"median": 39.0, "std": 1.0}}}]}
+  markdown = table.runs_markdown(tables + [("entities", once)])
+  assert "| Entities |  | 39.0 (1 run) |" in markdown and "Entities minus" not in markdown
+  assert "difference of means" not in table.runs_markdown([("seed0", run(43.0))])
   assert table.plot_across_runs(tables, tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
   with pytest.raises(ValueError, match="row 'Tokens': 3000 pre-training steps in short, 30000 in seed0; runs at "
                      "several budgets compare with `gap`"):

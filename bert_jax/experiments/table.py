@@ -405,7 +405,8 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
   """across_runs as two markdown tables. First, per row and task, the mean over runs, the range and the number of
   runs (a task one run has: its score). Second, per pair of rows (the later minus the earlier) and task, the
   difference of their means ± its standard error (the two means' standard errors in quadrature; blank where a row
-  has one run), so that the gaps between rows read against the spread between runs of one row."""
+  has one run, and a pair left out where every task is), so that the gaps between rows read against the spread
+  between runs of one row."""
   scores = across_runs(tables)
   tasks = _tasks_across_runs(tables, scores)
   values = {name: {task: [value for _, value in by_task.get(task, [])] for task in tasks}
@@ -420,8 +421,7 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
       else:
         cells.append(f"{runs[0]:.1f} (1 run)" if runs else "")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
-  if len(values) > 1:
-    lines += ["", f"| difference of means ± standard error | {labels} |", header]
+  pairs = []
   for earlier, later in itertools.combinations(values, 2):
     cells = []
     for task in tasks:
@@ -430,7 +430,10 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
         continue
       (a, a_error), (b, b_error) = _mean_and_error(values[later][task]), _mean_and_error(values[earlier][task])
       cells.append(f"{a - b:+.1f} ± {math.hypot(a_error, b_error):.1f}")
-    lines.append(f"| {later} minus {earlier} | " + " | ".join(cells) + " |")
+    if any(cells):
+      pairs.append(f"| {later} minus {earlier} | " + " | ".join(cells) + " |")
+  if pairs:
+    lines += ["", f"| difference of means ± standard error | {labels} |", header, *pairs]
   return "\n".join(lines) + "\n"
 
 
