@@ -334,8 +334,9 @@ def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
       "| difference of means ± standard error | MRPC (Acc) | SQuAD 1.1 (F1) |", "|---|---|---|",
       "| Spans minus Tokens |  | +2.2 ± 1.6 |"]
   # A row of one run has no pair with a cell; with no pair at all, no second table.
-  once = run(40.0) | {"rows": run(40.0)["rows"] + [{"name": "Entities", "pretrain": {"step": 30000},
-                                                     "tasks": {"squad1.1_f1": {"median": 39.0, "std": 1.0}}}]}
+  once = run(40.0)
+  once["rows"].append({"name": "Entities", "pretrain": {"step": 30000},
+                       "tasks": {"squad1.1_f1": {"median": 39.0, "std": 1.0}}})
   markdown = table.runs_markdown(tables + [("entities", once)])
   assert "| Entities |  | 39.0 (1 run) |" in markdown and "Entities minus" not in markdown
   assert "difference of means" not in table.runs_markdown([("seed0", run(43.0))])
