@@ -596,9 +596,19 @@ def test_electras_mlm_row_scales_the_steps_given_on_the_command_line():
   tab = ablation.load_table(str(REPO / "configs/ablations/electra_compute.py:scale=gpu"), ["--config.train.steps=4000"])
   mlm, electra = (ablation.row_config(tab, row) for row in tab.rows)
   assert electra.train.steps == 4000 and mlm.objective == "mlm"
-  # At equal compute, to the nearest multiple of the steps a call takes.
+  # At equal compute as the paper counts it, by hand: 6 x (matmuls + the vocabulary head on the 20 predicted of
+  # 128 tokens) + 6 x attention, per token; the token embedding a one-hot matmul (128 x 30522) in every network.
+  E, V, S, P = 128, 30522, 128, 20 / 128
+
+  def network(hidden, ffn, layers, head):
+    matmul = 4 * hidden * hidden * layers + 2 * hidden * ffn * layers + (E * hidden if E != hidden else 0) + E * V
+    return 6 * (matmul + head * (hidden * E + E * V)) + 6 * 2 * S * hidden * layers
+
+  ratio = (network(512, 2048, 4, 0) + network(128, 512, 4, P)) / network(512, 2048, 4, P)
+  assert 1.25 < ratio < 1.3
+  # To the nearest multiple of the steps a call takes.
   per_call = electra.train.steps_per_call
-  assert mlm.train.steps == per_call * round(4000 * (1 + electra.model.generator_fraction ** 2) / per_call) > 4000
+  assert mlm.train.steps == per_call * round(4000 * ratio / per_call)
   # results.json records the computed values.
   assert ablation.resolved_overrides(tab, tab.rows[0])["train.steps"] == mlm.train.steps
 

@@ -136,3 +136,13 @@ def test_flops_charge_each_networks_vocabulary_head_for_the_tokens_it_predicts()
   head = 6 * (32 * 32 + 32 * VOCAB)  # the discriminator's transform and tied projection, per predicted token
   assert flops["replace_mlm"] - flops["rtd"] == pytest.approx(head * 16 / 128)
   assert flops["all_tokens_mlm"] - flops["rtd"] == pytest.approx(head)
+
+
+def test_a_dense_embedding_lookup_charges_each_network_a_one_hot_matmul():
+  """ELECTRA's paper counts the token embedding as a matmul (E x vocab) per token in the generator and the
+  discriminator alike: an ELECTRA step pays it twice, a masked LM's once."""
+  for name, networks in (("rtd", 2), ("mlm", 1)):
+    objective = objectives.make_objective(make_config(name), tiny_model(embedding_size=32), mask_id=4)
+    sparse, dense = (objective.flops_per_token(max_predictions=16, seq_len=128, dense_embedding_lookup=dense)
+                     for dense in (False, True))
+    assert dense - sparse == pytest.approx(networks * 6 * 32 * VOCAB), name

@@ -215,17 +215,23 @@ class ModelConfig:
     final_norm = 2 * H if self.norm == "pre" else 0
     return blocks + projection + final_norm + (embeddings if include_embeddings else 0)
 
-  def flops_per_token(self, seq_len: int, predictions_per_token: float = 1.0) -> float:
+  def flops_per_token(self, seq_len: int, predictions_per_token: float = 1.0,
+                      dense_embedding_lookup: bool = False) -> float:
     """Training FLOPs per token: 6 x (matmul params) + attention + output head.
 
     Non-embedding parameters are counted per *application*: a shared ALBERT
     block costs its FLOPs at every layer. The MLM head's vocabulary projection
-    is charged only for the fraction of tokens that are predicted.
+    is charged only for the fraction of tokens that are predicted. With
+    `dense_embedding_lookup`, the token embedding is charged as a one-hot
+    matmul (E x vocab), as ELECTRA's paper counts training FLOPs when it
+    compares models at equal compute; a gather costs next to nothing.
     """
     H, E, F, L = self.hidden_size, self.embed_dim, self.intermediate_size, self.num_layers
     ffn_matmul = (3 if self.ffn == "geglu" else 2) * H * F
     attention_width = sum(self.layer_heads(layer) * self.head_dim for layer in range(L))  # H per unpruned layer
     matmul = 4 * H * attention_width + L * ffn_matmul + (E * H if E != H else 0)
+    if dense_embedding_lookup:
+      matmul += E * self.vocab_size
     attention = 2 * seq_len * attention_width  # QK^T and PV, forward, per token
     head = predictions_per_token * (H * E + E * self.vocab_size)
     return 6 * (matmul + head) + 6 * attention

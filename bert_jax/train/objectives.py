@@ -122,10 +122,10 @@ class PretrainingObjective:
   def predictions_per_token(self, max_predictions: int, seq_len: int) -> float:
     return max_predictions / seq_len
 
-  def flops_per_token(self, max_predictions: int, seq_len: int) -> float:
+  def flops_per_token(self, max_predictions: int, seq_len: int, dense_embedding_lookup: bool = False) -> float:
     """Training FLOPs per token of every network the step runs (`ModelConfig.flops_per_token`)."""
     predictions = self.predictions_per_token(max_predictions, seq_len)
-    return sum(cfg.flops_per_token(seq_len, predictions) for cfg in self.model_configs)
+    return sum(cfg.flops_per_token(seq_len, predictions, dense_embedding_lookup) for cfg in self.model_configs)
 
   def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
     """A batch of the pipeline's fields and shapes (zeros), to initialise the model and trace the step."""
@@ -321,10 +321,11 @@ class ReplacedTokenDetection(PretrainingObjective):
     del masked
     return 0.0
 
-  def flops_per_token(self, max_predictions, seq_len):
+  def flops_per_token(self, max_predictions, seq_len, dense_embedding_lookup=False):
     masked = self.predictions_per_token(max_predictions, seq_len)
-    return (self.generator_config.flops_per_token(seq_len, masked)
-            + self.model_config.flops_per_token(seq_len, self.discriminator_predictions(masked)))
+    return (self.generator_config.flops_per_token(seq_len, masked, dense_embedding_lookup)
+            + self.model_config.flops_per_token(seq_len, self.discriminator_predictions(masked),
+                                                dense_embedding_lookup))
 
   def denominators(self, inputs):
     return {**super().denominators(inputs), "rtd": jnp.sum(rtd_weights(inputs, self.rtd_positions))}
