@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -346,6 +347,29 @@ def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
     table.across_runs(tables + [("short", run(20.0, steps=3000))])
   with pytest.raises(ValueError, match="no row of empty has finished a downstream task"):
     table.across_runs([("empty", {"suite": {"tasks": ["mrpc"]}, "rows": [{"name": "Tokens", "pretrain": None}]})])
+
+
+def test_across_runs_adds_the_glue_score_where_the_table_has_that_column():
+  """A table with a GLUE-score column (ELECTRA's) gets it over runs too, first: per run, the median over seeds of
+  each seed's mean over the GLUE tasks (closed form below), named as the published table names it; a run where a row
+  lacks a GLUE task has no GLUE score for it."""
+  def run(cola, mrpc, squad=40.0):
+    task = lambda values: {"median": statistics.median(values), "values": values}  # noqa: E731
+    return {"published": {"table": "Table 1", "columns": {"glue": "GLUE score"}},
+            "suite": {"tasks": ["cola", "mrpc", "squad1.1_f1"]},
+            "rows": [{"name": "ELECTRA", "pretrain": {"step": 30000},
+                      "tasks": {"cola": task(cola), "mrpc": task(mrpc), "squad1.1_f1": task([squad])}},
+                     {"name": "MLM", "pretrain": {"step": 38164}, "tasks": {"cola": task(cola)}}]}
+
+  # seed0's per-seed means (20+80)/2, (30+70)/2, (10+60)/2 = 50, 50, 35: median 50; seed2's 60, 60, 45: median 60.
+  tables = [("seed0", run([20.0, 30.0, 10.0], [80.0, 70.0, 60.0])),
+            ("seed2", run([40.0, 30.0, 20.0], [80.0, 90.0, 70.0]))]
+  scores = table.across_runs(tables)
+  assert scores["ELECTRA"]["glue"] == [("seed0", 50.0), ("seed2", 60.0)]
+  assert "glue" not in scores["MLM"]
+  markdown = table.runs_markdown(tables).splitlines()
+  assert markdown[0] == "| row | GLUE score | CoLA (MCC) | MRPC (Acc) | SQuAD 1.1 (F1) |"
+  assert markdown[2].startswith("| ELECTRA | 55.0 (50.0 to 60.0, 2 runs) |")
 
 
 def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_results(tmp_path, capsys):

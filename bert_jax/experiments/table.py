@@ -145,9 +145,9 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"- published numbers: {published.get('source', 'none given')}"]
   if "glue" in names:
     run = [task for task in suite["tasks"] if task in suite_lib.GLUE]
-    lines.append(f"- GLUE score: ours is the mean over seeds of each seed's mean over the GLUE tasks run "
-                 f"({', '.join(run) or 'none'}; CoLA MCC, STS-B Spearman, accuracy otherwise), the paper's over all "
-                 "eight GLUE tasks")
+    lines.append(f"- GLUE score: ours is the median over seeds of each seed's mean over the GLUE tasks run "
+                 f"({', '.join(run) or 'none'}; CoLA MCC, STS-B Spearman, accuracy otherwise), the paper's over "
+                 "all eight GLUE tasks")
   lines.append("")
   header = ["row", "status"]
   for column in cols:
@@ -370,11 +370,13 @@ def plot_gap_by_budget(tables: Sequence[tuple[str, dict[str, Any]]], first: str,
 
 def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, list[tuple[str, float]]]]:
   """Per row and task, [(run, median over seeds)] over several runs of one table at one budget (pre-training seeds,
-  or repeats): `tables` holds (run, results.json) pairs. A row must have pre-trained the same number of steps in
+  or repeats): `tables` holds (run, results.json) pairs; a table with a GLUE-score column adds "glue", the row's
+  GLUE score in each run where it has every GLUE task. A row must have pre-trained the same number of steps in
   every run that has it (runs at several budgets are `gap_by_budget`'s); a task a run lacks is left out of it."""
   scores: dict[str, dict[str, list[tuple[str, float]]]] = {}
   steps: dict[str, tuple[str, int]] = {}
   for run, results in tables:
+    columns_named = results.get("published", {}).get("columns", {})
     for row in results["rows"]:
       step = (row.get("pretrain") or {}).get("step")
       if step is None:
@@ -386,14 +388,23 @@ def across_runs(tables: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, dict[
       for task in results["suite"]["tasks"]:
         if task in row["tasks"]:
           scores.setdefault(row["name"], {}).setdefault(task, []).append((run, row["tasks"][task]["median"]))
+      glue = glue_score(row, results["suite"]["tasks"]) if "glue" in columns_named else None
+      if glue:
+        scores.setdefault(row["name"], {}).setdefault("glue", []).append((run, glue["median"]))
   if not scores:
     raise ValueError(f"no row of {', '.join(run for run, _ in tables)} has finished a downstream task")
   return scores
 
 
 def _tasks_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], scores: dict[str, dict]) -> list[str]:
-  """The suite's tasks, in its order, that some row of across_runs' `scores` has."""
-  return [task for task in tables[0][1]["suite"]["tasks"] if any(task in row for row in scores.values())]
+  """The GLUE score first where some row has one, then the suite's tasks, in its order, that some row of
+  across_runs' `scores` has."""
+  return [task for task in ["glue", *tables[0][1]["suite"]["tasks"]] if any(task in row for row in scores.values())]
+
+
+def _run_label(tables: Sequence[tuple[str, dict[str, Any]]], column: str) -> str:
+  """A column's name in the runs' table and figure: the published table's name for it, else the task's label."""
+  return tables[0][1]["published"].get("columns", {}).get(column) or _label(column)
 
 
 def _mean_and_error(values: Sequence[float]) -> tuple[float, float]:
@@ -411,7 +422,7 @@ def runs_markdown(tables: Sequence[tuple[str, dict[str, Any]]]) -> str:
   tasks = _tasks_across_runs(tables, scores)
   values = {name: {task: [value for _, value in by_task.get(task, [])] for task in tasks}
             for name, by_task in scores.items()}
-  labels, header = " | ".join(map(_label, tasks)), "|---" * (len(tasks) + 1) + "|"
+  labels, header = " | ".join(_run_label(tables, task) for task in tasks), "|---" * (len(tasks) + 1) + "|"
   lines = [f"| row | {labels} |", header]
   for name, by_task in values.items():
     cells = []
@@ -461,7 +472,7 @@ def plot_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], out: str | os
         axis.plot(x + 0.12 * (index - (len(runs) - 1) / 2), value, marker="os^Dv<>"[index % 7], linestyle="none",
                   color=f"C{index % 10}", label=run)
     axis.set_xticks(range(len(names)), names, rotation=25, fontsize=7, ha="right")
-    axis.set_title(_label(task), fontsize=9)
+    axis.set_title(_run_label(tables, task), fontsize=9)
     axis.grid(axis="y", alpha=0.3)
   for axis in list(axes.flat)[len(tasks):]:
     axis.axis("off")
