@@ -461,8 +461,9 @@ def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.P
 
 
 def runs(folders: Sequence[pathlib.Path], out: pathlib.Path) -> None:
-  """Prints each row's mean, range and count over the folders (runs of one table at one budget) per task, and each
-  pair of rows' difference of means ± its standard error; writes `out`: every run's score per row and task."""
+  """Prints each row's mean, range and count over the folders (runs of one table at one budget) per task (and GLUE
+  score, where the table has one), and each pair of rows' difference of means ± its standard error; writes `out`:
+  every run's score per row and task."""
   from bert_jax.experiments import table
 
   tables = _published(folders, name=lambda folder: folder.name)

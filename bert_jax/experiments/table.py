@@ -404,7 +404,7 @@ def _tasks_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], scores: dic
 
 def _run_label(tables: Sequence[tuple[str, dict[str, Any]]], column: str) -> str:
   """A column's name in the runs' table and figure: the published table's name for it, else the task's label."""
-  return tables[0][1]["published"].get("columns", {}).get(column) or _label(column)
+  return tables[0][1].get("published", {}).get("columns", {}).get(column) or _label(column)
 
 
 def _mean_and_error(values: Sequence[float]) -> tuple[float, float]:
