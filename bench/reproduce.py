@@ -14,6 +14,10 @@
   # on a machine of two GPUs, one table on each (its rows sharing that GPU):
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
       --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
+  # rows longer than a call: one after another, each alone on the GPU (side by side they share its time), in
+  # calls on one --scratch (a warm machine keeps it); a row stopped at the deadline resumes in the next call
+  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table electra_variants \\
+      --devices 1 --in-turn --rows 3,1 --scratch runs/s1 --deadline 565 --out $OUT
   # two calls of `run` on one GPU at once (e.g. a second pre-training seed, --config.seed=2): each its own
   # --scratch and --out, and BERT_JAX_ROWS_PER_DEVICE=ALL_THEIR_ROWS so that they split the GPU's memory
   # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
@@ -45,15 +49,16 @@
 MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
 perplexity), runs `bert-jax sweep --config configs/ablations/TABLE.py:scale=gpu`
 for each table with all its rows at once (the tables side by side, each on its
-share of the host's cores, memory split over every row on an accelerator)
-until they finish or the deadline comes (then it stops the rows and keeps what
-finished: the sweep records every phase, task and seed), collects and renders
+share of the host's cores, memory split over every row on an accelerator), or
+with `--in-turn` one row at a time, until they finish or the deadline comes
+(then it stops the rows and keeps what finished: the sweep records every phase,
+task and seed; a pre-training stopped saves a checkpoint), collects and renders
 each table, and packs the sweep's small files (results, state, metrics, logs,
-table and figures; no checkpoints) into OUT/TABLE/sweep.tar.gz, beside
-table.md and `reproduce.json`: the command, card, versions and the seconds each
-part took. Arguments after the known ones (`--config.train.steps=2000`,
-`--config.seed=2` for a second pre-training seed, `--rows 0,1` with one table)
-go to every sweep.
+table, figures, and sweep.log: the output of every call on that scratch; no
+checkpoints) into OUT/TABLE/sweep.tar.gz, beside table.md and `reproduce.json`:
+the command, card, versions and the seconds each part took. Arguments after the
+known ones (`--config.train.steps=2000`, `--config.seed=2` for a second
+pre-training seed, `--rows 0,1` with one table) go to every sweep.
 
 Tables with rows masked by linguistic spans (`masking.granularity`
 named_entity / noun_phrase: spanbert_masking) need them marked in the prepared
@@ -84,6 +89,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from typing import Sequence
 
@@ -162,6 +168,16 @@ def _stop(process: subprocess.Popen, grace: float = 5.0) -> None:
       return
     except subprocess.TimeoutExpired:
       continue
+
+
+def _tee(lines, log) -> None:
+  """Copies a sweep's output to this call's and to its log, a line at a time, until the sweep's processes end."""
+  with log:
+    for line in lines:
+      sys.stdout.write(line)
+      sys.stdout.flush()
+      log.write(line)
+      log.flush()
 
 
 def _rows_per_device(own: int) -> str:
@@ -310,10 +326,11 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     elif "spans" not in json.loads((prepared / "manifest.json").read_text()):
       taggers = mark(carry, scratch, prepared, args.scale, env, out)
   mark_seconds = round(time.time() - started - prepare_seconds, 1)
-  counts = [len(_selected_rows(name, args.scale, sweep_args)) for name in tables]
+  # The rows each sweep runs at once: all of them side by side, or one after another (--in-turn).
+  counts = [1 if args.in_turn else len(_selected_rows(name, args.scale, sweep_args)) for name in tables]
   devices = 1 if args.table_per_device else args.devices or sum(counts)
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(len(tables))))).split(",")
-  # Every row of every table side by side: each sweep splits memory by all the rows on its accelerator.
+  # Each sweep splits memory by all the rows running at once on its accelerator.
   env[ablation.SHARING_ENV] = _rows_per_device(-(-sum(counts) // devices))
   sweeps = []
   for index, (name, count, cores) in enumerate(zip(tables, counts, _core_shares(counts))):
@@ -329,23 +346,31 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
                "--data-dir", f"glue={carry / 'glue'}", "--data-dir", f"squad={carry / 'squad'}",
                "--data-dir", f"conll2003={carry / 'conll2003'}", f"--config.data.prepared={prepared}", *sweep_args]
     where = f", accelerator {index}" if args.table_per_device else ""
-    print("$ bert-jax " + " ".join(command[3:]) + f"   # cores {cores[0]}-{cores[-1]}{where}", flush=True)
-    process = subprocess.Popen(command, env=sweep_env, cwd=REPO, start_new_session=True,
+    header = "$ bert-jax " + " ".join(command[3:]) + f"   # cores {cores[0]}-{cores[-1]}{where}"
+    print(header, flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = open(workdir / "sweep.log", "a", encoding="utf-8")  # Every call's output, packed with the sweep.
+    log.write(f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} {header}\n")
+    process = subprocess.Popen(command, env=sweep_env, cwd=REPO, start_new_session=True, text=True, errors="replace",
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores))
-    sweeps.append((name, workdir, command, process, time.time()))
+    copier = threading.Thread(target=_tee, args=(process.stdout, log), daemon=True)
+    copier.start()
+    sweeps.append((name, workdir, command, process, time.time(), copier))
   summary = {}
-  for name, workdir, command, process, sweep_started in sweeps:
+  for name, workdir, command, process, sweep_started, copier in sweeps:
     report = {"table": name, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "prepare_seconds": prepare_seconds, "mark_seconds": mark_seconds, "taggers": taggers,
               "sweep_command": " ".join(command[2:]),
-              "tables_side_by_side": tables, "table_per_device": args.table_per_device}
+              "tables_side_by_side": tables, "table_per_device": args.table_per_device, "in_turn": args.in_turn}
     try:
       report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
       _stop(process)
       report["sweep_status"] = f"stopped at the deadline ({args.deadline} s after the start)"
     report["sweep_seconds"] = round(time.time() - sweep_started, 1)
+    copier.join(timeout=10.0)
     summary[name] = _collect(workdir, out / name, report)
     report["total_seconds"] = round(time.time() - started, 1)
     (out / name / "reproduce.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -486,9 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="a configs/ablations/ name, e.g. bert_table5; several, comma-separated, side by side")
   run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
   run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row; 1 with "
-                          "several tables); every row of every table runs at once")
+                          "several tables); every row of every table runs at once, unless --in-turn")
   run_parser.add_argument("--table-per-device", action="store_true",
                           help="several tables, each on its own accelerator (table i on accelerator i)")
+  run_parser.add_argument("--in-turn", action="store_true",
+                          help="each table's rows one after another in the order --rows gives, each alone on its "
+                          "accelerator (a row stopped at the deadline resumes where it stopped in a later call on "
+                          "the same --scratch)")
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
   run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")

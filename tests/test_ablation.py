@@ -2,6 +2,7 @@
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import pathlib
@@ -278,6 +279,47 @@ def test_reproduce_marks_spans_only_for_the_rows_it_runs():
   assert not reproduce._needs_spans("bert_table5", "tiny", [])
   with pytest.raises(SystemExit, match="spanbert_masking has rows 0 to 4"):
     reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "5"])
+
+
+def test_reproduce_runs_the_rows_side_by_side_or_in_turn(tmp_path, monkeypatch):
+  """`run` starts one sweep of the table: its rows at once, splitting the accelerator, or with --in-turn one at a
+  time in the order given (each alone on it, so that it runs at full speed), and says which in reproduce.json."""
+  reproduce = _bench_reproduce()
+  monkeypatch.delenv(ablation.SHARING_ENV, raising=False)
+  started = []
+
+  class Sweep:
+    pid = 0
+
+    def __init__(self, command, env, **_):
+      started.append((command, env))
+      self.stdout = io.StringIO(f"ran {len(started)}\n")
+
+    def wait(self, timeout=None):
+      return 0
+
+  monkeypatch.setattr(reproduce, "_prepare", lambda *_: tmp_path / "wiki")
+  monkeypatch.setattr(reproduce, "_card", lambda: "cpu")  # It runs nvidia-smi through Popen too.
+  monkeypatch.setattr(reproduce.subprocess, "Popen", Sweep)
+  monkeypatch.setattr(reproduce, "_collect", lambda workdir, out, report: out.mkdir(parents=True) or {})
+
+  def launched(*flags):
+    started.clear()
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+    assert reproduce.main(["run", "--table", "electra_variants", "--scale", "tiny", "--devices", "1", "--out",
+                           str(out), "--scratch", str(tmp_path / "scratch"), *flags, "--rows", "3,1"]) == 0
+    [(command, env)] = started
+    report = json.loads((out / "electra_variants" / "reproduce.json").read_text())
+    return command[command.index("--parallel") + 1], env[ablation.SHARING_ENV], report["in_turn"], command
+
+  assert launched()[:3] == ("2", "2", False)
+  parallel, sharing, in_turn, command = launched("--in-turn")
+  assert (parallel, sharing, in_turn) == ("1", "1", True)
+  assert command[command.index("--rows") + 1] == "3,1"
+  # Each call's output is appended to the sweep's log (packed with it), after the command it ran.
+  log = (tmp_path / "scratch" / "runs" / "electra_variants" / "sweep.log").read_text().splitlines()
+  assert [line.split(" ", 1)[1].startswith("$ bert-jax sweep") for line in log] == [True, False, True, False]
+  assert log[1] == log[3] == "ran 1" and "--parallel 1" in log[2]
 
 
 def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):
