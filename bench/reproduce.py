@@ -56,7 +56,9 @@ task and seed; a pre-training stopped saves a checkpoint), collects and renders
 each table, and packs the sweep's small files (results, state, metrics, logs,
 table, figures, and sweep.log: the output of every call on that scratch; no
 checkpoints) into OUT/TABLE/sweep.tar.gz, beside table.md and `reproduce.json`:
-the command, card, versions and the seconds each part took. Arguments after the
+the command, card, versions and the seconds each part took. Compiled steps are
+cached in SCRATCH/xla_cache (unless $BERT_JAX_COMPILATION_CACHE names another
+place), so a later call on the same scratch reads them. Arguments after the
 known ones (`--config.train.steps=2000`, `--config.seed=2` for a second
 pre-training seed, `--rows 0,1` with one table) go to every sweep.
 
@@ -315,6 +317,9 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   if len(tables) > 1 and not args.table_per_device and args.devices != 1:  # Each sweep numbers its accelerators from 0.
     raise SystemExit("several tables side by side share one accelerator: give --devices 1 (or --table-per-device)")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  if not (env.get("BERT_JAX_COMPILATION_CACHE") or env.get("JAX_COMPILATION_CACHE_DIR")):
+    # The scratch is what a lent machine keeps between calls: steps compiled there serve the next call's rows.
+    env["BERT_JAX_COMPILATION_CACHE"] = str((scratch / "xla_cache").resolve())
   prepared = _prepare(carry, scratch, args.scale, env)
   prepare_seconds = round(time.time() - started, 1)
   taggers = None

@@ -285,7 +285,8 @@ def test_reproduce_runs_the_rows_side_by_side_or_in_turn(tmp_path, monkeypatch):
   """`run` starts one sweep of the table: its rows at once, splitting the accelerator, or with --in-turn one at a
   time in the order given (each alone on it, so that it runs at full speed), and says which in reproduce.json."""
   reproduce = _bench_reproduce()
-  monkeypatch.delenv(ablation.SHARING_ENV, raising=False)
+  for name in (ablation.SHARING_ENV, "BERT_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR"):
+    monkeypatch.delenv(name, raising=False)
   started = []
 
   class Sweep:
@@ -315,6 +316,8 @@ def test_reproduce_runs_the_rows_side_by_side_or_in_turn(tmp_path, monkeypatch):
   assert launched()[:3] == ("2", "2", False)
   parallel, sharing, in_turn, command = launched("--in-turn")
   assert (parallel, sharing, in_turn) == ("1", "1", True)
+  # Compiled steps are cached in the scratch, which a lent machine keeps between calls.
+  assert started[0][1]["BERT_JAX_COMPILATION_CACHE"] == str(tmp_path / "scratch" / "xla_cache")
   assert command[command.index("--rows") + 1] == "3,1"
   # Each call's output is appended to the sweep's log (packed with it), after the command it ran.
   log = (tmp_path / "scratch" / "runs" / "electra_variants" / "sweep.log").read_text().splitlines()
