@@ -317,7 +317,7 @@ def test_reproduce_runs_the_rows_side_by_side_or_in_turn(tmp_path, monkeypatch):
   parallel, sharing, in_turn, command = launched("--in-turn")
   assert (parallel, sharing, in_turn) == ("1", "1", True)
   # Compiled steps are cached in the scratch, which a lent machine keeps between calls.
-  assert started[0][1]["BERT_JAX_COMPILATION_CACHE"] == str(tmp_path / "scratch" / "xla_cache")
+  assert started[0][1]["BERT_JAX_COMPILATION_CACHE"] == str((tmp_path / "scratch" / "xla_cache").resolve())
   assert command[command.index("--rows") + 1] == "3,1"
   # Each call's output is appended to the sweep's log (packed with it), after the command it ran.
   log = (tmp_path / "scratch" / "runs" / "electra_variants" / "sweep.log").read_text().splitlines()
