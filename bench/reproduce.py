@@ -14,10 +14,11 @@
   # on a machine of two GPUs, one table on each (its rows sharing that GPU):
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
       --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
-  # rows longer than a call: one after another, each alone on the GPU (side by side they share its time), in
-  # calls on one --scratch (a warm machine keeps it); a row stopped at the deadline resumes in the next call
+  # rows longer than a call: one pre-training at a time (side by side they share the GPU's time), each beside the
+  # fine-tuning of the row before it (mostly compilation, on the host), in calls on one --scratch (a warm machine
+  # keeps it); a row stopped at the deadline resumes in the next call
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table electra_variants \\
-      --devices 1 --in-turn --rows 3,1 --scratch runs/s1 --deadline 565 --out $OUT
+      --devices 1 --pipeline --rows 3,0 --scratch runs/s1 --deadline 565 --out $OUT
   # two calls of `run` on one GPU at once (e.g. a second pre-training seed, --config.seed=2): each its own
   # --scratch and --out, and BERT_JAX_ROWS_PER_DEVICE=ALL_THEIR_ROWS so that they split the GPU's memory
   # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
@@ -50,7 +51,8 @@ MiniLM's uncased WordPiece vocabulary, 500 documents held out for the MLM
 perplexity), runs `bert-jax sweep --config configs/ablations/TABLE.py:scale=gpu`
 for each table with all its rows at once (the tables side by side, each on its
 share of the host's cores, memory split over every row on an accelerator), or
-with `--in-turn` one row at a time, until they finish or the deadline comes
+with `--pipeline` one pre-training at a time, beside the fine-tuning of the row
+before it, until they finish or the deadline comes
 (then it stops the rows and keeps what finished: the sweep records every phase,
 task and seed; a pre-training stopped saves a checkpoint), collects and renders
 each table, and packs the sweep's small files (results, state, metrics, logs,
@@ -331,8 +333,10 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     elif "spans" not in json.loads((prepared / "manifest.json").read_text()):
       taggers = mark(carry, scratch, prepared, args.scale, env, out)
   mark_seconds = round(time.time() - started - prepare_seconds, 1)
-  # The rows each sweep runs at once: all of them side by side, or one after another (--in-turn).
-  counts = [1 if args.in_turn else len(_selected_rows(name, args.scale, sweep_args)) for name in tables]
+  # The rows each sweep runs at once: all of them side by side, or with --pipeline two, one pre-training beside the
+  # fine-tuning of the one before.
+  counts = [len(_selected_rows(name, args.scale, sweep_args)) for name in tables]
+  counts = [min(2, count) if args.pipeline else count for count in counts]
   devices = 1 if args.table_per_device else args.devices or sum(counts)
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(len(tables))))).split(",")
   # Each sweep splits memory by all the rows running at once on its accelerator.
@@ -348,6 +352,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
                f"configs/ablations/{name}.py:scale={args.scale}", "--workdir", str(workdir),
                "--parallel", str(count), "--devices", str(min(devices, count)),
+               *(["--pipeline"] if args.pipeline and count > 1 else []),
                "--data-dir", f"glue={carry / 'glue'}", "--data-dir", f"squad={carry / 'squad'}",
                "--data-dir", f"conll2003={carry / 'conll2003'}", f"--config.data.prepared={prepared}", *sweep_args]
     where = f", accelerator {index}" if args.table_per_device else ""
@@ -368,7 +373,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "prepare_seconds": prepare_seconds, "mark_seconds": mark_seconds, "taggers": taggers,
               "sweep_command": " ".join(command[2:]),
-              "tables_side_by_side": tables, "table_per_device": args.table_per_device, "in_turn": args.in_turn}
+              "tables_side_by_side": tables, "table_per_device": args.table_per_device, "pipeline": args.pipeline}
     try:
       report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
@@ -516,13 +521,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="a configs/ablations/ name, e.g. bert_table5; several, comma-separated, side by side")
   run_parser.add_argument("--scale", default="gpu", help="the table config's scale (gpu; tiny for a CPU smoke run)")
   run_parser.add_argument("--devices", type=int, help="accelerators the rows share (default: one per row; 1 with "
-                          "several tables); every row of every table runs at once, unless --in-turn")
+                          "several tables); every row of every table runs at once, unless --pipeline")
   run_parser.add_argument("--table-per-device", action="store_true",
                           help="several tables, each on its own accelerator (table i on accelerator i)")
-  run_parser.add_argument("--in-turn", action="store_true",
-                          help="each table's rows one after another in the order --rows gives, each alone on its "
-                          "accelerator (a row stopped at the deadline resumes where it stopped in a later call on "
-                          "the same --scratch)")
+  run_parser.add_argument("--pipeline", action="store_true",
+                          help="each table's rows pre-train one at a time in the order --rows gives, each beside the "
+                          "fine-tuning of the row before it (a row stopped at the deadline resumes where it stopped "
+                          "in a later call on the same --scratch)")
   run_parser.add_argument("--deadline", type=float, default=540.0, help="seconds after the start to stop the rows")
   run_parser.add_argument("--scratch", default="/tmp/bert_jax_reproduce", help="corpus and sweep (checkpoints)")
   run_parser.add_argument("--out", required=True, help="where OUT/TABLE/{sweep.tar.gz, table.md, reproduce.json} go")

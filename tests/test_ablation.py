@@ -281,9 +281,9 @@ def test_reproduce_marks_spans_only_for_the_rows_it_runs():
     reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "5"])
 
 
-def test_reproduce_runs_the_rows_side_by_side_or_in_turn(tmp_path, monkeypatch):
-  """`run` starts one sweep of the table: its rows at once, splitting the accelerator, or with --in-turn one at a
-  time in the order given (each alone on it, so that it runs at full speed), and says which in reproduce.json."""
+def test_reproduce_runs_the_rows_side_by_side_or_pipelined(tmp_path, monkeypatch):
+  """`run` starts one sweep of the table: its rows at once, splitting the accelerator, or with --pipeline two at a
+  time, one pre-training beside the fine-tuning of the one before (in the order given), and says which."""
   reproduce = _bench_reproduce()
   for name in (ablation.SHARING_ENV, "BERT_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR"):
     monkeypatch.delenv(name, raising=False)
@@ -304,25 +304,28 @@ def test_reproduce_runs_the_rows_side_by_side_or_in_turn(tmp_path, monkeypatch):
   monkeypatch.setattr(reproduce.subprocess, "Popen", Sweep)
   monkeypatch.setattr(reproduce, "_collect", lambda workdir, out, report: out.mkdir(parents=True) or {})
 
-  def launched(*flags):
+  def launched(rows, *flags):
     started.clear()
     out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
     assert reproduce.main(["run", "--table", "electra_variants", "--scale", "tiny", "--devices", "1", "--out",
-                           str(out), "--scratch", str(tmp_path / "scratch"), *flags, "--rows", "3,1"]) == 0
+                           str(out), "--scratch", str(tmp_path / "scratch"), *flags, "--rows", rows]) == 0
     [(command, env)] = started
     report = json.loads((out / "electra_variants" / "reproduce.json").read_text())
-    return command[command.index("--parallel") + 1], env[ablation.SHARING_ENV], report["in_turn"], command
+    return command[command.index("--parallel") + 1], env[ablation.SHARING_ENV], report["pipeline"], command
 
-  assert launched()[:3] == ("2", "2", False)
-  parallel, sharing, in_turn, command = launched("--in-turn")
-  assert (parallel, sharing, in_turn) == ("1", "1", True)
+  parallel, sharing, pipeline, command = launched("3,1,0")
+  assert (parallel, sharing, pipeline) == ("3", "3", False) and "--pipeline" not in command
+  parallel, sharing, pipeline, command = launched("3,1,0", "--pipeline")
+  assert (parallel, sharing, pipeline) == ("2", "2", True) and "--pipeline" in command
+  assert command[command.index("--rows") + 1] == "3,1,0"
   # Compiled steps are cached in the scratch, which a lent machine keeps between calls.
   assert started[0][1]["BERT_JAX_COMPILATION_CACHE"] == str((tmp_path / "scratch" / "xla_cache").resolve())
-  assert command[command.index("--rows") + 1] == "3,1"
+  parallel, _, _, command = launched("3", "--pipeline")  # One row: nothing to overlap.
+  assert parallel == "1" and "--pipeline" not in command
   # Each call's output is appended to the sweep's log (packed with it), after the command it ran.
   log = (tmp_path / "scratch" / "runs" / "electra_variants" / "sweep.log").read_text().splitlines()
-  assert [line.split(" ", 1)[1].startswith("$ bert-jax sweep") for line in log] == [True, False, True, False]
-  assert log[1] == log[3] == "ran 1" and "--parallel 1" in log[2]
+  assert [line.split(" ", 1)[1].startswith("$ bert-jax sweep") for line in log] == [True, False] * 3
+  assert log[1] == log[3] == "ran 1" and "--parallel 2" in log[2]
 
 
 def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):
@@ -634,6 +637,48 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   assert started[2][0][-6:] == ["--workdir", str(tmp_path), "--row-index", "2", "--data-dir=glue=DATA",
                                 "--config.train.steps=4"]
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
+
+
+@pytest.mark.parametrize("pretrained_before", [False, True])
+def test_pipeline_starts_a_row_once_the_one_before_has_pre_trained(setup, tmp_path, monkeypatch, pretrained_before):
+  """--pipeline: the next row starts when the running one has recorded its pre-training (and goes on beside its
+  fine-tuning), never while one pre-trains; a row pre-trained in an earlier call does not hold the next back."""
+  spec, data_dirs, _ = setup
+  tab = ablation.load_table(spec)
+  events = []
+
+  def pretrained(index):
+    state = tmp_path / "rows" / tab.rows[index].slug / "state"
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "pretrain.json").write_text("{}")
+
+  if pretrained_before:
+    pretrained(0)
+
+  class FakeProcess:  # A row: pre-trained at its second poll, finished at its fourth.
+    def __init__(self, command, env, stdout, stderr, preexec_fn):
+      self.index, self.polls, self.returncode = int(command[command.index("--row-index") + 1]), 0, None
+      events.append(f"start {self.index}")
+
+    def poll(self):
+      self.polls += 1
+      if self.polls == 2 and not (pretrained_before and self.index == 0):
+        pretrained(self.index)
+        events.append(f"pretrained {self.index}")
+      if self.polls == 4:
+        self.returncode = 0
+        events.append(f"exit {self.index}")
+      return self.returncode
+
+  monkeypatch.setattr(ablation.subprocess, "Popen", FakeProcess)
+  monkeypatch.setattr(ablation.time, "sleep", lambda seconds: None)
+  ablation.run_sweep(tab, tmp_path, data_dirs, parallel=2, devices=1, pipeline=True)
+  if pretrained_before:  # Both slots taken: the third row waits for one to free as well.
+    assert events[:2] == ["start 0", "start 1"] and events.index("exit 0") < events.index("start 2")
+  else:
+    assert events[:3] == ["start 0", "pretrained 0", "start 1"] and events.index("start 1") < events.index("exit 0")
+    assert events.index("start 2") < events.index("exit 1")
+  assert events.index("pretrained 1") < events.index("start 2")
 
 
 def test_a_row_process_that_crashes_is_started_once_more(setup, tmp_path, monkeypatch, capsys):

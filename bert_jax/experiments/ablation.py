@@ -31,7 +31,9 @@ is recorded and the other rows go on; a row process that
 crashes (killed by SIGSEGV and the like, or by the out-of-memory killer) is
 started once more and goes on from its last checkpoint. `--parallel N` runs rows
 as N subprocesses, one per local accelerator (CUDA_VISIBLE_DEVICES), or
-sharing `--devices D` of them, each with its share of the host's cores;
+sharing `--devices D` of them, each with its share of the host's cores
+(`--pipeline`: one row pre-trains at a time, beside the fine-tuning of the
+row before it, e.g. `--parallel 2 --devices 1` on one GPU);
 `--rows 0,2` or `--row-index I` runs a subset (one job of a SLURM array or
 one TPU slice per row, all writing into one shared workdir). Each run ends by
 collecting `WORKDIR/results.json` from whatever rows have finished; `--collect`
@@ -449,9 +451,9 @@ def _check_data_dirs(suite: suite_lib.Suite, data_dirs: dict[str, str]) -> None:
 
 def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str] | None = None,
               indices: Sequence[int] | None = None, parallel: int = 1, finetune: Callable | None = None,
-              child_args: Sequence[str] = (), devices: int | None = None) -> dict[str, Any]:
+              child_args: Sequence[str] = (), devices: int | None = None, pipeline: bool = False) -> dict[str, Any]:
   """Runs the rows `indices` (default all), in this process or as `parallel` subprocesses on `devices` local
-  accelerators (default: one each); returns the collection."""
+  accelerators (default: one each), with `pipeline` one pre-training at a time; returns the collection."""
   workdir = paths.as_path(workdir)
   data_dirs = dict(data_dirs or {})
   indices = list(range(len(table.rows))) if indices is None else list(indices)
@@ -475,7 +477,7 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
         break
       progress.update()
   else:
-    _run_subprocesses(table, workdir, indices, parallel, child_args, progress, devices)
+    _run_subprocesses(table, workdir, indices, parallel, child_args, progress, devices, pipeline)
   return collect(workdir)
 
 
@@ -509,16 +511,26 @@ CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.
 ROW_RESTARTS = 1
 
 
+def _pretraining(table: Table, workdir: epath.Path, index: int) -> bool:
+  """Whether row `index`, running or about to, pre-trains: it trains its own model and has not recorded it yet."""
+  row = table.rows[index]
+  return row.pretrained is None and not (workdir / "rows" / row.slug / "state" / "pretrain.json").exists()
+
+
 def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,
-                      child_args: Sequence[str], progress: progress_lib.Progress, devices: int | None = None) -> None:
+                      child_args: Sequence[str], progress: progress_lib.Progress, devices: int | None = None,
+                      pipeline: bool = False) -> None:
   """One subprocess per row, at most `parallel` at once, on `devices` local accelerators (default: one each). A
-  row's output goes to rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits)."""
+  row's output goes to rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits).
+  With `pipeline`, a row starts only while no running row pre-trains: pre-training (bound by the accelerator) runs
+  alone, beside the fine-tuning suites of the rows before it (mostly compilation, on the host)."""
   devices = devices or parallel
   logs = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-sweep-")) if paths.is_remote(workdir) else None
   pending, running, free = list(indices), {}, list(range(parallel))
   restarts = dict.fromkeys(indices, 0)
   while pending or running:
-    while pending and free:
+    while pending and free and not (pipeline and any(_pretraining(table, workdir, index)
+                                                     for index, _ in running.values())):
       index, slot = pending.pop(0), free.pop(0)
       row_log = workdir / "rows" / table.rows[index].slug / "log.txt"
       log = logs / f"{table.rows[index].slug}.txt" if logs else pathlib.Path(row_log)
@@ -678,6 +690,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--devices", type=int,
                       help="local accelerators the --parallel rows share round-robin (default: N, one each); "
                            "rows on one accelerator split its memory")
+  parser.add_argument("--pipeline", action="store_true",
+                      help="with --parallel: one row pre-trains at a time, the next starting once it has pre-trained, "
+                           "beside its fine-tuning (e.g. --parallel 2 --devices 1 on one GPU)")
   parser.add_argument("--collect", action="store_true", help="only build WORKDIR/results.json from finished rows")
   parser.add_argument("--tasks", help="comma-separated downstream tasks replacing the suite's, e.g. mnli_m,sst2 "
                                       f"(known: {','.join(suite_lib.TASKS)})")
@@ -711,8 +726,10 @@ def main(argv: list[str]) -> int:
           f"--finetune={item}" for item in args.finetune]
       if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
+      if args.pipeline and args.parallel < 2:
+        parser.error("--pipeline overlaps a row's fine-tuning with the next row's pre-training: give --parallel 2")
       results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args,
-                          devices=args.devices)
+                          devices=args.devices, pipeline=args.pipeline)
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as error:
     print(f"bert-jax sweep: {error}")
     return 2
