@@ -639,10 +639,10 @@ def test_parallel_runs_each_row_as_a_subprocess_on_its_own_accelerator(setup, tm
   assert [row["status"] for row in results["rows"]] == ["incomplete"] * 3
 
 
-@pytest.mark.parametrize("pretrained_before", [False, True])
+@pytest.mark.parametrize("pretrained_before", [None, 0, 1])
 def test_pipeline_starts_a_row_once_the_one_before_has_pre_trained(setup, tmp_path, monkeypatch, pretrained_before):
-  """--pipeline: the next row starts when the running one has recorded its pre-training (and goes on beside its
-  fine-tuning), never while one pre-trains; a row pre-trained in an earlier call does not hold the next back."""
+  """--pipeline: one pre-training at a time. A row that pre-trains starts when the running one has recorded its
+  pre-training (and goes on beside its fine-tuning); a row pre-trained in an earlier call starts at once."""
   spec, data_dirs, _ = setup
   tab = ablation.load_table(spec)
   events = []
@@ -652,8 +652,8 @@ def test_pipeline_starts_a_row_once_the_one_before_has_pre_trained(setup, tmp_pa
     state.mkdir(parents=True, exist_ok=True)
     (state / "pretrain.json").write_text("{}")
 
-  if pretrained_before:
-    pretrained(0)
+  if pretrained_before is not None:
+    pretrained(pretrained_before)
 
   class FakeProcess:  # A row: pre-trained at its second poll, finished at its fourth.
     def __init__(self, command, env, stdout, stderr, preexec_fn):
@@ -662,7 +662,7 @@ def test_pipeline_starts_a_row_once_the_one_before_has_pre_trained(setup, tmp_pa
 
     def poll(self):
       self.polls += 1
-      if self.polls == 2 and not (pretrained_before and self.index == 0):
+      if self.polls == 2 and self.index != pretrained_before:
         pretrained(self.index)
         events.append(f"pretrained {self.index}")
       if self.polls == 4:
@@ -673,12 +673,13 @@ def test_pipeline_starts_a_row_once_the_one_before_has_pre_trained(setup, tmp_pa
   monkeypatch.setattr(ablation.subprocess, "Popen", FakeProcess)
   monkeypatch.setattr(ablation.time, "sleep", lambda seconds: None)
   ablation.run_sweep(tab, tmp_path, data_dirs, parallel=2, devices=1, pipeline=True)
-  if pretrained_before:  # Both slots taken: the third row waits for one to free as well.
-    assert events[:2] == ["start 0", "start 1"] and events.index("exit 0") < events.index("start 2")
-  else:
+  if pretrained_before is None:
     assert events[:3] == ["start 0", "pretrained 0", "start 1"] and events.index("start 1") < events.index("exit 0")
-    assert events.index("start 2") < events.index("exit 1")
-  assert events.index("pretrained 1") < events.index("start 2")
+    assert events.index("pretrained 1") < events.index("start 2") < events.index("exit 1")
+  else:  # Both slots taken at once: the third row waits for one to free, and for the pre-training to end.
+    assert events[:2] == ["start 0", "start 1"]
+    assert events.index(f"exit {pretrained_before}") < events.index("start 2")
+    assert events.index(f"pretrained {1 - pretrained_before}") < events.index("start 2")
 
 
 def test_a_row_process_that_crashes_is_started_once_more(setup, tmp_path, monkeypatch, capsys):

@@ -522,15 +522,16 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
                       pipeline: bool = False) -> None:
   """One subprocess per row, at most `parallel` at once, on `devices` local accelerators (default: one each). A
   row's output goes to rows/ROW/log.txt (in a remote workdir: to a local file, uploaded there when the row exits).
-  With `pipeline`, a row starts only while no running row pre-trains: pre-training (bound by the accelerator) runs
-  alone, beside the fine-tuning suites of the rows before it (mostly compilation, on the host)."""
+  With `pipeline`, one row pre-trains at a time: a row that has to starts only while no running row does, so that
+  pre-training (bound by the accelerator) runs beside the fine-tuning suites of the rows before it (mostly
+  compilation, on the host), not beside another pre-training."""
   devices = devices or parallel
   logs = pathlib.Path(tempfile.mkdtemp(prefix="bert_jax-sweep-")) if paths.is_remote(workdir) else None
   pending, running, free = list(indices), {}, list(range(parallel))
   restarts = dict.fromkeys(indices, 0)
   while pending or running:
-    while pending and free and not (pipeline and any(_pretraining(table, workdir, index)
-                                                     for index, _ in running.values())):
+    while pending and free and not (pipeline and _pretraining(table, workdir, pending[0]) and any(
+        _pretraining(table, workdir, index) for index, _ in running.values())):
       index, slot = pending.pop(0), free.pop(0)
       row_log = workdir / "rows" / table.rows[index].slug / "log.txt"
       log = logs / f"{table.rows[index].slug}.txt" if logs else pathlib.Path(row_log)
