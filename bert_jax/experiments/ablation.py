@@ -200,6 +200,10 @@ def _read_json(path: epath.Path) -> Any:
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def _pretrain_state(row_dir: epath.Path) -> epath.Path:
+  return row_dir / "state" / "pretrain.json"
+
+
 def _finetune_state(row_dir: epath.Path, task: str, lr: float, seed: int) -> epath.Path:
   return row_dir / "state" / f"finetune_{task}_lr{lr:g}_seed{seed}.json"
 
@@ -254,7 +258,7 @@ def _train_tokens(prepared_dir: str) -> int | None:
 def pretrain_phase(config, row_dir: epath.Path, cross: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
   """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time, device, perplexity;
   `cross`: (objective, example format) pairs the final model is also scored with (`trainer.evaluate_run`)."""
-  state_file = row_dir / "state" / "pretrain.json"
+  state_file = _pretrain_state(row_dir)
   state = _read_json(state_file)
   if state is not None:
     return state
@@ -305,7 +309,7 @@ def wait_for_pretraining(table: Table, row: Row, workdir: epath.Path, poll_secon
   another job) has recorded it; raises if that row ended without it."""
   source_dir = pretrained_dir(table, row, workdir)
   while True:
-    state = _read_json(source_dir / "state" / "pretrain.json")
+    state = _read_json(_pretrain_state(source_dir))
     if state is not None:
       return state
     status = _read_json(source_dir / "row.json")
@@ -514,7 +518,7 @@ ROW_RESTARTS = 1
 def _pretraining(table: Table, workdir: epath.Path, index: int) -> bool:
   """Whether row `index`, running or about to, pre-trains: it trains its own model and has not recorded it yet."""
   row = table.rows[index]
-  return row.pretrained is None and not (workdir / "rows" / row.slug / "state" / "pretrain.json").exists()
+  return row.pretrained is None and not _pretrain_state(workdir / "rows" / row.slug).exists()
 
 
 def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,
@@ -597,7 +601,7 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
     for split, metrics in (own or {}).get("summary", {}).items():
       for metric, stats in metrics.items():
         tasks[f"{split}/{metric}"] = {"metric": metric, "seeds_done": len(stats["values"]), **stats}
-    pretrain = _read_json(pretrained_dir(table, row, workdir) / "state" / "pretrain.json")
+    pretrain = _read_json(_pretrain_state(pretrained_dir(table, row, workdir)))
     if pretrain is not None and row.pretrained is not None:
       pretrain = {**pretrain, "wall_seconds": 0.0, "pretrained_by": row.pretrained}
     rows.append({"name": row.name, "slug": row.slug, "overrides": resolved_overrides(table, row),
