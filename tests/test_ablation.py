@@ -741,6 +741,39 @@ def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):
   assert len(ran) == 1 and [row["status"] for row in results["rows"]] == ["incomplete", "not run", "not run"]
 
 
+def test_a_rows_pretraining_wall_time_adds_up_over_the_calls_that_trained_it(tmp_path, monkeypatch):
+  """A row stopped at a call's deadline and resumed in the next records the time of both calls, and the devices
+  each ran on; a call that failed counts too."""
+  import ml_collections
+
+  config = ml_collections.ConfigDict({"objective": "mlm", "train": {"batch_size": 4}, "data": {"seq_len": 8}})
+  clock, calls = iter([0.0, 100.0, 500.0, 530.0, 1000.0, 1250.0]), iter([{"preempted": True, "step": 30}, None,
+                                                                          {"step": 50}])
+
+  def fake_train(config, workdir):
+    call = next(calls)
+    if call is None:
+      raise RuntimeError("out of memory")
+    return {**call, "prepared_dir": str(tmp_path / "absent"), "eval": {"mlm_perplexity": 9.0}}
+
+  monkeypatch.setattr(trainer, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(ablation.time, "perf_counter", lambda: next(clock))
+  devices = iter(["1 x H200, shared by 2 rows", "1 x H200", "1 x H200"])
+  monkeypatch.setattr(ablation, "_device", lambda: next(devices))
+  row_dir = tmp_path / "row"
+  with pytest.raises(InterruptedError, match="stopped at step 30"):
+    ablation.pretrain_phase(config, row_dir)
+  with pytest.raises(RuntimeError, match="out of memory"):
+    ablation.pretrain_phase(config, row_dir)
+  state = ablation.pretrain_phase(config, row_dir)
+  assert state["wall_seconds"] == 100.0 + 30.0 + 250.0 and state["tokens_seen"] == 50 * 4 * 8
+  assert state["device"] == "1 x H200, shared by 2 rows; 1 x H200"
+  assert [segment["step"] for segment in state["segments"]] == [30, None, 50]
+  results = {"config": "t.py", "overrides": [], "published": {}, "rows": [{"name": "r", "status": "done",
+              "pretrain": state, "tasks": {}}], "suite": {"tasks": [], "seeds": [1], "lrs": [1e-4]}}
+  assert "| 380.0 (3 calls) |" in table.render_markdown(results)
+
+
 def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -204,6 +204,11 @@ def _pretrain_state(row_dir: epath.Path) -> epath.Path:
   return row_dir / "state" / "pretrain.json"
 
 
+def _pretrain_segments(row_dir: epath.Path) -> epath.Path:
+  """The stopped pre-training calls of an unfinished row (wall seconds, device, last step), for its total."""
+  return row_dir / "state" / "pretrain_segments.json"
+
+
 def _finetune_state(row_dir: epath.Path, task: str, lr: float, seed: int) -> epath.Path:
   return row_dir / "state" / f"finetune_{task}_lr{lr:g}_seed{seed}.json"
 
@@ -256,30 +261,46 @@ def _train_tokens(prepared_dir: str) -> int | None:
 
 
 def pretrain_phase(config, row_dir: epath.Path, cross: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
-  """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time, device, perplexity;
-  `cross`: (objective, example format) pairs the final model is also scored with (`trainer.evaluate_run`)."""
+  """Pre-trains the row (resuming its checkpoints) and records tokens, epochs, wall time and device (over every
+  call that trained it), perplexity; `cross`: (objective, example format) pairs the final model is also scored
+  with (`trainer.evaluate_run`)."""
   state_file = _pretrain_state(row_dir)
   state = _read_json(state_file)
   if state is not None:
     return state
   from bert_jax.train import trainer
 
+  segments_file = _pretrain_segments(row_dir)
+  segments = _read_json(segments_file) or []
   started = time.perf_counter()
-  result = trainer.train_and_evaluate(config, row_dir / "pretrain")
+
+  def segment(step) -> dict[str, Any]:
+    return {"wall_seconds": time.perf_counter() - started, "device": _device(), "step": step}
+
+  try:
+    result = trainer.train_and_evaluate(config, row_dir / "pretrain")
+  except BaseException:
+    _write_json(segments_file, [*segments, segment(None)])  # A failed call's time is spent too.
+    raise
   if result.get("preempted"):
+    _write_json(segments_file, [*segments, segment(int(result["step"]))])
     raise InterruptedError(f"pre-training of {row_dir.name} was stopped at step {result['step']}")
+  segments.append(segment(int(result["step"])))
+  devices = list(dict.fromkeys(part["device"] for part in segments))
   evaluation = dict(result.get("eval") or {}) or _last_eval(row_dir / "pretrain" / "metrics.jsonl")
   tokens = int(result["step"]) * config.train.batch_size * config.data.seq_len
   corpus_tokens = _train_tokens(result["prepared_dir"])
   state = {"step": int(result["step"]), "tokens_seen": tokens, "corpus_train_tokens": corpus_tokens,
            "epochs": tokens / corpus_tokens if corpus_tokens else None,
-           "wall_seconds": time.perf_counter() - started, "device": _device(),
+           "wall_seconds": sum(part["wall_seconds"] for part in segments), "device": "; ".join(devices),
            "num_params": int(result.get("num_params", 0)), "perplexity": evaluation.get("mlm_perplexity"),
            "eval": evaluation, "objective": config.objective, "batch_size": config.train.batch_size,
            "seq_len": config.data.seq_len,
            "cross_eval": {objective: trainer.evaluate_run(row_dir / "pretrain", [f"objective={objective}",
                                                                                 f"data.format={example_format}"])
                           for objective, example_format in cross}}
+  if len(segments) > 1:
+    state["segments"] = segments
   _write_json(state_file, state)
   return state
 

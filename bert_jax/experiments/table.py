@@ -179,6 +179,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     error = (f"{row.get('phase')}: {row['error']}" if row.get("error") else "").replace("|", "/").replace("\n", " ")
     wall = (f"the model of {pretrain['pretrained_by']}" if pretrain.get("pretrained_by")
             else _number(pretrain.get("wall_seconds")))
+    if pretrain.get("segments"):
+      wall += f" ({len(pretrain['segments'])} calls)"
     lines.append(f"| {row['name']} | {pretrain.get('tokens_seen', '')} | {_number(pretrain.get('epochs'), 2)} | "
                  f"{wall} | {pretrain.get('device', '')} | "
                  f"{pretrain.get('num_params', '')} | {error} |")
