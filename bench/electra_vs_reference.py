@@ -19,6 +19,16 @@ bf16 autocast on a GPU; it reads the same corpus through this project's pipeline
 draws). The two are not expected to agree step by step, only in how the discriminator learns: the table shows,
 every `--every` steps, each side's generator MLM accuracy, replaced fraction, RTD loss and the loss of always
 answering "original" at that replaced fraction (the constant's).
+
+`--rtd-positions masked` trains both sides as ELECTRA's Table 5 "ELECTRA 15%" row (the discriminator's loss on the
+masked positions only; ours: `--config.loss.rtd_positions=masked`); the RTD columns are then over those positions.
+`--finetune-tasks stsb,conll2003_f1` then fine-tunes both discriminators with ELECTRA Table 5's downstream recipe
+at the scale (`configs/ablations/electra_variants.py`, the paper's 3e-4 and layer-wise decay 0.8 unless --lr and
+--layerwise-decay say otherwise; the reference saved as a Hugging Face `ElectraForPreTraining` directory, which
+fine-tuning reads as any such checkpoint) and adds each side's dev score per task:
+
+  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.3333 \
+      --rtd-positions masked --finetune-tasks stsb,conll2003_f1 --out $OUT/electra15_vs_reference.md
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,13 +74,13 @@ def generator_sizes(size: dict, fraction: float) -> tuple[int, int, int]:
 
 
 def ours_command(workdir: pathlib.Path, scale: str, steps: int, every: int, fraction: float,
-                 prepared: pathlib.Path | None) -> list[str]:
+                 prepared: pathlib.Path | None, rtd_positions: str = "all") -> list[str]:
   size = SCALES[scale]
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config",
              str(REPO / "configs/ablations/electra_compute.py") + f":scale={scale}", "--workdir", str(workdir),
              "--config.objective=rtd", f"--config.train.steps={steps}", f"--config.train.log_every={every}",
              f"--config.train.eval_every={steps}", f"--config.train.checkpoint_every={steps}",
-             f"--config.model.generator_fraction={fraction}"]
+             f"--config.model.generator_fraction={fraction}", f"--config.loss.rtd_positions={rtd_positions}"]
   if scale == "tiny":  # the reference's settings, which the tiny scale does not set itself
     command += [f"--config.optim.warmup_steps={size['warmup']}", f"--config.optim.lr={size['lr']}",
                 f"--config.train.batch_size={size['batch']}", f"--config.data.seq_len={size['seq']}",
@@ -85,7 +96,8 @@ def read_ours(workdir: pathlib.Path) -> dict[int, dict[str, float]]:
     record = json.loads(line)
     if "train/rtd_loss" in record:
       rows[record["step"]] = {"mlm_accuracy": record["train/mlm_accuracy"], "rtd_loss": record["train/rtd_loss"],
-                              "replaced": 1.0 - record["train/rtd_accuracy"]}
+                              "replaced": 1.0 - record["train/rtd_accuracy"],
+                              "rtd_accuracy": record["train/rtd_accuracy"]}
   return rows
 
 
@@ -101,8 +113,11 @@ def special_ids(tokenizer_file: pathlib.Path) -> dict[str, int]:
 
 
 def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: int, scale: str, steps: int,
-              every: int, fraction: float, stop_at: float = float("inf")) -> dict[int, dict[str, float]]:
-  """The reference's interval means, until `steps` or the `time.monotonic()` value `stop_at`."""
+              every: int, fraction: float, stop_at: float = float("inf"), rtd_positions: str = "all",
+              save: pathlib.Path | None = None) -> dict[int, dict[str, float]]:
+  """The reference's interval means, until `steps` or the `time.monotonic()` value `stop_at`; the discriminator's
+  loss over every real token or the masked ones (`rtd_positions`); with `save`, the discriminator written there
+  as a Hugging Face directory with the tokenizer file."""
   import torch  # pylint: disable=import-outside-toplevel
   from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining  # pylint: disable=import-outside-toplevel
 
@@ -160,7 +175,8 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
         corrupted[masked] = torch.distributions.Categorical(logits=logits).sample()
       replaced = (corrupted != ids).float()
       rtd_logits = discriminator(input_ids=corrupted, attention_mask=real.long(), token_type_ids=segments).logits
-      rtd_loss = torch.nn.functional.binary_cross_entropy_with_logits(rtd_logits[real].float(), replaced[real])
+      scored = real if rtd_positions == "all" else masked
+      rtd_loss = torch.nn.functional.binary_cross_entropy_with_logits(rtd_logits[scored].float(), replaced[scored])
     optimizer.zero_grad()
     (mlm_loss + 50.0 * rtd_loss).backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -168,18 +184,32 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
     schedule.step()
     # Kept on the device and read once an interval: a read a step would wait for the step.
     window.append(torch.stack([(logits.argmax(-1) == ids[masked]).float().mean(), rtd_loss.detach().float(),
-                               replaced[real].mean()]))
+                               replaced[scored].mean(),
+                               ((rtd_logits[scored] > 0).float() == replaced[scored]).float().mean()]))
     if step % every == 0:
-      mlm_accuracy, loss, replaced_fraction = torch.stack(window).mean(0).tolist()
-      rows[step] = {"mlm_accuracy": mlm_accuracy, "rtd_loss": loss, "replaced": replaced_fraction}
+      mlm_accuracy, loss, replaced_fraction, rtd_accuracy = torch.stack(window).mean(0).tolist()
+      rows[step] = {"mlm_accuracy": mlm_accuracy, "rtd_loss": loss, "replaced": replaced_fraction,
+                    "rtd_accuracy": rtd_accuracy}
       window = []
       if time.monotonic() > stop_at:
         print(f"reference: stopped at the deadline after step {step}", flush=True)
         break
+  if save is not None:
+    discriminator.save_pretrained(save)
+    shutil.copy(tokenizer_file, save / tokenizer_file.name)
   return rows
 
 
-def table(mine: dict, theirs: dict, title: str) -> str:
+def table(mine: dict, theirs: dict, title: str, rtd_positions: str = "all") -> str:
+  if rtd_positions == "masked":  # ours logs no replaced fraction, and 1 - accuracy is not one here
+    lines = ["| step | ours MLM acc | ours RTD acc | ours RTD loss | reference MLM acc | reference replaced | "
+             "reference RTD acc | reference RTD loss | constant's |", "|---|---|---|---|---|---|---|---|---|"]
+    for step in sorted(set(mine) & set(theirs)):
+      a, b = mine[step], theirs[step]
+      lines.append(f"| {step} | {a['mlm_accuracy']:.3f} | {a['rtd_accuracy']:.3f} | {a['rtd_loss']:.4f} | "
+                   f"{b['mlm_accuracy']:.3f} | {b['replaced']:.3f} | {b['rtd_accuracy']:.3f} | {b['rtd_loss']:.4f} | "
+                   f"{constant_loss(b['replaced']):.4f} |")
+    return title + "\n\n" + "\n".join(lines) + "\n"
   lines = ["| step | ours MLM acc | ours replaced | ours RTD loss | constant's | reference MLM acc | reference replaced "
            "| reference RTD loss | constant's |", "|---|---|---|---|---|---|---|---|---|"]
   for step in sorted(set(mine) & set(theirs)):
@@ -188,6 +218,37 @@ def table(mine: dict, theirs: dict, title: str) -> str:
                  f"{constant_loss(a['replaced']):.4f} | {b['mlm_accuracy']:.3f} | {b['replaced']:.3f} | "
                  f"{b['rtd_loss']:.4f} | {constant_loss(b['replaced']):.4f} |")
   return title + "\n\n" + "\n".join(lines) + "\n"
+
+
+def finetune_both(models: dict[str, pathlib.Path], tasks: list[str], scale: str, data_dirs: dict[str, str],
+                  scratch: pathlib.Path, seeds: tuple[int, ...], lr: float, decay: float) -> str:
+  """Each model fine-tuned on each task with ELECTRA Table 5's suite at `scale`: a Markdown table of the dev
+  medians over `seeds`, and the first and last logged training loss of the first seed."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from bert_jax.experiments import ablation, suite as suite_lib  # pylint: disable=import-outside-toplevel
+  from bert_jax.tasks.finetune import finetune  # pylint: disable=import-outside-toplevel
+
+  table_ = ablation.load_table(str(REPO / f"configs/ablations/electra_variants.py:scale={scale}"))
+  suite = dataclasses.replace(table_.suite, tasks=tuple(tasks), seeds=seeds, lrs=(lr,),
+                              overrides=(*table_.suite.overrides, f"optim.layerwise_lr_decay={decay}"))
+  table_ = dataclasses.replace(table_, suite=suite)
+  lines = ["| task | " + " | ".join(f"{side} dev | {side} train loss" for side in models) + " |",
+           "|---|" + "---|---|" * len(models)]
+  for name in tasks:
+    task = suite_lib.TASKS[name]
+    cells = [f"{name} ({task.metric})"]
+    for side, model in models.items():
+      config = ablation.finetune_config(table_, table_.rows[0], task, lr, model, data_dirs)
+      workdir = scratch / f"finetune_{side}_{name}"
+      result = finetune(config, workdir)
+      scores = [seed["selected"]["metrics"][task.split][task.metric] for seed in result["seeds"]]
+      losses = [json.loads(line).get("train/loss") for line in
+                (workdir / f"seed_{seeds[0]}" / "metrics.jsonl").read_text().splitlines()]
+      losses = [loss for loss in losses if loss is not None]
+      cells += [f"{float(np.median(scores)):.1f}", f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -203,10 +264,33 @@ def main() -> int:
   parser.add_argument("--deadline", type=float, default=float("inf"),
                       help="seconds: stop both sides then and show the steps both reached")
   parser.add_argument("--out", help="also write the table to this Markdown file")
+  parser.add_argument("--rtd-positions", choices=("all", "masked"), default="all",
+                      help="the discriminator's loss over every token (ELECTRA) or the masked ones (ELECTRA 15%%)")
+  parser.add_argument("--finetune-tasks", help="then fine-tune both discriminators on these suite tasks, e.g. "
+                      "stsb,conll2003_f1 (their data under --carry, or --data-dir)")
+  parser.add_argument("--data-dir", action="append", default=[], metavar="KIND=PATH",
+                      help="a task's data root (default: glue, squad and conll2003 under --carry)")
+  parser.add_argument("--seeds", default="1", help="fine-tuning seeds, comma-separated")
+  parser.add_argument("--lr", type=float, default=3e-4, help="fine-tuning peak learning rate")
+  parser.add_argument("--layerwise-decay", type=float, default=0.8, help="fine-tuning layer-wise decay")
   args = parser.parse_args()
   steps = args.steps or SCALES[args.scale]["steps"]
   if args.scale == "gpu" and args.carry is None:
     parser.error("--scale gpu reads the Wikipedia sample: give --carry (see bench/reproduce.py pack)")
+  data_dirs = {kind: str(args.carry / kind) for kind in ("glue", "squad", "conll2003")} if args.carry else {}
+  for item in args.data_dir:
+    kind, _, path = item.partition("=")
+    if not path:
+      parser.error(f"--data-dir {item!r}: expected KIND=PATH")
+    data_dirs[kind] = path
+  if args.finetune_tasks:
+    from bert_jax.experiments import suite as suite_lib  # pylint: disable=import-outside-toplevel
+    tasks = [task for task in args.finetune_tasks.split(",") if task]
+    unknown = [task for task in tasks if task not in suite_lib.TASKS]
+    missing = sorted({suite_lib.TASKS[task].data for task in tasks if task in suite_lib.TASKS} - set(data_dirs))
+    if unknown or missing:
+      parser.error(f"--finetune-tasks: unknown {unknown} (choose from {sorted(suite_lib.TASKS)}) or no data for "
+                   f"{missing} (give --carry or --data-dir KIND=PATH)")
   stop_at = time.monotonic() + args.deadline
   with tempfile.TemporaryDirectory() as tmp:
     scratch = args.scratch or pathlib.Path(tmp)
@@ -215,23 +299,25 @@ def main() -> int:
     if args.scale == "tiny":  # the built-in corpus, prepared by ours' run, which therefore goes first
       start = time.perf_counter()
       print(f"ours: {steps} steps ...", flush=True)
-      subprocess.run(ours_command(workdir, "tiny", steps, args.every, args.generator_fraction, None), check=True,
-                     cwd=REPO, stdout=subprocess.DEVNULL)
+      subprocess.run(ours_command(workdir, "tiny", steps, args.every, args.generator_fraction, None,
+                                  args.rtd_positions), check=True, cwd=REPO, stdout=subprocess.DEVNULL)
       seconds["ours"] = time.perf_counter() - start
       prepared = workdir / "builtin_corpus" / "prepared"
       tokenizer_file = workdir / "tokenizer" / "tokenizer.json"
       ours_process = None
     else:  # the two at once on one card, ours' JAX leaving the reference room
       from reproduce import _prepare  # pylint: disable=import-outside-toplevel
-      env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")}
+      # Ours' process, then this one's fine-tuning, leave the reference the rest of the card.
+      os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
+      env = dict(os.environ)
       prepared, tokenizer_file = _prepare(args.carry, scratch, "gpu", env), args.carry / "vocab.txt"
       workdir.mkdir(parents=True, exist_ok=True)
       print(f"ours and the reference: {steps} steps at once ...", flush=True)
       log = open(workdir.parent / f"{workdir.name}.log", "w")  # pylint: disable=consider-using-with
       ours_start = time.perf_counter()
       ours_process = subprocess.Popen(
-          ours_command(workdir, "gpu", steps, args.every, args.generator_fraction, prepared), cwd=REPO, env=env,
-          stdout=log, stderr=subprocess.STDOUT)
+          ours_command(workdir, "gpu", steps, args.every, args.generator_fraction, prepared, args.rtd_positions),
+          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
       def time_ours():  # ours' own wall time, whichever side finishes first
         ours_process.wait()
@@ -241,8 +327,9 @@ def main() -> int:
     start = time.perf_counter()
     vocab_size = (len(tokenizer_file.read_text(encoding="utf-8").splitlines()) if tokenizer_file.suffix == ".txt"
                   else json.loads((workdir / "model_config.json").read_text())["vocab_size"])
+    saved = scratch / "reference" if args.finetune_tasks else None
     theirs = reference(prepared, tokenizer_file, vocab_size, args.scale, steps, args.every, args.generator_fraction,
-                       stop_at)
+                       stop_at, args.rtd_positions, saved)
     seconds["reference"] = time.perf_counter() - start
     if ours_process is not None:
       stopped = False
@@ -259,20 +346,35 @@ def main() -> int:
         raise SystemExit(f"ours' pre-training failed (exit {ours_process.returncode})")
       seconds.setdefault("ours", time.perf_counter() - ours_start)
     mine = read_ours(workdir)
-  import torch  # pylint: disable=import-outside-toplevel
-  card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-  size = SCALES[args.scale]
-  text = table(mine, theirs, (
-      f"ELECTRA at scale {args.scale} ({size['layers']} layers, width {size['hidden']}, generator "
-      f"{args.generator_fraction:g} of it), {steps} steps of {size['batch']} x {size['seq']} tokens, ours against the "
-      f"transformers reference on {card} (ours {seconds['ours']:.0f} s, reference {seconds['reference']:.0f} s"
-      f"{', at once' if ours_process is not None else ''}; means over each interval; ours' replaced fraction is "
-      "1 - its RTD accuracy, which is the replaced fraction while the discriminator answers 'original' everywhere)"))
-  print("\n" + text)
-  if args.out:
-    pathlib.Path(args.out).write_text(text)
+    import torch  # pylint: disable=import-outside-toplevel
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    size = SCALES[args.scale]
+    loss_on = "" if args.rtd_positions == "all" else ", the discriminator's loss on the masked positions only"
+    replaced_note = ("" if args.rtd_positions == "masked" else "; ours' replaced fraction is 1 - its RTD accuracy, "
+                     "which is the replaced fraction while the discriminator answers 'original' everywhere")
+    text = table(mine, theirs, (
+        f"ELECTRA at scale {args.scale} ({size['layers']} layers, width {size['hidden']}, generator "
+        f"{args.generator_fraction:g} of it{loss_on}), "
+        f"{steps} steps of {size['batch']} x {size['seq']} tokens, ours against the transformers reference on {card} "
+        f"(ours {seconds['ours']:.0f} s, reference {seconds['reference']:.0f} s"
+        f"{', at once' if ours_process is not None else ''}; means over each interval{replaced_note})"),
+        args.rtd_positions)
+    print("\n" + text, flush=True)
+    if args.out:  # written before the fine-tuning, which may not finish
+      pathlib.Path(args.out).write_text(text)
+    if args.finetune_tasks:
+      torch.cuda.empty_cache()  # the reference's cached blocks, for JAX's fine-tuning in this process
+      seeds = tuple(int(seed) for seed in args.seeds.split(",") if seed)
+      finetuned = finetune_both({"ours": workdir, "reference": saved}, tasks, args.scale, data_dirs, scratch,
+                                seeds, args.lr, args.layerwise_decay)
+      text = (f"\nFine-tuned with ELECTRA Table 5's suite at scale {args.scale} (lr {args.lr:g}, layer-wise decay "
+              f"{args.layerwise_decay:g}, seeds {args.seeds}): dev median, and the first seed's first and last logged "
+              f"training loss\n\n{finetuned}")
+      print(text)
+      if args.out:
+        with open(args.out, "a", encoding="utf-8") as out:
+          out.write(text)
   return 0
-
 
 if __name__ == "__main__":
   raise SystemExit(main())
