@@ -201,22 +201,21 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
 
 
 def table(mine: dict, theirs: dict, title: str, rtd_positions: str = "all") -> str:
-  if rtd_positions == "masked":  # ours logs no replaced fraction, and 1 - accuracy is not one here
-    lines = ["| step | ours MLM acc | ours RTD acc | ours RTD loss | reference MLM acc | reference replaced | "
-             "reference RTD acc | reference RTD loss | constant's |", "|---|---|---|---|---|---|---|---|---|"]
-    for step in sorted(set(mine) & set(theirs)):
-      a, b = mine[step], theirs[step]
-      lines.append(f"| {step} | {a['mlm_accuracy']:.3f} | {a['rtd_accuracy']:.3f} | {a['rtd_loss']:.4f} | "
-                   f"{b['mlm_accuracy']:.3f} | {b['replaced']:.3f} | {b['rtd_accuracy']:.3f} | {b['rtd_loss']:.4f} | "
-                   f"{constant_loss(b['replaced']):.4f} |")
-    return title + "\n\n" + "\n".join(lines) + "\n"
-  lines = ["| step | ours MLM acc | ours replaced | ours RTD loss | constant's | reference MLM acc | reference replaced "
-           "| reference RTD loss | constant's |", "|---|---|---|---|---|---|---|---|---|"]
+  constant = lambda row: constant_loss(row["replaced"])  # noqa: E731
+  columns = [("MLM acc", "mlm_accuracy", 3), ("replaced", "replaced", 3), ("RTD loss", "rtd_loss", 4),
+             ("constant's", constant, 4)]
+  sides = [("ours", mine, columns), ("reference", theirs, columns)]
+  if rtd_positions == "masked":  # ours logs no replaced fraction there (1 - its accuracy is not one): its accuracy
+    accuracy = ("RTD acc", "rtd_accuracy", 3)
+    sides = [("ours", mine, [columns[0], accuracy, columns[2]]),
+             ("reference", theirs, [*columns[:2], accuracy, *columns[2:]])]
+  header = ["step"] + [f"{side} {name}" if name != "constant's" else name for side, _, cols in sides
+                       for name, _, _ in cols]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for step in sorted(set(mine) & set(theirs)):
-    a, b = mine[step], theirs[step]
-    lines.append(f"| {step} | {a['mlm_accuracy']:.3f} | {a['replaced']:.3f} | {a['rtd_loss']:.4f} | "
-                 f"{constant_loss(a['replaced']):.4f} | {b['mlm_accuracy']:.3f} | {b['replaced']:.3f} | "
-                 f"{b['rtd_loss']:.4f} | {constant_loss(b['replaced']):.4f} |")
+    cells = [str(step)] + [f"{(key(rows[step]) if callable(key) else rows[step][key]):.{digits}f}"
+                           for _, rows, cols in sides for _, key, digits in cols]
+    lines.append("| " + " | ".join(cells) + " |")
   return title + "\n\n" + "\n".join(lines) + "\n"
 
 
