@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from bert_jax.analysis import features
+from test_trainer import prepared  # noqa: F401 - the session fixture that `mlm_run` reads
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -70,3 +71,27 @@ def test_long_pairs_are_truncated_longest_first(minilm_dir, tmp_path):
 def test_bucket_lengths():
   assert [features.bucket_length(n, 128) for n in (1, 8, 9, 33, 100, 128)] == [8, 8, 16, 64, 128, 128]
   assert features.bucket_length(90, 100) == 100
+
+
+def test_a_pretraining_workdir_gives_its_checkpoints_encoder(mlm_run, tmp_path):
+  """--model takes a pre-training run as `bert-jax analyze` does: the features are those of its newest checkpoint's
+  encoder, with the run's own tokenizer."""
+  import json
+
+  from bert_jax.convert.params import encoder_params
+  from bert_jax.data.tokenizers import load_tokenizer
+  from bert_jax.models import ModelConfig
+  from bert_jax.train import checkpoint as checkpoint_lib
+
+  lines = tmp_path / "lines.txt"
+  lines.write_text("the cat sat on the mat\nthe dog\tsat too\n")
+  out = tmp_path / "run.npz"
+  assert features.main(["--model", str(mlm_run), "--input", str(lines), "--layers", "-1", "--max-len", "16",
+                        "--out", str(out)]) == 0
+  config = ModelConfig(**json.loads((mlm_run / "model_config.json").read_text()))
+  family = checkpoint_lib.read_run_config(mlm_run)["model"]["family"]
+  _, params = checkpoint_lib.restore_params(mlm_run)
+  tokenizer = load_tokenizer(mlm_run / "tokenizer")
+  encoded = [features.encode_line(tokenizer, family, line, 16) for line in lines.read_text().splitlines()]
+  expected = features.extract_features(config, encoder_params(params), encoded, [-1], 16, 2)
+  np.testing.assert_allclose(np.load(out)["features"], expected, rtol=1e-5, atol=1e-5)

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.convert.params import Params, encoder_params
-from bert_jax.convert.pretrained import load_pretrained
+from bert_jax.convert.params import Params
 from bert_jax.data.tokenizers import Tokenizer, load_tokenizer
 from bert_jax.models import Encoder, ModelConfig
+from bert_jax.tasks.finetune_model import load_initial_model
 
 _MIN_BUCKET = 8
 
@@ -134,7 +134,8 @@ def _parse_layers(text: str, num_layers: int) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="bert-jax features", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-  parser.add_argument("--model", required=True, help="model directory: ours or a Hugging Face checkpoint")
+  parser.add_argument("--model", required=True, help="model directory (ours or a Hugging Face checkpoint), or a "
+                      "pre-training or fine-tuning workdir")
   parser.add_argument("--input", required=True, help="text file: a sentence, or two separated by a tab, per line")
   parser.add_argument("--layers", default="-1,-2,-3,-4", help="comma-separated layer indices (-1 = last)")
   parser.add_argument("--concat", action="store_true", help="concatenate the layers instead of stacking them")
@@ -158,20 +159,20 @@ def _attach_layers_value(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
   """Runs the command on `argv` (the arguments after `features`); returns the exit status."""
   args = _parser().parse_args(_attach_layers_value(argv))
-  family, config, params, tokenizer_path = load_pretrained(args.model)
+  initial = load_initial_model(args.model, require_tokenizer=False)
+  family, config, params = initial.family, initial.config, initial.params["encoder"]
   if args.max_len > config.max_position_embeddings - config.position_offset:
     print(f"--max-len {args.max_len} exceeds the model's {config.max_position_embeddings - config.position_offset} "
           "positions", file=sys.stderr)
     return 2
-  tokenizer_path = args.tokenizer or tokenizer_path
-  if tokenizer_path is None:
+  if args.tokenizer is None and initial.tokenizer is None:
     print(f"{args.model} has no tokenizer files; pass --tokenizer", file=sys.stderr)
     return 2
-  tokenizer = load_tokenizer(tokenizer_path)
+  tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else initial.tokenizer
   layers = _parse_layers(args.layers, config.num_layers)
   lines = pathlib.Path(args.input).read_text(encoding="utf-8").splitlines()
   encoded = [encode_line(tokenizer, family, line, args.max_len) for line in lines]
-  features = extract_features(config, encoder_params(params), encoded, layers, args.max_len, args.batch_size)
+  features = extract_features(config, params, encoded, layers, args.max_len, args.batch_size)
   if args.concat:
     features = features.reshape(features.shape[0], features.shape[1], -1)
   lengths = np.array([len(ids) for ids, _ in encoded], np.int32)

@@ -296,8 +296,8 @@ class InitialModel:
     config: the encoder's config.
     params: {"encoder": tree, "head": tree} with any head parameters worth
       reusing (a pre-trained pooler, an earlier fine-tuning run's head).
-    tokenizer: the model's tokenizer.
-    tokenizer_dir: the directory it was read from.
+    tokenizer: the model's tokenizer (None only when it has none and none was required).
+    tokenizer_dir: the directory it was read from (likewise).
     head_kind: task kind of the reused head for "finetune_run", else None.
   """
 
@@ -305,8 +305,8 @@ class InitialModel:
   family: str
   config: ModelConfig
   params: Params
-  tokenizer: Tokenizer
-  tokenizer_dir: pathlib.Path
+  tokenizer: Tokenizer | None
+  tokenizer_dir: pathlib.Path | None
   head_kind: str | None = None
 
 
@@ -316,7 +316,7 @@ def _pretraining_pooler(params: Params) -> Params:
   return {"pooler": sentence["pooler"]} if "pooler" in sentence else {}
 
 
-def load_initial_model(path: str | pathlib.Path) -> InitialModel:
+def load_initial_model(path: str | pathlib.Path, require_tokenizer: bool = True) -> InitialModel:
   """Reads the starting point at `path`, whichever of the three kinds it is.
 
   An earlier fine-tuning run (it holds `finetune_run.json`) gives its best
@@ -326,7 +326,8 @@ def load_initial_model(path: str | pathlib.Path) -> InitialModel:
   our converted directory) with the base model's pooler when it has one.
 
   Raises:
-    FileNotFoundError: when `path` is none of these or has no tokenizer.
+    FileNotFoundError: when `path` is none of these, or has no tokenizer and
+      `require_tokenizer` (a caller with a tokenizer of its own passes False).
   """
   path = paths.as_path(path)
   if (path / RUN_FILE).exists():
@@ -345,12 +346,12 @@ def load_initial_model(path: str | pathlib.Path) -> InitialModel:
                         {"encoder": encoder_params(params), "head": _pretraining_pooler(params)},
                         load_tokenizer(path / "tokenizer"), path / "tokenizer")
   loaded, extras = load_pretrained(path, return_extras=True)
-  if loaded.tokenizer_path is None:
+  if loaded.tokenizer_path is None and require_tokenizer:
     raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json, vocab.txt, *.model, ...)")
   head = {"pooler": extras["pooler"]} if "pooler" in extras else {}
   return InitialModel("pretrained", loaded.family, loaded.config, {"encoder": encoder_params(loaded.params),
                                                                      "head": head},
-                      load_tokenizer(loaded.tokenizer_path), loaded.tokenizer_path)
+                      loaded.tokenizer_path and load_tokenizer(loaded.tokenizer_path), loaded.tokenizer_path)
 
 
 def merge_initial_params(initialised: Params, loaded: Params) -> tuple[Params, list[str], list[str]]:
