@@ -3,6 +3,9 @@
   bert-jax features --model DIR --input FILE --layers -1,-2,-3,-4 [--concat] \\
       [--max-len 128] [--batch-size 32] --out FILE.npz
 
+DIR is a model directory (ours or a Hugging Face checkpoint; --tokenizer where it has no tokenizer files) or a
+pre-training or fine-tuning workdir (its newest checkpoint's encoder, its own tokenizer).
+
 Each input line is one sentence, or a sentence pair separated by a tab. Lines
 are encoded as the model's family expects ([CLS] A [SEP] B [SEP] with token
 types 0/1; RoBERTa: <s> A </s></s> B </s>), truncated longest-first to
