@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -362,10 +363,12 @@ def main() -> int:
     if args.out:  # written before the fine-tuning, which may not finish
       pathlib.Path(args.out).write_text(text)
     if args.finetune_tasks:
-      torch.cuda.empty_cache()  # the reference's cached blocks, for JAX's fine-tuning in this process
+      torch.cuda.empty_cache()  # the reference's cached blocks, for JAX's fine-tuning
       seeds = tuple(int(seed) for seed in args.seeds.split(",") if seed)
-      finetuned = finetune_both({"ours": workdir, "reference": saved}, tasks, args.scale, data_dirs, scratch,
-                                seeds, args.lr, args.layerwise_decay)
+      # In a fresh process: JAX's CUDA libraries beside torch's in one process are not a tested combination.
+      with multiprocessing.get_context("spawn").Pool(1) as pool:
+        finetuned = pool.apply(finetune_both, ({"ours": workdir, "reference": saved}, tasks, args.scale, data_dirs,
+                                               scratch, seeds, args.lr, args.layerwise_decay))
       text = (f"\nFine-tuned with ELECTRA Table 5's suite at scale {args.scale} (lr {args.lr:g}, layer-wise decay "
               f"{args.layerwise_decay:g}, seeds {args.seeds}): dev median, and the first seed's first and last logged "
               f"training loss\n\n{finetuned}")
