@@ -27,7 +27,7 @@ at the scale (`configs/ablations/electra_variants.py`, the paper's 3e-4 and laye
 --layerwise-decay say otherwise; the reference saved as a Hugging Face `ElectraForPreTraining` directory, which
 fine-tuning reads as any such checkpoint) and adds each side's dev score per task:
 
-  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.3333 \
+  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
       --rtd-positions masked --finetune-tasks stsb,conll2003_f1 --out $OUT/electra15_vs_reference.md
 """
 
