@@ -220,31 +220,38 @@ def table(mine: dict, theirs: dict, title: str, rtd_positions: str = "all") -> s
   return title + "\n\n" + "\n".join(lines) + "\n"
 
 
-def finetune_both(models: dict[str, pathlib.Path], tasks: list[str], scale: str, data_dirs: dict[str, str],
-                  scratch: pathlib.Path, seeds: tuple[int, ...], lr: float, decay: float) -> str:
-  """Each model fine-tuned on each task with ELECTRA Table 5's suite at `scale`: a Markdown table of the dev
-  medians over `seeds`, and the first and last logged training loss of the first seed."""
+def finetune_table(tasks: list[str], scale: str, seeds: tuple[int, ...], lr: float, decay: float):
+  """ELECTRA Table 5's table config at `scale`, its suite narrowed to `tasks`, `seeds` and `lr` with layer-wise
+  decay `decay` (an unknown task is the suite's ValueError)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
-  from bert_jax.experiments import ablation, suite as suite_lib  # pylint: disable=import-outside-toplevel
-  from bert_jax.tasks.finetune import finetune  # pylint: disable=import-outside-toplevel
+  from bert_jax.experiments import ablation  # pylint: disable=import-outside-toplevel
 
   table_ = ablation.load_table(str(REPO / f"configs/ablations/electra_variants.py:scale={scale}"))
   suite = dataclasses.replace(table_.suite, tasks=tuple(tasks), seeds=seeds, lrs=(lr,),
                               overrides=(*table_.suite.overrides, f"optim.layerwise_lr_decay={decay}"))
-  table_ = dataclasses.replace(table_, suite=suite)
+  return dataclasses.replace(table_, suite=suite)
+
+
+def finetune_both(models: dict[str, pathlib.Path], table_, data_dirs: dict[str, str], scratch: pathlib.Path) -> str:
+  """Each model fine-tuned on each task of `table_`'s suite (`finetune_table`): a Markdown table of the dev
+  medians over its seeds, and the first and last logged training loss of the first seed."""
+  from bert_jax.experiments import ablation, suite as suite_lib  # pylint: disable=import-outside-toplevel
+  from bert_jax.tasks.finetune import finetune  # pylint: disable=import-outside-toplevel
+
+  suite = table_.suite
   lines = ["| task | " + " | ".join(f"{side} dev | {side} train loss" for side in models) + " |",
            "|---|" + "---|---|" * len(models)]
-  for name in tasks:
+  for name in suite.tasks:
     task = suite_lib.TASKS[name]
     cells = [f"{name} ({task.metric})"]
     for side, model in models.items():
-      config = ablation.finetune_config(table_, table_.rows[0], task, lr, model, data_dirs)
+      config = ablation.finetune_config(table_, table_.rows[0], task, suite.lrs[0], model, data_dirs)
       workdir = scratch / f"finetune_{side}_{name}"
       result = finetune(config, workdir)
       scores = [seed["selected"]["metrics"][task.split][task.metric] for seed in result["seeds"]]
       losses = [json.loads(line).get("train/loss") for line in
-                (workdir / f"seed_{seeds[0]}" / "metrics.jsonl").read_text().splitlines()]
+                (workdir / f"seed_{suite.seeds[0]}" / "metrics.jsonl").read_text().splitlines()]
       losses = [loss for loss in losses if loss is not None]
       cells += [f"{float(np.median(scores)):.1f}", f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"]
     lines.append("| " + " | ".join(cells) + " |")
@@ -277,20 +284,18 @@ def main() -> int:
   steps = args.steps or SCALES[args.scale]["steps"]
   if args.scale == "gpu" and args.carry is None:
     parser.error("--scale gpu reads the Wikipedia sample: give --carry (see bench/reproduce.py pack)")
-  data_dirs = {kind: str(args.carry / kind) for kind in ("glue", "squad", "conll2003")} if args.carry else {}
-  for item in args.data_dir:
-    kind, _, path = item.partition("=")
-    if not path:
-      parser.error(f"--data-dir {item!r}: expected KIND=PATH")
-    data_dirs[kind] = path
-  if args.finetune_tasks:
-    from bert_jax.experiments import suite as suite_lib  # pylint: disable=import-outside-toplevel
-    tasks = [task for task in args.finetune_tasks.split(",") if task]
-    unknown = [task for task in tasks if task not in suite_lib.TASKS]
-    missing = sorted({suite_lib.TASKS[task].data for task in tasks if task in suite_lib.TASKS} - set(data_dirs))
-    if unknown or missing:
-      parser.error(f"--finetune-tasks: unknown {unknown} (choose from {sorted(suite_lib.TASKS)}) or no data for "
-                   f"{missing} (give --carry or --data-dir KIND=PATH)")
+  finetuning = None
+  if args.finetune_tasks:  # checked before any training: the sweep's own parsing and data checks
+    from bert_jax.experiments import ablation  # pylint: disable=import-outside-toplevel
+    carried = [f"{kind}={args.carry / kind}" for kind in ("glue", "squad", "conll2003")] if args.carry else []
+    try:
+      data_dirs = ablation._parse_data_dirs([*carried, *args.data_dir])  # pylint: disable=protected-access
+      seeds = tuple(int(seed) for seed in args.seeds.split(",") if seed)
+      finetuning = finetune_table([task for task in args.finetune_tasks.split(",") if task], args.scale, seeds,
+                                  args.lr, args.layerwise_decay)
+      ablation._check_data_dirs(finetuning.suite, data_dirs)  # pylint: disable=protected-access
+    except (ValueError, FileNotFoundError) as error:
+      parser.error(f"--finetune-tasks {args.finetune_tasks} --seeds {args.seeds}: {error}")
   stop_at = time.monotonic() + args.deadline
   with tempfile.TemporaryDirectory() as tmp:
     scratch = args.scratch or pathlib.Path(tmp)
@@ -327,7 +332,7 @@ def main() -> int:
     start = time.perf_counter()
     vocab_size = (len(tokenizer_file.read_text(encoding="utf-8").splitlines()) if tokenizer_file.suffix == ".txt"
                   else json.loads((workdir / "model_config.json").read_text())["vocab_size"])
-    saved = scratch / "reference" if args.finetune_tasks else None
+    saved = scratch / "reference" if finetuning else None
     theirs = reference(prepared, tokenizer_file, vocab_size, args.scale, steps, args.every, args.generator_fraction,
                        stop_at, args.rtd_positions, saved)
     seconds["reference"] = time.perf_counter() - start
@@ -362,13 +367,11 @@ def main() -> int:
     print("\n" + text, flush=True)
     if args.out:  # written before the fine-tuning, which may not finish
       pathlib.Path(args.out).write_text(text)
-    if args.finetune_tasks:
+    if finetuning:
       torch.cuda.empty_cache()  # the reference's cached blocks, for JAX's fine-tuning
-      seeds = tuple(int(seed) for seed in args.seeds.split(",") if seed)
       # In a fresh process: JAX's CUDA libraries beside torch's in one process are not a tested combination.
       with multiprocessing.get_context("spawn").Pool(1) as pool:
-        finetuned = pool.apply(finetune_both, ({"ours": workdir, "reference": saved}, tasks, args.scale, data_dirs,
-                                               scratch, seeds, args.lr, args.layerwise_decay))
+        finetuned = pool.apply(finetune_both, ({"ours": workdir, "reference": saved}, finetuning, data_dirs, scratch))
       text = (f"\nFine-tuned with ELECTRA Table 5's suite at scale {args.scale} (lr {args.lr:g}, layer-wise decay "
               f"{args.layerwise_decay:g}, seeds {args.seeds}): dev median, and the first seed's first and last logged "
               f"training loss\n\n{finetuned}")
@@ -377,6 +380,7 @@ def main() -> int:
         with open(args.out, "a", encoding="utf-8") as out:
           out.write(text)
   return 0
+
 
 if __name__ == "__main__":
   raise SystemExit(main())
