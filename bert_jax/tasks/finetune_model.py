@@ -351,7 +351,7 @@ def load_initial_model(path: str | pathlib.Path, require_tokenizer: bool = True)
   head = {"pooler": extras["pooler"]} if "pooler" in extras else {}
   return InitialModel("pretrained", loaded.family, loaded.config, {"encoder": encoder_params(loaded.params),
                                                                      "head": head},
-                      loaded.tokenizer_path and load_tokenizer(loaded.tokenizer_path), loaded.tokenizer_path)
+                      load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path else None, loaded.tokenizer_path)
 
 
 def merge_initial_params(initialised: Params, loaded: Params) -> tuple[Params, list[str], list[str]]:
