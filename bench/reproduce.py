@@ -427,43 +427,66 @@ def _kept(relative: pathlib.Path) -> bool:
       parts[2] in ("row.json", "state") or parts[2:] in (("pretrain", "metrics.jsonl"), ("pretrain", "config.json"))))
 
 
+def _progress(row: dict) -> tuple:
+  """How far a row of `ablation.collect`'s results got, to compare two calls' runs of it: finished, pre-trained, how
+  many fine-tuning seeds are done."""
+  return (row["status"] == "done", bool(row["pretrain"]), sum(t.get("seeds_done", 0) for t in row["tasks"].values()))
+
+
 def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | None = None) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
   that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one, the table
   rendered again from every row, and its small files copied. The calls must have run the same table config and
-  overrides; a row that came back from several is taken whole from the last of them (a row run again), and
-  reproduce.json says so. The page's folder keeps a sweep.tar.gz of what the table is rendered from (states and
-  loss curves), so a published folder may be given again with a later call's, to add rows run in another session.
-  The table is published as `name` (default: the first folder's name), e.g. a run at another budget beside the
-  table's first."""
+  overrides. A row that came back from several calls is taken whole from one of them (scores from two pre-trainings
+  never mix): the one that got furthest (finished, then pre-trained, then fine-tuning seeds done), the later on a
+  tie, so a row run again replaces the earlier run unless it got less far, as when a call ran out of time in it;
+  reproduce.json records each choice. The page's folder keeps a sweep.tar.gz of what the table is rendered from
+  (states and loss curves), so a published folder may be given again with a later call's, to add rows run in
+  another session. The table is published as `name` (default: the first folder's name), e.g. a run at another
+  budget beside the table's first."""
   import tempfile
 
-  from bert_jax.experiments import table
+  from bert_jax.experiments import ablation, table
 
   first = returned[0]
   name = name or first.name
-  owners, calls, replaced = {}, [], {}
+  owners, calls, replaced, kept = {}, [], {}, {}
   with tempfile.TemporaryDirectory() as scratch:
     sweep = pathlib.Path(scratch) / "sweep"
-    for folder in returned:
+    for index, folder in enumerate(returned):
+      unpacked = pathlib.Path(scratch) / f"call{index}"
       with tarfile.open(folder / "sweep.tar.gz") as tar:
-        for row in sorted(_rows_in(tar) & owners.keys()):  # e.g. an incomplete row run again: the later call's
-          print(f"row {row!r}: from {folder}, not {owners[row]}")
-          replaced[row] = str(owners[row])
-          shutil.rmtree(sweep / "rows" / row)
-        owners.update(dict.fromkeys(_rows_in(tar), folder))
         spec = json.load(tar.extractfile("sweep.json"))
         if calls and comparable(spec) != comparable(calls[0]["sweep"]):
           raise SystemExit(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s "
                            f"ran {calls[0]['sweep'].get('config')} {calls[0]['sweep'].get('overrides')}: one table's "
                            "calls must share the config and overrides")
-        tar.extractall(sweep, filter="data")
+        tar.extractall(unpacked, filter="data")
+        rows = _rows_in(tar)
+      progress = {row["slug"]: _progress(row) for row in ablation.collect(unpacked)["rows"]}
+      # The sweep's own files (sweep.json, the log) from the last call; its rows one by one below.
+      top_rows = lambda path, names: ["rows"] if pathlib.Path(path) == unpacked else []  # noqa: E731
+      shutil.copytree(unpacked, sweep, dirs_exist_ok=True, ignore=top_rows)
+      for row in sorted(rows):
+        if row in owners:
+          earlier, earlier_progress = owners[row]
+          if progress.get(row, ()) < earlier_progress:  # e.g. run again, and its call's time ran out sooner
+            print(f"row {row!r}: from {earlier}, not {folder}, which got less far in it")
+            kept[row] = str(folder)
+            continue
+          print(f"row {row!r}: from {folder}, not {earlier}")
+          replaced[row] = str(earlier)
+          shutil.rmtree(sweep / "rows" / row)
+        shutil.copytree(unpacked / "rows" / row, sweep / "rows" / row)
+        owners[row] = (folder, progress.get(row, ()))
       report = json.loads((folder / "reproduce.json").read_text())
       replaced.update(report.get("rows_replaced", {}))  # A published folder's own calls, listed one by one.
+      kept.update(report.get("rows_not_taken", {}))
       calls += [{"sweep": spec, "report": call} for call in report.get("calls", [report])]
     reports = [call["report"] for call in calls]
     (sweep / "reproduce.json").write_text(json.dumps(
-        reports[0] if len(reports) == 1 else {"table": name, "calls": reports, "rows_replaced": replaced},
+        reports[0] if len(reports) == 1 else {"table": name, "calls": reports, "rows_replaced": replaced,
+                                              "rows_not_taken": kept},
         indent=1) + "\n")
     table.render(sweep)
     target = docs / name

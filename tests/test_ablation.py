@@ -439,7 +439,7 @@ def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_res
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path, capsys):
   """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
-  that came back twice from the later call."""
+  that came back twice from the call that got further in it (the later on a tie)."""
   reproduce = _bench_reproduce()
   results, workdir = swept
   calls = [tmp_path / "call1" / "table_t", tmp_path / "call2" / "table_t", tmp_path / "call3" / "table_t"]
@@ -458,16 +458,34 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
   assert [call["rows"] for call in json.loads((docs / "table_t" / "reproduce.json").read_text())["calls"]] == [
       ["MLM+NSP", "broken"], ["MLM"]]
-  # A row run again in a later call is taken from it, whole.
+  # A row run again, whose call ran out of time in it (unfinished, fewer seeds): the earlier call's finished run
+  # stays, whole; given the other way round, the finished run replaces the unfinished one, whole.
   (workdir / "rows" / "MLM" / "row.json").rename(workdir / "row.json.done")
+  seeds_done = sorted((workdir / "rows" / "MLM" / "state").glob("finetune_*.json"))
+  assert len(seeds_done) > 1
   try:
+    for state in seeds_done[1:]:
+      state.rename(state.with_suffix(".kept"))
     pack(calls[2], {"MLM"})
   finally:
     (workdir / "row.json.done").rename(workdir / "rows" / "MLM" / "row.json")
+    for state in seeds_done[1:]:
+      state.with_suffix(".kept").rename(state)
+  capsys.readouterr()
   reproduce.publish(calls, docs)
+  assert f"row 'MLM': from {calls[1]}, not {calls[2]}, which got less far in it" in capsys.readouterr().out
+  merged = json.loads((docs / "table_t" / "results.json").read_text())
+  assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
+  report = json.loads((docs / "table_t" / "reproduce.json").read_text())
+  assert (report["rows_replaced"], report["rows_not_taken"]) == ({}, {"MLM": str(calls[2])})
+  reproduce.publish([calls[2], calls[0], calls[1]], docs)
   statuses = {row["name"]: row["status"] for row in json.loads((docs / "table_t" / "results.json").read_text())["rows"]}
-  assert statuses == {"MLM+NSP": "done", "broken": "failed", "MLM": "incomplete"}
-  assert json.loads((docs / "table_t" / "reproduce.json").read_text())["rows_replaced"] == {"MLM": str(calls[1])}
+  assert statuses == {"MLM+NSP": "done", "broken": "failed", "MLM": "done"}
+  report = json.loads((docs / "table_t" / "reproduce.json").read_text())
+  assert (report["rows_replaced"], report["rows_not_taken"]) == ({"MLM": str(calls[2])}, {})
+  reproduce.publish([calls[1], calls[1]], tmp_path / "tie")  # the same run twice: the later, as on any tie
+  assert json.loads((tmp_path / "tie" / "table_t" / "reproduce.json").read_text())["rows_replaced"] == {
+      "MLM": str(calls[1])}
   # A published folder keeps what its table is rendered from: given again with a later call's, it takes the rows.
   reproduce.publish(calls[:1], tmp_path / "earlier")
   kept = tmp_path / "earlier" / "table_t"
