@@ -1,4 +1,4 @@
-"""ELECTRA's early learning, ours against an independent PyTorch `transformers` reference, one table.
+r"""ELECTRA's early learning, ours against an independent PyTorch `transformers` reference, one table.
 
   python bench/electra_vs_reference.py                 # CPU, ~2 minutes: the built-in corpus, 600 steps
   python bench/electra_vs_reference.py --steps 1500 --out bench/results/electra_vs_reference.md
@@ -29,6 +29,15 @@ fine-tuning reads as any such checkpoint) and adds each side's dev score per tas
 
   python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
       --rtd-positions masked --finetune-tasks stsb,conll2003_f1 --out $OUT/electra15_vs_reference.md
+
+Longer than one call (a GPU machine's ten minutes): give a --scratch that the calls share (one warm machine) and a
+--deadline; each side saves its state there when stopped (ours' trainer its checkpoint, the reference its models,
+optimizer, random generators and position in the data), and the same command again goes on exactly where it
+stopped, fine-tuning once both have reached --steps:
+
+  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
+      --rtd-positions masked --steps 30000 --scratch runs/ref --deadline 540 --finetune-tasks stsb,conll2003_f1 \
+      --seeds 1,2,3 --out $OUT/electra15_vs_reference.md
 """
 
 from __future__ import annotations
@@ -115,10 +124,14 @@ def special_ids(tokenizer_file: pathlib.Path) -> dict[str, int]:
 
 def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: int, scale: str, steps: int,
               every: int, fraction: float, stop_at: float = float("inf"), rtd_positions: str = "all",
-              save: pathlib.Path | None = None) -> dict[int, dict[str, float]]:
-  """The reference's interval means, until `steps` or the `time.monotonic()` value `stop_at`; the discriminator's
-  loss over every real token or the masked ones (`rtd_positions`); with `save`, the discriminator written there
-  as a Hugging Face directory with the tokenizer file."""
+              save: pathlib.Path | None = None,
+              state_file: pathlib.Path | None = None) -> tuple[dict[int, dict[str, float]], int]:
+  """(the reference's interval means, the last step trained), until `steps` or the first interval's end past the
+  `time.monotonic()` value `stop_at`; the discriminator's loss over every real token or the masked ones
+  (`rtd_positions`). With `state_file`, it goes on from the state saved there (models, optimizer, schedule, random
+  generators, the position in the data and the means so far) and saves its own there when it stops, so a run cut
+  short by a deadline continues exactly in a later call. With `save`, once at `steps`, the discriminator written
+  there as a Hugging Face directory with the tokenizer file."""
   import torch  # pylint: disable=import-outside-toplevel
   from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining  # pylint: disable=import-outside-toplevel
 
@@ -146,12 +159,23 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
                                 lr=size["lr"], eps=1e-6)
   warmup = size["warmup"]
   schedule = torch.optim.lr_scheduler.LambdaLR(
-      optimizer, lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / (steps - warmup)))
+      optimizer, lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup)))
   autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
   batches = pipeline.pretraining_iterator(prepared, example_format="full_sentences", seq_len=size["seq"],
                                           batch_size=size["batch"], seed=0, prefetch=2, workers=0)
-  rows, window = {}, []
-  for step in range(1, steps + 1):
+  rows, window, step = {}, [], 0
+  resumable = {"discriminator": discriminator, "generator": generator, "optimizer": optimizer, "schedule": schedule}
+  if state_file is not None and state_file.exists():
+    state = torch.load(state_file, map_location=device, weights_only=True)
+    for name, part in resumable.items():
+      part.load_state_dict(state[name])
+    torch.set_rng_state(state["rng"])
+    if device.type == "cuda":
+      torch.cuda.set_rng_state_all(state["cuda_rng"])
+    batches.set_state(state["batches"])
+    rows, step = {int(key): value for key, value in state["rows"].items()}, state["step"]
+    print(f"reference: from step {step} ({state_file})", flush=True)
+  for step in range(step + 1, steps + 1):
     batch = next(batches)
     ids = torch.as_tensor(np.asarray(batch["input_ids"]), dtype=torch.long, device=device)
     real = torch.as_tensor(np.asarray(batch["pack_ids"]) > 0, device=device)
@@ -195,10 +219,16 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
       if time.monotonic() > stop_at:
         print(f"reference: stopped at the deadline after step {step}", flush=True)
         break
-  if save is not None:
+  if state_file is not None:
+    torch.save({**{name: part.state_dict() for name, part in resumable.items()}, "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
+                "batches": batches.get_state(), "rows": {str(key): value for key, value in rows.items()},
+                "step": step}, state_file)
+  batches.close()
+  if save is not None and step == steps:
     discriminator.save_pretrained(save)
     shutil.copy(tokenizer_file, save / tokenizer_file.name)
-  return rows
+  return rows, step
 
 
 def table(mine: dict, theirs: dict, title: str, rtd_positions: str = "all") -> str:
@@ -267,9 +297,12 @@ def main() -> int:
   parser.add_argument("--generator-fraction", type=float, default=0.25)
   parser.add_argument("--carry", type=pathlib.Path,
                       help="scale gpu: bench/reproduce.py's carried folder (the Wikipedia sample and vocab.txt)")
-  parser.add_argument("--scratch", type=pathlib.Path, help="where the corpus is prepared (default: a temporary one)")
+  parser.add_argument("--scratch", type=pathlib.Path,
+                      help="where the corpus is prepared and both sides keep their state, so that the same command "
+                      "again goes on where a --deadline stopped it (default: a temporary folder)")
   parser.add_argument("--deadline", type=float, default=float("inf"),
-                      help="seconds: stop both sides then and show the steps both reached")
+                      help="seconds: stop both sides then, save their state in --scratch and show the steps both "
+                      "reached; the fine-tuning waits for a call that reaches --steps")
   parser.add_argument("--out", help="also write the table to this Markdown file")
   parser.add_argument("--rtd-positions", choices=("all", "masked"), default="all",
                       help="the discriminator's loss over every token (ELECTRA) or the masked ones (ELECTRA 15%%)")
@@ -333,8 +366,10 @@ def main() -> int:
     vocab_size = (len(tokenizer_file.read_text(encoding="utf-8").splitlines()) if tokenizer_file.suffix == ".txt"
                   else json.loads((workdir / "model_config.json").read_text())["vocab_size"])
     saved = scratch / "reference" if finetuning else None
-    theirs = reference(prepared, tokenizer_file, vocab_size, args.scale, steps, args.every, args.generator_fraction,
-                       stop_at, args.rtd_positions, saved)
+    # In a scratch of the caller's, the reference keeps its state between calls (ours' trainer keeps its own).
+    theirs, reached = reference(prepared, tokenizer_file, vocab_size, args.scale, steps, args.every,
+                                args.generator_fraction, stop_at, args.rtd_positions, saved,
+                                scratch / "reference_state.pt" if args.scratch else None)
     seconds["reference"] = time.perf_counter() - start
     if ours_process is not None:
       stopped = False
@@ -361,12 +396,17 @@ def main() -> int:
         f"ELECTRA at scale {args.scale} ({size['layers']} layers, width {size['hidden']}, generator "
         f"{args.generator_fraction:g} of it{loss_on}), "
         f"{steps} steps of {size['batch']} x {size['seq']} tokens, ours against the transformers reference on {card} "
-        f"(ours {seconds['ours']:.0f} s, reference {seconds['reference']:.0f} s"
+        f"(this call: ours {seconds['ours']:.0f} s, reference {seconds['reference']:.0f} s"
         f"{', at once' if ours_process is not None else ''}; means over each interval{replaced_note})"),
         args.rtd_positions)
     print("\n" + text, flush=True)
     if args.out:  # written before the fine-tuning, which may not finish
       pathlib.Path(args.out).write_text(text)
+    if reached < steps or not (workdir / "checkpoints" / str(steps)).exists():
+      print(f"stopped before step {steps} (the reference at step {reached}): "
+            + ("the same command again, with the same --scratch, goes on from there" if args.scratch else
+               "give --scratch to keep both sides' state for a later call"), flush=True)
+      finetuning = None
     if finetuning:
       torch.cuda.empty_cache()  # the reference's cached blocks, for JAX's fine-tuning
       # In a fresh process: JAX's CUDA libraries beside torch's in one process are not a tested combination.

@@ -7,6 +7,7 @@ import pytest
 from bert_jax.models import electra_generator_config
 from bert_jax.models.config import ModelConfig
 from bert_jax.train import config_lib
+from test_trainer import prepared  # noqa: F401 - the session fixture (prepared built-in corpus)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,3 +59,21 @@ def test_the_table_shows_each_sides_columns_with_the_masked_positions_accuracy(b
   assert masked[2] == ("| step | ours MLM acc | ours RTD acc | ours RTD loss | reference MLM acc | reference replaced | "
                        "reference RTD acc | reference RTD loss | constant's |")
   assert masked[4] == "| 100 | 0.036 | 0.840 | 0.4730 | 0.031 | 0.143 | 0.857 | 0.4659 | 0.4104 |"
+
+
+def test_the_reference_stopped_at_a_deadline_goes_on_exactly_from_its_saved_state(bench, prepared, tmp_path):
+  """A reference cut short (its deadline already past: it stops after the first interval) and run again with the
+  same state file reaches the uninterrupted run's every number; run once more, it trains nothing."""
+  from tokenizers import Tokenizer
+
+  tokenizer = prepared.parent / "tokenizer" / "tokenizer.json"
+  vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+  run = lambda **kwargs: bench.reference(prepared, tokenizer, vocab, "tiny", 40, 10, 0.25, **kwargs)  # noqa: E731
+  whole, reached = run()
+  assert reached == 40 and sorted(whole) == [10, 20, 30, 40]
+  state = tmp_path / "reference_state.pt"
+  first, reached = run(stop_at=0.0, state_file=state)
+  assert reached == 10 and first == {10: whole[10]}
+  rest, reached = run(state_file=state, save=tmp_path / "saved")
+  assert reached == 40 and rest == whole and (tmp_path / "saved" / "config.json").exists()
+  assert run(state_file=state) == (whole, 40)
