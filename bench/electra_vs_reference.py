@@ -17,8 +17,8 @@ to 0), loss (MLM + 50 x replaced-token detection over every real token), masking
 tokens, at most `max_predictions` a row; 80% [MASK], 10% a random token, 10% kept) and generator sampling, with
 bf16 autocast on a GPU; it reads the same corpus through this project's pipeline (its own masking and random
 draws). The two are not expected to agree step by step, only in how the discriminator learns: the table shows,
-every `--every` steps, each side's generator MLM accuracy, replaced fraction, RTD loss and the loss of always
-answering "original" at that replaced fraction (the constant's).
+every `--every` steps, each side's generator MLM accuracy, replaced fraction, RTD loss, gradient norm (before
+clipping) and the loss of always answering "original" at that replaced fraction (the constant's).
 
 `--rtd-positions masked` trains both sides as ELECTRA's Table 5 "ELECTRA 15%" row (the discriminator's loss on the
 masked positions only; ours: `--config.loss.rtd_positions=masked`); the RTD columns are then over those positions.
@@ -107,7 +107,7 @@ def read_ours(workdir: pathlib.Path) -> dict[int, dict[str, float]]:
     if "train/rtd_loss" in record:
       rows[record["step"]] = {"mlm_accuracy": record["train/mlm_accuracy"], "rtd_loss": record["train/rtd_loss"],
                               "replaced": 1.0 - record["train/rtd_accuracy"],
-                              "rtd_accuracy": record["train/rtd_accuracy"]}
+                              "rtd_accuracy": record["train/rtd_accuracy"], "grad_norm": record["train/grad_norm"]}
   return rows
 
 
@@ -204,17 +204,18 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
       rtd_loss = torch.nn.functional.binary_cross_entropy_with_logits(rtd_logits[scored].float(), replaced[scored])
     optimizer.zero_grad()
     (mlm_loss + 50.0 * rtd_loss).backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)  # before clipping, as ours logs it
     optimizer.step()
     schedule.step()
     # Kept on the device and read once an interval: a read a step would wait for the step.
     window.append(torch.stack([(logits.argmax(-1) == ids[masked]).float().mean(), rtd_loss.detach().float(),
                                replaced[scored].mean(),
-                               ((rtd_logits[scored] > 0).float() == replaced[scored]).float().mean()]))
+                               ((rtd_logits[scored] > 0).float() == replaced[scored]).float().mean(),
+                               grad_norm.detach().float()]))
     if step % every == 0:
-      mlm_accuracy, loss, replaced_fraction, rtd_accuracy = torch.stack(window).mean(0).tolist()
+      mlm_accuracy, loss, replaced_fraction, rtd_accuracy, norm = torch.stack(window).mean(0).tolist()
       rows[step] = {"mlm_accuracy": mlm_accuracy, "rtd_loss": loss, "replaced": replaced_fraction,
-                    "rtd_accuracy": rtd_accuracy}
+                    "rtd_accuracy": rtd_accuracy, "grad_norm": norm}
       window = []
       if time.monotonic() > stop_at:
         print(f"reference: stopped at the deadline after step {step}", flush=True)
@@ -234,11 +235,11 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
 def table(mine: dict, theirs: dict, title: str, rtd_positions: str = "all") -> str:
   constant = lambda row: constant_loss(row["replaced"])  # noqa: E731
   columns = [("MLM acc", "mlm_accuracy", 3), ("replaced", "replaced", 3), ("RTD loss", "rtd_loss", 4),
-             ("constant's", constant, 4)]
+             ("grad norm", "grad_norm", 2), ("constant's", constant, 4)]
   sides = [("ours", mine, columns), ("reference", theirs, columns)]
   if rtd_positions == "masked":  # ours logs no replaced fraction there (1 - its accuracy is not one): its accuracy
     accuracy = ("RTD acc", "rtd_accuracy", 3)
-    sides = [("ours", mine, [columns[0], accuracy, columns[2]]),
+    sides = [("ours", mine, [columns[0], accuracy, *columns[2:4]]),
              ("reference", theirs, [*columns[:2], accuracy, *columns[2:]])]
   header = ["step"] + [f"{side} {name}" if name != "constant's" else name for side, _, cols in sides
                        for name, _, _ in cols]

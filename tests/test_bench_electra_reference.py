@@ -48,17 +48,19 @@ def test_reference_generator_follows_the_generator_rule(bench, scale, fraction):
 
 
 def test_the_table_shows_each_sides_columns_with_the_masked_positions_accuracy(bench):
-  ours = {100: {"mlm_accuracy": 0.036, "replaced": 0.16, "rtd_loss": 0.473, "rtd_accuracy": 0.84}}
-  theirs = {100: {"mlm_accuracy": 0.031, "replaced": 0.143, "rtd_loss": 0.4659, "rtd_accuracy": 0.857},
-            200: {"mlm_accuracy": 0.05, "replaced": 0.1, "rtd_loss": 0.3, "rtd_accuracy": 0.9}}
+  ours = {100: {"mlm_accuracy": 0.036, "replaced": 0.16, "rtd_loss": 0.473, "rtd_accuracy": 0.84, "grad_norm": 3.2}}
+  theirs = {100: {"mlm_accuracy": 0.031, "replaced": 0.143, "rtd_loss": 0.4659, "rtd_accuracy": 0.857,
+                  "grad_norm": 2.914},
+            200: {"mlm_accuracy": 0.05, "replaced": 0.1, "rtd_loss": 0.3, "rtd_accuracy": 0.9, "grad_norm": 1.0}}
   every = bench.table(ours, theirs, "T").splitlines()
-  assert every[2].startswith("| step | ours MLM acc | ours replaced | ours RTD loss | constant's | reference MLM acc")
-  assert every[4] == "| 100 | 0.036 | 0.160 | 0.4730 | 0.4397 | 0.031 | 0.143 | 0.4659 | 0.4104 |"
+  assert every[2].startswith("| step | ours MLM acc | ours replaced | ours RTD loss | ours grad norm | constant's | "
+                             "reference MLM acc")
+  assert every[4] == "| 100 | 0.036 | 0.160 | 0.4730 | 3.20 | 0.4397 | 0.031 | 0.143 | 0.4659 | 2.91 | 0.4104 |"
   assert len(every) == 5  # the steps both sides reached
   masked = bench.table(ours, theirs, "T", "masked").splitlines()
-  assert masked[2] == ("| step | ours MLM acc | ours RTD acc | ours RTD loss | reference MLM acc | reference replaced | "
-                       "reference RTD acc | reference RTD loss | constant's |")
-  assert masked[4] == "| 100 | 0.036 | 0.840 | 0.4730 | 0.031 | 0.143 | 0.857 | 0.4659 | 0.4104 |"
+  assert masked[2] == ("| step | ours MLM acc | ours RTD acc | ours RTD loss | ours grad norm | reference MLM acc | "
+                       "reference replaced | reference RTD acc | reference RTD loss | reference grad norm | constant's |")
+  assert masked[4] == "| 100 | 0.036 | 0.840 | 0.4730 | 3.20 | 0.031 | 0.143 | 0.857 | 0.4659 | 2.91 | 0.4104 |"
 
 
 def test_the_reference_stopped_at_a_deadline_goes_on_exactly_from_its_saved_state(bench, prepared, tmp_path):
