@@ -173,7 +173,7 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
     if device.type == "cuda":
       torch.cuda.set_rng_state_all(state["cuda_rng"])
     batches.set_state(state["batches"])
-    rows, step = {int(key): value for key, value in state["rows"].items()}, state["step"]
+    rows, step = state["rows"], state["step"]
     print(f"reference: from step {step} ({state_file})", flush=True)
   for step in range(step + 1, steps + 1):
     batch = next(batches)
@@ -223,7 +223,7 @@ def reference(prepared: pathlib.Path, tokenizer_file: pathlib.Path, vocab_size: 
   if state_file is not None:
     torch.save({**{name: part.state_dict() for name, part in resumable.items()}, "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
-                "batches": batches.get_state(), "rows": {str(key): value for key, value in rows.items()},
+                "batches": batches.get_state(), "rows": rows,
                 "step": step}, state_file)
   batches.close()
   if save is not None and step == steps:
