@@ -29,6 +29,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 from typing import Any, Sequence
 
 from etils import epath
@@ -258,9 +259,7 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  paper = results["published"].get("paper", results["config"]).split(":")[0]  # "Authors year, NAME".
-  title = f"{results['published'].get('table', 'Sweep')} — {paper}"
-  title = title if len(title) < 90 else title[:87] + "..."
+  title = _title(results)
   written = []
   figure, axis = plt.subplots(figsize=(8, 5))
   drawn = 0
@@ -282,13 +281,30 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
   axis.grid(alpha=0.3)
   figure.tight_layout()
   written.append(_save_png(figure, out / "pretrain_loss.png"))
+  written.append(plot_downstream(results, out))
+  return written
+
+
+def _title(results: dict[str, Any]) -> str:
+  paper = results["published"].get("paper", results["config"]).split(":")[0]  # "Authors year, NAME".
+  title = f"{results['published'].get('table', 'Sweep')} — {paper}"
+  return title if len(title) < 90 else title[:87] + "..."
+
+
+def plot_downstream(results: dict[str, Any], out: epath.Path) -> epath.Path:
+  """`out`/downstream.png: each row's median dev score per task (whiskers min-max over seeds) beside the
+  published numbers; from `results` alone, so a published table's figure can be drawn again from its JSON."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
 
   tasks = [column for column in columns(results) if column not in INTRINSIC]
   names = dict(results["published"].get("columns", {}))
   if "glue" in names:
     names["glue"] = f"{names['glue']} (ours: {', '.join(t for t in results['suite']['tasks'] if t in suite_lib.GLUE)})"
   published = results["published"].get("rows", {})
-  figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(tasks) + 2), 5))
+  figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(tasks) + 2) + 2.5, 5))
   width = 0.8 / max(1, len(results["rows"]))
   for index, row in enumerate(results["rows"]):
     xs, heights, low, high, paper_x, paper_y = [], [], [], [], [], []
@@ -310,15 +326,15 @@ def plot(results: dict[str, Any], workdir: epath.Path, out: epath.Path) -> list[
       axis.scatter(paper_x, paper_y, marker="D", s=40, color=color, edgecolors="black", zorder=3,
                    label=f"{row['name']} (published)")
   axis.set_xticks(range(len(tasks)))
-  axis.set_xticklabels([names.get(task) or _label(task) for task in tasks], rotation=20)
+  # Long names wrapped, and the legend beside the axes, so that neither runs into the tick labels.
+  axis.set_xticklabels([textwrap.fill(names.get(task) or _label(task), 24) for task in tasks], rotation=20)
   axis.set_ylabel("dev score (median over seeds; whiskers: min-max)")
-  axis.set_title(f"Downstream scores per row\n{title}", fontsize=10)
+  axis.set_title(f"Downstream scores per row\n{_title(results)}", fontsize=10)
   if axis.get_legend_handles_labels()[0]:
-    axis.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
   axis.grid(axis="y", alpha=0.3)
   figure.tight_layout()
-  written.append(_save_png(figure, out / "downstream.png"))
-  return written
+  return _save_png(figure, out / "downstream.png")
 
 
 def gap_by_budget(tables: Sequence[tuple[str, dict[str, Any]]], first: str, second: str) -> dict[str, list]:
