@@ -38,6 +38,9 @@ stopped, fine-tuning once both have reached --steps:
   python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
       --rtd-positions masked --steps 30000 --scratch runs/ref --deadline 540 --finetune-tasks stsb,conll2003_f1 \
       --seeds 1,2,3 --out $OUT/electra15_vs_reference.md
+
+`--ours-config KEY=VALUE` (repeatable) changes ours' pre-training alone, to test one suspected difference between the
+two sides at a time, e.g. `--ours-config model.dtype=float32` for bf16's part.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -84,7 +88,8 @@ def generator_sizes(size: dict, fraction: float) -> tuple[int, int, int]:
 
 
 def ours_command(workdir: pathlib.Path, scale: str, steps: int, every: int, fraction: float,
-                 prepared: pathlib.Path | None, rtd_positions: str = "all") -> list[str]:
+                 prepared: pathlib.Path | None, rtd_positions: str = "all",
+                 overrides: Sequence[str] = ()) -> list[str]:
   size = SCALES[scale]
   command = [sys.executable, "-m", "bert_jax.cli", "pretrain", "--config",
              str(REPO / "configs/ablations/electra_compute.py") + f":scale={scale}", "--workdir", str(workdir),
@@ -97,7 +102,7 @@ def ours_command(workdir: pathlib.Path, scale: str, steps: int, every: int, frac
                 f"--config.masking.max_predictions={size['max_predictions']}"]
   if prepared is not None:
     command.append(f"--config.data.prepared={prepared}")
-  return command
+  return command + [f"--config.{override}" for override in overrides]
 
 
 def read_ours(workdir: pathlib.Path) -> dict[int, dict[str, float]]:
@@ -314,7 +319,13 @@ def main() -> int:
   parser.add_argument("--seeds", default="1", help="fine-tuning seeds, comma-separated")
   parser.add_argument("--lr", type=float, default=3e-4, help="fine-tuning peak learning rate")
   parser.add_argument("--layerwise-decay", type=float, default=0.8, help="fine-tuning layer-wise decay")
+  parser.add_argument("--ours-config", action="append", default=[], metavar="KEY=VALUE",
+                      help="an override of ours' pre-training config alone, e.g. model.dtype=float32 (to test "
+                      "whether a difference between the two sides is bf16's)")
   args = parser.parse_args()
+  for override in args.ours_config:
+    if "=" not in override or override.startswith("="):
+      parser.error(f"--ours-config {override}: expected KEY=VALUE, e.g. model.dtype=float32")
   steps = args.steps or SCALES[args.scale]["steps"]
   if args.scale == "gpu" and args.carry is None:
     parser.error("--scale gpu reads the Wikipedia sample: give --carry (see bench/reproduce.py pack)")
@@ -339,7 +350,8 @@ def main() -> int:
       start = time.perf_counter()
       print(f"ours: {steps} steps ...", flush=True)
       subprocess.run(ours_command(workdir, "tiny", steps, args.every, args.generator_fraction, None,
-                                  args.rtd_positions), check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+                                  args.rtd_positions, args.ours_config), check=True, cwd=REPO,
+                     stdout=subprocess.DEVNULL)
       seconds["ours"] = time.perf_counter() - start
       prepared = workdir / "builtin_corpus" / "prepared"
       tokenizer_file = workdir / "tokenizer" / "tokenizer.json"
@@ -355,7 +367,8 @@ def main() -> int:
       log = open(workdir.parent / f"{workdir.name}.log", "w")  # pylint: disable=consider-using-with
       ours_start = time.perf_counter()
       ours_process = subprocess.Popen(
-          ours_command(workdir, "gpu", steps, args.every, args.generator_fraction, prepared, args.rtd_positions),
+          ours_command(workdir, "gpu", steps, args.every, args.generator_fraction, prepared, args.rtd_positions,
+                       args.ours_config),
           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
       def time_ours():  # ours' own wall time, whichever side finishes first
@@ -395,7 +408,8 @@ def main() -> int:
                      "which is the replaced fraction while the discriminator answers 'original' everywhere")
     text = table(mine, theirs, (
         f"ELECTRA at scale {args.scale} ({size['layers']} layers, width {size['hidden']}, generator "
-        f"{args.generator_fraction:g} of it{loss_on}), "
+        f"{args.generator_fraction:g} of it{loss_on}"
+        f"{''.join(f', ours with {override}' for override in args.ours_config)}), "
         f"{steps} steps of {size['batch']} x {size['seq']} tokens, ours against the transformers reference on {card} "
         f"(this call: ours {seconds['ours']:.0f} s, reference {seconds['reference']:.0f} s"
         f"{', at once' if ours_process is not None else ''}; means over each interval{replaced_note})"),

@@ -79,3 +79,13 @@ def test_the_reference_stopped_at_a_deadline_goes_on_exactly_from_its_saved_stat
   rest, reached = run(state_file=state, save=tmp_path / "saved")
   assert reached == 40 and rest == whole and (tmp_path / "saved" / "config.json").exists()
   assert run(state_file=state) == (whole, 40)
+
+
+def test_ours_config_overrides_reach_ours_pretraining_alone(bench, tmp_path):
+  command = bench.ours_command(tmp_path / "ours", "gpu", 3000, 100, 0.25, tmp_path / "wiki", "masked",
+                               ["model.dtype=float32"])
+  assert command[-1] == "--config.model.dtype=float32"  # after the bench's own settings, so it wins
+  spec = command[command.index("--config") + 1]
+  overrides = [flag.removeprefix("--config.") for flag in command if flag.startswith("--config.")]
+  config = config_lib.load_config(spec, overrides)
+  assert config.model.dtype == "float32" and config.loss.rtd_positions == "masked"
