@@ -323,9 +323,12 @@ def main() -> int:
                       help="an override of ours' pre-training config alone, e.g. model.dtype=float32 (to test "
                       "whether a difference between the two sides is bf16's)")
   args = parser.parse_args()
-  for override in args.ours_config:
-    if "=" not in override or override.startswith("="):
-      parser.error(f"--ours-config {override}: expected KEY=VALUE, e.g. model.dtype=float32")
+  if args.ours_config:  # checked here, not by ours' run after the corpus is prepared
+    from bert_jax.train import config_lib  # pylint: disable=import-outside-toplevel
+    try:
+      config_lib.load_config(f"{REPO}/configs/ablations/electra_compute.py:scale={args.scale}", args.ours_config)
+    except ValueError as error:
+      parser.error(f"--ours-config {' '.join(args.ours_config)}: {error}")
   steps = args.steps or SCALES[args.scale]["steps"]
   if args.scale == "gpu" and args.carry is None:
     parser.error("--scale gpu reads the Wikipedia sample: give --carry (see bench/reproduce.py pack)")

@@ -89,3 +89,13 @@ def test_ours_config_overrides_reach_ours_pretraining_alone(bench, tmp_path):
   overrides = [flag.removeprefix("--config.") for flag in command if flag.startswith("--config.")]
   config = config_lib.load_config(spec, overrides)
   assert config.model.dtype == "float32" and config.loss.rtd_positions == "masked"
+
+
+def test_an_unknown_ours_config_key_is_one_line_before_any_training():
+  import subprocess
+  import sys
+
+  result = subprocess.run([sys.executable, str(REPO / "bench/electra_vs_reference.py"), "--ours-config",
+                           "model.dtyp=float32"], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert "--ours-config model.dtyp=float32: unknown config key 'model.dtyp'" in result.stderr.splitlines()[-1]
