@@ -31,6 +31,9 @@
   python bench/reproduce.py publish --as spanbert_masking_30000 OUT4/spanbert_masking
   python bench/reproduce.py publish --as spanbert_masking_30000 docs/reproductions/spanbert_masking_30000 \\
       OUT5/spanbert_masking
+  # a row that is another table's row too (the same pre-training config and suite, checked): counted in both
+  python bench/reproduce.py publish --as electra_generator_30000 docs/reproductions/electra_generator_30000 \\
+      --row-from docs/reproductions/electra_compute_30000_equal ELECTRA-Small "generator 1/4 of the discriminator"
   # one table published at several budgets: a row's score minus another's per task against pre-training steps
   python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
       docs/reproductions/spanbert_masking_30000 --rows "Geometric Spans" "Subword Tokens" \\
@@ -82,6 +85,7 @@ train for one epoch, so that a CPU runs it all in a few minutes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gzip
 import json
@@ -433,7 +437,8 @@ def _progress(row: dict) -> tuple:
   return (row["status"] == "done", bool(row["pretrain"]), sum(t.get("seeds_done", 0) for t in row["tasks"].values()))
 
 
-def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | None = None) -> None:
+def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | None = None,
+            take: Sequence[tuple[str, str, str]] = ()) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
   that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one, the table
   rendered again from every row, and its small files copied. The calls must have run the same table config and
@@ -443,7 +448,8 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
   reproduce.json records each choice. The page's folder keeps a sweep.tar.gz of what the table is rendered from
   (states and loss curves), so a published folder may be given again with a later call's, to add rows run in
   another session. The table is published as `name` (default: the first folder's name), e.g. a run at another
-  budget beside the table's first."""
+  budget beside the table's first. `take`: (published folder, its row, this table's row) for rows of another table
+  that are this table's rows too (`_take_row`)."""
   import tempfile
 
   from bert_jax.experiments import ablation, table
@@ -482,12 +488,15 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
       report = json.loads((folder / "reproduce.json").read_text())
       replaced.update(report.get("rows_replaced", {}))  # A published folder's own calls, listed one by one.
       kept.update(report.get("rows_not_taken", {}))
+      report.pop(TAKEN, None)  # Listed again below from the rows themselves.
       calls += [{"sweep": spec, "report": call} for call in report.get("calls", [report])]
+    for index, (folder, there, here) in enumerate(take):
+      _take_row(sweep, pathlib.Path(folder), there, here, pathlib.Path(scratch) / f"taken{index}")
     reports = [call["report"] for call in calls]
-    (sweep / "reproduce.json").write_text(json.dumps(
-        reports[0] if len(reports) == 1 else {"table": name, "calls": reports, "rows_replaced": replaced,
-                                              "rows_not_taken": kept},
-        indent=1) + "\n")
+    record = reports[0] if len(reports) == 1 else {"table": name, "calls": reports, "rows_replaced": replaced,
+                                                   "rows_not_taken": kept}
+    taken = {row["name"]: row["from"] for row in ablation.collect(sweep)["rows"] if row.get("from")}
+    (sweep / "reproduce.json").write_text(json.dumps({**record, TAKEN: taken} if taken else record, indent=1) + "\n")
     table.render(sweep)
     target = docs / name
     target.mkdir(parents=True, exist_ok=True)
@@ -496,6 +505,81 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
         shutil.copy(sweep / file_name, target / file_name)
     pack_results(sweep, target / "sweep.tar.gz", skip=lambda relative: not _kept(relative))
   print(f"published {name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
+
+
+TAKEN = "rows_from_other_tables"
+
+
+def _comparable_config(config: dict) -> dict:
+  """A row's pre-training config with its model section resolved (preset and overrides -> every field), so that
+  two spellings of one model (a preset's name and the fields that override all of it) compare equal."""
+  import ml_collections
+
+  from bert_jax.train import trainer
+
+  model = dict(config.get("model") or {})
+  resolved = trainer.build_model_config(ml_collections.ConfigDict(model), model.get("vocab_size") or 1)
+  return {**config, "model": {**dataclasses.asdict(resolved), "generator_fraction": model.get("generator_fraction")}}
+
+
+def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, scratch: pathlib.Path) -> None:
+  """Joins row `there` of the table published in `folder` to the sweep as its row `here`: one pre-training run and
+  its fine-tuning, counted in both tables (as ELECTRA's Table 1 row is its generator-size table's 1/4 row). Allowed
+  only where the row has no run of its own here, the two rows' pre-training configs are the same once resolved (but
+  for keys that do not change the run), on the same corpus, and the two tables fine-tune with the same suite; the
+  row records where it was run."""
+  from bert_jax.experiments import ablation
+  from bert_jax.train import config_lib, workdir
+
+  if not (folder / "sweep.tar.gz").is_file():
+    raise SystemExit(f"--row-from {folder}: no sweep.tar.gz; give a folder that `publish` wrote "
+                     "(docs/reproductions/TABLE)")
+  with tarfile.open(folder / "sweep.tar.gz") as tar:
+    tar.extractall(scratch, filter="data")
+  source_rows = {row["name"]: row for row in ablation.collect(scratch)["rows"]}
+  spec = json.loads((sweep / "sweep.json").read_text())
+  target = ablation.load_table(spec["config"], spec["overrides"])
+  target_rows = {row.name: row for row in target.rows}
+  for name, rows, where in ((there, source_rows, folder), (here, target_rows, "this table")):
+    if name not in rows:
+      raise SystemExit(f"--row-from: {where} has no row {name!r}; its rows are {', '.join(map(repr, rows))}")
+  source, row = source_rows[there], target_rows[here]
+  status_file = sweep / "rows" / row.slug / "row.json"
+  if status_file.parent.exists():
+    held = json.loads(status_file.read_text()).get("from") if status_file.exists() else None
+    raise SystemExit(f"--row-from: row {here!r} already holds {held or 'a run of its own in this table'}; a row is "
+                     "taken from another table only where it has none")
+  if source["pretrain"] is None or source["pretrained"] is not None:
+    raise SystemExit(f"--row-from: {folder}'s row {there!r} has no pre-training of its own to take")
+  source_spec = json.loads((scratch / "sweep.json").read_text())
+  if source_spec.get("suite") != spec.get("suite") or source["finetune"] != dict(row.finetune):
+    raise SystemExit(f"--row-from: {folder} fine-tuned its rows with {source_spec.get('suite')} "
+                     f"{source['finetune']}, this table with {spec.get('suite')} {dict(row.finetune)}: one row's "
+                     "scores count in two tables only with one suite")
+  recorded = scratch / "rows" / source["slug"] / "pretrain" / "config.json"
+  if not recorded.is_file():
+    raise SystemExit(f"--row-from: {folder} kept no pre-training config of its row {there!r} to check against")
+  ran = json.loads(recorded.read_text())
+  # Keys that do not change what a pre-training computes (a run may resume with them changed), but its steps; and
+  # where the call's scratch held the prepared corpus.
+  same_run = tuple(key for key in workdir.RESUME_SAFE_KEYS if key != "train.steps") + ("data.prepared",)
+  changes = workdir.config_changes(_comparable_config(ran),
+                                   _comparable_config(ablation.row_config(target, row).to_dict()),
+                                   safe=same_run, defaults=config_lib.pretrain_defaults().to_dict())
+  if changes:
+    listed = "; ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in changes[:6])
+    raise SystemExit(f"--row-from: {folder}'s row {there!r} pre-trained another config than row {here!r} would: "
+                     f"{listed}")
+  corpora = {other["pretrain"].get("corpus_train_tokens") for other in ablation.collect(sweep)["rows"]
+             if other["pretrain"]} | {source["pretrain"].get("corpus_train_tokens")}
+  if len(corpora - {None}) > 1:
+    raise SystemExit(f"--row-from: {folder}'s row {there!r} pre-trained on another corpus than this table's rows "
+                     f"({sorted(corpora - {None})} training tokens)")
+  shutil.copytree(scratch / "rows" / source["slug"], sweep / "rows" / row.slug)
+  status = json.loads(status_file.read_text()) if status_file.exists() else {"status": "incomplete"}
+  status_file.write_text(json.dumps(
+      {**status, "name": here, "from": f"{folder.name}'s row {there!r}"}, indent=1) + "\n")
+  print(f"row {here!r}: {folder}'s row {there!r} (the same pre-training config and suite)")
 
 
 def _published(folders: Sequence[pathlib.Path], name=str) -> list[tuple[str, dict]]:
@@ -565,6 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               help="OUT/TABLE folders as they came back; one table's folders from several calls (each "
                               "some of its rows; a row from the last call that ran it) make one table")
   publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
+  publish_parser.add_argument("--row-from", nargs=3, action="append", default=[], metavar=("FOLDER", "ROW", "AS"),
+                              help="a published table's row (docs/reproductions/TABLE, its row ROW) that is this "
+                              "table's row AS too: the same pre-training config and fine-tuning suite, checked")
   publish_parser.add_argument("--as", dest="name", metavar="NAME",
                               help="publish every folder given as one table, docs/reproductions/NAME, whatever the "
                               "folders are called (without it, folders of one name make one table of that name)")
@@ -592,8 +679,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_table: dict[str, list[pathlib.Path]] = {}
     for returned in map(pathlib.Path, args.returned):
       by_table.setdefault(args.name or returned.name, []).append(returned)
+    if args.row_from and len(by_table) > 1:
+      parser.error("--row-from joins rows to one table: publish one table with it")
     for name, folders in by_table.items():
-      publish(folders, pathlib.Path(args.docs), name)
+      publish(folders, pathlib.Path(args.docs), name, [tuple(item) for item in args.row_from])
     return 0
   if args.command == "mark":
     if rest:

@@ -514,6 +514,73 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   assert reproduce.comparable(spec) != reproduce.comparable({**spec, "overrides": ["--config.train.steps=30"] * 2})
 
 
+@pytest.mark.slow
+def test_publish_takes_a_row_of_another_table_run_with_the_same_config_and_suite(swept, tmp_path, capsys):
+  """`publish --row-from`: a row of another published table joins this one where its pre-training config (model
+  resolved: a preset's field spelled out is the same model) and fine-tuning suite are this row's, marked where it
+  ran, and stays on publishing again; another config, another suite, a row already held or a name neither table has
+  is one line."""
+  reproduce = _bench_reproduce()
+  results, workdir = swept
+  call = tmp_path / "call" / "table_t"
+  reproduce.pack_results(workdir, call / "sweep.tar.gz")
+  (call / "reproduce.json").write_text(json.dumps({"table": "table_t"}))
+  docs = tmp_path / "docs"
+  reproduce.publish([call], docs)
+  published_t = docs / "table_t"
+  spec_u = tmp_path / "table_u.py"
+  spec_u.write_text(TABLE_CONFIG + """
+def get_sweep(arg=None):
+  return [{"name": "masked LM", "overrides": {"objective": "mlm", "data.format": "full_sentences",
+                                              "model.layer_norm_eps": 1e-12}},
+          {"name": "three layers", "overrides": {"model.num_layers": 3}}]
+""")
+
+  def returned(name, **changes):  # Table U as a call brings it back before any of its rows has run.
+    sweep = tmp_path / name / "sweep"
+    sweep.mkdir(parents=True)
+    spec = {**json.loads((workdir / "sweep.json").read_text()), "config": str(spec_u), **changes}
+    (sweep / "sweep.json").write_text(json.dumps(spec))
+    folder = tmp_path / name / "table_u"
+    reproduce.pack_results(sweep, folder / "sweep.tar.gz")
+    (folder / "reproduce.json").write_text(json.dumps({"table": "table_u"}))
+    return folder
+
+  capsys.readouterr()
+  reproduce.publish([returned("u")], docs, take=[(str(published_t), "MLM", "masked LM")])
+  assert f"row 'masked LM': {published_t}'s row 'MLM' (the same pre-training config and suite)" in (
+      capsys.readouterr().out)
+  rows = {row["name"]: row for row in json.loads((docs / "table_u" / "results.json").read_text())["rows"]}
+  mlm = next(row for row in results["rows"] if row["name"] == "MLM")
+  taken = rows["masked LM"]
+  assert (taken["status"], taken["from"]) == ("done", "table_t's row 'MLM'")
+  assert json.dumps([taken["pretrain"], taken["tasks"]]) == json.dumps([mlm["pretrain"], mlm["tasks"]])
+  assert rows["three layers"]["status"] == "not run" and "from" not in rows["three layers"]
+  assert "| masked LM | done (run as table_t's row 'MLM') |" in (docs / "table_u" / "table.md").read_text()
+  record = {"masked LM": "table_t's row 'MLM'"}
+  assert json.loads((docs / "table_u" / "reproduce.json").read_text())["rows_from_other_tables"] == record
+  reproduce.publish([docs / "table_u"], docs)  # Published again: the row and its record stay.
+  assert json.loads((docs / "table_u" / "reproduce.json").read_text())["rows_from_other_tables"] == record
+  assert json.loads((docs / "table_u" / "results.json").read_text())["rows"][0]["from"] == record["masked LM"]
+
+  refusals = [
+      ([docs / "table_u"], ("MLM", "masked LM"), "row 'masked LM' already holds table_t's row 'MLM'; a row is taken"),
+      ([returned("u2")], ("MLM+NSP", "masked LM"),
+       f"{published_t}'s row 'MLM\\+NSP' pre-trained another config than row 'masked LM' would: data.format: "
+       "'segment_pair' there, 'full_sentences' here; objective: 'mlm\\+nsp' there, 'mlm' here"),
+      ([returned("u3")], ("MLM", "three layers"), "model.num_layers: 2 there, 3 here; objective: 'mlm' there"),
+      ([returned("u4", suite={**json.loads((workdir / "sweep.json").read_text())["suite"], "seeds": [1]})],
+       ("MLM", "masked LM"), "one row's scores count in two tables only with one suite"),
+      ([returned("u5")], ("BERT", "masked LM"), "has no row 'BERT'; its rows are 'MLM\\+NSP', 'broken', 'MLM'"),
+      ([returned("u6")], ("MLM", "MLM"), "this table has no row 'MLM'; its rows are 'masked LM', 'three layers'")]
+  for folders, (there, here), message in refusals:
+    with pytest.raises(SystemExit, match=message):
+      reproduce.publish(folders, tmp_path / "refused", take=[(str(published_t), there, here)])
+  with pytest.raises(SystemExit, match="no sweep.tar.gz; give a folder that `publish` wrote"):
+    reproduce.main(["publish", "--docs", str(tmp_path / "refused"), str(returned("u7")), "--row-from",
+                    str(tmp_path / "absent"), "MLM", "masked LM"])
+
+
 def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
   spec, data_dirs, _ = setup
   tab = ablation.load_table(spec)

@@ -18,7 +18,8 @@ paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
                        seeds, from the row's final pre-training checkpoint
   state/*.json         one file per finished phase and task/lr/seed: a killed
                        sweep run again skips what is recorded there
-  row.json             done, or failed with the phase and error
+  row.json             done, or failed with the phase and error (and, for a row
+                       run in another table with the same config, which)
 
 A cluster runs one row per job, all into one shared workdir, then collects:
 
@@ -628,7 +629,8 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
     rows.append({"name": row.name, "slug": row.slug, "overrides": resolved_overrides(table, row),
                  "finetune": row.finetune,
                  "pretrained": row.pretrained, "status": status.get("status"), "phase": status.get("phase"),
-                 "error": status.get("error"), "pretrain": pretrain, "tasks": tasks})
+                 "error": status.get("error"), "pretrain": pretrain, "tasks": tasks,
+                 **({"from": status["from"]} if status.get("from") else {})})
   results = {"config": table.spec, "overrides": list(table.base_overrides),
              "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows,
              "rerun": rerun_command(table, default_suite)}

@@ -156,7 +156,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     header += [f"{label} ours", f"{label} paper"]
   lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for row in results["rows"]:
-    cells = [row["name"], row["status"] or ""]
+    cells = [row["name"], (row["status"] or "") + (f" (run as {row['from']})" if row.get("from") else "")]
     paper = published.get("rows", {}).get(row["name"], {})
     for column in cols:
       mine = ours(row, column, results["suite"]["tasks"])
