@@ -495,7 +495,8 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
     reports = [call["report"] for call in calls]
     record = reports[0] if len(reports) == 1 else {"table": name, "calls": reports, "rows_replaced": replaced,
                                                    "rows_not_taken": kept}
-    taken = {row["name"]: row["from"] for row in ablation.collect(sweep)["rows"] if row.get("from")}
+    statuses = [json.loads(path.read_text()) for path in sorted((sweep / "rows").glob("*/row.json"))]
+    taken = {status["name"]: status["from"] for status in statuses if status.get("from")}
     (sweep / "reproduce.json").write_text(json.dumps({**record, TAKEN: taken} if taken else record, indent=1) + "\n")
     table.render(sweep)
     target = docs / name
