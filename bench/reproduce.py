@@ -511,18 +511,6 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
 TAKEN = "rows_from_other_tables"
 
 
-def _comparable_config(config: dict) -> dict:
-  """A row's pre-training config with its model section resolved (preset and overrides -> every field), so that
-  two spellings of one model (a preset's name and the fields that override all of it) compare equal."""
-  import ml_collections
-
-  from bert_jax.train import trainer
-
-  model = dict(config.get("model") or {})
-  resolved = trainer.build_model_config(ml_collections.ConfigDict(model), model.get("vocab_size") or 1)
-  return {**config, "model": {**dataclasses.asdict(resolved), "generator_fraction": model.get("generator_fraction")}}
-
-
 def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, scratch: pathlib.Path) -> None:
   """Joins row `there` of the table published in `folder` to the sweep as its row `here`: one pre-training run and
   its fine-tuning, counted in both tables (as ELECTRA's Table 1 row is its generator-size table's 1/4 row). Allowed
@@ -564,8 +552,8 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
   # Keys that do not change what a pre-training computes (a run may resume with them changed), but its steps; and
   # where the call's scratch held the prepared corpus.
   same_run = tuple(key for key in workdir.RESUME_SAFE_KEYS if key != "train.steps") + ("data.prepared",)
-  changes = workdir.config_changes(_comparable_config(ran),
-                                   _comparable_config(ablation.row_config(target, row).to_dict()),
+  changes = workdir.config_changes(ablation.comparable_config(ran),
+                                   ablation.comparable_config(ablation.row_config(target, row).to_dict()),
                                    safe=same_run, defaults=config_lib.pretrain_defaults().to_dict())
   if changes:
     listed = "; ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in changes[:6])

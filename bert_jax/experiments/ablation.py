@@ -148,6 +148,18 @@ def row_config(table: Table, row: Row):
   return config
 
 
+def comparable_config(config: dict) -> dict:
+  """A row's pre-training config with its model section resolved (preset and overrides -> every field), so that
+  two spellings of one model (a preset's name and the fields that override all of it) compare equal."""
+  import ml_collections
+
+  from bert_jax.train import trainer
+
+  model = dict(config.get("model") or {})
+  resolved = trainer.build_model_config(ml_collections.ConfigDict(model), model.get("vocab_size") or 1)
+  return {**config, "model": {**dataclasses.asdict(resolved), "generator_fraction": model.get("generator_fraction")}}
+
+
 SCALES = suite_lib.SCALES
 
 

@@ -8,7 +8,7 @@
 At scale=tiny (width 64) E=64/128/256/768 become 8/16/32/64. Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "sst2", "race"), seeds=(1, 2, 3, 4, 5),
@@ -47,6 +47,14 @@ PUBLISHED = {
     "higher_is_better": {column: True for column in _COLUMNS},
     "rows": {row_name(s, e): dict(zip(_COLUMNS, _NUMBERS[s, e])) for s, _ in SHARING for e in EMBEDDING_SIZES},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`).
+FINDINGS = (
+    findings.Finding("not shared: a larger embedding is better", row_name("not-shared", 768),
+                     row_name("not-shared", 64)),
+    findings.Finding("all shared: E=128 is best (above E=768)", row_name("all-shared", 128),
+                     row_name("all-shared", 768)),
+)
 
 
 def get_config(arg=None):

@@ -11,7 +11,7 @@ the final checkpoint on the other objective's held-out examples (`trainer.evalua
 sentence head, so a fresh one scores it (chance). Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "sst2", "race"), seeds=(1, 2, 3, 4, 5),
@@ -34,6 +34,14 @@ PUBLISHED = {
     "higher_is_better": {column: True for column in _COLUMNS},
     "rows": {name: dict(zip(_COLUMNS, numbers)) for name, numbers in _NUMBERS.items()},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`): the
+# downstream headline, then the cross-evaluation of the sentence objectives.
+FINDINGS = (
+    findings.Finding("SOP beats NSP downstream", "SOP", "NSP", headline=True),
+    findings.Finding("a model trained on SOP solves NSP", "SOP", "None", columns=("nsp_acc",)),
+    findings.Finding("a model trained on NSP does not solve SOP", "SOP", "NSP", columns=("sop_acc",)),
+)
 
 
 def get_config(arg=None):

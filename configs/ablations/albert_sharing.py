@@ -11,7 +11,7 @@ layer); not-shared: every layer its own. E is the factorised embedding size (at 
 E=128 -> 16). Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "sst2", "race"), seeds=(1, 2, 3, 4, 5),
@@ -51,6 +51,14 @@ PUBLISHED = {
     "higher_is_better": {column: True for column in _COLUMNS},
     "rows": {row_name(e, s): dict(zip(_COLUMNS, _NUMBERS[e, s])) for e in EMBEDDING_SIZES for s in STRATEGIES},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`).
+FINDINGS = (
+    findings.Finding("sharing the FFN costs more than sharing attention (E=768)", row_name(768, "shared-attention"),
+                     row_name(768, "shared-FFN")),
+    findings.Finding("sharing every layer costs accuracy (E=768)", row_name(768, "not-shared"),
+                     row_name(768, "all-shared")),
+)
 
 
 def get_config(arg=None):

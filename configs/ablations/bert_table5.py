@@ -11,7 +11,7 @@ Rows: MLM+NSP on segment pairs; No NSP (MLM on the same segment pairs); LTR & No
 every task).
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("mnli_m", "qnli", "mrpc", "sst2", "squad1.1_f1"), seeds=(1, 2, 3, 4, 5),
@@ -33,6 +33,14 @@ PUBLISHED = {
         "+ BiLSTM": dict(zip(_COLUMNS, (82.1, 84.1, 75.7, 91.6, 84.9))),
     },
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`).
+FINDINGS = (
+    findings.Finding("NSP helps (QNLI, MNLI, SQuAD)", "BERT-Base", "No NSP", headline=True),
+    findings.Finding("a bidirectional MLM beats a left-to-right LM", "No NSP", "LTR & No NSP"),
+    findings.Finding("a BiLSTM on the LTR model recovers SQuAD", "+ BiLSTM", "LTR & No NSP",
+                     columns=("squad1.1_f1",)),
+)
 
 
 def get_config(arg=None):

@@ -11,7 +11,7 @@ the six rows run on a CPU) and by 4 at scale=gpu (the largest row then costs abo
 fits one GPU's ten minutes).
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("mnli_m", "mrpc", "sst2"), seeds=(1, 2, 3, 4, 5), lrs=(5e-5, 4e-5, 3e-5, 2e-5),
@@ -36,6 +36,20 @@ PUBLISHED = {
     "higher_is_better": {"mlm_ppl": False, "mnli_m": True, "mrpc": True, "sst2": True},
     "rows": {row_name(*size): dict(zip(_COLUMNS, numbers)) for size, numbers in zip(SIZES, _NUMBERS)},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`). The
+# headline compares the smallest row with the largest one that fits a ten-minute call with its suite at the main
+# budget (the 24-layer row does not).
+FINDINGS = (
+    findings.Finding("bigger models reach a lower MLM perplexity", row_name(12, 1024, 16), row_name(3, 768, 12),
+                     columns=("mlm_ppl",), headline=True),
+    findings.Finding("bigger models are better on the sentence tasks, small ones included", row_name(12, 1024, 16),
+                     row_name(3, 768, 12), columns=("rte", "mrpc", "sst2"), headline=True),
+    findings.Finding("more heads at the same width help", row_name(6, 768, 12), row_name(6, 768, 3),
+                     columns=("rte", "mrpc", "sst2")),
+    findings.Finding("24 layers beat 12 at width 1024", row_name(24, 1024, 16), row_name(12, 1024, 16),
+                     columns=("rte", "mrpc", "sst2")),
+)
 
 
 def get_config(arg=None):

@@ -9,7 +9,7 @@ The generator keeps the discriminator's depth and shares its embeddings; its hid
 the discriminator's. Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli_m", "qnli", "rte")
@@ -26,6 +26,13 @@ PUBLISHED = {
     "higher_is_better": {"glue": True},
     "rows": {f"generator {label} of the discriminator": {} for _, label in FRACTIONS},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`); the
+# figure prints no numbers, its text the direction.
+FINDINGS = (
+    findings.Finding("a generator 1/4 of the discriminator beats one as large", "generator 1/4 of the discriminator",
+                     "generator 1 of the discriminator"),
+)
 
 
 def get_config(arg=None):

@@ -12,7 +12,7 @@ keep the tokens a step about equal; here they are packed several to a row (each 
 does the same at the same row count. Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "sst2", "race"), seeds=(1, 2, 3, 4, 5),
@@ -34,6 +34,14 @@ PUBLISHED = {
         "DOC-SENTENCES": dict(zip(_COLUMNS, (90.6, 79.7, 84.7, 92.7, 65.6))),
     },
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`).
+FINDINGS = (
+    findings.Finding("removing NSP matches or improves downstream (DOC-SENTENCES over SEGMENT-PAIR + NSP)",
+                     "DOC-SENTENCES", "SEGMENT-PAIR", headline=True),
+    findings.Finding("single sentences hurt (SEGMENT-PAIR over SENTENCE-PAIR)", "SEGMENT-PAIR", "SENTENCE-PAIR"),
+    findings.Finding("documents slightly better than full sentences", "DOC-SENTENCES", "FULL-SENTENCES"),
+)
 
 
 def get_config(arg=None):

@@ -22,7 +22,7 @@ the table's call (or does the same first, when none is carried). The paper also 
 SearchQA, HotpotQA, Natural Questions and coreference, which have no task here. Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "qnli"), seeds=(1, 2, 3, 4, 5),
@@ -47,6 +47,14 @@ PUBLISHED = {
     "higher_is_better": {column: True for column in _COLUMNS},
     "rows": {name: dict(zip(_PAPER_COLUMNS, _NUMBERS[name])) for name, _ in SCHEMES},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`).
+FINDINGS = (
+    findings.Finding("geometric spans beat subword tokens", "Geometric Spans", "Subword Tokens", headline=True),
+    findings.Finding("geometric spans beat whole words", "Geometric Spans", "Whole Words"),
+    findings.Finding("geometric spans beat named entities", "Geometric Spans", "Named Entities"),
+    findings.Finding("noun phrases beat whole words", "Noun Phrases", "Whole Words"),
+)
 
 
 def get_config(arg=None):

@@ -9,7 +9,7 @@ Span Masking (2seq) + NSP: segment pairs with NSP; Span Masking (1seq): single s
 loss; Span Masking (1seq) + SBO: single sequences with the span boundary objective. Arguments: scale.
 """
 
-from bert_jax.experiments import ablation, suite
+from bert_jax.experiments import ablation, findings, suite
 from bert_jax.train.config_lib import parse_arg
 
 SUITE = suite.Suite(tasks=("squad1.1_f1", "squad2.0_f1", "mnli_m", "qnli"), seeds=(1, 2, 3, 4, 5),
@@ -31,6 +31,13 @@ PUBLISHED = {
     "higher_is_better": {column: True for column in _COLUMNS},
     "rows": {name: dict(zip(_PAPER_COLUMNS, numbers)) for name, numbers in _NUMBERS.items()},
 }
+
+# The findings this table tests, fixed before the runs that judge them (`bert_jax/experiments/findings.py`).
+FINDINGS = (
+    findings.Finding("single sequences beat two with NSP", "Span Masking (1seq)", "Span Masking (2seq) + NSP",
+                     headline=True),
+    findings.Finding("SBO adds to single sequences", "Span Masking (1seq) + SBO", "Span Masking (1seq)"),
+)
 
 
 def get_config(arg=None):
