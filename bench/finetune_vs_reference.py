@@ -16,11 +16,15 @@ CoNLL reference is bench/reference_hf_span_ner.py (BertForQuestionAnswering /
 BertForTokenClassification), which reads, featurises and scores with
 `bert_jax.tasks` so that both sides see the same rows and the same metric rules.
 
-Data: SST-2's official dev set is held out of shared/, so 872 rows of its train
-file (a fixed permutation, seed 0) are its dev set and both sides train on the
-rest. Only SQuAD v1.1's dev file is in shared/, so its first 38 of 48 articles
-(80%, file order: 8582 questions) are the training set and the other 10 (1988
-questions) the dev set, written as squad/train-v1.1.json and squad/dev-v1.1.json.
+Data: SST-2's official dev set is held out of shared/, so 872 whole sentences of
+its train file (phrases inside no other, drawn with seed 0) are its dev set, and
+both sides train on the rows that share no text with them: none inside a dev
+sentence or holding one, at word boundaries (`bert_jax.tasks.glue.carve_sentence_dev`;
+glue/SST-2/carve.json records the split and its files' fingerprints; the random
+carve it replaced leaked, see docs/reproductions/sst2_dev_carve.json). Only SQuAD
+v1.1's dev file is in shared/, so its first 38 of 48 articles (80%, file order:
+8582 questions) are the training set and the other 10 (1988 questions) the dev
+set, written as squad/train-v1.1.json and squad/dev-v1.1.json.
 CoNLL-2003 trains on eng.train and is scored on eng.testa (its dev split).
 
   # here: gather model (float16 copy), data and wheels into .carry_ft/
@@ -96,20 +100,27 @@ def split_squad(source: pathlib.Path, out: pathlib.Path, train_fraction: float =
   return counts
 
 
+def _glue_module():
+  """bert_jax.tasks.glue of this checkout, imported only where the data is written (`run` never needs it)."""
+  if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+  from bert_jax.tasks import glue
+  return glue
+
+
 def write_task_data(out: pathlib.Path, glue_tasks=tuple(GLUE_DIRS), squad: bool = True) -> None:
   """Writes the downstream data both sides (and bench/reproduce.py's rows) read: GLUE with SST-2's dev carved
-  from its train file, SQuAD v1.1's dev file split by article into train and dev, CoNLL-2003's train and dev."""
+  from its train file as whole sentences (and glue/SST-2/carve.json), SQuAD v1.1's dev file split by article into
+  train and dev, CoNLL-2003's train and dev."""
   glue = SHARED / "data" / "glue"
   for task in glue_tasks:
     directory = GLUE_DIRS[task]
     (out / "glue" / directory).mkdir(parents=True, exist_ok=True)
     if task == "sst2":
-      lines = (glue / directory / "train.tsv").read_text(encoding="utf-8").splitlines()
-      header, rows = lines[0], lines[1:]
-      held_out = set(np.random.default_rng(0).permutation(len(rows))[:SST2_DEV_ROWS].tolist())
-      for split, keep in (("train", False), ("dev", True)):
-        chosen = [row for index, row in enumerate(rows) if (index in held_out) == keep]
-        (out / "glue" / directory / f"{split}.tsv").write_text("\n".join([header, *chosen]) + "\n", encoding="utf-8")
+      # Its rows are the phrases of ~7k sentences: a random carve would put parts of one sentence on both sides.
+      marker = _glue_module().write_sentence_carve(glue / directory / "train.tsv", out / "glue" / directory,
+                                                   SST2_DEV_ROWS, seed=0)
+      print(f"sst2: {marker['dev_rows']} dev sentences, {marker['train_rows']} train rows ({marker['method']})")
     else:
       for split in ("train", "dev"):
         shutil.copy(glue / directory / f"{split}.tsv", out / "glue" / directory / f"{split}.tsv")

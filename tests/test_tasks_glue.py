@@ -1,6 +1,8 @@
 """GLUE readers (real files and bad input), featurisation, metrics, submissions, TFDS path."""
 
+import collections
 import importlib.util
+import json
 import sys
 import types
 
@@ -9,6 +11,7 @@ import pytest
 
 from bert_jax.tasks import get_task
 from bert_jax.tasks.base import HFTokenizerAdapter, TextPairExample
+from bert_jax.tasks import glue
 from bert_jax.tasks.glue import SPECS, GlueTask
 
 # Rows of the real files, from shared/data/SOURCES.md.
@@ -246,3 +249,81 @@ def test_real_rte_dev_features(shared_data, tokenizer):
   # Gold logits score 100 through predict/evaluate.
   logits = np.eye(2)[features["labels"]]
   assert task.evaluate(logits, features, examples) == {"accuracy": 100.0}
+
+
+# Two sentences (rows 0 and 7) and their phrases: row 6 is row 0 again with other spacing, row 8 repeats row 1;
+# "good" lies in both sentences and "film" only in the first (the second says "films").
+CARVE_ROWS = [
+    "a good film . \t1", "good film \t1", "good \t1", "the good cast \t1", "is not enough \t0", "film \t1",
+    "a  good film .\t1", "the good cast of films is not enough \t0", "good film \t1", "a good \t1", "not enough \t0",
+]
+# The dev row -> the train rows left, by hand: every row inside the dev sentence goes, duplicates of it included.
+CARVE_TRAIN = {0: [3, 4, 7, 10], 7: [0, 1, 5, 6, 8, 9]}
+
+
+def test_carve_sentence_dev_by_hand():
+  texts = [glue.phrase_text(row) for row in CARVE_ROWS]
+  assert glue.maximal_phrases(texts) == ["a good film .", "the good cast of films is not enough"]
+  drawn = set()
+  for seed in range(8):
+    train, dev = glue.carve_sentence_dev(CARVE_ROWS, 1, seed)
+    (dev_index,) = [CARVE_ROWS.index(row) for row in dev]
+    drawn.add(dev_index)
+    assert train == [CARVE_ROWS[i] for i in CARVE_TRAIN[dev_index]]
+  assert drawn == {0, 7}
+  # Both sentences in dev: one row each, every other row inside one of them.
+  assert glue.carve_sentence_dev(CARVE_ROWS, 2, 0) == ([], [CARVE_ROWS[0], CARVE_ROWS[7]])
+  with pytest.raises(ValueError, match="cannot carve 3 dev sentences: the rows hold 2 maximal phrases"):
+    glue.carve_sentence_dev(CARVE_ROWS, 3, 0)
+
+
+def test_write_sentence_carve_marker(tmp_path):
+  source = tmp_path / "source.tsv"
+  source.write_text("sentence\tlabel\n" + "\n".join(CARVE_ROWS) + "\n", encoding="utf-8")
+  marker = glue.write_sentence_carve(source, tmp_path / "SST-2", size=1, seed=0)
+  assert json.loads((tmp_path / "SST-2" / "carve.json").read_text()) == marker
+  assert marker["method"] == glue.SENTENCE_CARVE_METHOD
+  assert marker["sha256_dev"] == glue.dev_set_fingerprint(tmp_path / "SST-2" / "dev.tsv")
+  assert marker["sha256_train"] == glue.dev_set_fingerprint(tmp_path / "SST-2" / "train.tsv")
+  task = get_task("glue/sst2")
+  dev, train = task.load(tmp_path, "dev"), task.load(tmp_path, "train")
+  assert (len(dev), len(train)) == (marker["dev_rows"], marker["train_rows"]) and len(dev) == 1
+  assert len(glue.dev_set_fingerprint(source)) == 16
+
+
+def test_carve_report_overlap_by_hand():
+  from bert_jax.tasks import carve_report  # pylint: disable=import-outside-toplevel
+
+  train = ["a good film . \t0", "film \t1", "bad \t0"]
+  report = carve_report.overlap(["good film \t1", "a good film , not bad \t0", "dull \t1"], train)
+  # "good film" is inside row 0 (label 0, wrong); the second holds "film" and "bad", the longest first (1, wrong);
+  # "dull" shares nothing: the majority label, 0 (wrong too).
+  assert report["dev_in_train"] == 1 / 3 and report["dev_contains_train"] == 2 / 3
+  assert report["copy_label_accuracy"] == 0.0 and report["majority_label"] == "0"
+  assert {k: v["examples"] for k, v in report["copy_label_sources"].items()} == {
+      "from_containing": 1, "from_contained": 1, "from_majority": 1}
+
+
+@pytest.mark.shared_data
+def test_real_sst2_sentence_carve_shares_no_text(shared_data):
+  path = shared_data / "glue" / "SST-2" / "train.tsv"
+  if not path.is_file():
+    pytest.skip(f"{path} is not present")
+  rows = path.read_text(encoding="utf-8").splitlines()[1:]
+  train, dev = glue.carve_sentence_dev(rows, 872, 0)
+  dev_texts = [glue.phrase_text(row) for row in dev]
+  train_texts = [glue.phrase_text(row) for row in train]
+  assert len(dev) == len(set(dev_texts)) == 872
+  assert {row.rsplit("\t", 1)[1] for row in dev} == {"0", "1"}
+  # Brute force, apart from the carve's n-grams: each text framed by spaces, one a line, so that a framed text
+  # found in the joined file lies inside one row at word boundaries.
+  joined_train = "".join(f" {text} \n" for text in train_texts)
+  joined_dev = "".join(f" {text} \n" for text in dev_texts)
+  assert not [text for text in dev_texts if f" {text} " in joined_train]
+  assert not [text for text in train_texts if f" {text} " in joined_dev]
+  # Whole sentences: no row of the file holds a dev sentence unless it has its text.
+  joined_all = "".join(f" {glue.phrase_text(row)} \n" for row in rows)
+  counts = collections.Counter(glue.phrase_text(row) for row in rows)
+  assert all(joined_all.count(f" {text} ") == counts[text] for text in dev_texts)
+  # Train and dev are rows of the file, none on both sides.
+  assert set(train).isdisjoint(dev) and set(train) | set(dev) <= set(rows)

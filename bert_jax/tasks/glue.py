@@ -5,16 +5,21 @@ Local files follow the layout of the classic `download_glue_data.py`
 `dev_mismatched`, `test_matched`, `test_mismatched`), with the columns the
 Hugging Face `run_glue` processors read. Fields are split on tabs with no
 quoting (csv.QUOTE_NONE), because some fields start with a `"`.
+
+SST-2's official dev labels are not public here, so `carve_sentence_dev` carves a dev set of whole sentences from
+its train file, sharing no text with the train split left (`write_sentence_carve` writes both and `carve.json`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
+import json
 import math
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from etils import epath
 import numpy as np
@@ -26,6 +31,8 @@ from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_out
 STSB_SCORE_RANGE = (0.0, 5.0)
 # The label column's header in the labelled (train/dev) files; the test files lack that column.
 _LABEL_HEADERS = frozenset({"label", "Quality", "score", "is_duplicate", "gold_label"})
+# carve.json's "method" for `carve_sentence_dev`'s split.
+SENTENCE_CARVE_METHOD = "sentence-level, no word-boundary containment either way"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,3 +388,105 @@ class GlueTask(Task):
       value = f"{prediction:.3f}" if self.kind == "regression" else str(prediction)
       rows.append(f"{example.guid}\t{value}")
     return "\n".join(rows) + "\n"
+
+
+def dev_set_fingerprint(path: str | os.PathLike) -> str:
+  """The first 16 hex digits of the sha256 of a file's bytes: which carve (or any data file) a run read."""
+  return bytes_fingerprint(pathlib.Path(path).read_bytes())
+
+
+def bytes_fingerprint(data: bytes) -> str:
+  """`dev_set_fingerprint` of a file with these bytes."""
+  return hashlib.sha256(data).hexdigest()[:16]
+
+
+def phrase_text(row: str) -> str:
+  """A TSV row's first field with its words joined by single spaces: the text `carve_sentence_dev` compares."""
+  return " ".join(row.split("\t", 1)[0].split())
+
+
+def _ngrams(words: Sequence[str]) -> Iterator[str]:
+  """Every run of consecutive words, the whole included, as text."""
+  for start in range(len(words)):
+    for end in range(start + 1, len(words) + 1):
+      yield " ".join(words[start:end])
+
+
+def maximal_phrases(texts: Sequence[str]) -> list[str]:
+  """The distinct texts contained in no other text (word-boundary containment, see `carve_sentence_dev`), in order
+  of first appearance."""
+  distinct = list(dict.fromkeys(texts))
+  # Longest first: a text inside any other is inside a longer maximal one, whose n-grams are then already in the set.
+  order = sorted(range(len(distinct)), key=lambda i: -distinct[i].count(" "))
+  inside_maximal: set[str] = set()
+  maximal = []
+  for i in order:
+    if distinct[i] not in inside_maximal:
+      maximal.append(i)
+      inside_maximal.update(_ngrams(distinct[i].split(" ")))
+  return [distinct[i] for i in sorted(maximal)]
+
+
+def carve_sentence_dev(rows: Sequence[str], size: int, seed: int) -> tuple[list[str], list[str]]:
+  """Splits SST-2's train rows into a train split and a dev set of whole sentences that share no text.
+
+  SST-2's train file holds every phrase of the parse trees of ~7k sentences, so a random carve puts phrases of one
+  sentence on both sides. Here phrase `a` is contained in phrase `b` when `f" {a} " in f" {b} "`, both texts
+  whitespace-tokenised and joined by single spaces (`phrase_text`): containment at word boundaries, equal texts
+  included. The dev sentences are `size` maximal phrases (contained in no other phrase of the rows), drawn with
+  `np.random.default_rng(seed)`; the train split is every row neither contained in a dev sentence nor containing one.
+
+  Args:
+    rows: the data rows of the TSV, header left out; the sentence is the first tab-separated field.
+    size: dev sentences to carve.
+    seed: seeds the draw.
+
+  Returns:
+    (train_rows, dev_rows), each in file order. Dev holds one row (the first) for each drawn sentence; the other
+    rows with a dev sentence's text are contained in it, so they are on neither side.
+
+  Raises:
+    ValueError: when the rows have fewer than `size` maximal phrases.
+  """
+  texts = [phrase_text(row) for row in rows]
+  maximal = maximal_phrases(texts)
+  if size > len(maximal):
+    raise ValueError(f"cannot carve {size} dev sentences: the rows hold {len(maximal)} maximal phrases")
+  dev_texts = {maximal[i] for i in np.random.default_rng(seed).choice(len(maximal), size, replace=False).tolist()}
+  first_rows = {}
+  for index, text in enumerate(texts):
+    first_rows.setdefault(text, index)
+  dev_indices = sorted(first_rows[text] for text in dev_texts)
+  inside_dev = set()
+  for text in dev_texts:
+    inside_dev.update(_ngrams(text.split(" ")))
+  # A dev sentence is maximal, so the only rows containing one have its text and are inside it too.
+  train = [row for row, text in zip(rows, texts) if text not in inside_dev]
+  return train, [rows[i] for i in dev_indices]
+
+
+def tsv_text(header: str, rows: Sequence[str]) -> str:
+  """A TSV file's text as `write_sentence_carve` writes it: the header, the rows, a newline after each."""
+  return "\n".join([header, *rows]) + "\n"
+
+
+def write_sentence_carve(train_file: str | os.PathLike, out_dir: str | os.PathLike, size: int,
+                         seed: int) -> dict[str, Any]:
+  """Writes `carve_sentence_dev`'s split of a train TSV as out_dir/{train,dev}.tsv, and out_dir/carve.json.
+
+  Returns:
+    carve.json's content: the method, the row counts and the two files' fingerprints (`dev_set_fingerprint`, under
+    the keys "sha256_dev" and "sha256_train").
+  """
+  header, *rows = pathlib.Path(train_file).read_text(encoding="utf-8").splitlines()
+  train, dev = carve_sentence_dev(rows, size, seed)
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  files = {}
+  for split, chosen in (("train", train), ("dev", dev)):
+    files[split] = tsv_text(header, chosen).encode("utf-8")
+    (out_dir / f"{split}.tsv").write_bytes(files[split])
+  marker = {"method": SENTENCE_CARVE_METHOD, "dev_rows": len(dev), "train_rows": len(train),
+            "sha256_dev": bytes_fingerprint(files["dev"]), "sha256_train": bytes_fingerprint(files["train"])}
+  (out_dir / "carve.json").write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
+  return marker
