@@ -20,6 +20,7 @@ import pytest
 
 from bert_jax.experiments import ablation, suite, table
 from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import glue as glue_lib
 from bert_jax.train import config_lib, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -243,6 +244,7 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
 
   def counting(config, directory):
     from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import glue as glue_lib
 
     results = finetune_lib.finetune(config, directory)
     calls.append(sorted(path.name for path in directory.glob("seed_*")))
@@ -1052,3 +1054,24 @@ def test_the_glue_score_averages_each_seeds_glue_tasks_then_takes_the_median():
   score = table.ours(row, "glue", ["cola", "rte", "squad1.1_f1"])  # per seed: 50, 50, 50
   assert score["median"] == 50.0 and score["std"] == 0.0
   assert table.ours(row, "glue", ["cola", "rte", "mrpc"]) is None  # MRPC was not scored: no score
+
+
+def test_sweep_records_its_dev_sets_and_refuses_other_ones(tmp_path):
+  glue = tmp_path / "glue"
+  (glue / "SST-2").mkdir(parents=True)
+  (glue / "SST-2" / "dev.tsv").write_text("sentence\tlabel\na fine film\t1\n")
+  table = dataclasses.replace(ablation.load_table(str(REPO / "configs/ablations/bert_table5.py:scale=tiny")),
+                              suite=suite.Suite(tasks=("sst2", "mrpc"), tiny_task="sst2"))
+  workdir = tmp_path / "sweep"
+  ablation._write_sweep_file(table, workdir, {"glue": str(glue)})
+  recorded = json.loads((workdir / "sweep.json").read_text())["dev_sets"]
+  assert recorded == {"sst2": glue_lib.dev_set_fingerprint(glue / "SST-2" / "dev.tsv")}  # MRPC's is absent here.
+  (glue / "SST-2" / "dev.tsv").write_text("sentence\tlabel\nanother carve\t0\n")
+  with pytest.raises(config_lib.ConfigError, match=r"dev sets of \['sst2'\] differ"):
+    ablation._write_sweep_file(table, workdir, {"glue": str(glue)})
+  # A sweep begun before dev sets were recorded keeps no record: its scores' dev sets stay unknown.
+  legacy = tmp_path / "legacy"
+  legacy.mkdir()
+  (legacy / "sweep.json").write_text(json.dumps({"config": table.spec}))
+  ablation._write_sweep_file(table, legacy, {"glue": str(glue)})
+  assert "dev_sets" not in json.loads((legacy / "sweep.json").read_text())

@@ -455,16 +455,40 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
 
 # The sweep ------------------------------------------------------------------------------------------------------
 
+def dev_sets(suite: suite_lib.Suite, data_dirs: dict[str, str]) -> dict[str, str]:
+  """GLUE task -> the fingerprint of the dev file it is scored on (`glue.dev_set_fingerprint`), for the suite's
+  GLUE tasks whose dev file exists: which data, a carved dev set's carve included, a run's scores came from."""
+  from bert_jax.tasks import glue
+
+  out = {}
+  for task in suite.tasks:
+    spec = glue.SPECS.get(suite_lib.TASKS[task].config.partition("task=")[2])
+    if suite_lib.TASKS[task].data != "glue" or spec is None or "glue" not in data_dirs:
+      continue
+    path = paths.as_path(data_dirs["glue"]) / spec.directory / f"{suite_lib.TASKS[task].split}.tsv"
+    if path.exists():
+      out[task] = glue.bytes_fingerprint(path.read_bytes())
+  return out
+
+
 def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, str]) -> None:
-  before = (_read_json(workdir / "sweep.json") or {}).get("suite", {}).get("overrides")
-  if before is not None and list(before) != list(table.suite.overrides):
+  before = _read_json(workdir / "sweep.json") or {}
+  if before.get("suite", {}).get("overrides") not in (None, list(table.suite.overrides)):
     # A finished task's scores are kept and not run again: they would stand beside scores fine-tuned otherwise.
     raise config_lib.ConfigError(
-        f"{workdir / 'sweep.json'}: this sweep fine-tuned with the overrides {list(before)}, the command gives "
-        f"{list(table.suite.overrides)}; run it with the same --finetune, or give a new --workdir")
-  _write_json(workdir / "sweep.json", {"config": table.spec, "overrides": list(table.base_overrides),
-                                       "data_dirs": data_dirs, "rows": [row.name for row in table.rows],
-                                       "suite": dataclasses.asdict(table.suite)})
+        f"{workdir / 'sweep.json'}: this sweep fine-tuned with the overrides {before['suite']['overrides']}, the "
+        f"command gives {list(table.suite.overrides)}; run it with the same --finetune, or give a new --workdir")
+  now = dev_sets(table.suite, data_dirs)
+  changed = sorted(task for task, fingerprint in before.get("dev_sets", {}).items() if now.get(task) != fingerprint)
+  if changed:
+    raise config_lib.ConfigError(
+        f"{workdir / 'sweep.json'}: the dev sets of {changed} differ from those this sweep scored on (another "
+        "carve or data); give the same --data-dir, or a new --workdir")
+  record = {"config": table.spec, "overrides": list(table.base_overrides), "data_dirs": data_dirs,
+            "rows": [row.name for row in table.rows], "suite": dataclasses.asdict(table.suite)}
+  if before and "dev_sets" not in before:  # A sweep begun before dev sets were recorded: its scores' stay unknown.
+    now = None
+  _write_json(workdir / "sweep.json", {**record, **({"dev_sets": now} if now is not None else {})})
 
 
 def _tasks_by_data(suite: suite_lib.Suite) -> dict[str, list[str]]:
@@ -645,7 +669,8 @@ def collect(workdir: str | epath.Path) -> dict[str, Any]:
                  **({"from": status["from"]} if status.get("from") else {})})
   results = {"config": table.spec, "overrides": list(table.base_overrides),
              "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows,
-             "rerun": rerun_command(table, default_suite)}
+             "rerun": rerun_command(table, default_suite),
+             **({"dev_sets": sweep["dev_sets"]} if "dev_sets" in sweep else {})}
   _write_json(workdir / "results.json", results)
   return results
 

@@ -369,11 +369,20 @@ def load_tables(names: Iterable[str] | None = None) -> list[TableFindings]:
   return out
 
 
-def _setting_label(differences: Iterable[str]) -> str:
-  return "; ".join(sorted(set(differences))) or "main budget"
+def _setting_label(rows: Mapping[str, Sequence[Run]]) -> str:
+  """What a folder's runs of two rows changed from the main budget: what both rows changed, then each row's own."""
+  changed = {row: {d for run in runs for d in run.differences} for row, runs in rows.items()}
+  common = set.intersection(*changed.values())
+  own = [f"{row}: {d}" for row, differences in changed.items() for d in sorted(differences - common)]
+  return "; ".join([*sorted(common), *own]) or "main budget"
 
 
-def judge(tables: Sequence[TableFindings], runs: Sequence[Run]) -> list[dict[str, Any]]:
+def main_key(table_name: str, row_name: str) -> str:
+  """The key (`Run.key`) of a row's runs at the main budget."""
+  return _key(*main_setting(table_name, row_name))
+
+
+def judge(tables: Sequence[TableFindings], runs: Sequence[Run], key_of=main_key) -> list[dict[str, Any]]:
   """Every finding of `tables` judged over `runs` by the rule (module docstring), in the tables' order. Each
   result: the table, paper, finding, columns, published and our difference with its standard error and n, p,
   verdict, the folders pooled, and the tries: every budget or recipe under which both rows ran in one folder,
@@ -388,8 +397,7 @@ def judge(tables: Sequence[TableFindings], runs: Sequence[Run]) -> list[dict[str
       signs = [_sign(column, table.published) for column in columns]
       pooled = {}
       for side in ("better", "worse"):
-        main = main_setting(table.table, getattr(finding, side))
-        pooled[side] = by_key.get(_key(*main), [])
+        pooled[side] = by_key.get(key_of(table.table, getattr(finding, side)), [])
       scored = {side: run_scores(pooled[side], columns, signs) for side in pooled}
       result = difference([s for _, s in scored["better"]], [s for _, s in scored["worse"]])
       tries = _tries(table.table, finding, runs, columns, signs)
@@ -425,7 +433,7 @@ def _tries(table_name: str, finding: Finding, runs: Sequence[Run], columns, sign
   for folder, rows in sorted(folders.items()):
     if finding.better not in rows or finding.worse not in rows:
       continue
-    label = _setting_label(d for side in rows.values() for run in side for d in run.differences)
+    label = _setting_label({row: rows[row] for row in (finding.better, finding.worse)})
     entry = settings.setdefault(label, {"setting": label, "folders": [], "better": [], "worse": []})
     entry["folders"].append(folder)
     entry["better"] += rows[finding.better]
