@@ -244,7 +244,6 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
 
   def counting(config, directory):
     from bert_jax.tasks import finetune as finetune_lib
-from bert_jax.tasks import glue as glue_lib
 
     results = finetune_lib.finetune(config, directory)
     calls.append(sorted(path.name for path in directory.glob("seed_*")))
