@@ -1,6 +1,7 @@
 """`bert-jax table WORKDIR`: a sweep's paper-style table, ours beside the published numbers, and its figures.
 
   bert-jax table runs/bert_table5            # writes runs/bert_table5/table.{md,csv}, *.png
+  bert-jax table --findings docs/reproductions   # every table's findings judged by the protocol (report.py)
 
 Reads WORKDIR/results.json (collected anew from the rows' state files, so a
 sweep still running or partly failed renders what has finished) and writes:
@@ -523,10 +524,22 @@ def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -> 
 def main(argv: Sequence[str]) -> int:
   parser = argparse.ArgumentParser(prog="bert-jax table", description=__doc__, allow_abbrev=False,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("workdir", help="the workdir of a `bert-jax sweep` run")
+  parser.add_argument("workdir", nargs="?", help="the workdir of a `bert-jax sweep` run")
   parser.add_argument("--out", help="directory for table.md, table.csv and the PNGs (default: WORKDIR)")
+  parser.add_argument("--findings", metavar="ROOT", help="instead: judge every table's findings over the runs "
+                      "published under ROOT (docs/reproductions) by the protocol's rule and print the summary")
+  parser.add_argument("--page", help="with --findings: rewrite this page's generated summary (docs/reproductions.md) "
+                      "and each table's ROOT/TABLE/README.md")
   args = parser.parse_args(list(argv))
+  if (args.findings is None) == (args.workdir is None):
+    parser.error("give a sweep's WORKDIR, or --findings ROOT")
+  if args.page and not args.findings:
+    parser.error("--page goes with --findings ROOT")
   try:
+    if args.findings:
+      from bert_jax.experiments import report
+
+      return report.main(args.findings, args.page)
     written = render(args.workdir, args.out)
   except (FileNotFoundError, ValueError) as error:
     print(f"bert-jax table: {error}")
