@@ -21,29 +21,26 @@
       --devices 1 --pipeline --rows 3,0 --scratch runs/s1 --deadline 565 --out $OUT
   # two calls of `run` on one GPU at once (e.g. a second pre-training seed, --config.seed=2): each its own
   # --scratch and --out, and BERT_JAX_ROWS_PER_DEVICE=ALL_THEIR_ROWS so that they split the GPU's memory
-  # here again, on what came back: unpack, render, copy the table's files to docs/reproductions/bert_table5/
+  # here again, on what came back: unpack, render, copy the run's files to docs/reproductions/TABLE/runs/RUN/
+  # (RUN: its budget and pre-training seed, e.g. 3000-seed1; -b, -c for a seed run again), then judge every
+  # finding again over every published run (docs/reproductions.md and each table's README.md)
   python bench/reproduce.py publish OUT/bert_table5
-  # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one table
+  # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one run
   python bench/reproduce.py publish OUT1/bert_table6 OUT2/bert_table6
-  # rows run in a later session join a published table (its folder keeps what the table is rendered from)
-  python bench/reproduce.py publish docs/reproductions/bert_table6 OUT3/bert_table6
-  # the same table at another budget (--config.train.steps=30000), published beside the first under its own name
-  python bench/reproduce.py publish --as spanbert_masking_30000 OUT4/spanbert_masking
-  python bench/reproduce.py publish --as spanbert_masking_30000 docs/reproductions/spanbert_masking_30000 \\
-      OUT5/spanbert_masking
+  # rows run in a later session join a published run (its folder keeps what the table is rendered from)
+  python bench/reproduce.py publish docs/reproductions/bert_table6/runs/3000-seed0 OUT3/bert_table6
+  # a run whose overrides or suite are more than budget and seed is named by whoever publishes it
+  python bench/reproduce.py publish --as spanbert_masking/runs/30000-ft3e-4-seed1 OUT4/spanbert_masking
   # a row that is another table's row too (the same pre-training config and suite, checked): counted in both
-  python bench/reproduce.py publish --as electra_generator_30000 docs/reproductions/electra_generator_30000 \\
-      --row-from docs/reproductions/electra_compute_30000_equal ELECTRA-Small "generator 1/4 of the discriminator"
+  python bench/reproduce.py publish --as electra_generator/runs/30000-ft3e-4-decay0.8-seed0 OUT5/electra_generator \\
+      --row-from docs/reproductions/electra_compute/runs/30000-ft3e-4-decay0.8-seed0 ELECTRA-Small \\
+      "generator 1/4 of the discriminator"
   # one table published at several budgets: a row's score minus another's per task against pre-training steps
-  python bench/reproduce.py gap docs/reproductions/spanbert_masking docs/reproductions/spanbert_masking_18000 \\
-      docs/reproductions/spanbert_masking_30000 --rows "Geometric Spans" "Subword Tokens" \\
-      --out docs/reproductions/spanbert_masking_30000/gap_by_budget.png
-  # one table run several times at one budget (--config.seed=2, repeats): each row over the runs, per task, and
-  # each pair of rows' difference of means ± its standard error
-  python bench/reproduce.py runs docs/reproductions/spanbert_masking_30000 \\
-      docs/reproductions/spanbert_masking_30000_run1 docs/reproductions/spanbert_masking_30000_seed2 \\
-      docs/reproductions/spanbert_masking_30000_seed3 docs/reproductions/spanbert_masking_30000_seed4 \\
-      --out docs/reproductions/spanbert_masking_30000_seed2/runs.png
+  python bench/reproduce.py gap docs/reproductions/spanbert_masking/runs/{3000,18000,30000}-seed0 \\
+      --rows "Geometric Spans" "Subword Tokens" --out /tmp/gap_by_budget.png
+  # one table run several times at one budget: each row over the runs, per task (the findings' verdicts pool runs
+  # by themselves: `bert-jax table --findings docs/reproductions`)
+  python bench/reproduce.py runs docs/reproductions/spanbert_masking/runs/30000-seed{0,2,3,4} --out /tmp/runs.png
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
   PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
@@ -113,6 +110,7 @@ SPANS_FILE = "spans.npz"
 # rate at gpu (3 epochs, batch 32: configs/finetune/ner.py's recipe); one epoch at tiny.
 TAGGER_OVERRIDES = {"gpu": ["--config.optim.lr=1e-4", "--config.train.eval_batch_size=512"],
                     "tiny": ["--config.train.epochs=1", "--config.optim.lr=2e-3"]}
+DOCS = REPO / "docs" / "reproductions"
 MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
 # What the GPU machine's Python lacks: the input pipeline (Grain and what it imports) and the config and log packages.
 CARRIED_WHEELS = ("grain", "array_record", "dm_tree", "ml_collections", "tensorboardx", "portpicker")
@@ -437,10 +435,39 @@ def _progress(row: dict) -> tuple:
   return (row["status"] == "done", bool(row["pretrain"]), sum(t.get("seeds_done", 0) for t in row["tasks"].values()))
 
 
+# Overrides a published run's default name says (its budget and seed) or that do not change what it computes.
+NAMED_OVERRIDES = ("data.prepared=", "train.steps=", "train.eval_every=", "train.checkpoint_every=", "seed=")
+
+
+def run_name(folder: pathlib.Path, docs: pathlib.Path) -> str:
+  """Where a folder that came back is published under `docs`: TABLE/runs/STEPS-seedK (its budget and pre-training
+  seed; -b, -c, ... where that name is taken, a seed run again). A folder already under `docs` keeps its name. A
+  sweep with other overrides, or a suite changed from the config's, needs a name given (--as)."""
+  from bert_jax.experiments import ablation
+
+  docs, folder = docs.resolve(), folder.resolve()
+  if folder.is_relative_to(docs):
+    return str(folder.relative_to(docs))
+  with tarfile.open(folder / "sweep.tar.gz") as tar:
+    spec = json.load(tar.extractfile("sweep.json"))
+  given = {item.removeprefix("--").removeprefix("config."): item for item in spec.get("overrides") or []}
+  others = [item for key, item in given.items() if not key.startswith(NAMED_OVERRIDES)]
+  table = ablation.load_table(spec["config"], spec.get("overrides") or [])
+  if others or spec.get("suite") != json.loads(json.dumps(dataclasses.asdict(table.suite))):
+    raise SystemExit(f"{folder}: its sweep ran {' '.join(others) or 'another fine-tuning suite'} beside budget and "
+                     "seed; name its run: --as TABLE/runs/NAME (what it changed, e.g. 30000-ft3e-4-seed1)")
+  config = ablation.row_config(table, table.rows[0])
+  base = f"{pathlib.Path(spec['config'].partition(':')[0]).stem}/runs/{config.train.steps}-seed{config.seed}"
+  name, suffix = base, iter("bcdefghijklmnopqrstuvwxyz")
+  while (docs / name).exists():
+    name = f"{base}-{next(suffix)}"
+  return name
+
+
 def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | None = None,
             take: Sequence[tuple[str, str, str]] = ()) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
-  that each ran some of its rows (`--rows`) -> docs/reproductions/TABLE: the sweeps unpacked into one, the table
+  that each ran some of its rows (`--rows`) -> docs/reproductions/NAME (`run_name`): the sweeps unpacked into one, the table
   rendered again from every row, and its small files copied. The calls must have run the same table config and
   overrides. A row that came back from several calls is taken whole from one of them (scores from two pre-trainings
   never mix): the one that got furthest (finished, then pre-trained, then fine-tuning seeds done), the later on a
@@ -455,7 +482,7 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
   from bert_jax.experiments import ablation, table
 
   first = returned[0]
-  name = name or first.name
+  name = name or run_name(first, docs)
   owners, calls, replaced, kept = {}, [], {}, {}
   with tempfile.TemporaryDirectory() as scratch:
     sweep = pathlib.Path(scratch) / "sweep"
@@ -511,6 +538,11 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
 TAKEN = "rows_from_other_tables"
 
 
+def _run_label(folder: pathlib.Path) -> str:
+  """A published run's name for a reader: TABLE/runs/RUN, or the folder's name where it is not laid out so."""
+  return "/".join(folder.parts[-3:]) if len(folder.parts) >= 3 and folder.parts[-2] == "runs" else folder.name
+
+
 def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, scratch: pathlib.Path) -> None:
   """Joins row `there` of the table published in `folder` to the sweep as its row `here`: one pre-training run and
   its fine-tuning, counted in both tables (as ELECTRA's Table 1 row is its generator-size table's 1/4 row). Allowed
@@ -522,7 +554,7 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
 
   if not (folder / "sweep.tar.gz").is_file():
     raise SystemExit(f"--row-from {folder}: no sweep.tar.gz; give a folder that `publish` wrote "
-                     "(docs/reproductions/TABLE)")
+                     "(docs/reproductions/TABLE/runs/RUN)")
   with tarfile.open(folder / "sweep.tar.gz") as tar:
     tar.extractall(scratch, filter="data")
   source_rows = {row["name"]: row for row in ablation.collect(scratch)["rows"]}
@@ -567,7 +599,7 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
   shutil.copytree(scratch / "rows" / source["slug"], sweep / "rows" / row.slug)
   status = json.loads(status_file.read_text()) if status_file.exists() else {"status": "incomplete"}
   status_file.write_text(json.dumps(
-      {**status, "name": here, "from": f"{folder.name}'s row {there!r}"}, indent=1) + "\n")
+      {**status, "name": here, "from": f"{_run_label(folder)}'s row {there!r}"}, indent=1) + "\n")
   print(f"row {here!r}: {folder}'s row {there!r} (the same pre-training config and suite)")
 
 
@@ -576,7 +608,8 @@ def _published(folders: Sequence[pathlib.Path], name=str) -> list[tuple[str, dic
   tables = []
   for folder in folders:
     if not (folder / "results.json").is_file():
-      raise SystemExit(f"{folder}: no results.json; give folders that `publish` wrote (docs/reproductions/TABLE)")
+      raise SystemExit(f"{folder}: no results.json; give folders that `publish` wrote "
+                       "(docs/reproductions/TABLE/runs/RUN)")
     tables.append((name(folder), json.loads((folder / "results.json").read_text())))
   return tables
 
@@ -637,21 +670,23 @@ def main(argv: Sequence[str] | None = None) -> int:
   publish_parser.add_argument("returned", nargs="+",
                               help="OUT/TABLE folders as they came back; one table's folders from several calls (each "
                               "some of its rows; a row from the last call that ran it) make one table")
-  publish_parser.add_argument("--docs", default=str(REPO / "docs" / "reproductions"))
+  publish_parser.add_argument("--docs", default=str(DOCS), help="where runs are published (default: %(default)s, "
+                              "whose findings page is then judged again)")
   publish_parser.add_argument("--row-from", nargs=3, action="append", default=[], metavar=("FOLDER", "ROW", "AS"),
-                              help="a published table's row (docs/reproductions/TABLE, its row ROW) that is this "
+                              help="a published run's row (docs/reproductions/TABLE/runs/RUN, its row ROW) that is this "
                               "table's row AS too: the same pre-training config and fine-tuning suite, checked")
   publish_parser.add_argument("--as", dest="name", metavar="NAME",
-                              help="publish every folder given as one table, docs/reproductions/NAME, whatever the "
-                              "folders are called (without it, folders of one name make one table of that name)")
+                              help="publish every folder given as one run, docs/reproductions/NAME (TABLE/runs/RUN), "
+                              "whatever the folders are called (without it, folders of one name make one run, named "
+                              "by its budget and seed)")
   gap_parser = sub.add_parser("gap", help="plot one row's score minus another's per task against pre-training steps, "
                               "over published runs of one table at several budgets")
-  gap_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE folders (their results.json)")
+  gap_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE/runs/RUN folders (results.json)")
   gap_parser.add_argument("--rows", nargs=2, required=True, metavar=("FIRST", "SECOND"), help="the two rows' names")
   gap_parser.add_argument("--out", required=True, help="the PNG to write")
   runs_parser = sub.add_parser("runs", help="each row's score per task over published runs of one table at one "
                                "budget (pre-training seeds, repeats): a markdown table and a figure")
-  runs_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE folders (their results.json)")
+  runs_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE/runs/RUN folders (results.json)")
   runs_parser.add_argument("--out", required=True, help="the PNG to write")
   args, rest = parser.parse_known_args(argv)
   if args.command in ("gap", "runs") and rest:
@@ -671,7 +706,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.row_from and len(by_table) > 1:
       parser.error("--row-from joins rows to one table: publish one table with it")
     for name, folders in by_table.items():
-      publish(folders, pathlib.Path(args.docs), name, [tuple(item) for item in args.row_from])
+      publish(folders, pathlib.Path(args.docs), args.name, [tuple(item) for item in args.row_from])
+    if pathlib.Path(args.docs).resolve() == DOCS.resolve():
+      from bert_jax.experiments import report
+
+      return report.main(str(DOCS), str(DOCS.parent / "reproductions.md"))
     return 0
   if args.command == "mark":
     if rest:

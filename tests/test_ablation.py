@@ -453,11 +453,15 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   pack(calls[0], {"MLM+NSP", "broken"})
   pack(calls[1], {"MLM"})
   docs = tmp_path / "docs"
+  name = reproduce.run_name(calls[0], docs)  # The table's, its budget and pre-training seed.
+  config = ablation.row_config(ablation.load_table(results["config"]), ablation.load_table(results["config"]).rows[0])
+  assert name == f"table_t/runs/{config.train.steps}-seed{config.seed}"
   reproduce.publish(calls[:2], docs)
-  assert capsys.readouterr().out.endswith(f"published table_t to {docs / 'table_t'} (2 calls)\n")
-  merged = json.loads((docs / "table_t" / "results.json").read_text())
+  assert capsys.readouterr().out.endswith(f"published {name} to {docs / name} (2 calls)\n")
+  published = docs / name
+  merged = json.loads((published / "results.json").read_text())
   assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
-  assert [call["rows"] for call in json.loads((docs / "table_t" / "reproduce.json").read_text())["calls"]] == [
+  assert [call["rows"] for call in json.loads((published / "reproduce.json").read_text())["calls"]] == [
       ["MLM+NSP", "broken"], ["MLM"]]
   # A row run again, whose call ran out of time in it (unfinished, fewer seeds): the earlier call's finished run
   # stays, whole; given the other way round, the finished run replaces the unfinished one, whole.
@@ -473,31 +477,31 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
     for state in seeds_done[1:]:
       state.with_suffix(".kept").rename(state)
   capsys.readouterr()
-  reproduce.publish(calls, docs)
+  reproduce.publish(calls, docs, name)  # The same run again, by its name: its rows replaced.
   assert f"row 'MLM': from {calls[1]}, not {calls[2]}, which got less far in it" in capsys.readouterr().out
-  merged = json.loads((docs / "table_t" / "results.json").read_text())
+  merged = json.loads((published / "results.json").read_text())
   assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
-  report = json.loads((docs / "table_t" / "reproduce.json").read_text())
+  report = json.loads((published / "reproduce.json").read_text())
   assert (report["rows_replaced"], report["rows_not_taken"]) == ({}, {"MLM": str(calls[2])})
-  reproduce.publish([calls[2], calls[0], calls[1]], docs)
-  statuses = {row["name"]: row["status"] for row in json.loads((docs / "table_t" / "results.json").read_text())["rows"]}
+  reproduce.publish([calls[2], calls[0], calls[1]], docs, name)
+  statuses = {row["name"]: row["status"] for row in json.loads((published / "results.json").read_text())["rows"]}
   assert statuses == {"MLM+NSP": "done", "broken": "failed", "MLM": "done"}
-  report = json.loads((docs / "table_t" / "reproduce.json").read_text())
+  report = json.loads((published / "reproduce.json").read_text())
   assert (report["rows_replaced"], report["rows_not_taken"]) == ({"MLM": str(calls[2])}, {})
   reproduce.publish([calls[1], calls[1]], tmp_path / "tie")  # the same run twice: the later, as on any tie
-  assert json.loads((tmp_path / "tie" / "table_t" / "reproduce.json").read_text())["rows_replaced"] == {
+  assert json.loads((tmp_path / "tie" / name / "reproduce.json").read_text())["rows_replaced"] == {
       "MLM": str(calls[1])}
   # A published folder keeps what its table is rendered from: given again with a later call's, it takes the rows.
   reproduce.publish(calls[:1], tmp_path / "earlier")
-  kept = tmp_path / "earlier" / "table_t"
+  kept = tmp_path / "earlier" / name
   with tarfile.open(kept / "sweep.tar.gz") as tar:
     assert not [name for name in tar.getnames() if "tensorboard" in name or name.endswith(".png")]
   reproduce.publish([kept, calls[1]], tmp_path / "later")
-  merged = json.loads((tmp_path / "later" / "table_t" / "results.json").read_text())
+  merged = json.loads((tmp_path / "later" / name / "results.json").read_text())
   assert json.dumps(merged["rows"], sort_keys=True) == json.dumps(results["rows"], sort_keys=True)
-  assert [call["rows"] for call in json.loads((tmp_path / "later" / "table_t" / "reproduce.json").read_text())[
+  assert [call["rows"] for call in json.loads((tmp_path / "later" / name / "reproduce.json").read_text())[
       "calls"]] == [["MLM+NSP", "broken"], ["MLM"]]
-  assert (tmp_path / "later" / "table_t" / "pretrain_loss.png").exists() and not (kept / "sweep").exists()
+  assert (tmp_path / "later" / name / "pretrain_loss.png").exists() and not (kept / "sweep").exists()
   # --as names the table, whatever the folders are called: a run at another budget, then its rows of a later call.
   assert reproduce.main(["publish", "--as", "table_t_long", "--docs", str(tmp_path / "named"), str(calls[0])]) == 0
   named = tmp_path / "named" / "table_t_long"
@@ -508,6 +512,9 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   assert json.loads((named / "reproduce.json").read_text())["table"] == "table_t_long"
   assert f"published table_t_long to {named} (2 calls)" in capsys.readouterr().out
   assert sorted(path.name for path in (tmp_path / "named").iterdir()) == ["table_t_long"]
+  # Without a name, a second run of one seed is published beside the first, not over it.
+  reproduce.publish(calls[:1], docs)
+  assert (docs / f"{name}-b" / "results.json").exists()
   # Calls that prepared the corpus in different scratch folders still make one table; other overrides may not differ.
   spec = {"config": "t.py", "overrides": ["--config.data.prepared=/tmp/s1/wiki", "--config.train.steps=30"]}
   assert reproduce.comparable(spec) == reproduce.comparable(
@@ -528,7 +535,8 @@ def test_publish_takes_a_row_of_another_table_run_with_the_same_config_and_suite
   (call / "reproduce.json").write_text(json.dumps({"table": "table_t"}))
   docs = tmp_path / "docs"
   reproduce.publish([call], docs)
-  published_t = docs / "table_t"
+  name_t = reproduce.run_name(call, tmp_path / "elsewhere")
+  published_t = docs / name_t
   spec_u = tmp_path / "table_u.py"
   spec_u.write_text(TABLE_CONFIG + """
 def get_sweep(arg=None):
@@ -548,24 +556,24 @@ def get_sweep(arg=None):
     return folder
 
   capsys.readouterr()
-  reproduce.publish([returned("u")], docs, take=[(str(published_t), "MLM", "masked LM")])
+  reproduce.publish([returned("u")], docs, "table_u", take=[(str(published_t), "MLM", "masked LM")])
   assert f"row 'masked LM': {published_t}'s row 'MLM' (the same pre-training config and suite)" in (
       capsys.readouterr().out)
   rows = {row["name"]: row for row in json.loads((docs / "table_u" / "results.json").read_text())["rows"]}
   mlm = next(row for row in results["rows"] if row["name"] == "MLM")
   taken = rows["masked LM"]
-  assert (taken["status"], taken["from"]) == ("done", "table_t's row 'MLM'")
+  assert (taken["status"], taken["from"]) == ("done", f"{name_t}'s row 'MLM'")
   assert json.dumps([taken["pretrain"], taken["tasks"]]) == json.dumps([mlm["pretrain"], mlm["tasks"]])
   assert rows["three layers"]["status"] == "not run" and "from" not in rows["three layers"]
-  assert "| masked LM | done (run as table_t's row 'MLM') |" in (docs / "table_u" / "table.md").read_text()
-  record = {"masked LM": "table_t's row 'MLM'"}
+  assert f"| masked LM | done (run as {name_t}'s row 'MLM') |" in (docs / "table_u" / "table.md").read_text()
+  record = {"masked LM": f"{name_t}'s row 'MLM'"}
   assert json.loads((docs / "table_u" / "reproduce.json").read_text())["rows_from_other_tables"] == record
   reproduce.publish([docs / "table_u"], docs)  # Published again: the row and its record stay.
   assert json.loads((docs / "table_u" / "reproduce.json").read_text())["rows_from_other_tables"] == record
   assert json.loads((docs / "table_u" / "results.json").read_text())["rows"][0]["from"] == record["masked LM"]
 
   refusals = [
-      ([docs / "table_u"], ("MLM", "masked LM"), "row 'masked LM' already holds table_t's row 'MLM'; a row is taken"),
+      ([docs / "table_u"], ("MLM", "masked LM"), f"row 'masked LM' already holds {name_t}'s row 'MLM'; a row is taken"),
       ([returned("u2")], ("MLM+NSP", "masked LM"),
        f"{published_t}'s row 'MLM\\+NSP' pre-trained another config than row 'masked LM' would: data.format: "
        "'segment_pair' there, 'full_sentences' here; objective: 'mlm\\+nsp' there, 'mlm' here"),
@@ -576,7 +584,7 @@ def get_sweep(arg=None):
       ([returned("u6")], ("MLM", "MLM"), "this table has no row 'MLM'; its rows are 'masked LM', 'three layers'")]
   for folders, (there, here), message in refusals:
     with pytest.raises(SystemExit, match=message):
-      reproduce.publish(folders, tmp_path / "refused", take=[(str(published_t), there, here)])
+      reproduce.publish(folders, tmp_path / "refused", "table_u", take=[(str(published_t), there, here)])
   with pytest.raises(SystemExit, match="no sweep.tar.gz; give a folder that `publish` wrote"):
     reproduce.main(["publish", "--docs", str(tmp_path / "refused"), str(returned("u7")), "--row-from",
                     str(tmp_path / "absent"), "MLM", "masked LM"])

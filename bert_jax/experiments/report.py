@@ -119,7 +119,8 @@ def summary_markdown(results: Sequence[Mapping[str, Any]], link: bool = True) ->
 
 
 def _paper_short(paper: str) -> str:
-  return paper.split(":")[0].split(",")[0].replace(" et al.", "")
+  """"Devlin et al. 2019, BERT: Pre-training ..." -> "BERT"."""
+  return paper.partition(", ")[2].partition(":")[0] or paper
 
 
 def counts(results: Sequence[Mapping[str, Any]], headline_only: bool = True) -> dict[str, dict[str, int]]:
@@ -136,7 +137,7 @@ def counts(results: Sequence[Mapping[str, Any]], headline_only: bool = True) -> 
 def counts_markdown(results: Sequence[Mapping[str, Any]]) -> str:
   per_paper = counts(results)
   total = {verdict: sum(tally[verdict] for tally in per_paper.values()) for verdict in findings_lib.VERDICTS}
-  cells = "; ".join(f"{paper} {', '.join(f'{n} {v}' for v, n in tally.items() if n)}"
+  cells = "; ".join(f"{paper}: {', '.join(f'{n} {v}' for v, n in tally.items() if n)}"
                     for paper, tally in per_paper.items())
   return (f"Headline findings: **{total['reproduces']} reproduce, {total['contradicts']} contradict, "
           f"{total['not resolved']} not resolved** ({cells}).")
