@@ -9,9 +9,12 @@ OS lock:
   lock.release()
 
 The holder refreshes the file's heartbeat from a background thread. A lock is
-stale, and is taken over with a warning, when its holder ran on this host and
-its process is gone (kill -9, a crash), or when its heartbeat is older than
-`stale_after` seconds (a holder on another host that died without releasing).
+stale, and is taken over with a warning, when its heartbeat is older than
+`stale_after` seconds (a holder on any host that died without releasing), or
+when its holder ran on this host and its process is gone (kill -9, a crash).
+A PID alone proves nothing (a restarted container repeats PIDs, PID 1 too):
+the lock records its process's start time, and a live PID whose start time
+differs, this run's own included, is another process.
 On local disks the file is created exclusively; object stores have no
 exclusive create, so the new holder writes its token, waits and reads the file
 back: of two runs that race, only the last writer keeps the lock.
@@ -23,6 +26,7 @@ import datetime
 import json
 import logging
 import os
+import pathlib
 import socket
 import threading
 import time
@@ -64,6 +68,16 @@ def _process_alive(pid: int) -> bool:
   return True
 
 
+def _process_start(pid: int) -> str | None:
+  """When process `pid` started, as "BOOT_ID:TICKS" (Linux /proc, field 22 of its stat); None where unknown."""
+  try:
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    boot = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{boot}:{int(stat.rpartition(')')[2].split()[19])}"  # The name in (...) may hold spaces.
+  except (OSError, IndexError, ValueError):
+    return None
+
+
 def _now() -> float:
   return time.time()
 
@@ -90,8 +104,8 @@ class WorkdirLock:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / LOCK_FILE
     now = _now()
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "heartbeat": now,
-              "token": uuid.uuid4().hex}
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+              "started": now, "heartbeat": now, "token": uuid.uuid4().hex}
     holder = _read(path)
     if holder is not None:
       reason = _stale_reason(holder, stale_after)
@@ -159,22 +173,35 @@ def _remove(path: epath.Path) -> None:
 
 def _stale_reason(holder: dict[str, Any], stale_after: float) -> str | None:
   """Why the lock `holder` is stale, or None when its run may be alive."""
-  if not holder.get("token"):
+  try:
+    pid, heartbeat = int(holder["pid"]), float(holder["heartbeat"])
+  except (KeyError, TypeError, ValueError):
+    pid, heartbeat = 0, 0.0
+  if not holder.get("token") or pid <= 0:  # os.kill(0 or -1) would probe whole process groups.
     return "the lock file is unreadable (left by a run killed while writing it)"
-  if holder.get("host") == socket.gethostname():
-    if holder.get("pid") == os.getpid():
-      return None
-    if not _process_alive(int(holder.get("pid", -1))):
-      return f"its holder ({_describe(holder)}) is no longer running"
-    return None
-  age = _now() - float(holder.get("heartbeat", 0))
-  if age > stale_after:
+  age = _now() - heartbeat
+  if age > stale_after:  # A live holder refreshes it every `heartbeat` seconds, on any host.
     return f"its holder ({_describe(holder)}) has not been heard from for {age:.0f} s"
+  if holder.get("host") != socket.gethostname():
+    return None
+  recorded = holder.get("pid_start")
+  current = _process_start(pid)
+  if pid == os.getpid():
+    if recorded is not None and current is not None and recorded != current:
+      return f"its holder ({_describe(holder)}) is gone: pid {pid} is now this run's"
+    return None
+  if not _process_alive(pid):
+    return f"its holder ({_describe(holder)}) is no longer running"
+  if recorded is not None and current is not None and recorded != current:
+    return f"its holder ({_describe(holder)}) is gone: pid {pid} now belongs to another process"
   return None
 
 
 def _describe(holder: dict[str, Any]) -> str:
-  started = _when(holder["started"]) if "started" in holder else "?"
+  try:
+    started = _when(float(holder["started"]))
+  except (KeyError, TypeError, ValueError, OverflowError, OSError):
+    started = "?"
   return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {started}"
 
 
