@@ -7,11 +7,18 @@ files by name, an append-only log) stages it:
 
   with paths.local_copy(remote_dir) as local: ...     # read a remote folder from a local copy
   paths.upload(local_dir, remote_dir)                  # copy a local folder's files up
+
+Files the project derives (a corpus, a tokenizer, shards, a manifest) go through `write_text`, `write_bytes_with`
+and `write_array`: a local file is written beside its destination and renamed into place once complete, so a
+kill or a full disk never leaves part of one where a rerun would trust it. A failed write raises `StorageError`,
+one line naming the file and the cause (disk full, quota, permission), with the partial file removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import pathlib
 import shutil
@@ -19,6 +26,43 @@ import tempfile
 from typing import Iterator
 
 from etils import epath
+import numpy as np
+
+# The causes a user can act on, by errno; any other OS error is named by its own text.
+_STORAGE_CAUSES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "the file system is read-only",
+    errno.EFBIG: "the file is over the size limit",
+}
+_REMEDIES = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space or raise the quota",
+             errno.EACCES: "make it writable", errno.EPERM: "make it writable", errno.EROFS: "make it writable",
+             errno.EFBIG: "raise the limit (ulimit -f) or write elsewhere"}
+
+
+class StorageError(OSError):
+  """A file could not be written because of its storage; the message names the file and the cause in one line."""
+
+  def __str__(self) -> str:
+    return self.args[0]  # OSError's own form would put "[Errno N]" before it and the file name after.
+
+
+def storage_error(error: OSError, path: str | os.PathLike) -> OSError:
+  """`error` (raised writing `path`) as a `StorageError` whose one-line message names `path` and the cause.
+
+  A `StorageError` already names its file and is returned as it is.
+  """
+  if isinstance(error, StorageError):
+    return error
+  cause = _STORAGE_CAUSES.get(error.errno) or error.strerror or str(error).splitlines()[0] or type(error).__name__
+  if error.strerror and error.strerror.lower() != cause.lower():
+    cause += f" ({error.strerror})"
+  remedy = _REMEDIES.get(error.errno, "fix the storage")
+  wrapped = StorageError(f"cannot write {os.fspath(path)}: {cause}; {remedy} and run the same command again")
+  wrapped.errno, wrapped.strerror, wrapped.filename = error.errno, error.strerror, os.fspath(path)
+  return wrapped
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -58,9 +102,13 @@ def upload(source: pathlib.Path, target: epath.Path) -> None:
   """Copies a local file, or a folder's files (sub-folders included), to `target` (local or remote)."""
   for path in [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file()):
     destination = target if path == source else target / path.relative_to(source).as_posix()
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "rb") as reader, destination.open("wb") as writer:
-      shutil.copyfileobj(reader, writer, 1 << 24)
+    with open(path, "rb") as reader:
+      if is_remote(destination):  # Streamed: a shard may not fit in memory; an object appears whole when closed.
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with destination.open("wb") as writer:
+          shutil.copyfileobj(reader, writer, 1 << 24)
+      else:
+        write_bytes_with(destination, lambda writer: shutil.copyfileobj(reader, writer, 1 << 24))
 
 
 def move(source: epath.Path, target: epath.Path) -> None:
@@ -78,23 +126,56 @@ def move(source: epath.Path, target: epath.Path) -> None:
     source.unlink()
 
 
-def write_text(path: epath.Path, text: str) -> None:
-  """Replaces a file's contents at once: an object store's write already is; a local file goes through a rename,
-  so a kill never leaves half a file."""
-  path.parent.mkdir(parents=True, exist_ok=True)
+def write_text(path: str | os.PathLike, text: str) -> None:
+  """Replaces a file's contents at once (see `write_bytes_with`)."""
+  data = text.encode("utf-8")
+  write_bytes_with(path, lambda handle: handle.write(data))
+
+
+def write_bytes_with(path: str | os.PathLike, write) -> None:
+  """Calls `write(file)` with a binary file that lands at `path` whole or not at all (csv and savefig take one).
+
+  A local file is written beside `path`, synced and renamed over it, so a kill leaves `path` as it was; an
+  object store's write already is whole, and is made from the bytes in memory.
+
+  Raises:
+    StorageError: writing failed for the storage (disk full, quota, permission); nothing of it is left behind.
+  """
+  path = as_path(path)
   if is_remote(path):
-    path.write_text(text)
+    buffer = io.BytesIO()
+    write(buffer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
     return
-  temporary = path.parent / f".{path.name}.{os.getpid()}.tmp"
-  temporary.write_text(text)
-  temporary.replace(path)
+  # The process id keeps two writers of one file (two hosts on shared storage) off each other's temporary file.
+  temporary = os.path.join(os.path.dirname(path), f".{path.name}.{os.getpid()}.tmp")
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(temporary, "wb") as handle:
+      write(handle)
+      handle.flush()
+      os.fsync(handle.fileno())  # A network file system may report a full disk or quota only here.
+    os.replace(temporary, path)
+  except BaseException as error:
+    with contextlib.suppress(OSError):
+      os.unlink(temporary)  # A partial file would keep a full disk full.
+    if isinstance(error, OSError):
+      raise storage_error(error, path) from error
+    raise
 
 
-def write_bytes_with(path: epath.Path, write) -> None:
-  """Calls `write(file)` with a binary file that lands at `path` (local or remote; csv and savefig take one)."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with path.open("wb") as handle:
-    write(handle)
+class _Writes:
+  """Only `write` of a file: numpy writes through it and so keeps the OS error (its own writes of a real file
+  say only "N requested and M written")."""
+
+  def __init__(self, handle):
+    self.write = handle.write
+
+
+def write_array(path: str | os.PathLike, array: np.ndarray) -> None:
+  """Saves `array` as a .npy file at `path` whole or not at all (see `write_bytes_with`)."""
+  write_bytes_with(path, lambda handle: np.save(_Writes(handle), np.asarray(array), allow_pickle=False))
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import inspect
 import pathlib
 import re
 
+from bert_jax import paths
 from bert_jax.data import text as text_lib
 
 MODULES = (
@@ -107,9 +108,14 @@ def iter_builtin_documents() -> list[list[str]]:
 
 
 def build_builtin_corpus(out_path: str | pathlib.Path) -> pathlib.Path:
-  """Writes the corpus to `out_path` in BERT's format and returns the path."""
+  """Writes the corpus to `out_path` in BERT's format and returns the path.
+
+  The file appears whole or not at all (`paths.write_text`): callers reuse it whenever it exists.
+
+  Raises:
+    paths.StorageError: it could not be written (disk full, quota, permission).
+  """
   out_path = pathlib.Path(out_path)
-  out_path.parent.mkdir(parents=True, exist_ok=True)
   body = "\n\n".join("\n".join(document) for document in iter_builtin_documents()) + "\n"
-  out_path.write_text(body, encoding="utf-8")
+  paths.write_text(out_path, body)
   return out_path

@@ -52,7 +52,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from etils import epath
 import numpy as np
@@ -189,7 +189,7 @@ class _ShardWriter:
         "document_offsets": np.concatenate([[0], np.cumsum(document_counts)]).astype(np.int64),
     }
     for key, array in arrays.items():
-      np.save(self.out_dir / f"{name}.{key}.npy", array)
+      paths.write_array(self.out_dir / f"{name}.{key}.npy", array)
     self.shards.append({"name": name, "documents": len(document_counts), "sentences": len(sentence_lengths),
                         "tokens": len(arrays["tokens"])})
     self._pending, self._pending_tokens = [], 0
@@ -291,7 +291,7 @@ def _install(staging: pathlib.Path, out_dir: epath.Path, old_names: set[str]) ->
   """Moves a complete staged corpus into `out_dir`, replacing only the files of the earlier corpus there."""
   out_dir.mkdir(parents=True, exist_ok=True)
   new_names = {path.name for path in staging.iterdir()} - {MANIFEST, _STAGING_MARKER}
-  (out_dir / _INSTALLING).write_text(json.dumps(sorted(old_names | new_names | {MANIFEST})))
+  paths.write_text(out_dir / _INSTALLING, json.dumps(sorted(old_names | new_names | {MANIFEST})))
   if (out_dir / MANIFEST).exists():
     # Without its manifest a half-replaced folder reads as unprepared, never as a mix of two corpora.
     (out_dir / MANIFEST).unlink()
@@ -311,7 +311,7 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
                    out_dir: str | os.PathLike, *, eval_fraction: float = 0.0, eval_documents: int | None = None,
                    seed: int = 0, num_workers: int | None = None, max_sentence_tokens: int = 510,
                    long_sentences: str = "split", shard_tokens: int = 1 << 26, chunk_documents: int = 256,
-                   force: bool = False, log=print) -> dict:
+                   force: bool = False, log=print, before_write: Callable[[], None] | None = None) -> dict:
   """Tokenises `inputs` into shards under `out_dir` and returns the manifest.
 
   Args:
@@ -329,10 +329,17 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
     force: write into a non-empty `out_dir` that holds no prepared corpus
       (files with the names prepare writes are still refused).
     log: where progress lines go.
+    before_write: called once prepare knows it will write (`out_dir` holds no
+      corpus, or one of other inputs or options) and before it writes anything;
+      what it raises leaves `out_dir` as it was (the trainer refuses a changed
+      experiment there before its held-out split is drawn again).
 
   Raises:
     ValueError: the directory was prepared with another tokenizer, is a file,
       is not empty without `force`, or an input is unreadable.
+    paths.StorageError: a file could not be written (disk full, quota,
+      permission); `out_dir` keeps the corpus it held, and nothing partial
+      is left to be reused.
   """
   if long_sentences not in LONG_SENTENCE_POLICIES:
     raise ValueError(f"long_sentences must be one of {LONG_SENTENCE_POLICIES}, got {long_sentences!r}")
@@ -354,12 +361,20 @@ def prepare_corpus(inputs: Sequence[str], tokenizer: tokenizers.Tokenizer | str 
       log(f"{out_dir} is already prepared from these inputs with this tokenizer ({fingerprint}); nothing to do")
       return existing
     log(f"inputs or options differ from {out_dir / MANIFEST}; preparing again")
+  if before_write is not None:
+    before_write()
 
-  staging = _staging_dir(out_dir)
+  try:
+    staging = _staging_dir(out_dir)
+  except OSError as error:
+    raise paths.storage_error(error, error.filename or out_dir) from error
   try:
     manifest, report = _prepare_into(staging, inputs, tokenizer, options, input_fingerprints, num_workers,
                                      chunk_documents)
-    _install(staging, out_dir, _owned_names(out_dir, existing))
+    try:
+      _install(staging, out_dir, _owned_names(out_dir, existing))
+    except OSError as error:  # Files are written through `paths`, which names them; a rename or delete is named here.
+      raise paths.storage_error(error, error.filename2 or error.filename or out_dir) from error
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   totals, seconds = manifest["totals"], manifest["seconds"]
@@ -404,7 +419,7 @@ def _prepare_into(out_dir: pathlib.Path, inputs: Sequence[str], tokenizer: token
   if totals["documents"] == 0:
     raise ValueError(f"no documents with any tokens in {list(inputs)}\n{report.summary()}")
   eval_ids = _choose_eval_documents(totals["documents"], options)
-  np.save(out_dir / EVAL_DOCUMENTS, eval_ids)
+  paths.write_array(out_dir / EVAL_DOCUMENTS, eval_ids)
   manifest = {
       "format_version": 1,
       "shards": writer.shards,
@@ -418,7 +433,7 @@ def _prepare_into(out_dir: pathlib.Path, inputs: Sequence[str], tokenizer: token
       "report": report.to_json(),
       "seconds": round(seconds, 2),
   }
-  (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+  paths.write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
   return manifest, report
 
 
@@ -608,9 +623,7 @@ def write_spans(directory: str | os.PathLike, spans: Sequence[np.ndarray], kinds
   # Without the "spans" entry while the files change: a crash leaves a corpus that reads as unmarked.
   paths.write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
   for shard, marks in zip(manifest["shards"], spans):
-    buffer = io.BytesIO()
-    np.save(buffer, marks)
-    (directory / f"{shard['name']}.{SPANS}.npy").write_bytes(buffer.getvalue())
+    paths.write_array(directory / f"{shard['name']}.{SPANS}.npy", marks)
   manifest[SPANS] = {"kinds": list(kinds), "fingerprint": digest.hexdigest()[:16], **info}
   paths.write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
   return manifest
@@ -658,7 +671,7 @@ def main(argv: list[str]) -> int:
                      eval_documents=args.eval_documents, seed=args.seed, num_workers=args.num_workers,
                      max_sentence_tokens=args.max_sentence_tokens, long_sentences=args.long_sentences,
                      shard_tokens=args.shard_tokens, force=args.force)
-  except (ValueError, FileNotFoundError, ImportError) as error:
+  except (ValueError, FileNotFoundError, ImportError, paths.StorageError) as error:
     print(f"bert-jax prepare: error: {error}", file=sys.stderr)
     return 1
   return 0

@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import pathlib
-import shutil
 import tempfile
 from typing import Iterable, Sequence
 
@@ -104,7 +103,13 @@ class Tokenizer(abc.ABC):
     """A stable hex hash of the vocabulary and normalisation settings."""
 
   def save(self, directory: str | os.PathLike) -> str | os.PathLike:
-    """Writes files that `load_tokenizer(directory)` reads back (a local folder or `gs://`); returns it."""
+    """Writes files that `load_tokenizer(directory)` reads back (a local folder or `gs://`); returns it.
+
+    Each file appears whole or not at all, the one `load_tokenizer` looks for first written last.
+
+    Raises:
+      paths.StorageError: a file could not be written (disk full, quota, permission).
+    """
     if not paths.is_remote(directory):
       return self._write(pathlib.Path(directory))
     with tempfile.TemporaryDirectory(prefix="bert_jax-tokenizer-") as local:
@@ -168,9 +173,9 @@ class HFTokenizer(Tokenizer):
     return hashlib.sha256(f"{self.kind}\n{canonical}".encode()).hexdigest()[:16]
 
   def _write(self, directory):
-    directory.mkdir(parents=True, exist_ok=True)
-    self.tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "bert_jax_tokenizer.json").write_text(json.dumps({"kind": self.kind}))
+    # tokenizer.json last: its presence is what callers take for a saved tokenizer.
+    paths.write_text(directory / "bert_jax_tokenizer.json", json.dumps({"kind": self.kind}))
+    paths.write_text(directory / "tokenizer.json", self.tokenizer.to_str(pretty=True))
     return directory
 
 
@@ -217,8 +222,7 @@ class SentencePieceTokenizer(Tokenizer):
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
 
   def _write(self, directory):
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "spiece.model").write_bytes(self.model_proto)
+    paths.write_bytes_with(directory / "spiece.model", lambda handle: handle.write(self.model_proto))
     return directory
 
 
@@ -328,11 +332,12 @@ def train_tokenizer(kind: str, files_or_iterator: Sequence[str | pathlib.Path] |
   if kind not in TOKENIZER_KINDS:
     raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {TOKENIZER_KINDS}")
   out_dir = pathlib.Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   is_files = isinstance(files_or_iterator, (list, tuple)) and all(
       isinstance(f, (str, pathlib.Path)) and pathlib.Path(f).is_file() for f in files_or_iterator)
   if kind.startswith("sentencepiece"):
-    return _train_sentencepiece(kind.split("-")[1], files_or_iterator, is_files, vocab_size, out_dir, lowercase)
+    tokenizer = _train_sentencepiece(kind.split("-")[1], files_or_iterator, is_files, vocab_size, lowercase)
+    tokenizer.save(out_dir)
+    return tokenizer
   if kind == "wordpiece":
     model = _train_wordpiece(files_or_iterator, is_files, vocab_size, lowercase)
   else:
@@ -387,7 +392,10 @@ def _train_wordpiece(files_or_iterator, is_files: bool, vocab_size: int, lowerca
       with open(files[0], "w", encoding="utf-8") as copy:
         def copied(texts):
           for text in texts:
-            copy.write(text.replace("\n", " ") + "\n")
+            try:
+              copy.write(text.replace("\n", " ") + "\n")
+            except OSError as error:  # A full temporary disk: named, or the message says neither file nor disk.
+              raise paths.storage_error(error, files[0]) from error
             yield text
         first = fit(copied(files_or_iterator), len(specials), [], False)
     continuing = sorted(t for t in first.get_vocab() if t.startswith("##") and len(t) == 3)
@@ -399,7 +407,7 @@ def _train_wordpiece(files_or_iterator, is_files: bool, vocab_size: int, lowerca
 
 
 def _train_sentencepiece(model_type: str, files_or_iterator, is_files: bool, vocab_size: int,
-                         out_dir: pathlib.Path, lowercase: bool) -> SentencePieceTokenizer:
+                         lowercase: bool) -> SentencePieceTokenizer:
   """ALBERT's recipe: <pad>=0, <unk>=1, [CLS]=2, [SEP]=3, [MASK]=4, no BOS/EOS."""
   options = dict(
       model_type=model_type, vocab_size=vocab_size, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
@@ -418,6 +426,4 @@ def _train_sentencepiece(model_type: str, files_or_iterator, is_files: bool, voc
     else:
       sentencepiece.SentencePieceTrainer.train(
           sentence_iterator=iter(files_or_iterator), model_prefix=str(prefix), **options)
-    shutil.copy(prefix.with_suffix(".model"), out_dir / "spiece.model")
-  tokenizer = SentencePieceTokenizer((out_dir / "spiece.model").read_bytes())
-  return tokenizer
+    return SentencePieceTokenizer(prefix.with_suffix(".model").read_bytes())
