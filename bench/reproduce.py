@@ -390,12 +390,27 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   return 0
 
 
+def config_of(sweep_dir: pathlib.Path) -> str | None:
+  """The table config a sweep is read by where its sweep.json records no table (a sweep from before tables were
+  recorded): this repository's configs/ablations file of that name, never the file the folder names; None where
+  the record is there (`ablation.collect` reads it, running no code)."""
+  spec = json.loads((sweep_dir / "sweep.json").read_text())
+  if "table" in spec:
+    return None
+  path, _, arg = spec["config"].partition(":")
+  ours = REPO / "configs" / "ablations" / pathlib.Path(path).name
+  if not ours.is_file():
+    raise SystemExit(f"{sweep_dir}: its sweep ran {spec['config']}, not a table of this repository's "
+                     "configs/ablations/")
+  return f"{ours}:{arg}" if arg else str(ours)
+
+
 def _collect(workdir: pathlib.Path, out: pathlib.Path, report: dict) -> dict:
   """Renders the table of a finished or stopped sweep and packs its small files into `out`; returns a summary."""
   from bert_jax.experiments import ablation, table
 
-  results = ablation.collect(workdir)
-  table.render(workdir)
+  results = ablation.collect(workdir, config_of(workdir))
+  table.render(workdir, config=config_of(workdir))
   report["rows"] = {row["name"]: row["status"] for row in results["rows"]}
   out.mkdir(parents=True, exist_ok=True)
   # A device call brings back few files: the archive and, to read at once, the table.
@@ -467,16 +482,15 @@ def run_name(folder: pathlib.Path, docs: pathlib.Path) -> str:
 def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | None = None,
             take: Sequence[tuple[str, str, str]] = ()) -> None:
   """One table as it came back (OUT/TABLE: sweep.tar.gz, reproduce.json) from one call, or from several calls
-  that each ran some of its rows (`--rows`) -> docs/reproductions/NAME (`run_name`): the sweeps unpacked into one, the table
+  that each ran some of its rows (`--rows`) -> docs/reproductions/NAME: the sweeps unpacked into one, the table
   rendered again from every row, and its small files copied. The calls must have run the same table config and
   overrides. A row that came back from several calls is taken whole from one of them (scores from two pre-trainings
   never mix): the one that got furthest (finished, then pre-trained, then fine-tuning seeds done), the later on a
   tie, so a row run again replaces the earlier run unless it got less far, as when a call ran out of time in it;
   reproduce.json records each choice. The page's folder keeps a sweep.tar.gz of what the table is rendered from
   (states and loss curves), so a published folder may be given again with a later call's, to add rows run in
-  another session. The table is published as `name` (default: the first folder's name), e.g. a run at another
-  budget beside the table's first. `take`: (published folder, its row, this table's row) for rows of another table
-  that are this table's rows too (`_take_row`)."""
+  another session. NAME: `name`, else `run_name`'s (TABLE/runs/STEPS-seedK). `take`: (published folder, its row,
+  this table's row) for rows of another table that are this table's rows too (`_take_row`)."""
   import tempfile
 
   from bert_jax.experiments import ablation, table
@@ -496,7 +510,7 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
                            "calls must share the config and overrides")
         tar.extractall(unpacked, filter="data")
         rows = _rows_in(tar)
-      progress = {row["slug"]: _progress(row) for row in ablation.collect(unpacked)["rows"]}
+      progress = {row["slug"]: _progress(row) for row in ablation.collect(unpacked, config_of(unpacked))["rows"]}
       # The sweep's own files (sweep.json, the log) from the last call; its rows one by one below.
       top_rows = lambda path, names: ["rows"] if pathlib.Path(path) == unpacked else []  # noqa: E731
       shutil.copytree(unpacked, sweep, dirs_exist_ok=True, ignore=top_rows)
@@ -525,7 +539,7 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
     statuses = [json.loads(path.read_text()) for path in sorted((sweep / "rows").glob("*/row.json"))]
     taken = {status["name"]: status["from"] for status in statuses if status.get("from")}
     (sweep / "reproduce.json").write_text(json.dumps({**record, TAKEN: taken} if taken else record, indent=1) + "\n")
-    table.render(sweep)
+    table.render(sweep, config=config_of(sweep))
     target = docs / name
     target.mkdir(parents=True, exist_ok=True)
     for file_name in PUBLISHED_FILES:
@@ -557,7 +571,7 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
                      "(docs/reproductions/TABLE/runs/RUN)")
   with tarfile.open(folder / "sweep.tar.gz") as tar:
     tar.extractall(scratch, filter="data")
-  source_rows = {row["name"]: row for row in ablation.collect(scratch)["rows"]}
+  source_rows = {row["name"]: row for row in ablation.collect(scratch, config_of(scratch))["rows"]}
   spec = json.loads((sweep / "sweep.json").read_text())
   target = ablation.load_table(spec["config"], spec["overrides"])
   target_rows = {row.name: row for row in target.rows}
@@ -591,7 +605,7 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
     listed = "; ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in changes[:6])
     raise SystemExit(f"--row-from: {folder}'s row {there!r} pre-trained another config than row {here!r} would: "
                      f"{listed}")
-  corpora = {other["pretrain"].get("corpus_train_tokens") for other in ablation.collect(sweep)["rows"]
+  corpora = {other["pretrain"].get("corpus_train_tokens") for other in ablation.collect(sweep, config_of(sweep))["rows"]
              if other["pretrain"]} | {source["pretrain"].get("corpus_train_tokens")}
   if len(corpora - {None}) > 1:
     raise SystemExit(f"--row-from: {folder}'s row {there!r} pre-trained on another corpus than this table's rows "
@@ -673,7 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   publish_parser.add_argument("--docs", default=str(DOCS), help="where runs are published (default: %(default)s, "
                               "whose findings page is then judged again)")
   publish_parser.add_argument("--row-from", nargs=3, action="append", default=[], metavar=("FOLDER", "ROW", "AS"),
-                              help="a published run's row (docs/reproductions/TABLE/runs/RUN, its row ROW) that is this "
+                              help="a published run's row (docs/reproductions/TABLE/runs/RUN, its row ROW) that is "
+                              "this "
                               "table's row AS too: the same pre-training config and fine-tuning suite, checked")
   publish_parser.add_argument("--as", dest="name", metavar="NAME",
                               help="publish every folder given as one run, docs/reproductions/NAME (TABLE/runs/RUN), "

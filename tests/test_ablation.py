@@ -548,7 +548,8 @@ def get_sweep(arg=None):
   def returned(name, **changes):  # Table U as a call brings it back before any of its rows has run.
     sweep = tmp_path / name / "sweep"
     sweep.mkdir(parents=True)
-    spec = {**json.loads((workdir / "sweep.json").read_text()), "config": str(spec_u), **changes}
+    spec = {**json.loads((workdir / "sweep.json").read_text()), "config": str(spec_u),
+            "table": ablation.table_record(ablation.load_table(str(spec_u))), **changes}
     (sweep / "sweep.json").write_text(json.dumps(spec))
     folder = tmp_path / name / "table_u"
     reproduce.pack_results(sweep, folder / "sweep.tar.gz")
@@ -671,15 +672,12 @@ def _sweep_commands(text: str) -> list[list[str]]:
 def test_the_documented_sweep_commands_give_every_task_its_data_folder():
   """A sweep checks its data folders before pre-training; the commands the configs, the module and the README
   show must pass that check (scale=gpu fine-tunes on GLUE, SQuAD and CoNLL-2003 whatever the paper's tasks)."""
-  documents = [*TABLE_CONFIGS, REPO / "bert_jax/experiments/ablation.py", REPO / "README.md",
-               REPO / "docs/reproductions.md"]
-  texts = {path.name: path.read_text() for path in documents}
-  # The reproductions page's commands end in $DATA, which the page defines once.
-  data = re.search(r'^DATA="([^"]*)"', texts["reproductions.md"], re.M)[1]
-  texts["reproductions.md"] = texts["reproductions.md"].replace("$DATA", re.sub(r"\\\n\s*", " ", data))
+  pages = sorted((REPO / "docs/reproductions").glob("*/README.md"))  # Each table's page, one command each.
+  assert len(pages) == len(TABLE_CONFIGS)
+  documents = [*TABLE_CONFIGS, REPO / "bert_jax/experiments/ablation.py", REPO / "README.md", *pages]
+  texts = {str(path.relative_to(REPO)): path.read_text() for path in documents}
   commands = [(name, argv) for name, text in texts.items() for argv in _sweep_commands(text)]
   assert {name for name, _ in commands} == set(texts)
-  assert len([name for name, _ in commands if name == "reproductions.md"]) >= len(TABLE_CONFIGS)
   for name, argv in commands:
     args, _ = ablation._parser().parse_known_args(argv)
     needed = {suite.TASKS[task].data for task in ablation.load_table(args.config).suite.tasks}
@@ -1082,3 +1080,25 @@ def test_sweep_records_its_dev_sets_and_refuses_other_ones(tmp_path):
   (legacy / "sweep.json").write_text(json.dumps({"config": table.spec}))
   ablation._write_sweep_file(table, legacy, {"glue": str(glue)})
   assert "dev_sets" not in json.loads((legacy / "sweep.json").read_text())
+
+
+def test_rendering_a_results_folder_runs_no_code_from_it(tmp_path, capsys):
+  """`bert-jax table` and `sweep --collect` read the table a sweep recorded as data; a sweep.json that names a config
+  file and records no table is refused in one line, the file never imported."""
+  evil = tmp_path / "evil.py"
+  evil.write_text(f"import pathlib\npathlib.Path({str(tmp_path / 'ran')!r}).write_text('ran')\n")
+  spec = str(REPO / "configs/ablations/bert_table5.py:scale=tiny")
+  record = ablation.table_record(ablation.load_table(spec))
+  suite_data = dataclasses.asdict(ablation.load_table(spec).suite)
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  (shared / "sweep.json").write_text(json.dumps({"config": str(evil), "overrides": [], "suite": suite_data}))
+  assert table.main([str(shared)]) == 2
+  out = capsys.readouterr().out
+  assert "records no table" in out and "--config" in out and len(out.strip().splitlines()) == 1
+  assert ablation.main(["--workdir", str(shared), "--collect"]) == 2
+  (shared / "sweep.json").write_text(json.dumps({"config": str(evil), "overrides": [], "suite": suite_data,
+                                                  "table": record}))
+  assert table.main([str(shared)]) == 0  # The recorded table: rendered, nothing run.
+  assert not (tmp_path / "ran").exists()
+

@@ -471,6 +471,34 @@ def dev_sets(suite: suite_lib.Suite, data_dirs: dict[str, str]) -> dict[str, str
   return out
 
 
+def table_record(table: Table) -> dict[str, Any]:
+  """What `collect` needs of a table, as data: its rows (their overrides resolved), published numbers and the
+  config's own suite, so that collecting and rendering a sweep never import its config file."""
+  default = load_table(table.spec).suite  # The config's own, before the command line's --tasks, --seeds, ...
+  return {"rows": [{"name": row.name, "overrides": {k: v for k, v in resolved_overrides(table, row).items()},
+                    "finetune": row.finetune, "pretrained": row.pretrained} for row in table.rows],
+          "published": table.published, "default_suite": dataclasses.asdict(default)}
+
+
+def _recorded_table(sweep: dict[str, Any], workdir: epath.Path, config: str | None) -> tuple[Table, suite_lib.Suite]:
+  """The table a sweep ran and its config's own suite: from sweep.json's record (data, no code run), or from
+  `config` where the user names one (a sweep recorded before tables were). Never from the file sweep.json names:
+  rendering a results folder must not run code that came with it."""
+  if config is not None:
+    table = load_table(config, sweep["overrides"])
+    return table, table.suite
+  record = sweep.get("table")
+  if record is None:
+    raise ValueError(f"{workdir / 'sweep.json'} records no table (a sweep from before tables were recorded); give "
+                     f"its config, which is run to read it, only one you trust: --config {sweep['config']}")
+  rows = tuple(Row(row["name"], dict(row["overrides"]), dict(row["finetune"]), row["pretrained"])
+               for row in record["rows"])
+  suite = lambda data: suite_lib.Suite(**{k: tuple(v) if isinstance(v, list) else v  # noqa: E731
+                                          for k, v in data.items()})
+  return (Table(sweep["config"], tuple(sweep["overrides"]), rows, suite(sweep["suite"]), record["published"]),
+          suite(record["default_suite"]))
+
+
 def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, str]) -> None:
   before = _read_json(workdir / "sweep.json") or {}
   if before.get("suite", {}).get("overrides") not in (None, list(table.suite.overrides)):
@@ -485,7 +513,8 @@ def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, st
         f"{workdir / 'sweep.json'}: the dev sets of {changed} differ from those this sweep scored on (another "
         "carve or data); give the same --data-dir, or a new --workdir")
   record = {"config": table.spec, "overrides": list(table.base_overrides), "data_dirs": data_dirs,
-            "rows": [row.name for row in table.rows], "suite": dataclasses.asdict(table.suite)}
+            "rows": [row.name for row in table.rows], "suite": dataclasses.asdict(table.suite),
+            "table": table_record(table)}
   if before and "dev_sets" not in before:  # A sweep begun before dev sets were recorded: its scores' stay unknown.
     now = None
   _write_json(workdir / "sweep.json", {**record, **({"dev_sets": now} if now is not None else {})})
@@ -626,15 +655,15 @@ def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], par
       progress.update()
 
 
-def collect(workdir: str | epath.Path) -> dict[str, Any]:
-  """Builds WORKDIR/results.json from whatever rows have recorded state; returns it."""
+def collect(workdir: str | epath.Path, config: str | None = None) -> dict[str, Any]:
+  """Builds WORKDIR/results.json from whatever rows have recorded state; returns it. The table comes from
+  sweep.json's record, or from `config` where one is given (`_recorded_table`)."""
   workdir = paths.as_path(workdir)
   sweep = _read_json(workdir / "sweep.json")
   if sweep is None:
     raise FileNotFoundError(f"{workdir} has no sweep.json: run `bert-jax sweep --config ... --workdir {workdir}` "
                             "first")
-  table = load_table(sweep["config"], sweep["overrides"])
-  default_suite = table.suite
+  table, default_suite = _recorded_table(sweep, workdir, config)
   if "suite" in sweep:  # The suite the sweep ran, command-line changes included.
     table = dataclasses.replace(table, suite=suite_lib.Suite(
         **{key: tuple(value) if isinstance(value, list) else value for key, value in sweep["suite"].items()}))
@@ -742,7 +771,8 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="bert-jax sweep", description=__doc__, allow_abbrev=False,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="table config configs/ablations/NAME.py[:arg] (get_config, get_sweep, "
-                                       "get_suite, PUBLISHED); read from WORKDIR/sweep.json with --collect")
+                                       "get_suite, PUBLISHED); with --collect the table recorded in "
+                                       "WORKDIR/sweep.json is used, or this config where one is given")
   parser.add_argument("--workdir", required=True, help="the sweep's directory (shared by every row's job)")
   parser.add_argument("--data-dir", action="append", default=[], metavar="KIND=PATH",
                       help="root of a downstream task's data: glue=DIR (GLUE folders), squad=DIR, conll2003=DIR; "
@@ -778,7 +808,7 @@ def main(argv: list[str]) -> int:
   try:
     workdir = paths.as_path(args.workdir)
     if args.collect:
-      results = collect(workdir)
+      results = collect(workdir, args.config)
     else:
       if not args.config:
         parser.error("--config is required (unless --collect)")

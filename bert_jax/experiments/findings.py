@@ -172,6 +172,18 @@ def _table_name(spec: str) -> str:
   return pathlib.Path(spec.partition(":")[0]).stem
 
 
+def _our_spec(spec: str, where: pathlib.Path) -> str:
+  """This repository's table config of the name a results file records, with its argument: never the file the
+  results name (reading results must not run code that came with them)."""
+  from bert_jax.experiments import ablation
+
+  ours = ablation.CONFIGS / "ablations" / f"{_table_name(spec)}.py"
+  if not ours.is_file():
+    raise ValueError(f"{where}: its table {spec.partition(':')[0]} is not one of configs/ablations/")
+  arg = spec.partition(":")[2]
+  return f"{ours}:{arg}" if arg else str(ours)
+
+
 def _recipe(suite: Mapping[str, Any], finetune: Mapping[str, Any]) -> dict[str, Any]:
   """A suite's fine-tuning recipe, without its task list and the overrides that change only speed."""
   recipe = {key: list(value) if isinstance(value, (list, tuple)) else value for key, value in suite.items()
@@ -277,7 +289,7 @@ def load_runs(root: str | pathlib.Path) -> list[Run]:
     results = json.loads(path.read_text())
     if "config" not in results or "rows" not in results:
       continue
-    name = _table_name(results["config"])
+    name, spec = _table_name(results["config"]), _our_spec(results["config"], path)
     overrides = tuple(item for item in results.get("overrides", [])
                       if not item.removeprefix("--").removeprefix("config.").startswith("data.prepared="))
     card = json.loads((path.parent / "reproduce.json").read_text()).get("card", "") if (
@@ -286,7 +298,7 @@ def load_runs(root: str | pathlib.Path) -> list[Run]:
       pretrain = row.get("pretrain") or {}
       if row.get("from") or pretrain.get("step") is None:
         continue
-      pretraining, seed = _row_setting(results["config"], overrides, row["name"], int(pretrain["step"]))
+      pretraining, seed = _row_setting(spec, overrides, row["name"], int(pretrain["step"]))
       recipe = _recipe(results["suite"], row.get("finetune") or {})
       runs.append(Run(table=name, folder=str(path.parent.relative_to(root)), row=row["name"], seed=seed,
                       key=_key(pretraining, recipe),

@@ -4,7 +4,9 @@
   bert-jax table --findings docs/reproductions   # every table's findings judged by the protocol (report.py)
 
 Reads WORKDIR/results.json (collected anew from the rows' state files, so a
-sweep still running or partly failed renders what has finished) and writes:
+sweep still running or partly failed renders what has finished; the table's
+rows and published numbers as sweep.json records them, so that rendering a
+folder never runs code that came with it) and writes:
 
   table.md             one row per paper row: for every column ours (median
                        over seeds at the best learning rate, ± std) and the
@@ -505,15 +507,16 @@ def plot_across_runs(tables: Sequence[tuple[str, dict[str, Any]]], out: str | os
   return _save_png(figure, out)
 
 
-def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, epath.Path]:
+def render(workdir: str | os.PathLike, out: str | os.PathLike | None = None,
+           config: str | None = None) -> dict[str, epath.Path]:
   """Collects WORKDIR's results and writes table.md, table.csv and the figures into `out` (default WORKDIR);
-  either may be local or `gs://`."""
+  either may be local or `gs://`. The table is the one sweep.json records, or `config` (`ablation.collect`)."""
   from bert_jax.experiments import ablation
 
   workdir = paths.as_path(workdir)
   out = paths.as_path(out) if out else workdir
   out.mkdir(parents=True, exist_ok=True)
-  results = ablation.collect(workdir)
+  results = ablation.collect(workdir, config)
   paths.write_text(out / "table.md", render_markdown(results))
   write_csv(results, out / "table.csv")
   figures = plot(results, workdir, out)
@@ -526,6 +529,8 @@ def main(argv: Sequence[str]) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdir", nargs="?", help="the workdir of a `bert-jax sweep` run")
   parser.add_argument("--out", help="directory for table.md, table.csv and the PNGs (default: WORKDIR)")
+  parser.add_argument("--config", help="the sweep's table config, for a sweep.json that records no table (it is "
+                      "run to read it: give only one you trust); otherwise the recorded table is read, no code run")
   parser.add_argument("--findings", metavar="ROOT", help="instead: judge every table's findings over the runs "
                       "published under ROOT (docs/reproductions) by the protocol's rule and print the summary")
   parser.add_argument("--page", help="with --findings: rewrite this page's generated summary (docs/reproductions.md) "
@@ -540,7 +545,7 @@ def main(argv: Sequence[str]) -> int:
       from bert_jax.experiments import report
 
       return report.main(args.findings, args.page)
-    written = render(args.workdir, args.out)
+    written = render(args.workdir, args.out, args.config)
   except (FileNotFoundError, ValueError) as error:
     print(f"bert-jax table: {error}")
     return 2
