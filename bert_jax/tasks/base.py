@@ -299,6 +299,19 @@ def data_error(path: str | pathlib.Path, line: int | None, message: str) -> Valu
   return ValueError(f"{where}: {message}")
 
 
+def describe_json(value: Any) -> str:
+  """A JSON value as an error names it: null, true, the number 5, the string 'abc', a list, an object."""
+  if value is None:
+    return "null"
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, (int, float)):
+    return f"the number {value!r}"
+  if isinstance(value, str):
+    return f"the string {value[:40]!r}" + ("..." if len(value) > 40 else "")
+  return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def read_json_lines(path: str | pathlib.Path) -> list[tuple[int, Any]]:
   """(line number, parsed value) of every non-blank line of a JSON-lines file (a leading BOM is dropped).
 

@@ -25,7 +25,7 @@ from etils import epath
 import numpy as np
 
 from bert_jax.tasks import metrics
-from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_outputs, data_error,
+from bert_jax.tasks.base import (Task, TaskTokenizer, TextPairExample, check_outputs, data_error, describe_json,
                                  encode_segments, read_json_lines, read_utf8)
 
 STSB_SCORE_RANGE = (0.0, 5.0)
@@ -218,21 +218,34 @@ def read_glue_jsonl(spec: GlueSpec, path: str | pathlib.Path) -> list[TextPairEx
   score for STS-B; -1 or null for none) and "idx" (the guid; default "STEM-ROW").
 
   Raises:
-    ValueError: naming the file and line, for a line that is not a JSON object, lacks a text field or has a label
-      outside the task's label set.
+    ValueError: naming the file, line and field, for a line that is not a JSON object, lacks a text field, has a
+      text that is not a string (null, a number), a label outside the task's label set or an idx that is no id.
   """
   path = pathlib.Path(path)
+  keys = list(spec.tfds_text_keys)
   examples = []
   for line_number, record in read_json_lines(path):
-    missing = [key for key in spec.tfds_text_keys if not isinstance(record, dict) or key not in record]
+    if not isinstance(record, dict):
+      raise data_error(path, line_number, f"the line is {describe_json(record)}, expected a JSON object: {spec.name} "
+                       f"lines are objects with {keys} (and optionally 'label', 'idx')")
+    missing = [key for key in keys if key not in record]
     if missing:
       raise data_error(path, line_number, f"no {missing} field: {spec.name} lines are objects with "
-                       f"{list(spec.tfds_text_keys)} (and optionally 'label', 'idx')")
+                       f"{keys} (and optionally 'label', 'idx')")
+    for key in keys:  # str() would turn null into the text "None" and 5 into "5", and predict on that.
+      if not isinstance(record[key], str):
+        raise data_error(path, line_number, f"field {key!r} is {describe_json(record[key])}, expected a string (the "
+                         "text); fix or remove that line")
     label = record.get("label")
+    if label is not None and label != -1 and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
+      raise data_error(path, line_number, f"field 'label' is {describe_json(label)}, expected a label string, "
+                       "an index, a score, or -1 / null for none")
     label = None if label is None or label == -1 else _parse_label(spec, str(label), path, line_number)
-    texts = [str(record[key]) for key in spec.tfds_text_keys]
-    guid = str(record["idx"]) if "idx" in record else f"{path.stem}-{len(examples)}"
-    examples.append(TextPairExample(guid, texts[0], texts[1] if len(texts) > 1 else None, label))
+    idx = record.get("idx", f"{path.stem}-{len(examples)}")
+    if isinstance(idx, bool) or not isinstance(idx, (str, int)):
+      raise data_error(path, line_number, f"field 'idx' is {describe_json(idx)}, expected a string or an integer "
+                       "(the example's id); fix it or leave it out")
+    examples.append(TextPairExample(str(idx), record[keys[0]], record[keys[1]] if len(keys) > 1 else None, label))
   if not examples:
     raise data_error(path, None, "file has no examples (empty?)")
   return examples

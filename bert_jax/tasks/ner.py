@@ -23,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, read_json_lines, read_utf8
+from bert_jax.tasks.base import (Task, TaskTokenizer, check_outputs, data_error, describe_json, read_json_lines,
+                                 read_utf8)
 
 ENTITY_TYPES = ("LOC", "MISC", "ORG", "PER")
 TAGS = ("O",) + tuple(f"{prefix}-{kind}" for prefix in ("B", "I") for kind in ENTITY_TYPES)
@@ -124,13 +125,20 @@ def read_tokens_jsonl(path: str | pathlib.Path) -> list[TaggedSentence]:
   a line, without tags.
 
   Raises:
-    ValueError: naming the file and line, for a line that is not a JSON object with a list of strings "tokens".
+    ValueError: naming the file and line, for a line that is not a JSON object with a list "tokens" of words
+      (non-blank strings without spaces: words are joined by spaces to be tokenised).
   """
   sentences = []
   for line_number, record in read_json_lines(path):
     tokens = record.get("tokens") if isinstance(record, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
-      raise data_error(path, line_number, 'expected an object with "tokens": a list of words')
+    if not isinstance(tokens, list):
+      found = f"field 'tokens' is {describe_json(tokens)}" if isinstance(record, dict) and "tokens" in record else (
+          "no field 'tokens'" if isinstance(record, dict) else f"the line is {describe_json(record)}")
+      raise data_error(path, line_number, f'{found}; expected an object with "tokens": a list of words')
+    for index, token in enumerate(tokens):  # Words are joined by spaces: a blank one would take no piece, no tag.
+      if not isinstance(token, str) or not token.strip() or len(token.split()) != 1:
+        raise data_error(path, line_number, f"tokens[{index}] is {describe_json(token)}, expected a word (a string "
+                         "without spaces); fix or remove that line")
     sentences.append(TaggedSentence(tuple(tokens), (), len(sentences)))
   if not sentences:
     raise data_error(path, None, "file has no sentences (empty?)")

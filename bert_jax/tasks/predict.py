@@ -6,7 +6,8 @@
 The input is read by the task (`Task.read_file`), labelled or not: a GLUE TSV
 of the run's task (train/dev or test layout) or JSON lines of its field names,
 a CoNLL file (only the word column is read) or JSON lines of {"tokens": [...]},
-SQuAD JSON, a swagaf CSV.
+SQuAD JSON, a swagaf CSV. A field of the wrong type (a null or numeric text) is refused naming its file and line
+(JSON: its path); so is an --output that is the input file or a link to it.
 
 Output formats:
   jsonl       (default) one JSON object per example: {"id", "label", "probabilities"} for classification,
@@ -80,6 +81,10 @@ def predict_file(workdir: str, input_path: str, output_path: str, seed: int | No
   source = pathlib.Path(input_path)
   if not source.is_file():
     raise FileNotFoundError(f"--input {input_path}: no such file")
+  output = pathlib.Path(output_path)
+  if output.exists() and output.samefile(source):  # samefile: the same inode, so hard and symbolic links too.
+    raise ValueError(f"--output {output_path} is the input file {input_path} (the same path or a link to it); "
+                     "writing there would overwrite the examples: choose another --output")
   model = load_for_inference(workdir, seed)
   examples = model.task.read_file(source)
   features = model.featurize(examples)
@@ -99,7 +104,6 @@ def predict_file(workdir: str, input_path: str, output_path: str, seed: int | No
     text = "".join(json.dumps(record, ensure_ascii=False) + "\n"
                    for record in prediction_records(model.task, predictions, outputs, examples))
   if jax.process_index() == 0:
-    output = pathlib.Path(output_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text, encoding="utf-8")
   return {"examples": len(examples), "rows": rows, "seconds": seconds, "output": str(output_path),

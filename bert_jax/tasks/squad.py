@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, read_utf8
+from bert_jax.tasks.base import Task, TaskTokenizer, check_outputs, data_error, describe_json, read_utf8
 
 VERSIONS = ("1.1", "2.0")
 _PUNCTUATION = frozenset(string.punctuation)
@@ -82,9 +82,10 @@ def read_squad(source: str | pathlib.Path | dict[str, Any], require_answers: boo
   instead of failing.
 
   Raises:
-    ValueError: naming the file (and line, or question) when the file is not
-      JSON (e.g. truncated), a field is missing, an answerable question has
-      no answers or an answer's start is outside its paragraph.
+    ValueError: naming the file and the JSON path (`data[3].paragraphs[0].context`) when the file is not JSON
+      (e.g. truncated; then its line), a field is missing or of the wrong type (a null list, a number for a
+      text, a text for an answer start), a question id repeats, an answerable question has no answers or an
+      answer's start is outside its paragraph.
   """
   if isinstance(source, dict):
     data, where = source, "<squad dict>"
@@ -97,33 +98,65 @@ def read_squad(source: str | pathlib.Path | dict[str, Any], require_answers: boo
                        f"truncated: download it again") from None
   if not isinstance(data, dict) or not isinstance(data.get("data"), list):
     raise data_error(where, None, "not SQuAD JSON: no top-level 'data' list")
-  examples = []
+  examples, first_seen = [], {}
   for article_index, article in enumerate(data["data"]):
-    for paragraph in _field(article, "paragraphs", where, f"data[{article_index}]"):
-      context = _field(paragraph, "context", where, f"a paragraph of data[{article_index}]")
-      for qa in _field(paragraph, "qas", where, f"a paragraph of data[{article_index}]"):
-        qid = _field(qa, "id", where, f"a question of data[{article_index}]")
-        is_impossible = bool(qa.get("is_impossible", False))
+    at = f"data[{article_index}]"
+    title = _field(article, "title", where, at, str, default="")
+    for paragraph_index, paragraph in enumerate(_field(article, "paragraphs", where, at, list)):
+      at_paragraph = f"{at}.paragraphs[{paragraph_index}]"
+      context = _field(paragraph, "context", where, at_paragraph, str)
+      for qa_index, qa in enumerate(_field(paragraph, "qas", where, at_paragraph, list)):
+        at_qa = f"{at_paragraph}.qas[{qa_index}]"
+        qid = _field(qa, "id", where, at_qa, str)
+        if qid in first_seen:  # Predictions and scores are keyed by id: a repeat would take another's answer.
+          raise data_error(where, None, f"question id {qid!r} at {at_qa} repeats the one at {first_seen[qid]}; "
+                           "give every question its own id")
+        first_seen[qid] = at_qa
+        question = _field(qa, "question", where, at_qa, str, what=f"question {qid}")
+        is_impossible = _field(qa, "is_impossible", where, at_qa, bool, default=False)
         unlabelled = not require_answers and not qa.get("answers")
-        answers = () if is_impossible or unlabelled else tuple(
-            (_field(a, "text", where, f"an answer of question {qid}"),
-             int(_field(a, "answer_start", where, f"an answer of question {qid}")))
-            for a in _field(qa, "answers", where, f"question {qid}"))
-        if not is_impossible and not answers and not unlabelled:
-          raise data_error(where, None, f"question {qa['id']} has no answers and is not marked impossible")
-        for text, start in answers:
-          if not 0 <= start <= len(context) - len(text):
-            raise data_error(where, None, f"question {qa['id']}: answer start {start} is outside the context")
-        examples.append(SquadExample(qid, article.get("title", ""), _field(qa, "question", where, f"question {qid}"),
-                                     context, answers, is_impossible))
+        answers = []
+        if not is_impossible and not unlabelled:
+          for answer_index, answer in enumerate(_field(qa, "answers", where, at_qa, list, what=f"question {qid}")):
+            at_answer, what = f"{at_qa}.answers[{answer_index}]", f"an answer of question {qid}"
+            text = _field(answer, "text", where, at_answer, str, what=what)
+            start = _field(answer, "answer_start", where, at_answer, int, what=what)
+            if not 0 <= start <= len(context) - len(text):
+              raise data_error(where, None, f"question {qid}: answer start {start} is outside the context "
+                               f"({at_answer}: {len(text)} characters from {start}, context has {len(context)}); "
+                               "fix the answer's start")
+            answers.append((text, start))
+          if not answers:
+            raise data_error(where, None, f"question {qid} has no answers and is not marked impossible ({at_qa}); "
+                             "give it an answer or \"is_impossible\": true (SQuAD v2.0)")
+        examples.append(SquadExample(qid, title, question, context, tuple(answers), is_impossible))
   return examples
 
 
-def _field(record: Any, key: str, where: str, what: str) -> Any:
-  """record[key], or a ValueError naming the file and the record that lacks it."""
-  if not isinstance(record, dict) or key not in record:
-    raise data_error(where, None, f"{what} has no {key!r} field; is this SQuAD v1.1/v2.0 JSON?")
-  return record[key]
+# What each typed field must hold, as the error words it.
+_EXPECTED = {str: "a string", list: "a list", int: "an integer", bool: "true or false", dict: "an object"}
+_MISSING = object()
+
+
+def _field(record: Any, key: str, where: str, at: str, kind: type, what: str | None = None,
+           default: Any = _MISSING) -> Any:
+  """record[key] when it is a `kind`, else a ValueError naming the file and the JSON path (`at`: the record's).
+
+  A missing key reads as `default` when one is given; `what` names the record in the message (default: `at`).
+  """
+  if not isinstance(record, dict):
+    raise data_error(where, None, f"{at} is {describe_json(record)}, expected an object; is this SQuAD v1.1/v2.0 "
+                     "JSON?")
+  if key not in record:
+    if default is not _MISSING:
+      return default
+    place = f" at {at}" if what else ""
+    raise data_error(where, None, f"{what or at} has no {key!r} field{place}; is this SQuAD v1.1/v2.0 JSON?")
+  value = record[key]
+  if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):  # true is an int in Python.
+    raise data_error(where, None, f"{at}.{key} is {describe_json(value)}, expected {_EXPECTED[kind]}; fix that "
+                     "field of the file (SQuAD v1.1/v2.0 JSON)")
+  return value
 
 
 def split_squad_by_article(data: dict[str, Any], eval_fraction: float = 0.25,
