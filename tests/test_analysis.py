@@ -51,6 +51,8 @@ def reference_patterns(probs_khqq, tokens):
 
 
 def test_attention_patterns_match_transformers_attentions(minilm, minilm_dir):
+  pytest.importorskip("torch", reason="runs transformers on PyTorch: the torch tier, pip install -e '.[test,hf]' "
+                      "(tests/goldens hold its outputs for the default tier)")
   transformers = pytest.importorskip("transformers")
   tokenizers = pytest.importorskip("tokenizers")
   import torch
@@ -89,6 +91,26 @@ def test_attention_patterns_match_transformers_attentions(minilm, minilm_dir):
   middle = slice(1, config.num_layers - 1)
   assert special[middle].max() > 0.4 and special[middle].mean() > special[0]
   assert layer_means["entropy"][0] > layer_means["entropy"][middle].mean()
+
+
+def test_attention_patterns_match_goldens(minilm):
+  """The test above without PyTorch: transformers' pattern means over the same lines, written by
+  tests/goldens/make_goldens.py with `reference_patterns`."""
+  import goldens
+
+  from bert_jax.analysis.features import encode_line
+
+  golden = goldens.outputs("minilm")
+  family, config, params, tokenizer = minilm
+  vocab_tokens = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
+  encoded = [encode_line(tokenizer, family, line, 64) for line in LINES]
+  np.testing.assert_array_equal(np.concatenate([ids for ids, _ in encoded]), golden["attention/ids"])
+  assert [len(ids) for ids, _ in encoded] == list(golden["attention/lengths"])
+  got = attention.attention_patterns(config, params, encoded, tokenizer.cls_id, tokenizer.sep_id,
+                                     attention.punctuation_ids(vocab_tokens), max_len=64, batch_size=2)
+  assert int(got["tokens"]) == int(golden["attention/tokens"])
+  for name in attention.PATTERNS:
+    np.testing.assert_allclose(got[name], golden[f"attention/{name}"], atol=2e-5, err_msg=name)
 
 
 def test_punctuation_ids():

@@ -7,18 +7,28 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from bert_jax.convert import (CheckpointError, build_model, detect_format, encoder_params, load_hf_checkpoint,
+                              load_pretrained, save_hf_checkpoint, save_pretrained)
+from bert_jax.convert.hf import main as convert_main
+from bert_jax.models import Encoder
+from bert_jax.models.heads import Pooler, ReplacedTokenHead
 
-from bert_jax.convert import (CheckpointError, build_model, detect_format, encoder_params,  # noqa: E402
-                              load_hf_checkpoint, load_pretrained, save_hf_checkpoint, save_pretrained)
-from bert_jax.convert.hf import main as convert_main  # noqa: E402
-from bert_jax.models import Encoder  # noqa: E402
+import goldens
+
+try:  # the live tests run transformers on PyTorch (the hf extra); the golden tests below need neither
+  import torch
+  import transformers
+except ImportError:
+  torch = transformers = None
+live = pytest.mark.skipif(torch is None, reason="runs transformers on PyTorch: the torch tier, pip install -e "
+                          "'.[test,hf]' (tests/goldens hold its outputs for the default tier)")
 
 VOCAB = 99
 TOLERANCE = 1e-5
+GRADIENT_TOLERANCE = 2e-6  # the tiny models' gradients are of order 0.1; float32 reorderings differ by about 1e-7
 LENGTHS = (10, 7, 4)  # right padding in rows 1 and 2
 
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -33,6 +43,8 @@ HF_MODELS = {  # family -> (config class, pretraining class, base class, config 
     "electra": ("ElectraConfig", "ElectraForPreTraining", "ElectraModel", dict(embedding_size=16)),
 }
 GENERATOR = dict(hidden_size=16, num_attention_heads=2, intermediate_size=24)
+MINILM_SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Feature extraction with a frozen encoder.",
+                    "BERT is pre-trained on unlabeled text."]
 
 
 def hf_model(family, which="pretraining", seed=0, **overrides):
@@ -67,7 +79,7 @@ def run_hf(model, ids, segments, mask):
 
 
 def max_diff(ours, theirs, mask=None):
-  diff = np.abs(np.asarray(ours, np.float32) - theirs.numpy())
+  diff = np.abs(np.asarray(ours, np.float32) - np.asarray(theirs))
   return float((diff[mask == 1] if mask is not None else diff).max())
 
 
@@ -87,6 +99,7 @@ def ours_pretraining(family, config, params, ids, segments, mask):
   return build_model(config, params).apply({"params": params}, ids, positions, segment_ids=segments, pack_ids=mask)
 
 
+@live
 @pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
 def test_pretraining_heads_match_transformers(family, tmp_path):
   model = hf_model(family)
@@ -103,6 +116,7 @@ def test_pretraining_heads_match_transformers(family, tmp_path):
   assert max(diffs.values()) < TOLERANCE, diffs
 
 
+@live
 @pytest.mark.parametrize("family", list(HF_MODELS))
 def test_base_models_match_transformers(family, tmp_path):
   model = hf_model(family, "base")
@@ -115,6 +129,7 @@ def test_base_models_match_transformers(family, tmp_path):
     assert max_diff(ours["hidden_states"][layer], theirs.hidden_states[layer], mask) < TOLERANCE
 
 
+@live
 def test_electra_discriminator_and_generator_match_transformers(tmp_path):
   discriminator, generator = electra_pair()
   family, config, params, extras = load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"),
@@ -133,6 +148,7 @@ def test_electra_discriminator_and_generator_match_transformers(tmp_path):
   assert max_diff(hidden, theirs.hidden_states[-1], mask) < TOLERANCE
 
 
+@live
 def test_electra_discriminator_alone_keeps_its_head(tmp_path):
   discriminator = hf_model("electra")
   _, config, params, extras = load_hf_checkpoint(save_hf(discriminator, tmp_path / "hf"))
@@ -152,6 +168,7 @@ def _export_and_reload(family, config, params, extras, out_dir, model_class):
   return written, reloaded.eval()
 
 
+@live
 @pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
 def test_export_loads_in_transformers_and_round_trips(family, tmp_path):
   model = hf_model(family, seed=1)
@@ -166,6 +183,7 @@ def test_export_loads_in_transformers_and_round_trips(family, tmp_path):
   assert_params_equal(params, params_again)
 
 
+@live
 def test_electra_export_round_trips(tmp_path):
   discriminator, generator = electra_pair(seed=2)
   _, config, params, extras = load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"),
@@ -205,8 +223,7 @@ def test_electra_trees_of_the_table_5_objectives_save_in_our_format_and_refuse_h
 
 
 def test_our_format_round_trips_through_the_cli(tmp_path):
-  model = hf_model("bert", seed=3)
-  hf_dir = save_hf(model, tmp_path / "hf")
+  hf_dir = goldens.checkpoint("bert", tmp_path / "hf")
   (hf_dir / "vocab.txt").write_text("".join(f"[unused{i}]\n" for i in range(VOCAB)))
   assert convert_main(["--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")]) == 0
   assert detect_format(tmp_path / "ours") == "bert_jax"
@@ -226,7 +243,7 @@ def test_our_format_round_trips_through_the_cli(tmp_path):
 
 
 def test_save_pretrained_keeps_extras_and_checks_shapes(tmp_path):
-  _, config, params, extras = load_hf_checkpoint(save_hf(hf_model("albert", "base"), tmp_path / "hf"))
+  _, config, params, extras = load_hf_checkpoint(goldens.checkpoint("albert_base", tmp_path / "hf"))
   save_pretrained(tmp_path / "ours", "albert", config, params, extras=extras)
   (_, _, params_again, _), extras_again = load_pretrained(tmp_path / "ours", return_extras=True)
   assert_params_equal(params, params_again)
@@ -235,6 +252,7 @@ def test_save_pretrained_keeps_extras_and_checks_shapes(tmp_path):
     save_pretrained(tmp_path / "bad", "albert", config.replace(intermediate_size=8), params)
 
 
+@live
 def test_pretrained_tokenizer_matches_transformers_bert_model_on_minilm(minilm_dir):
   tokenizers = pytest.importorskip("tokenizers")
   family, config, params, extras = load_hf_checkpoint(minilm_dir)
@@ -242,9 +260,7 @@ def test_pretrained_tokenizer_matches_transformers_bert_model_on_minilm(minilm_d
   tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
   tokenizer.no_truncation()
   tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-  sentences = ["The quick brown fox jumps over the lazy dog.", "Feature extraction with a frozen encoder.",
-               "BERT is pre-trained on unlabeled text."]
-  encodings = tokenizer.encode_batch(sentences)
+  encodings = tokenizer.encode_batch(MINILM_SENTENCES)
   ids = np.array([e.ids for e in encodings], np.int32)
   mask = np.array([e.attention_mask for e in encodings], np.int32)
   segments = np.zeros_like(ids)
@@ -254,11 +270,158 @@ def test_pretrained_tokenizer_matches_transformers_bert_model_on_minilm(minilm_d
   assert max_diff(ours["hidden"], theirs.last_hidden_state, mask) < 1e-4
 
 
+# ----------------------------------------------------------------------------- goldens
+# transformers' outputs for the same models and inputs, written by tests/goldens/make_goldens.py: the parity above,
+# checked without PyTorch. The weights are regenerated from their names into the files transformers loaded.
+
+
+def exported_tensors(family, config, tree, directory, extras=None):
+  """`tree` (params or their gradients) as the Hugging Face tensors our export writes, by name."""
+  import safetensors.numpy
+  written = save_hf_checkpoint(family, config, jax.tree.map(np.asarray, tree), directory, extras=extras)
+  return {name: array for path in written for name, array in safetensors.numpy.load_file(
+      path / "model.safetensors").items()}
+
+
+def assert_gradients_match(golden, grads, atol):
+  names = [key for key in golden if key.startswith("grad/")]
+  assert names and all(key[5:] in grads for key in names), sorted(set(key[5:] for key in names) - set(grads))
+  diffs = {key[5:]: float(np.abs(grads[key[5:]] - golden[key]).max()) for key in names}
+  assert max(diffs.values()) < atol, {key: diff for key, diff in diffs.items() if diff >= atol}
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
+def test_pretraining_heads_and_gradients_match_goldens(family, tmp_path):
+  golden = goldens.outputs(family)
+  got_family, config, params, _ = load_hf_checkpoint(goldens.checkpoint(family, tmp_path / "hf"))
+  assert got_family == family
+  ids, segments, mask = golden["ids"], golden["segments"], golden["mask"]
+
+  def loss_and_outputs(params):
+    ours = ours_pretraining(family, config, params, ids, segments, mask)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(ours["mlm_logits"], golden["labels"])
+    loss = (cross_entropy * mask).sum() / mask.sum()
+    if "sentence_labels" in golden:
+      loss += optax.softmax_cross_entropy_with_integer_labels(ours["sentence_logits"][:, 0],
+                                                              golden["sentence_labels"]).mean()
+    return loss, ours
+
+  (loss, ours), grads = jax.value_and_grad(loss_and_outputs, has_aux=True)(params)
+  hidden = Encoder(config).apply({"params": encoder_params(params)}, ids, segments, pack_ids=mask,
+                                 output_hidden_states=True)["hidden_states"]
+  diffs = {f"hidden_{layer}": max_diff(hidden[layer], golden["hidden_states"][layer], mask)
+           for layer in range(config.num_layers + 1)}
+  diffs["mlm"] = max_diff(ours["mlm_logits"], golden["mlm_logits"], mask)
+  if family != "roberta":
+    diffs["sentence"] = max_diff(ours["sentence_logits"][:, 0], golden["sentence_logits"])
+  diffs["loss"] = abs(float(loss) - float(golden["loss"]))
+  assert max(diffs.values()) < TOLERANCE, diffs
+  assert_gradients_match(golden, exported_tensors(family, config, grads, tmp_path / "grads"), GRADIENT_TOLERANCE)
+
+
+@pytest.mark.parametrize("family", list(HF_MODELS))
+def test_base_models_match_goldens(family, tmp_path):
+  golden = goldens.outputs(f"{family}_base")
+  _, config, params, extras = load_hf_checkpoint(goldens.checkpoint(f"{family}_base", tmp_path))
+  assert ("pooler" in extras) == (family != "electra")
+  ids, segments, mask = golden["ids"], golden["segments"], golden["mask"]
+  ours = Encoder(config).apply({"params": params}, ids, segments, pack_ids=mask, output_hidden_states=True)
+  for layer in range(config.num_layers + 1):
+    assert max_diff(ours["hidden_states"][layer], golden["hidden_states"][layer], mask) < TOLERANCE
+  if "pooler" in extras:
+    pooled = Pooler(config).apply({"params": extras["pooler"]}, ours["hidden"])[:, 0]
+    assert max_diff(pooled, golden["pooler_output"]) < TOLERANCE
+
+
+def test_electra_discriminator_and_generator_match_goldens(tmp_path):
+  golden = goldens.outputs("electra_generator")
+  family, config, params, extras = load_hf_checkpoint(goldens.checkpoint("electra", tmp_path / "disc"),
+                                                      goldens.checkpoint("electra_generator", tmp_path / "gen"))
+  assert family == "electra" and extras["generator_config"].hidden_size == GENERATOR["hidden_size"]
+  ids, segments, mask = golden["ids"], golden["segments"], golden["mask"]
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+  model = build_model(config, params, extras["generator_config"])
+  ours = model.apply({"params": params}, jnp.asarray(ids), positions, jnp.asarray(ids), segment_ids=segments,
+                     pack_ids=mask, sample=False)
+  corrupted = np.asarray(ours["corrupted_ids"])
+  np.testing.assert_array_equal(corrupted[mask == 1], golden["pair/corrupted_ids"][mask == 1])
+  assert max_diff(ours["mlm_logits"], golden["pair/mlm_logits"], mask) < TOLERANCE
+  assert max_diff(ours["rtd_logits"], golden["pair/rtd_logits"], mask) < TOLERANCE
+  hidden = Encoder(config).apply({"params": encoder_params(params)}, corrupted, segments, pack_ids=mask)["hidden"]
+  assert max_diff(hidden, golden["pair/hidden"], mask) < TOLERANCE
+
+
+def test_electra_discriminator_alone_and_its_gradients_match_goldens(tmp_path):
+  golden = goldens.outputs("electra")
+  _, config, params, extras = load_hf_checkpoint(goldens.checkpoint("electra", tmp_path / "hf"))
+  assert "embeddings" in params and "rtd" in extras
+  ids, segments, mask = golden["ids"], golden["segments"], golden["mask"]
+
+  def loss_and_logits(trees):
+    hidden = Encoder(config).apply({"params": trees["encoder"]}, ids, segments, pack_ids=mask)["hidden"]
+    logits = ReplacedTokenHead(config).apply({"params": trees["rtd"]}, hidden)
+    loss = (optax.sigmoid_binary_cross_entropy(logits, golden["labels"]) * mask).sum() / mask.sum()
+    return loss, logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_and_logits, has_aux=True)({"encoder": params, "rtd": extras["rtd"]})
+  assert max_diff(logits, golden["rtd_logits"], mask) < TOLERANCE and abs(float(loss) - golden["loss"]) < TOLERANCE
+  tensors = exported_tensors("electra", config, grads["encoder"], tmp_path / "grads", extras={"rtd": grads["rtd"]})
+  assert_gradients_match(golden, tensors, GRADIENT_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta", "albert", "bert_base", "roberta_base", "albert_base",
+                                  "electra_base", "electra", "electra_pair"])
+def test_export_writes_the_checkpoint_transformers_saved(name, tmp_path):
+  """What transformers loads without missing or unexpected tensors (the live export tests), without PyTorch: our
+  export of a loaded checkpoint holds the tensors transformers saved, by name and value, and its config agrees."""
+  import safetensors.numpy
+  names = ["electra", "electra_generator"] if name == "electra_pair" else [name]
+  sources = [goldens.checkpoint(source, tmp_path / "hf" / source) for source in names]
+  family, config, params, extras = load_hf_checkpoint(*sources)
+  written = save_hf_checkpoint(family, config, params, tmp_path / "out", extras=extras)
+  assert len(written) == len(sources)
+  for source, out in zip(sources, written):
+    theirs, ours = (safetensors.numpy.load_file(path / "model.safetensors") for path in (source, out))
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+      np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+    their_config, our_config = (json.loads((path / "config.json").read_text()) for path in (source, out))
+    # ALBERT's classifier_dropout_prob is exported as the hidden dropout: a setting for a head no checkpoint holds.
+    differing = {key: value for key, value in our_config.items() if their_config.get(key, value) != value}
+    assert differing.keys() <= {"classifier_dropout_prob"}, differing
+  _, config_again, params_again, _ = load_hf_checkpoint(*written)
+  assert config_again == config
+  assert_params_equal(params, params_again)
+
+
+def test_minilm_hidden_states_and_gradients_match_goldens(minilm_dir, tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  golden = goldens.outputs("minilm")
+  family, config, params, extras = load_hf_checkpoint(minilm_dir)
+  assert family == "bert" and (config.num_layers, config.hidden_size) == (6, 384) and "pooler" in extras
+  tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+  tokenizer.no_truncation()
+  tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+  encodings = tokenizer.encode_batch(MINILM_SENTENCES)
+  ids = np.array([e.ids for e in encodings], np.int32)
+  mask = np.array([e.attention_mask for e in encodings], np.int32)
+  np.testing.assert_array_equal(ids, golden["ids"])
+  segments = np.zeros_like(ids)
+
+  def loss_and_hidden(params):
+    hidden = Encoder(config).apply({"params": params}, ids, segments, pack_ids=mask)["hidden"]
+    return ((hidden @ golden["direction"]) * mask).sum() / mask.sum(), hidden
+
+  (loss, hidden), grads = jax.value_and_grad(loss_and_hidden, has_aux=True)(params)
+  assert max_diff(hidden, golden["last_hidden"], mask) < 1e-4 and abs(float(loss) - golden["loss"]) < 1e-4
+  assert_gradients_match(golden, exported_tensors("bert", config, grads, tmp_path / "grads"), 1e-4)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
 def test_unknown_architecture_lists_supported_ones(tmp_path, capsys):
-  save_hf(hf_model("bert", "base"), tmp_path)
+  goldens.checkpoint("bert_base", tmp_path)
   config = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
   with pytest.raises(CheckpointError, match=r"unknown architecture \['GPT2LMHeadModel'\].*BertForPreTraining"):
@@ -269,7 +432,7 @@ def test_unknown_architecture_lists_supported_ones(tmp_path, capsys):
 
 def test_missing_and_mis_shaped_tensors_are_all_named(tmp_path):
   import safetensors.numpy
-  save_hf(hf_model("bert"), tmp_path)
+  goldens.checkpoint("bert", tmp_path)
   tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
   del tensors["bert.encoder.layer.1.attention.self.key.weight"]
   tensors["cls.predictions.transform.dense.weight"] = np.zeros((32, 31), np.float32)
@@ -284,12 +447,13 @@ def test_missing_and_mis_shaped_tensors_are_all_named(tmp_path):
 
 
 def test_vocab_size_must_match_the_tokenizer(tmp_path):
-  save_hf(hf_model("bert", "base"), tmp_path)
+  goldens.checkpoint("bert_base", tmp_path)
   (tmp_path / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(50)))
   with pytest.raises(CheckpointError, match="vocab_size=99 but vocab.txt has 50 tokens"):
     load_hf_checkpoint(tmp_path)
 
 
+@live
 def test_pytorch_bin_loads_and_refuses_non_tensor_pickles(tmp_path):
   model = hf_model("bert", "base")
   model.config.architectures = ["BertModel"]
@@ -306,10 +470,10 @@ def test_pytorch_bin_loads_and_refuses_non_tensor_pickles(tmp_path):
 
 
 def test_export_refuses_options_transformers_lacks(tmp_path):
-  _, config, params, _ = load_hf_checkpoint(save_hf(hf_model("bert", "base"), tmp_path / "hf"))
+  _, config, params, _ = load_hf_checkpoint(goldens.checkpoint("bert_base", tmp_path / "hf"))
   with pytest.raises(CheckpointError, match="norm='pre'"):
     save_hf_checkpoint("bert", config.replace(norm="pre"), params, tmp_path / "out")
-  _, albert, _, _ = load_hf_checkpoint(save_hf(hf_model("albert", "base"), tmp_path / "albert"))
+  _, albert, _, _ = load_hf_checkpoint(goldens.checkpoint("albert_base", tmp_path / "albert"))
   shared_attention = albert.replace(shared_sublayers="attention")
   encoder = Encoder(shared_attention).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
   with pytest.raises(CheckpointError, match="shared_sublayers='attention' .Hugging Face shares whole layers only"):
@@ -317,9 +481,13 @@ def test_export_refuses_options_transformers_lacks(tmp_path):
 
 
 def test_electra_warns_when_generator_embeddings_differ(tmp_path):
-  discriminator, generator = hf_model("electra"), hf_model("electra", "generator", seed=1, **GENERATOR)
+  import safetensors.numpy
+  generator = goldens.checkpoint("electra_generator", tmp_path / "gen")
+  tensors = safetensors.numpy.load_file(generator / "model.safetensors")
+  tensors["electra.embeddings.word_embeddings.weight"] += 1
+  safetensors.numpy.save_file(tensors, generator / "model.safetensors", metadata={"format": "pt"})
   with pytest.warns(UserWarning, match="generator embeddings"):
-    load_hf_checkpoint(save_hf(discriminator, tmp_path / "disc"), save_hf(generator, tmp_path / "gen"))
+    load_hf_checkpoint(goldens.checkpoint("electra", tmp_path / "disc"), generator)
 
 
 def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path, minilm_dir, capsys):

@@ -17,6 +17,8 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def hf_minilm(minilm_dir):
+  pytest.importorskip("torch", reason="runs transformers on PyTorch: the torch tier, pip install -e '.[test,hf]' "
+                      "(tests/goldens hold its outputs for the default tier)")
   transformers = pytest.importorskip("transformers")
   tokenizers = pytest.importorskip("tokenizers")
   tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
@@ -57,6 +59,37 @@ def test_features_match_transformers_hidden_states(minilm_dir, hf_minilm, tmp_pa
     got = result["features"][index, :length].reshape(length, len(layers), width)
     for slot, layer in enumerate(layers):
       np.testing.assert_allclose(got[:, slot], hidden_states[layer], atol=1e-4)
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_features_match_golden_hidden_states(minilm_dir, tmp_path, concat):
+  """The test above without PyTorch: transformers' tokens of every line and hidden states of two (a pair and a
+  single), written by tests/goldens/make_goldens.py."""
+  import goldens
+  golden = goldens.outputs("minilm")
+  (tmp_path / "input.txt").write_text("\n".join(SENTENCES) + "\n")
+  out = tmp_path / "features.npz"
+  layers = [int(layer) for layer in golden["features/layers"]]
+  argv = ["--model", str(minilm_dir), "--input", str(tmp_path / "input.txt"), "--layers", ",".join(map(str, layers)),
+          "--max-len", "64", "--batch-size", "2", "--out", str(out)]
+  assert features.main(argv + (["--concat"] if concat else [])) == 0
+  result = np.load(out)
+  assert result["features"].dtype == np.float32 and list(result["layers"]) == layers
+  width = 384
+  per_token = (len(layers) * width,) if concat else (len(layers), width)
+  assert result["features"].shape == (len(SENTENCES), result["lengths"].max()) + per_token
+  compared = 0
+  for index in range(len(SENTENCES)):
+    tokens = [token for token in golden["features/tokens"][index] if token]
+    length = result["lengths"][index]
+    assert length == len(tokens) and list(result["tokens"][index, :length]) == tokens
+    assert not result["tokens"][index, length:].any() and not result["features"][index, length:].any()
+    if f"features/hidden_{index}" in golden:
+      got = result["features"][index, :length].reshape(length, len(layers), width)
+      for slot in range(len(layers)):
+        np.testing.assert_allclose(got[:, slot], golden[f"features/hidden_{index}"][slot], atol=1e-4)
+      compared += 1
+  assert compared == 2
 
 
 def test_long_pairs_are_truncated_longest_first(minilm_dir, tmp_path):
