@@ -175,6 +175,39 @@ def carve_markdown(runs: Sequence[findings_lib.Run]) -> str:
           "|---|---|---|---|\n" + "\n".join(sorted(lines)) + "\n")
 
 
+def spread(runs: Sequence[findings_lib.Run], steps: int = 3000) -> dict[str, tuple[float, int, int]]:
+  """Run to run at `steps` pre-training steps: per task, the pooled standard deviation over configs run more than
+  once (each run's median over its fine-tuning seeds; repeats of one seed count as runs), with the number of configs
+  and runs it pools."""
+  by_key: dict[str, list[findings_lib.Run]] = {}
+  for run in runs:
+    if run.steps == steps:
+      by_key.setdefault(run.key, []).append(run)
+  out = {}
+  for task in [*suite_lib.GPU_TASKS[:1], "sst2" + findings_lib.OLD_CARVE, *suite_lib.GPU_TASKS[1:]]:
+    squares, freedom, configs = 0.0, 0, 0
+    for group in by_key.values():
+      values = [run.scores[task] for run in group if task in run.scores]
+      if len(values) > 1:
+        mean = statistics.fmean(values)
+        squares += sum((value - mean) ** 2 for value in values)
+        freedom += len(values) - 1
+        configs += 1
+    if freedom:
+      out[task] = ((squares / freedom) ** 0.5, configs, freedom + configs)
+  return out
+
+
+def spread_markdown(runs: Sequence[findings_lib.Run]) -> str:
+  measured = spread(runs)
+  if not measured:
+    return "No config has run twice at 3,000 steps yet.\n"
+  return ("| task | " + " | ".join(_label(task) for task in measured) + " |\n|---" + "|---" * len(measured) + "|\n"
+          "| run-to-run standard deviation | " + " | ".join(f"{sd:.1f}" for sd, _, _ in measured.values()) + " |\n"
+          "| configs (runs) pooled | " + " | ".join(f"{configs} ({n})" for _, configs, n in measured.values())
+          + " |\n")
+
+
 # One table's page -----------------------------------------------------------------------------------------------
 
 def _row_means(table_name: str, row_names: Sequence[str], columns: Sequence[str],
@@ -287,7 +320,9 @@ def page_block(results: Sequence[Mapping[str, Any]], runs: Sequence[findings_lib
       BEGIN, "", counts_markdown(results), "", summary_markdown(results).rstrip("\n"), "",
       "SST-2 accuracy of the same pre-training configs on the old random carve of the dev set and on the leak-free "
       "one (a different dev set, so the gap is what the leak added and what the harder, whole-sentence dev takes "
-      "away, together):", "", carve_markdown(runs).rstrip("\n"), "", END])
+      "away, together):", "", carve_markdown(runs).rstrip("\n"), "",
+      "How far one pre-training run moves a task score at the main budget's 3,000 steps (pooled over every config "
+      "run more than once; points):", "", spread_markdown(runs).rstrip("\n"), "", END])
 
 
 def plot_findings(results: Sequence[Mapping[str, Any]], out: pathlib.Path) -> pathlib.Path:
