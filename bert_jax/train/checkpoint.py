@@ -5,19 +5,30 @@ async saves, keep-N, restore of the newest checkpoint that reads back. A
 corrupt or partial checkpoint (a save interrupted mid-way, a truncated file)
 is skipped with a warning and the previous one is used. The workdir may be
 local or `gs://` (an `etils.epath.Path`, as Orbax takes it).
+
+Every save records a checksum of each array (`checksums`: a position-keyed hash
+of its bits, computed where the array lives) in the checkpoint's "meta" item;
+a restore recomputes them, and a checkpoint whose arrays read back other bits
+(a flipped bit in a data file, which Orbax's zstd-compressed zarr chunks do not
+detect) is corrupt. A failed write raises `CheckpointWriteError`, one line
+naming the file, the OS cause and the checkpoint a rerun resumes from.
 """
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import logging
 import os
+import re
+import sys
 import time
 from typing import Any
 
 import jax
 from etils import epath
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -45,8 +56,113 @@ def _use_array_handler() -> None:
   ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(**kwargs), override=True)
 
 
-class CheckpointWriteError(OSError):
-  """A checkpoint could not be written (a full disk, lost storage); the earlier checkpoints are intact."""
+class CheckpointWriteError(paths.StorageError):
+  """A checkpoint (or another file of the run) could not be written (a full disk, lost storage); the earlier
+  checkpoints are intact."""
+
+
+# TensorStore reports the OS error of a failed read or write inside its status text.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_QUOTED_PATH = re.compile(r'"((?:/|[a-z][a-z0-9+.-]*://)[^"]+)"')
+# Status codes of a remote store (no OS error behind them), as the OS error a user knows.
+_STATUS_ERRNO = {"RESOURCE_EXHAUSTED": errno.EDQUOT, "PERMISSION_DENIED": errno.EACCES,
+                 "UNAUTHENTICATED": errno.EACCES}
+
+
+def os_error(error: BaseException) -> OSError | None:
+  """The OS error behind `error` (Orbax's and TensorStore's wrapping undone), with the file it names; None when
+  there is none."""
+  for link in _chain(error):
+    if isinstance(link, OSError) and link.errno:
+      return link
+  for link in _chain(error):
+    text = str(link)
+    code = _OS_ERROR_CODE.search(text)
+    number = int(code.group(1)) if code else _STATUS_ERRNO.get(text.split(":", 1)[0].strip())
+    if number:
+      named = _QUOTED_PATH.findall(text)
+      return OSError(number, os.strerror(number), named[-1] if named else None)
+  return None
+
+
+class _FailedIoReports(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports of storage errors: Orbax leaves the other writes of a
+  failed save unawaited, and the run reports the failure itself in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (error is not None and "never retrieved" in record.getMessage() and os_error(error) is not None)
+
+
+def _quiet_failed_io_reports() -> None:
+  """Keeps the reports that library threads print after a failed (or abandoned) save or restore off the terminal:
+  the "Event loop is closed" tracebacks of TensorStore operations that finish after Orbax closed the event loop
+  awaiting them, and asyncio's unretrieved storage errors. The run reports the failure itself, in one line."""
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _FailedIoReports) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_FailedIoReports())
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_late_loop_callbacks", False):
+    return
+
+  def hook(unraisable):
+    frames, traceback = set(), unraisable.exc_traceback
+    while traceback is not None:
+      frames.add(traceback.tb_frame.f_code.co_name)
+      traceback = traceback.tb_next
+    if not (isinstance(unraisable.exc_value, RuntimeError) and "call_soon_threadsafe" in frames
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_late_loop_callbacks = True
+  sys.unraisablehook = hook
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """`x`'s bits as uint32, one word per element ([*shape, 2] for a 64-bit type)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+  """uint32 sum over elements of a hash of (position, bits): any change of one element changes it, a reordering
+  too; built from elementwise ops and one sum, so a sharded array is hashed where it lives."""
+  words = _words(x)
+  position = jnp.zeros(words.shape, jnp.uint32)
+  for axis, size in enumerate(words.shape):
+    position = position * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+  mixed = words ^ (position * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15))
+  for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):  # MurmurHash3's finaliser: a bijection
+    mixed = (mixed ^ (mixed >> shift)) * jnp.uint32(multiplier)
+  return jnp.sum(mixed ^ (mixed >> 16), dtype=jnp.uint32)
+
+
+_checksums_jit = jax.jit(lambda leaves: [_checksum(leaf) for leaf in leaves])
+
+
+def checksums(tree: Any) -> dict[str, int]:
+  """{leaf path (`jax.tree_util.keystr`): its checksum} for the array leaves of `tree` (device or host arrays)."""
+  named = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+           if hasattr(leaf, "dtype") and hasattr(leaf, "shape")]
+  # A host array of a 64-bit type goes in as its 32-bit words: JAX without x64 would narrow its values first.
+  leaves = [leaf.view(np.uint32) if isinstance(leaf, np.ndarray) and leaf.dtype.itemsize == 8 else leaf
+            for _, leaf in named]
+  return {name: int(value) for (name, _), value in zip(named, jax.device_get(_checksums_jit(leaves)))}
+
+
+def verify_checksums(tree: Any, recorded: dict[str, int] | None, step: int) -> None:
+  """Raises ValueError naming the first array of `tree` whose bits differ from those saved at `step`
+  (`recorded`: `checksums` of what was saved; None for a checkpoint written before they were recorded)."""
+  if not recorded:
+    return
+  for name, value in checksums(tree).items():
+    if name in recorded and recorded[name] != value:
+      raise ValueError(f"checkpoint {step}: {name} does not hold the saved bits (checksum {value:#010x}, saved "
+                       f"{recorded[name]:#010x})")
 
 
 class Checkpointer:
@@ -54,6 +170,7 @@ class Checkpointer:
 
   def __init__(self, workdir: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
     _use_array_handler()
+    _quiet_failed_io_reports()
     self.directory = paths.as_path(workdir) / "checkpoints"
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)
@@ -61,44 +178,71 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any] | None = None,
            force: bool = False) -> None:
+    """Starts writing checkpoint `step` (asynchronously unless `async_save` is off); `meta` gets the arrays'
+    `checksums`."""
+    self.check()  # An earlier save that failed is reported as its own, not as this one.
+    meta = {**(meta or {}), "checksums": checksums(state)}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-                              meta=ocp.args.JsonSave(meta or {}))
+                              meta=ocp.args.JsonSave(meta))
     try:
       self.manager.save(step, args=args, force=force)
     except Exception as error:  # noqa: BLE001 - a failed write (this one or the previous async one) is reported.
-      raise self.storage_error(error) from None
+      raise self.storage_error(error, step=step) from None
+
+  def _finalizing(self):
+    """Orbax's thread that finishes the newest asynchronous save (None when there is none to see)."""
+    finalize = getattr(self.manager, "_finalize_thread", None)  # Orbax's own; absent: saves are not checked early.
+    return finalize.map(lambda t: t) if hasattr(finalize, "map") else None
 
   def check(self) -> None:
     """Raises CheckpointWriteError as soon as an asynchronous save has failed, without waiting for one in progress
     (Orbax itself reports it only at the next save, many steps later)."""
-    finalize = getattr(self.manager, "_finalize_thread", None)  # Orbax's background thread; absent: not checked.
-    thread = finalize.map(lambda t: t) if hasattr(finalize, "map") else None
+    thread = self._finalizing()
     if thread is not None and not thread.is_alive() and getattr(thread, "exception", None) is not None:
       error, thread.exception = thread.exception, None
-      raise self.storage_error(error)
+      raise self.storage_error(error, step=thread.step() if hasattr(thread, "step") else None)
 
-  def storage_error(self, error: BaseException, what: str | None = None) -> CheckpointWriteError:
-    """One line for a failed write (a checkpoint, or `what`): the cause (the OS error under Orbax's and
+  def writing(self) -> int | None:
+    """The step of a save still being written in the background, or None."""
+    thread = self._finalizing()
+    return thread.step() if thread is not None and thread.is_alive() and hasattr(thread, "step") else None
+
+  def storage_error(self, error: BaseException, what: str | None = None, step: int | None = None
+                    ) -> CheckpointWriteError:
+    """One line for a failed write (checkpoint `step`, or `what`): the file, the OS cause (under Orbax's and
     TensorStore's wrapping) and the checkpoint a rerun resumes from."""
     if isinstance(error, CheckpointWriteError):
       return error
-    cause = next((e for e in _chain(error) if isinstance(e, OSError) and e.strerror), error)
-    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0][:300]
+    cause = os_error(error)
+    reason = cause.strerror if cause is not None else (str(error).splitlines() or [""])[0]
+    where = os.fspath((cause.filename if cause is not None else None) or what or self.directory)
+    target = f"checkpoint step {step} to {where}" if step is not None else where
+    wrapped = CheckpointWriteError(
+        f"writing {target} failed ({type(cause or error).__name__}: {reason}); {self.last_complete()}. Free space "
+        "or fix the storage, then run the same command to resume")
+    if cause is not None:
+      wrapped.errno, wrapped.strerror, wrapped.filename = cause.errno, cause.strerror, where
+    return wrapped
+
+  def complete_steps(self) -> list[int]:
+    """The steps complete on storage now (a save in progress or failed is not among them)."""
     try:
-      self.manager.reload()  # Drops the step that did not complete.
-      complete = self.steps()
+      self.manager.reload()
+      return self.steps()
     except Exception:  # noqa: BLE001 - the storage may be failing for reads too.
-      complete = []
-    last = f"the last complete checkpoint is step {complete[-1]}" if complete else "no complete checkpoint exists"
-    return CheckpointWriteError(
-        f"writing {what or f'a checkpoint to {self.directory}'} failed ({type(cause).__name__}: {reason}); {last}. "
-        f"Free space or fix the storage, then run the same command to resume")
+      return []
+
+  def last_complete(self) -> str:
+    """Where a rerun resumes, in words."""
+    return resume_point(self.complete_steps())
 
   def wait(self) -> None:
+    """Blocks until every save started is complete on storage."""
+    step = self.writing()
     try:
       self.manager.wait_until_finished()
     except Exception as error:  # noqa: BLE001
-      raise self.storage_error(error) from None
+      raise self.storage_error(error, step=step) from None
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -114,8 +258,10 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
+        meta = dict(restored["meta"] or {})
+        verify_checksums(restored["state"], meta.get("checksums"), step)
         _check_finite(restored["state"], step)
-        return step, restored["state"], dict(restored["data"] or {}), dict(restored["meta"] or {})
+        return step, restored["state"], dict(restored["data"] or {}), meta
       except Exception as error:  # noqa: BLE001 - any failure to read means "unusable".
         kept = self._set_aside(step)
         log.warning("checkpoint at step %d in %s cannot be restored (%s: %s); moved it to %s and trying the "
@@ -139,6 +285,25 @@ class Checkpointer:
     self.manager.close()
 
 
+def resume_point(steps: list[int]) -> str:
+  """ "the last complete checkpoint is step N", or that there is none, for `steps` (the complete ones)."""
+  return f"the last complete checkpoint is step {steps[-1]}" if steps else "no complete checkpoint exists"
+
+
+def complete_steps(workdir: str | os.PathLike) -> list[int]:
+  """The steps of the complete checkpoints in `workdir` (a partial write is not one), without opening it for
+  writing."""
+  directory = paths.as_path(workdir) / "checkpoints"
+  if not directory.is_dir():
+    return []
+  manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    return sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
 def _chain(error: BaseException):
   """An exception and its causes and contexts."""
   seen = set()
@@ -155,37 +320,49 @@ def _check_finite(state: Any, step: int) -> None:
         raise ValueError(f"checkpoint {step} holds non-finite values")
 
 
-def restore_params(workdir: str | os.PathLike, step: int | None = None) -> tuple[int, Any]:
-  """Reads only the model parameters of a run's checkpoint, as host numpy arrays (any device count).
+def restore_params(workdir: str | os.PathLike, step: int | None = None, step_key: str | None = None
+                   ) -> tuple[int, Any]:
+  """Reads only the model parameters of a run's checkpoint `step` (None: its newest), as host numpy arrays (any
+  device count), their checksums verified.
 
   Used to start fine-tuning or a later pre-training phase from a run, and by
-  tools (fill-mask, features) that read a workdir.
+  tools (fill-mask, features) that read a workdir. A checkpoint that cannot be
+  read is an error, never a silent step back to an older one: `step_key` names
+  the setting that picks another (its message says so).
   """
+  _quiet_failed_io_reports()
   directory = paths.as_path(workdir) / "checkpoints"
   if not directory.is_dir():
     raise FileNotFoundError(f"{workdir} has no checkpoints/ directory (not a bert_jax run?)")
   manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
-  steps = sorted(manager.all_steps()) if step is None else [step]
+  steps = sorted(manager.all_steps())
   if not steps:
     raise FileNotFoundError(f"no checkpoint in {directory}")
-  errors = []
-  for candidate in reversed(steps):
-    try:
-      item_dir = directory / str(candidate) / "state"
-      metadata = ocp.StandardCheckpointer().metadata(item_dir)
-      tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
-      params_meta = tree["params"]
-      target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), params_meta)
-      restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-      restored = ocp.PyTreeCheckpointer().restore(
-          item_dir, args=ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
-                                                partial_restore=True))
-      return candidate, restored["params"]
-    except Exception as error:  # noqa: BLE001
-      errors.append(f"step {candidate}: {type(error).__name__}: {error}")
-      log.warning("cannot read params of checkpoint %d in %s: %s", candidate, directory, error)
-  raise ValueError(f"no readable checkpoint in {directory}:\n" + "\n".join(errors))
+  if step is not None and step not in steps:
+    raise ValueError(f"{step_key or 'step'}={step}: {directory} has no checkpoint at that step (it has {steps})")
+  chosen = steps[-1] if step is None else step
+  try:
+    item_dir = directory / str(chosen) / "state"
+    metadata = ocp.StandardCheckpointer().metadata(item_dir)
+    tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+    target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree["params"])
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    restored = ocp.PyTreeCheckpointer().restore(
+        item_dir, args=ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+                                              partial_restore=True))
+    meta = manager.restore(chosen, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+    verify_checksums({"params": restored["params"]}, meta.get("checksums"), chosen)
+  except Exception as error:  # noqa: BLE001 - any failure to read means "unusable", named with its cause.
+    detail = (str(error).splitlines() or [""])[0]
+    others = [s for s in steps if s != chosen]
+    hint = (f"; set {step_key}=STEP to start from another of its checkpoints ({', '.join(map(str, others))})"
+            if step_key and others else "")
+    raise ValueError(f"checkpoint {chosen} in {directory} cannot be read ({type(error).__name__}: {detail})"
+                     f"{hint}") from None
+  finally:
+    manager.close()
+  return chosen, restored["params"]
 
 
 def read_run_config(workdir: str | os.PathLike) -> dict[str, Any]:

@@ -146,6 +146,7 @@ class Preemption:
 
   def __init__(self):
     self.requested = False
+    self.interrupted = False  # a second Ctrl-C came: the run stops at once, waiting for no write
     self._previous = {}
     self._multiprocess = jax.process_count() > 1
     self._calls = 0  # the calls of the step so far, reported to JAX's preemption service
@@ -162,6 +163,7 @@ class Preemption:
   def _handle(self, signum, frame):
     del frame
     if self.requested and signum == signal.SIGINT:  # A second Ctrl-C: stop at once, without the checkpoint.
+      self.interrupted = True
       raise KeyboardInterrupt
     self.requested = True
 

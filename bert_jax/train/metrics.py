@@ -8,6 +8,7 @@ checkpoint: what a killed run had not uploaded is logged again on resume.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -109,13 +110,17 @@ class PendingMetrics:
 
 
 class MetricWriter:
-  """Appends {"step": s, **scalars} to metrics.jsonl and writes TensorBoard scalars."""
+  """Appends {"step": s, **scalars} to metrics.jsonl and writes TensorBoard scalars.
+
+  A failed write raises an OSError naming the file (the trainer reports it in one line with the checkpoint a rerun
+  resumes from); after one, `close` finishes quietly.
+  """
 
   # A remote workdir's files are uploaded at least this often (seconds), besides every `flush`.
   UPLOAD_EVERY = 300.0
 
   def __init__(self, workdir: str | os.PathLike, enabled: bool = True):
-    self.enabled = enabled
+    self.enabled, self.failed = enabled, False
     if not enabled:
       return
     self.workdir = paths.as_path(workdir)
@@ -129,14 +134,25 @@ class MetricWriter:
     summary_writer = _tensorboard_writer_class()
     self.tensorboard = summary_writer(str(local / "tensorboard")) if summary_writer else None
 
+  @contextlib.contextmanager
+  def _writing(self, path: str | os.PathLike) -> Iterator[None]:
+    """An OS error inside names `path` (a bare write error names no file)."""
+    try:
+      yield
+    except OSError as error:
+      self.failed = True
+      raise OSError(error.errno, error.strerror or str(error), os.fspath(path)) from error
+
   def write(self, step: int, scalars: Mapping[str, float], prefix: str = "") -> None:
     if not self.enabled:
       return
     named = {f"{prefix}{k}": v for k, v in scalars.items()}
-    self.jsonl.write(json.dumps({"step": int(step), **{k: _json_number(v) for k, v in named.items()}}) + "\n")
+    with self._writing(self.local / "metrics.jsonl"):
+      self.jsonl.write(json.dumps({"step": int(step), **{k: _json_number(v) for k, v in named.items()}}) + "\n")
     if self.tensorboard is not None:
-      for name, value in named.items():
-        self.tensorboard.add_scalar(name, value, step)
+      with self._writing(self.local / "tensorboard"):
+        for name, value in named.items():
+          self.tensorboard.add_scalar(name, value, step)
     if self.remote and time.monotonic() - self.uploaded > self.UPLOAD_EVERY:
       self.flush()
 
@@ -144,25 +160,37 @@ class MetricWriter:
     """Makes everything written so far durable in the workdir (an upload when it is remote)."""
     if not self.enabled:
       return
-    self.jsonl.flush()
+    with self._writing(self.local / "metrics.jsonl"):
+      self.jsonl.flush()
     if self.tensorboard is not None:
-      self.tensorboard.flush()
+      with self._writing(self.local / "tensorboard"):
+        self.tensorboard.flush()
     if self.remote:
-      paths.upload(self.local, self.workdir)
+      with self._writing(self.workdir):
+        paths.upload(self.local, self.workdir)
       self.uploaded = time.monotonic()
 
-  def close(self) -> None:
-    """Closes both files; a storage error here (a full disk) is logged in one line, not raised over the run's own."""
+  def close(self, quiet: bool = False) -> None:
+    """Closes both files (and uploads them when remote). The first storage error is raised, naming its file, once
+    every file was given its turn; after a failed write, or with `quiet` (the run already fails), none is."""
     if not self.enabled:
       return
-    closers = [self.jsonl.close] + ([self.tensorboard.close] if self.tensorboard is not None else [])
+    closers = [(self.jsonl.close, self.local / "metrics.jsonl")]
+    if self.tensorboard is not None:
+      closers.append((self.tensorboard.close, self.local / "tensorboard"))
     if self.remote:
-      closers += [lambda: paths.upload(self.local, self.workdir), lambda: shutil.rmtree(self.local)]
-    for close in closers:
+      closers += [(lambda: paths.upload(self.local, self.workdir), self.workdir),
+                  (lambda: shutil.rmtree(self.local), self.local)]
+    quiet, first = quiet or self.failed, None
+    for close, path in closers:
       try:
-        close()
+        with self._writing(path):
+          close()
       except OSError as error:
-        log.warning("cannot finish writing the metrics of %s: %s", self.workdir, error)
+        log.debug("cannot finish writing the metrics of %s: %s", self.workdir, error)
+        first = first or error
+    if first is not None and not quiet:
+      raise first
 
 
 def _tensorboard_writer_class():

@@ -50,11 +50,14 @@ NonFiniteLossError = loop.NonFiniteLossError
 
 class _CheckpointHook:
   """Saves the state and the data iterator's position every `every` steps, after the last, and on preemption;
-  the metrics logged so far are made durable with it (a remote workdir's are uploaded then)."""
+  the metrics logged so far are made durable with it (a remote workdir's are uploaded then). A stop's checkpoint
+  is waited for: "saved" is printed once it is complete."""
 
   def __init__(self, checkpointer, every: int, preemption: loop.Preemption, train_iter, writer, progress):
     self.checkpointer, self.every, self.preemption = checkpointer, every, preemption
     self.train_iter, self.writer, self.progress, self.preempted = train_iter, writer, progress, False
+    self.requested: int | None = None  # the newest step a save was started for
+    self.saved_on_stop: int | None = None  # the stop's checkpoint, once complete
 
   def due(self, step: int, last: bool) -> bool:
     self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
@@ -66,12 +69,28 @@ class _CheckpointHook:
 
   def __call__(self, step: int, state) -> bool:
     # A distillation teacher (`TrainState.frozen`) is read again from its own path on resume, never saved here.
+    self.requested = step
     self.checkpointer.save(step, checkpointed(state), self.train_iter.get_state(), {"step": step}, force=True)
     self.writer.flush()
     if self.preempted:
+      self.checkpointer.wait()
+      self.saved_on_stop = step
       progress_lib.print_line(self.progress,
                               f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     return self.preempted
+
+  def interrupted(self) -> InterruptedError:
+    """The error of a second Ctrl-C, saying which checkpoint is complete (no save is waited for)."""
+    complete = self.checkpointer.complete_steps()
+    if self.saved_on_stop is not None:
+      said = f"after the checkpoint at step {self.saved_on_stop} was saved"
+    elif self.requested is not None and self.requested not in complete:
+      said = f"no checkpoint was saved (the one of step {self.requested} was not complete; its files are never read)"
+    else:
+      said = "no checkpoint was saved"
+    which = "a second Ctrl-C" if self.preemption.interrupted else "Ctrl-C"
+    return InterruptedError(f"stopped by {which}: {said}; {checkpoint_lib.resume_point(complete)} in "
+                            f"{self.checkpointer.directory}, where the same command resumes")
 
 
 def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -248,6 +267,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None
   try:
     return _train_and_evaluate(config, workdir, primary)
+  except KeyboardInterrupt:  # Ctrl-C outside the steps (start-up, the last evaluation): one line, as errors are.
+    raise InterruptedError(f"stopped by Ctrl-C; {checkpoint_lib.resume_point(checkpoint_lib.complete_steps(workdir))}"
+                           f" in {workdir / 'checkpoints'}, where the same command resumes") from None
   finally:
     if lock is not None:
       lock.release()
@@ -466,20 +488,31 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   with loop.Preemption() as preemption:
     checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, writer,
                                   progress)
+    failed = stop_now = False  # stop_now: Ctrl-C in the loop (on one process, the second), waiting for no write
     try:
-      state, step, preempted = loop.run(
-          train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
-          log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
-          hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
-          multi_step=multi_step, steps_per_call=steps_per_call)
+      try:
+        state, step, preempted = loop.run(
+            train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
+            log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
+            hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
+            multi_step=multi_step, steps_per_call=steps_per_call)
+      except KeyboardInterrupt:
+        failed = stop_now = True
+        raise
+      except BaseException:
+        failed = True
+        raise
+      finally:
+        train_iter.close()
+        if progress is not None:
+          progress.close()
+        # The run's own error is the one reported: a write failing after it (the same full disk) adds nothing.
+        closers = [writer.close] if stop_now else [writer.close, checkpointer.close]
+        _close_all(closers, quiet=failed)
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
-    finally:
-      train_iter.close()
-      if progress is not None:
-        progress.close()
-      writer.close()
-      checkpointer.close()
+    except KeyboardInterrupt:
+      raise checkpoints.interrupted() from None
   result = {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
             "workdir": str(workdir), "model_config": model_cfg, "num_params": num_params,
             "prepared_dir": str(prepared_dir)}
@@ -490,6 +523,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     if jax.process_count() == 1 and "mlm_accuracy" in eval_results:  # Reads the batches' answers on this host.
       result["baseline"] = unigram_baseline(config, prepared_dir, mesh, eval_objective, tokenizer)
   return result
+
+
+def _close_all(closers, quiet: bool) -> None:
+  """Calls every closer; then raises the first storage error among them, unless `quiet`."""
+  first = None
+  for close in closers:
+    try:
+      close()
+    except OSError as error:
+      first = first or error
+  if first is not None and not quiet:
+    raise first
 
 
 def _match_params(loaded: Any, reference: Any, missing_ok: bool = False) -> Any:
