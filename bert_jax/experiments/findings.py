@@ -44,8 +44,8 @@ MIN_RUNS = 3
 # The two-sided normal tail beyond 2 standard errors: Holm at this level is "beyond 2 SE" for a lone finding.
 ALPHA = math.erfc(2 / math.sqrt(2))
 VERDICTS = ("reproduces", "contradicts", "not resolved")
-# A paper's column we cannot score -> the task of ours that stands in for it, named before any run: the sentence-
-# pair inference tasks for the one we have (RTE), SQuAD 2.0 for SQuAD 1.1. RACE has no stand-in.
+# A paper's column we cannot score -> the task of ours that stands in for it, named before any run: MNLI and QNLI
+# -> RTE (the sentence-pair inference task we have), QQP -> MRPC (paraphrase), SQuAD 2.0 -> SQuAD 1.1; RACE: none.
 STAND_INS = {"mnli_m": "rte", "qnli": "rte", "qqp": "mrpc", "squad2.0_f1": "squad1.1_f1"}
 # Tasks whose dev set is carved from their train file (the official dev is not here).
 CARVED = ("sst2",)
