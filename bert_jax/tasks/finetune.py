@@ -21,7 +21,9 @@ last one, and its parameters are the checkpoint kept. The rule is written into
 the results.
 
 Workdir:
-  config.json, model_config.json, tokenizer/, finetune_run.json
+  config.json, model_config.json, tokenizer/
+  finetune_run.json           the task, the model, the seeds; "init": the starting point's path, kind and the
+                              step of the run checkpoint it was read from (config.init.step, or its newest)
   seed_<s>/metrics.jsonl      train and eval scalars as JSON lines
   seed_<s>/checkpoints/       the selected parameters (Orbax; `restore_params`)
   seed_<s>/result.json        the seed's selected evaluation and its history
@@ -55,6 +57,7 @@ from etils import epath
 import flax.linen as nn
 import jax
 import ml_collections
+from ml_collections import config_dict
 import numpy as np
 
 from bert_jax import paths
@@ -71,7 +74,6 @@ from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, optim
-from bert_jax.train.config_lib import finetune_defaults  # noqa: F401 - the fine-tuning configs import it here
 from bert_jax.train.step import (Partitioning, make_predict_step, make_state_init, make_train_step,
                                  persistent_cache_hits)
 
@@ -82,6 +84,14 @@ RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
 MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer")
 _LENGTH_MULTIPLE = 8
+
+
+def finetune_defaults() -> ml_collections.ConfigDict:
+  """`config_lib.finetune_defaults` (the fine-tuning configs import it here) with init.step: the checkpoint of a
+  pre-training or fine-tuning run `init.model` to start from (None: its newest, which must be readable)."""
+  config = config_lib.finetune_defaults()
+  config.init.step = config_dict.placeholder(int)
+  return config
 
 
 def _eval_interval(eval_every: str) -> int:
@@ -510,9 +520,21 @@ def _write_json(path: epath.Path, value: Any) -> None:
 
 
 def _check_workdir_config(workdir: epath.Path, config: ml_collections.ConfigDict) -> None:
-  """A workdir holds one experiment: an existing config.json must equal this one."""
+  """A workdir holds one experiment: an existing config.json must equal this one (a key newer than the run counts
+  as its default)."""
   path = workdir / "config.json"
-  if path.exists() and json.loads(path.read_text()) != json.loads(json.dumps(config.to_dict(), default=str)):
+  if not path.exists():
+    return
+  current = json.loads(json.dumps(config.to_dict(), default=str))
+  defaults = json.loads(json.dumps(finetune_defaults().to_dict(), default=str))
+
+  def with_defaults(saved: Any, default: Any) -> Any:
+    if not (isinstance(saved, dict) and isinstance(default, dict)):
+      return saved
+    return {**{key: value for key, value in default.items() if key not in saved},
+            **{key: with_defaults(value, default.get(key)) for key, value in saved.items()}}
+
+  if with_defaults(json.loads(path.read_text()), defaults) != current:
     raise ValueError(f"{workdir} already holds a fine-tuning run with another config ({path}); "
                      "use a new workdir")
 
@@ -534,6 +556,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None  # One writer a workdir.
   try:
     return _finetune(config, workdir, primary)
+  except KeyboardInterrupt:  # One line, as errors are.
+    raise InterruptedError(f"stopped by Ctrl-C; the seeds finished in {workdir} (seed_<s>/result.json) are kept, "
+                           "and the same command trains the others") from None
   finally:
     if lock is not None:
       lock.release()
@@ -545,7 +570,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
   task = get_task(config.task, **config.task_options.to_dict())
   started = time.perf_counter()
-  initial = load_initial_model(config.init.model)
+  initial = load_initial_model(config.init.model, step=config.init.get("step"), step_key="--config.init.step")
   if config.init.layers is not None:
     encoder, cut = distill_lib.every_kth_layer(initial.params["encoder"], initial.config, config.init.layers,
                                                "config.init.layers")
@@ -598,7 +623,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
     _write_json(workdir / "config.json", config.to_dict())
     _write_json(workdir / "model_config.json", dataclasses.asdict(model_config))
     initial.tokenizer.save(workdir / "tokenizer")
-    print(f"bert_jax finetune: task={task.name} ({task.kind}) init={config.init.model} ({initial.source}) "
+    at_step = f", step {initial.step}" if initial.step is not None else ""
+    print(f"bert_jax finetune: task={task.name} ({task.kind}) init={config.init.model} ({initial.source}{at_step}) "
           f"params={num_params / 1e6:.2f}M\n  train rows={len(train_features['input_ids'])} "
           f"seq_len={seq_len} global batch={batch_size} per-host batch={batch_size // jax.process_count()} "
           f"tokens/step={batch_size * seq_len * max(task.num_choices, 1)} devices={mesh.size} "
@@ -611,7 +637,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   selection_split = task.eval_splits[0]
   best = max(seed_results, key=lambda r: r["selected"]["metrics"][selection_split][task.selection_metric])
   results = {"task": task.name, "kind": task.kind,
-             "init": {"path": str(config.init.model), "source": initial.source, "head": seed_results[0]["head"]},
+             "init": {"path": str(config.init.model), "source": initial.source, "step": initial.step,
+                      "head": seed_results[0]["head"]},
              "selection_rule": selection_rule(task, config), "selection_metric": task.selection_metric,
              "seeds": seed_results, "summary": summary, "best_seed": best["seed"], "seq_len": seq_len,
              "num_params": num_params,
@@ -624,6 +651,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
     (workdir / "results.md").write_text(results_markdown(results))
     _write_json(workdir / RUN_FILE, {
         "task": task.name, "kind": task.kind, "num_labels": task.num_labels, "family": initial.family,
+        "init": {"path": str(config.init.model), "source": initial.source, "step": initial.step},
         "model_config": dataclasses.asdict(model_config), "seq_len": seq_len, "seeds": list(config.seeds),
         "best_seed": best["seed"], "best_seed_dir": f"seed_{best['seed']}"})
   return results

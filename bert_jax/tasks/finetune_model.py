@@ -299,6 +299,7 @@ class InitialModel:
     tokenizer: the model's tokenizer (None only when it has none and none was required).
     tokenizer_dir: the directory it was read from (likewise).
     head_kind: task kind of the reused head for "finetune_run", else None.
+    step: the step of the run's checkpoint read (None for a model directory).
   """
 
   source: str
@@ -308,6 +309,7 @@ class InitialModel:
   tokenizer: Tokenizer | None
   tokenizer_dir: pathlib.Path | None
   head_kind: str | None = None
+  step: int | None = None
 
 
 def _pretraining_pooler(params: Params) -> Params:
@@ -316,35 +318,42 @@ def _pretraining_pooler(params: Params) -> Params:
   return {"pooler": sentence["pooler"]} if "pooler" in sentence else {}
 
 
-def load_initial_model(path: str | pathlib.Path, require_tokenizer: bool = True) -> InitialModel:
+def load_initial_model(path: str | pathlib.Path, require_tokenizer: bool = True, step: int | None = None,
+                       step_key: str | None = None) -> InitialModel:
   """Reads the starting point at `path`, whichever of the three kinds it is.
 
   An earlier fine-tuning run (it holds `finetune_run.json`) gives its best
   seed's encoder and head; a pre-training run (checkpoints/ and
-  model_config.json) gives the encoder of its newest checkpoint and the
+  model_config.json) gives the encoder of its checkpoint `step` (None: its
+  newest, which must be readable: an older one is never taken silently) and the
   NSP/SOP pooler; anything else is read by `load_pretrained` (Hugging Face or
   our converted directory) with the base model's pooler when it has one.
+  `step_key` names the setting that gives `step`, for the messages.
 
   Raises:
     FileNotFoundError: when `path` is none of these, or has no tokenizer and
       `require_tokenizer` (a caller with a tokenizer of its own passes False).
+    ValueError: the checkpoint cannot be read (or has no such step), or `step` is given for a model directory.
   """
   path = paths.as_path(path)
   if (path / RUN_FILE).exists():
     run = json.loads((path / RUN_FILE).read_text())
-    _, params = checkpoint_lib.restore_params(path / run["best_seed_dir"])
+    read, params = checkpoint_lib.restore_params(path / run["best_seed_dir"], step, step_key)
     return InitialModel("finetune_run", run["family"], ModelConfig(**run["model_config"]),
                         {"encoder": params["encoder"], "head": params["head"]}, load_tokenizer(path / "tokenizer"),
-                        path / "tokenizer", head_kind=run["kind"])
+                        path / "tokenizer", head_kind=run["kind"], step=read)
   if (path / "checkpoints").is_dir() and (path / "model_config.json").exists():
     run_config = checkpoint_lib.read_run_config(path)
     config = ModelConfig(**json.loads((path / "model_config.json").read_text()))
     if run_config.get("objective") == "ltr":
       config = config.replace(causal=True)
-    _, params = checkpoint_lib.restore_params(path)
+    read, params = checkpoint_lib.restore_params(path, step, step_key)
     return InitialModel("pretraining_run", run_config["model"]["family"], config,
                         {"encoder": encoder_params(params), "head": _pretraining_pooler(params)},
-                        load_tokenizer(path / "tokenizer"), path / "tokenizer")
+                        load_tokenizer(path / "tokenizer"), path / "tokenizer", step=read)
+  if step is not None:
+    raise ValueError(f"{step_key or 'step'}={step}: {path} is a model directory, which has no checkpoint steps "
+                     "(a step picks one of a run's checkpoints)")
   loaded, extras = load_pretrained(path, return_extras=True)
   if loaded.tokenizer_path is None and require_tokenizer:
     raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json, vocab.txt, *.model, ...)")

@@ -144,9 +144,14 @@ def _checksum(x: jax.Array) -> jax.Array:
 _checksums_jit = jax.jit(lambda leaves: [_checksum(leaf) for leaf in leaves])
 
 
+def _leaf_name(path: tuple) -> str:
+  """A leaf's path as '/'-joined names, the same for a dict, a dataclass or a named tuple holding it."""
+  return "/".join(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
+
+
 def checksums(tree: Any) -> dict[str, int]:
-  """{leaf path (`jax.tree_util.keystr`): its checksum} for the array leaves of `tree` (device or host arrays)."""
-  named = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  """{leaf path ('/'-joined): its checksum} for the array leaves of `tree` (device or host arrays)."""
+  named = [(_leaf_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
            if hasattr(leaf, "dtype") and hasattr(leaf, "shape")]
   # A host array of a 64-bit type goes in as its 32-bit words: JAX without x64 would narrow its values first.
   leaves = [leaf.view(np.uint32) if isinstance(leaf, np.ndarray) and leaf.dtype.itemsize == 8 else leaf
@@ -160,7 +165,9 @@ def verify_checksums(tree: Any, recorded: dict[str, int] | None, step: int) -> N
   if not recorded:
     return
   for name, value in checksums(tree).items():
-    if name in recorded and recorded[name] != value:
+    if name not in recorded:
+      raise ValueError(f"checkpoint {step}: no checksum was saved for {name}")
+    if recorded[name] != value:
       raise ValueError(f"checkpoint {step}: {name} does not hold the saved bits (checksum {value:#010x}, saved "
                        f"{recorded[name]:#010x})")
 
