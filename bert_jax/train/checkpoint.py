@@ -144,6 +144,10 @@ def _checksum(x: jax.Array) -> jax.Array:
 _checksums_jit = jax.jit(lambda leaves: [_checksum(leaf) for leaf in leaves])
 
 
+# The meta item's key of `checksums` ('/'-joined leaf names; a checkpoint without it predates them).
+CHECKSUMS = "array_checksums"
+
+
 def _leaf_name(path: tuple) -> str:
   """A leaf's path as '/'-joined names, the same for a dict, a dataclass or a named tuple holding it."""
   return "/".join(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
@@ -188,7 +192,7 @@ class Checkpointer:
     """Starts writing checkpoint `step` (asynchronously unless `async_save` is off); `meta` gets the arrays'
     `checksums`."""
     self.check()  # An earlier save that failed is reported as its own, not as this one.
-    meta = {**(meta or {}), "checksums": checksums(state)}
+    meta = {**(meta or {}), CHECKSUMS: checksums(state)}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                               meta=ocp.args.JsonSave(meta))
     try:
@@ -266,7 +270,7 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
         meta = dict(restored["meta"] or {})
-        verify_checksums(restored["state"], meta.get("checksums"), step)
+        verify_checksums(restored["state"], meta.get(CHECKSUMS), step)
         _check_finite(restored["state"], step)
         return step, restored["state"], dict(restored["data"] or {}), meta
       except Exception as error:  # noqa: BLE001 - any failure to read means "unusable".
@@ -359,7 +363,7 @@ def restore_params(workdir: str | os.PathLike, step: int | None = None, step_key
         item_dir, args=ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
                                               partial_restore=True))
     meta = manager.restore(chosen, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
-    verify_checksums({"params": restored["params"]}, meta.get("checksums"), chosen)
+    verify_checksums({"params": restored["params"]}, meta.get(CHECKSUMS), chosen)
   except Exception as error:  # noqa: BLE001 - any failure to read means "unusable", named with its cause.
     detail = (str(error).splitlines() or [""])[0]
     others = [s for s in steps if s != chosen]
