@@ -219,6 +219,21 @@ def test_a_second_ctrl_c_says_no_checkpoint_was_saved_and_the_rerun_resumes_from
   _assert_bit_identical(workdir, straight)
 
 
+def test_ctrl_c_during_start_up_is_one_line(prepared, tmp_path, monkeypatch, capfd, cli_state):
+  """Ctrl-C while the run sets up (the data, the model, compilation): one line, exit 1, the workdir's lock let go."""
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(trainer, "_setup", interrupted)
+  workdir = tmp_path / "run"
+  capfd.readouterr()
+  args = ["pretrain", "--config", str(_tiny_config_file(tmp_path, prepared, STEPS)), "--workdir", str(workdir)]
+  assert cli.main(args) == 1
+  line = _one_error_line(capfd.readouterr().err, "pretrain")
+  assert f"stopped by Ctrl-C; no complete checkpoint exists in {workdir / 'checkpoints'}" in line, line
+  assert not (workdir / "workdir.lock").exists()
+
+
 def test_a_flipped_bit_in_saved_optimizer_state_is_a_corrupt_checkpoint(prepared, after_step_4, straight, tmp_path,
                                                                         caplog):
   """One bit of an Adam moment in checkpoint 4 flips on storage, in a form Orbax reads back without a word: the

@@ -134,8 +134,10 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
 class Preemption:
   """Turns SIGTERM (and, on one process, Ctrl-C) into a stop that every process takes after the same step.
 
-  One process: a Python handler sets a flag the loop reads between steps.
-  Several processes: a per-process flag would stop the signalled process while
+  One process: a Python handler sets a flag the loop reads between steps; a
+  second Ctrl-C raises KeyboardInterrupt at once (and sets `interrupted`), so the
+  caller stops without waiting for the stop's checkpoint and says which one is
+  complete. Several processes: a per-process flag would stop the signalled process while
   the others enter the next step's collectives, and all would hang. JAX's
   preemption service (started by `jax.distributed.initialize`) takes SIGTERM on
   any process instead and names the step at which all of them stop, so no
