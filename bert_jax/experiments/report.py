@@ -47,13 +47,16 @@ def _columns_cell(result: Mapping[str, Any]) -> str:
   return ", ".join(_label(c) + (f" (for {', '.join(stands[c])})" if c in stands else "") for c in result["columns"])
 
 
+def _delta(result: Mapping[str, Any]) -> str:
+  """A difference with its standard error where there is one: "+1.2 ± 0.4", "+1.2"."""
+  return _signed(result["delta"]) + (f" ± {result['se']:.1f}" if result["se"] is not None else "")
+
+
 def _ours_cell(result: Mapping[str, Any]) -> str:
   if result["delta"] is None:
     return "no run"
-  old = " (SST-2 on the old carve)" if result.get("old_carve") else ""
-  if result["se"] is None:
-    return f"{_signed(result['delta'])} (no error: 1 run a row){old}"
-  return f"{_signed(result['delta'])} ± {result['se']:.1f}{old}"
+  return _delta(result) + (" (no error: 1 run a row)" if result["se"] is None else "") + (
+      " (SST-2 on the old carve)" if result.get("old_carve") else "")
 
 
 def _verdict_ours(result: Mapping[str, Any]) -> str:
@@ -62,8 +65,7 @@ def _verdict_ours(result: Mapping[str, Any]) -> str:
   main = next((entry for entry in result["tries"] if entry["setting"] == "main budget"), None)
   if result["delta"] is None and main is not None and main["delta"] is not None:
     runs = min(main["n_better"], main["n_worse"])
-    error = f" ± {main['se']:.1f}" if main["se"] is not None else ""
-    return f"none counted (on the old SST-2 carve: {_signed(main['delta'])}{error}, {runs} run{'s' * (runs > 1)})"
+    return f"none counted (on the old SST-2 carve: {_delta(main)}, {runs} run{'s' * (runs > 1)})"
   return _ours_cell(result)
 
 
@@ -101,8 +103,7 @@ def _tries_cell(result: Mapping[str, Any]) -> str:
   for entry in others:
     if entry["delta"] is None:
       continue
-    error = f" ± {entry['se']:.1f}" if entry["se"] is not None else ""
-    shown.append(f"{_short_setting(entry, result['better'])}: {_signed(entry['delta'])}{error} "
+    shown.append(f"{_short_setting(entry, result['better'])}: {_delta(entry)} "
                  f"({min(entry['n_better'], entry['n_worse'])}){'†' if entry.get('old_carve') else ''}")
   return f"{len(result['tries'])}" + (f" ({len(others)} other)" if others else "") + (
       ": " + "; ".join(shown) if shown else "")
