@@ -66,6 +66,7 @@ def test_the_table_shows_each_sides_columns_with_the_masked_positions_accuracy(b
 def test_the_reference_stopped_at_a_deadline_goes_on_exactly_from_its_saved_state(bench, prepared, tmp_path):
   """A reference cut short (its deadline already past: it stops after the first interval) and run again with the
   same state file reaches the uninterrupted run's every number; run once more, it trains nothing."""
+  pytest.importorskip("torch", reason="the reference trains on PyTorch: the torch tier, pip install -e '.[test,hf]'")
   from tokenizers import Tokenizer
 
   tokenizer = prepared.parent / "tokenizer" / "tokenizer.json"
