@@ -455,10 +455,12 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
       progress.set_postfix(progress_lib.metrics_postfix(averaged))
 
   clock = [time.perf_counter()]
+  # A failed asynchronous save of the selected parameters stops the seed after the call it fails in.
+  hooks = (evaluations,) + ((checkpoint_lib.SaveCheck(checkpointer),) if checkpointer is not None else ())
   try:
     state, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
                                     log_every=config.train.log_every, on_log=log_train,
-                                    nonfinite_message=nonfinite_message, hooks=(evaluations,), progress=progress,
+                                    nonfinite_message=nonfinite_message, hooks=hooks, progress=progress,
                                     multi_step=run.multi_step, steps_per_call=config.train.steps_per_call)
     run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
   finally:

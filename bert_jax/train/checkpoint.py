@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -294,6 +295,28 @@ class Checkpointer:
   def close(self) -> None:
     self.wait()
     self.manager.close()
+
+  def abandon(self) -> None:
+    """Leaves a save in progress unfinished, as the process exits at once (a second Ctrl-C): its partial files are
+    never read (Orbax finalizes a step only when every write is done, and removes what is left at the next start),
+    and the writes it leaves unawaited are not reported one by one as never awaited."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+
+
+class SaveCheck:
+  """A `loop.run` hook that is never due: asking it raises the error of a failed asynchronous save of
+  `checkpointer` (`Checkpointer.check`), so the run stops at the end of the call after the failure."""
+
+  def __init__(self, checkpointer: Checkpointer):
+    self.checkpointer = checkpointer
+
+  def due(self, step: int, last: bool) -> bool:
+    del step, last
+    self.checkpointer.check()
+    return False
+
+  def __call__(self, step: int, state: Any) -> bool:
+    return False
 
 
 def resume_point(steps: list[int]) -> str:

@@ -75,6 +75,8 @@ class _CheckpointHook:
     if self.preempted:
       self.checkpointer.wait()
       self.saved_on_stop = step
+      if self.preemption.interrupted:  # A second Ctrl-C whose KeyboardInterrupt Python dropped (it hit a __del__).
+        raise KeyboardInterrupt
       progress_lib.print_line(self.progress,
                               f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     return self.preempted
@@ -507,7 +509,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
         if progress is not None:
           progress.close()
         # The run's own error is the one reported: a write failing after it (the same full disk) adds nothing.
-        closers = [writer.close] if stop_now else [writer.close, checkpointer.close]
+        closers = [writer.close, checkpointer.abandon if stop_now else checkpointer.close]
         _close_all(closers, quiet=failed)
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
