@@ -69,6 +69,10 @@ def _verdict_ours(result: Mapping[str, Any]) -> str:
   return _ours_cell(result)
 
 
+def _p(p: float | None) -> str:
+  return "n/a" if p is None else "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
 def _runs_cell(result: Mapping[str, Any]) -> str:
   return f"{result['n_better']} / {result['n_worse']}"
 
@@ -151,7 +155,9 @@ def counts_markdown(results: Sequence[Mapping[str, Any]]) -> str:
   total = {verdict: sum(tally[verdict] for tally in per_paper.values()) for verdict in findings_lib.VERDICTS}
   cells = "; ".join(f"{paper}: {', '.join(f'{n} {v}' for v, n in tally.items() if n)}"
                     for paper, tally in per_paper.items())
-  return (f"Headline findings: **{total['reproduces']} reproduce, {total['contradicts']} contradict, "
+  reproduce = "reproduces" if total["reproduces"] == 1 else "reproduce"
+  contradict = "contradicts" if total["contradicts"] == 1 else "contradict"
+  return (f"Headline findings: **{total['reproduces']} {reproduce}, {total['contradicts']} {contradict}, "
           f"{total['not resolved']} not resolved** ({cells}).")
 
 
@@ -273,8 +279,8 @@ def table_readme(table: findings_lib.TableFindings, results: Sequence[Mapping[st
     lines += [f"### {result['finding']}", "",
               f"{result['better']} over {result['worse']} on {_columns_cell(result)}"
               + (f" (the paper's {', '.join(result['paper_columns'])})" if result["paper_columns"] else "")
-              + f". Holm family: the {result['holm_family']} findings of this paper; p = "
-              + (f"{result['p']:.3f}" if result["p"] is not None else "n/a") + f"; verdict: {result['verdict']}.",
+              + f". Holm family: the {result['holm_family']} findings of this paper; p = " + _p(result["p"])
+              + f"; verdict: {result['verdict']}.",
               ""]
     lines += ["Runs at the main budget pooled: " + (", ".join(f"`{p}`" for p in result["pooled_from"]) or "none")
               + ".", ""]
