@@ -273,3 +273,20 @@ def test_a_refused_change_leaves_the_prepared_corpus_untouched(reference, tmp_pa
   np.testing.assert_array_equal(np.load(out / prepare.EVAL_DOCUMENTS), np.load(tmp_path / "fresh" /
                                                                                  prepare.EVAL_DOCUMENTS))
   assert fresh["splits"] == json.loads((out / prepare.MANIFEST).read_text())["splits"]
+
+
+def test_the_trainer_refuses_a_changed_split_before_rewriting_the_builtin_corpus(tmp_path, monkeypatch):
+  # A workdir with checkpoints and a demo config whose eval split then changes: refused, the prepared corpus as it
+  # was (the trainer's config check runs inside prepare, before its first write).
+  from bert_jax.train import checkpoint as checkpoint_lib
+  from bert_jax.train import workdir as workdir_lib
+
+  config = _demo_config()
+  trainer.prepare_data(config, tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+  before = _snapshot(tmp_path / "builtin_corpus")
+  monkeypatch.setattr(checkpoint_lib, "complete_steps", lambda workdir: [2])
+  changed = config_lib.load_config(DEMO, ["data.eval_fraction=0.1"])
+  with pytest.raises(workdir_lib.ConfigMismatchError, match="data.eval_fraction"):
+    trainer.prepare_data(changed, tmp_path)
+  assert _snapshot(tmp_path / "builtin_corpus") == before

@@ -113,9 +113,9 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path) -> epat
     if jax.process_index() == 0:
       if paths.is_remote(workdir):  # The text and vocabulary are built locally; the prepared corpus goes up.
         with tempfile.TemporaryDirectory(prefix="bert_jax-builtin-") as local:
-          _build_builtin_corpus(config, pathlib.Path(local), prepared)
+          _build_builtin_corpus(config, pathlib.Path(local), prepared, workdir)
       else:
-        _build_builtin_corpus(config, pathlib.Path(workdir) / "builtin_corpus", prepared)
+        _build_builtin_corpus(config, pathlib.Path(workdir) / "builtin_corpus", prepared, workdir)
     distributed.sync_global_devices("builtin_corpus")
     return prepared
   if not data.prepared:
@@ -124,7 +124,8 @@ def prepare_data(config: ml_collections.ConfigDict, workdir: epath.Path) -> epat
   return paths.as_path(data.prepared)
 
 
-def _build_builtin_corpus(config: ml_collections.ConfigDict, root: pathlib.Path, prepared: epath.Path) -> None:
+def _build_builtin_corpus(config: ml_collections.ConfigDict, root: pathlib.Path, prepared: epath.Path,
+                          workdir: epath.Path) -> None:
   from bert_jax.data import builtin_corpus, prepare, tokenizers
   if paths.is_remote(prepared) and (prepared / prepare.MANIFEST).exists():
     return
@@ -133,8 +134,15 @@ def _build_builtin_corpus(config: ml_collections.ConfigDict, root: pathlib.Path,
     builtin_corpus.build_builtin_corpus(corpus)
   if not (tokenizer_dir / "tokenizer.json").exists() and not (tokenizer_dir / "vocab.txt").exists():
     tokenizers.train_tokenizer("wordpiece", [str(corpus)], config.data.builtin_vocab_size, tokenizer_dir)
+  # A changed split in a workdir with checkpoints is refused before the prepared corpus is touched.
   prepare.prepare_corpus([str(corpus)], tokenizer_dir, prepared, eval_fraction=config.data.eval_fraction,
-                         seed=config.seed, log=log.info)
+                         seed=config.seed, log=log.info, before_write=lambda: _check_resume(config, workdir))
+
+
+def _check_resume(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
+  """Refuses a config other than the one the workdir's complete checkpoints were trained with."""
+  if checkpoint_lib.complete_steps(workdir):
+    workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=config_lib.pretrain_defaults().to_dict())
 
 
 def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
