@@ -153,7 +153,9 @@ def test_a_full_disk_during_a_checkpoint_write_stops_the_run_in_one_line(prepare
   assert (f"writing checkpoint step 6 to {fault['where']} failed (OSError: No space left on device); the last "
           "complete checkpoint is step 4" in line), line
   assert not [record for record in caplog.records if record.exc_info], "a library logged a traceback"
-  assert fault["fired_at"] == 6 and seen["step"] == 7  # stopped at the first step after the failure
+  # The write of checkpoint 6 runs in the background, during step 6 or 7 on a loaded machine; the run stops at the
+  # first step after it failed.
+  assert fault["fired_at"] in (6, 7) and seen["step"] == fault["fired_at"] + 1, (fault, seen)
   assert checkpoint_lib.complete_steps(workdir) == [2, 4]
 
   monkeypatch.undo()
