@@ -160,6 +160,19 @@ def test_electra_discriminator_alone_keeps_its_head(tmp_path):
                              run_hf(discriminator, ids, segments, mask).logits.numpy(), atol=1e-6)
 
 
+def _minilm_batch(minilm_dir):
+  """The MiniLM checkpoint (config, params) and MINILM_SENTENCES through its own tokenizer: ids and mask, padded."""
+  tokenizers = pytest.importorskip("tokenizers")
+  family, config, params, extras = load_hf_checkpoint(minilm_dir)
+  assert family == "bert" and (config.num_layers, config.hidden_size) == (6, 384) and "pooler" in extras
+  tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+  tokenizer.no_truncation()
+  tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+  encodings = tokenizer.encode_batch(MINILM_SENTENCES)
+  return (config, params, np.array([e.ids for e in encodings], np.int32),
+          np.array([e.attention_mask for e in encodings], np.int32))
+
+
 def _export_and_reload(family, config, params, extras, out_dir, model_class):
   written = save_hf_checkpoint(family, config, params, out_dir, extras=extras)
   reloaded, info = getattr(transformers, model_class).from_pretrained(written[0], output_loading_info=True,
@@ -254,15 +267,7 @@ def test_save_pretrained_keeps_extras_and_checks_shapes(tmp_path):
 
 @live
 def test_pretrained_tokenizer_matches_transformers_bert_model_on_minilm(minilm_dir):
-  tokenizers = pytest.importorskip("tokenizers")
-  family, config, params, extras = load_hf_checkpoint(minilm_dir)
-  assert family == "bert" and (config.num_layers, config.hidden_size) == (6, 384) and "pooler" in extras
-  tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
-  tokenizer.no_truncation()
-  tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-  encodings = tokenizer.encode_batch(MINILM_SENTENCES)
-  ids = np.array([e.ids for e in encodings], np.int32)
-  mask = np.array([e.attention_mask for e in encodings], np.int32)
+  config, params, ids, mask = _minilm_batch(minilm_dir)
   segments = np.zeros_like(ids)
   model = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
   theirs = run_hf(model, ids, segments, mask)
@@ -395,16 +400,8 @@ def test_export_writes_the_checkpoint_transformers_saved(name, tmp_path):
 
 
 def test_minilm_hidden_states_and_gradients_match_goldens(minilm_dir, tmp_path):
-  tokenizers = pytest.importorskip("tokenizers")
   golden = goldens.outputs("minilm")
-  family, config, params, extras = load_hf_checkpoint(minilm_dir)
-  assert family == "bert" and (config.num_layers, config.hidden_size) == (6, 384) and "pooler" in extras
-  tokenizer = tokenizers.Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
-  tokenizer.no_truncation()
-  tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-  encodings = tokenizer.encode_batch(MINILM_SENTENCES)
-  ids = np.array([e.ids for e in encodings], np.int32)
-  mask = np.array([e.attention_mask for e in encodings], np.int32)
+  config, params, ids, mask = _minilm_batch(minilm_dir)
   np.testing.assert_array_equal(ids, golden["ids"])
   segments = np.zeros_like(ids)
 

@@ -38,25 +38,34 @@ def hf_hidden_states(hf_minilm, line):
   return encoding.tokens, [state[0].numpy() for state in outputs.hidden_states]
 
 
-@pytest.mark.parametrize("concat", [False, True])
-def test_features_match_transformers_hidden_states(minilm_dir, hf_minilm, tmp_path, concat):
+WIDTH = 384  # The MiniLM's hidden size.
+
+
+def _features_of_sentences(minilm_dir, tmp_path, layers, concat):
+  """`bert-jax features` of SENTENCES at `layers` with the MiniLM: the npz it writes, its dtype, layers and shape
+  checked."""
   (tmp_path / "input.txt").write_text("\n".join(SENTENCES) + "\n")
   out = tmp_path / "features.npz"
-  layers = [-1, -2, 0]
   argv = ["--model", str(minilm_dir), "--input", str(tmp_path / "input.txt"), "--layers", ",".join(map(str, layers)),
           "--max-len", "64", "--batch-size", "2", "--out", str(out)]
   assert features.main(argv + (["--concat"] if concat else [])) == 0
   result = np.load(out)
   assert result["features"].dtype == np.float32 and list(result["layers"]) == layers
-  width = 384
-  per_token = (len(layers) * width,) if concat else (len(layers), width)
+  per_token = (len(layers) * WIDTH,) if concat else (len(layers), WIDTH)
   assert result["features"].shape == (len(SENTENCES), result["lengths"].max()) + per_token
+  return result
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_features_match_transformers_hidden_states(minilm_dir, hf_minilm, tmp_path, concat):
+  layers = [-1, -2, 0]
+  result = _features_of_sentences(minilm_dir, tmp_path, layers, concat)
   for index, line in enumerate(SENTENCES):
     tokens, hidden_states = hf_hidden_states(hf_minilm, line)
     length = result["lengths"][index]
     assert length == len(tokens) and list(result["tokens"][index, :length]) == tokens
     assert not result["tokens"][index, length:].any() and not result["features"][index, length:].any()
-    got = result["features"][index, :length].reshape(length, len(layers), width)
+    got = result["features"][index, :length].reshape(length, len(layers), WIDTH)
     for slot, layer in enumerate(layers):
       np.testing.assert_allclose(got[:, slot], hidden_states[layer], atol=1e-4)
 
@@ -67,17 +76,8 @@ def test_features_match_golden_hidden_states(minilm_dir, tmp_path, concat):
   single), written by tests/goldens/make_goldens.py."""
   import goldens
   golden = goldens.outputs("minilm")
-  (tmp_path / "input.txt").write_text("\n".join(SENTENCES) + "\n")
-  out = tmp_path / "features.npz"
   layers = [int(layer) for layer in golden["features/layers"]]
-  argv = ["--model", str(minilm_dir), "--input", str(tmp_path / "input.txt"), "--layers", ",".join(map(str, layers)),
-          "--max-len", "64", "--batch-size", "2", "--out", str(out)]
-  assert features.main(argv + (["--concat"] if concat else [])) == 0
-  result = np.load(out)
-  assert result["features"].dtype == np.float32 and list(result["layers"]) == layers
-  width = 384
-  per_token = (len(layers) * width,) if concat else (len(layers), width)
-  assert result["features"].shape == (len(SENTENCES), result["lengths"].max()) + per_token
+  result = _features_of_sentences(minilm_dir, tmp_path, layers, concat)
   compared = 0
   for index in range(len(SENTENCES)):
     tokens = [token for token in golden["features/tokens"][index] if token]
@@ -85,7 +85,7 @@ def test_features_match_golden_hidden_states(minilm_dir, tmp_path, concat):
     assert length == len(tokens) and list(result["tokens"][index, :length]) == tokens
     assert not result["tokens"][index, length:].any() and not result["features"][index, length:].any()
     if f"features/hidden_{index}" in golden:
-      got = result["features"][index, :length].reshape(length, len(layers), width)
+      got = result["features"][index, :length].reshape(length, len(layers), WIDTH)
       for slot in range(len(layers)):
         np.testing.assert_allclose(got[:, slot], golden[f"features/hidden_{index}"][slot], atol=1e-4)
       compared += 1
