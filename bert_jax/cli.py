@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "prepare": ("bert_jax.data.prepare", "tokenise a corpus once into shards with a manifest"),
     "mark-spans": ("bert_jax.tasks.spans", "mark named entities / noun phrases in a prepared corpus with taggers"),
     "pretrain": ("bert_jax.train.trainer", "pre-train from a config (resumes in the same workdir)"),
+    "sample-rte": ("bert_jax.tasks.sample", "write a small RTE-format sample task (not GLUE) to try fine-tuning"),
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
     "predict": ("bert_jax.tasks.predict", "a fine-tuned model's predictions for a file (JSON lines or submission)"),
