@@ -1,7 +1,11 @@
 """GLUE fine-tuning with BERT's recipe; any of the nine tasks.
 
   bert-jax finetune --config configs/finetune/glue.py:task=rte --workdir runs/glue/rte \
-      --config.init.model=MODEL_DIR --config.data_dir=../shared/data/glue
+      --config.init.model=MODEL_DIR --config.data_dir=GLUE_DIR
+
+GLUE_DIR is the folder GLUE's download writes (GLUE_DIR/RTE/train.tsv, dev.tsv,
+test.tsv), `tfds` (TensorFlow Datasets, the .[tfds] extra), or for task=rte
+the sample task, not GLUE, that `bert-jax sample-rte --out data/sample` writes.
 
 task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (or a GLUE folder name:
 SST-2, STS-B...). MODEL_DIR is a Hugging Face or converted model directory, a
