@@ -73,6 +73,15 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # Ctrl-C while a command loads (its imports take seconds): one line, no traceback.
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else ""
+    print(f"bert-jax{' ' + command if command else ''}: error: stopped by Ctrl-C", file=sys.stderr)
+    return 1
+
+
+def _main(argv: list[str]) -> int:
   if argv and argv[0] == "--version":
     from importlib import metadata
     print(f"bert-jax {metadata.version('bert_jax')}")
@@ -84,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     import difflib
     near = difflib.get_close_matches(argv[0], list(SUBCOMMANDS), n=1)
     hint = f"; did you mean `bert-jax {near[0]}`?" if near else ""
-    print(f"bert-jax: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
+    print(f"bert-jax: error: unknown command {argv[0]!r}{hint}\nRun `bert-jax --help` for the commands.",
+          file=sys.stderr)
     return 2
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   from absl import logging as absl_logging
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     return entry(rest)
   except (ValueError, OSError, FloatingPointError) as error:
     # Bad input (config, data, checkpoint, NaN loss) or storage (a full disk): the message names the problem; a
-    # traceback would bury it. BERT_JAX_TRACEBACK=1 shows it anyway.
+    # traceback would bury it. Every command's errors take this one form and exit 1 (a command line argparse
+    # cannot read exits 2). BERT_JAX_TRACEBACK=1 shows the traceback anyway.
     if os.environ.get("BERT_JAX_TRACEBACK"):
       raise
     print(f"bert-jax {command}: error: {error}", file=sys.stderr)

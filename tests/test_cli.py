@@ -20,9 +20,43 @@ def test_version(capsys):
   assert capsys.readouterr().out.startswith("bert-jax ")
 
 
-def test_unknown_command_suggests_the_nearest(capsys):
+def test_unknown_command_suggests_the_nearest_in_one_line_and_points_to_help(capsys):
   assert cli.main(["pretrian"]) == 2
-  assert "did you mean `bert-jax pretrain`?" in capsys.readouterr().err
+  assert capsys.readouterr().err.splitlines() == [
+      "bert-jax: error: unknown command 'pretrian'; did you mean `bert-jax pretrain`?",
+      "Run `bert-jax --help` for the commands."]
+
+
+@pytest.mark.parametrize("command,config", [("pretrain", "configs/demo.py"),
+                                            ("finetune", "configs/finetune/glue.py:task=rte")])
+def test_a_config_error_is_one_line_with_one_exit_code_in_every_command(command, config, tmp_path, capsys):
+  args = [command, "--config", config, "--workdir", str(tmp_path / "run"), "--config.optim.lrr=1e-3"]
+  assert cli.main(args) == 1
+  err = capsys.readouterr().err
+  assert err.startswith(f"bert-jax {command}: error: unknown config key 'optim.lrr'") and len(err.splitlines()) == 1
+  assert cli.main([command, "--config", "configs/nowhere.py", "--workdir", str(tmp_path / "run")]) == 1
+  assert capsys.readouterr().err == f"bert-jax {command}: error: config file configs/nowhere.py does not exist\n"
+
+
+@pytest.mark.parametrize("command,config", [("pretrain", "configs/demo.py"),
+                                            ("finetune", "configs/finetune/glue.py:task=rte")])
+def test_help_points_to_the_config_keys_and_help_config_prints_them(command, config, capsys):
+  with pytest.raises(SystemExit):
+    cli.main([command, "--help"])
+  assert "--config.KEY=VALUE" in capsys.readouterr().out
+  assert cli.main([command, "--config", config, "--help-config", "--config.optim.lr=0.25"]) == 0
+  out = capsys.readouterr().out
+  assert f"bert-jax {command} --config" in out  # the docstring's launch command
+  assert "keys (--config.KEY=VALUE):" in out and "lr: 0.25" in out
+
+
+def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys):
+  def interrupted(name):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+  assert cli.main(["pretrain", "--config", "configs/demo.py"]) == 1
+  assert capsys.readouterr().err == "bert-jax pretrain: error: stopped by Ctrl-C\n"
 
 
 def test_fill_mask_without_a_mask_says_so(capsys, tmp_path):

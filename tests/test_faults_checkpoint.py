@@ -25,7 +25,7 @@ from orbax.checkpoint._src.serialization import serialization as orbax_serializa
 
 from bert_jax import cli
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train import trainer
+from bert_jax.train import loop, trainer
 from test_trainer import REPO, _continue, _tiny_config_file, prepared  # noqa: F401 - a fixture
 
 STEPS = 8
@@ -130,7 +130,7 @@ def test_a_full_disk_during_a_checkpoint_write_stops_the_run_in_one_line(prepare
     fault["where"] = tensorstore_spec["kvstore"]["base"]["path"] + "d"
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), fault["where"])
 
-  save, due = checkpoint_lib.Checkpointer.save, trainer._CheckpointHook.due
+  save, due = checkpoint_lib.Checkpointer.save, loop.CheckpointHook.due
 
   def arm_at_6(self, step, *args, **kwargs):
     fault["armed"] = step == 6
@@ -145,7 +145,7 @@ def test_a_full_disk_during_a_checkpoint_write_stops_the_run_in_one_line(prepare
 
   monkeypatch.setattr(orbax_serialization, "async_serialize_from_host", full_disk)
   monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", arm_at_6)
-  monkeypatch.setattr(trainer._CheckpointHook, "due", record_step)
+  monkeypatch.setattr(loop.CheckpointHook, "due", record_step)
   config_file = _tiny_config_file(tmp_path, prepared, STEPS)
   capfd.readouterr()
   assert cli.main(["pretrain", "--config", str(config_file), "--workdir", str(workdir), *OVERRIDES]) == 1
@@ -177,9 +177,9 @@ _SECOND_CTRL_C = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from bert_jax import cli
-from bert_jax.train import checkpoint, trainer
+from bert_jax.train import checkpoint, loop
 
-due, wait = trainer._CheckpointHook.due, checkpoint.Checkpointer.wait
+due, wait = loop.CheckpointHook.due, checkpoint.Checkpointer.wait
 
 def first_ctrl_c(self, step, last):
   if step == 5 and not self.preemption.requested:
@@ -190,7 +190,7 @@ def second_ctrl_c(self):
   os.kill(os.getpid(), signal.SIGINT)
   return wait(self)
 
-trainer._CheckpointHook.due, checkpoint.Checkpointer.wait = first_ctrl_c, second_ctrl_c
+loop.CheckpointHook.due, checkpoint.Checkpointer.wait = first_ctrl_c, second_ctrl_c
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 sys.exit(cli.main(sys.argv[1:]))
 """

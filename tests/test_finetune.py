@@ -299,8 +299,8 @@ def test_pretraining_run_is_a_starting_point(tmp_path):
 
 def test_bad_config_keys_fail_naming_the_key(tmp_path, capsys):
   argv = ["--config", str(REPO / "configs/finetune/glue.py:task=rte"), "--workdir", str(tmp_path)]
-  assert finetune_lib.main(argv + ["--config.optim.lrr=1e-3"]) == 2
-  assert "optim.lrr" in capsys.readouterr().out
+  with pytest.raises(config_lib.ConfigError, match="optim.lrr"):  # the CLI prints it in one line (test_cli.py)
+    finetune_lib.main(argv + ["--config.optim.lrr=1e-3"])
   with pytest.raises(config_lib.ConfigError, match="tsk"):
     config_lib.load_config(str(REPO / "configs/finetune/glue.py:tsk=rte"))
   with pytest.raises(config_lib.ConfigError, match="mnli2"):

@@ -49,3 +49,14 @@ def test_plots_of_a_pretraining_and_a_finetuning_workdir(tmp_path):
 def test_a_folder_without_metrics_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
     plot.main([str(tmp_path), "--out", str(tmp_path / "plots")])
+
+
+def test_scores_share_one_axis_in_fractions_whatever_unit_a_run_logged(tmp_path):
+  """Every command logs scores as fractions; a fine-tuning run logged before that rule (dev accuracy in percent) is
+  drawn in fractions too, and the axis says the unit."""
+  _write(tmp_path / "metrics.jsonl", [{"step": 10, "train/task_accuracy": 0.5}, {"step": 10, "eval/accuracy": 62.5},
+                                      {"step": 20, "eval/accuracy": 75.0}, {"step": 20, "train/task_accuracy": 1.0}])
+  rows = plot.read_rows(tmp_path / "metrics.jsonl")
+  assert plot._points(rows, "eval/accuracy", "accuracy") == [(10, 0.625), (20, 0.75)]
+  assert plot._points(rows, "train/task_accuracy", "accuracy") == [(10, 0.5), (20, 1.0)]
+  assert plot.Y_LABELS["accuracy"] == "accuracy / score (fraction, 0-1)"

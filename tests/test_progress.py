@@ -46,3 +46,64 @@ def test_counts_without_a_total():
   progress.update(1500)
   progress.update(1500)
   assert out.getvalue().splitlines()[-1].startswith("prepare: 3,000 doc, ") and "left" not in out.getvalue()
+
+
+class FakeClock:
+  def __init__(self):
+    self.now = 100.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def test_the_time_left_over_all_seeds_from_a_fake_clock():
+  clock, out = FakeClock(), io.StringIO()
+  # Seed 2 of 3: 100 steps here, 100 for seed 3 after it.
+  progress = progress_lib.Progress(100, "seed 2 (2/3)", every_seconds=0, stream=out, after=100, clock=clock)
+  clock.now += 30.0  # the first step compiles: its time is not counted
+  progress.update(1)
+  clock.now += 10.0
+  progress.update(20)  # 2 steps a second
+  assert progress.time_left() == (39.5, 89.5)
+  assert out.getvalue().splitlines()[-1] == (
+      "seed 2 (2/3): 21/100 step (21%), 2.00 step/s, 00:10 elapsed, 00:40 left, 01:30 for all seeds")
+  last = progress_lib.Progress(100, "seed 3 (3/3)", every_seconds=0, stream=out, clock=clock)
+  last.update(1)
+  clock.now += 5.0
+  last.update(10)
+  assert last.time_left() == (44.5, None) and "for all seeds" not in out.getvalue().splitlines()[-1]
+
+
+def test_a_bar_shows_the_time_for_all_seeds_beside_its_own():
+  clock = FakeClock()
+  bar = progress_lib.Progress(10, "seed 1 (1/2)", stream=io.StringIO(), plain=False, after=10, clock=clock)
+  bar.update(1)
+  clock.now += 4.0
+  bar.update(4)  # a step a second: 5 left here, 15 in all
+  bar.set_postfix({"loss": "0.5"})
+  assert bar._bar.postfix == "loss=0.5, all seeds=00:15 left"
+  bar.close()
+
+
+class FakeMetric:
+  """A step's metric that the device finishes when the test says so."""
+
+  def __init__(self):
+    self.ready = False
+
+  def is_ready(self) -> bool:
+    return self.ready
+
+
+def test_the_count_is_of_finished_steps_not_dispatched_ones():
+  from bert_jax.train import loop
+
+  finished = loop.FinishedSteps(10)  # a resumed run starts at step 10
+  calls = [(11, FakeMetric()), (12, FakeMetric()), (16, FakeMetric())]  # one step, one step, a call of four
+  for step, metric in calls:
+    finished.add(step, {"loss": metric})
+  assert finished.newest() == 10  # dispatched, none run yet
+  calls[0][1].ready = True
+  assert finished.newest() == 11
+  calls[2][1].ready = True  # calls finish in order: the newest one done means every earlier one is
+  assert finished.newest() == 16

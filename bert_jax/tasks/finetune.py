@@ -24,14 +24,21 @@ Workdir:
   config.json, model_config.json, tokenizer/
   finetune_run.json           the task, the model, the seeds; "init": the starting point's path, kind and the
                               step of the run checkpoint it was read from (config.init.step, or its newest)
-  seed_<s>/metrics.jsonl      train and eval scalars as JSON lines
+  seed_<s>/metrics.jsonl      train and eval scalars as JSON lines (scores as fractions; `tasks.metrics`)
+  seed_<s>/tensorboard/       the same scalars as TensorBoard events
   seed_<s>/checkpoints/       the selected parameters (Orbax; `restore_params`)
+  seed_<s>/state/             a stopped seed's training state (params, optimizer state, step, the selection so
+                              far and the evaluation history), removed when the seed finishes
   seed_<s>/result.json        the seed's selected evaluation and its history
-  results.json, results.md    every seed, and mean / median / std / min / max
+  results.json, results.md    every seed, and mean / median / std / min / max (scores in percent)
   evaluate_<split>.json, submission/seed_<s>/   written by `bert-jax evaluate`
 
-A seed whose result.json exists is not trained again, so an interrupted
-multi-seed run continues with the next seed.
+SIGTERM or Ctrl-C saves the running seed's training state once the current
+step ends, prints one line and exits 1 (a second Ctrl-C exits at once,
+saying which state is complete). The same command then skips the seeds whose
+result.json exists and continues a stopped seed from its state, exactly as
+if it had not stopped; a seed killed without a chance to save (SIGKILL)
+starts again from step 0.
 
 With `config.distill.teacher` (a fine-tuning workdir of the same task) the
 objective is `bert_jax.train.distill.Distillation`: the same step and loop, the
@@ -64,6 +71,7 @@ from bert_jax import paths
 from bert_jax import progress as progress_lib
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.tasks import metrics as task_metrics
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.glue import GlueTask
 from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model,
@@ -74,8 +82,8 @@ from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, optim
-from bert_jax.train.step import (Partitioning, make_predict_step, make_state_init, make_train_step,
-                                 persistent_cache_hits)
+from bert_jax.train.step import (Partitioning, TrainState, checkpointed, make_predict_step, make_state_init,
+                                 make_train_step, persistent_cache_hits)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,8 @@ RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
 MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer")
 _LENGTH_MULTIPLE = 8
+# A seed's resumable training state (params, optimizer state, step, selection so far), while it is unfinished.
+STATE_FOLDER = "state"
 
 
 def finetune_defaults() -> ml_collections.ConfigDict:
@@ -375,8 +385,16 @@ def _compile_steps(run: _Run, state) -> None:
            else "no persistent compilation cache")
 
 
-def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
-  """Trains and evaluates one seed; returns its result (also written to seed_<s>/result.json)."""
+def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc: str, later_steps: int
+                ) -> dict[str, Any]:
+  """Trains and evaluates one seed, from its saved training state (seed_<s>/state/) when a stop left one; returns
+  its result (also written to seed_<s>/result.json).
+
+  A stop request (SIGTERM, Ctrl-C) saves the state, the step, the selection so far and the evaluation history
+  there and raises `loop.Stopped`; the data position is the step (each epoch's order is drawn from the seed and the
+  epoch). `progress_desc` labels the bar; `later_steps` are the steps of the seeds after this one, for the time
+  left over all of them.
+  """
   config, task = run.config, run.task
   seed_dir = run.workdir / f"seed_{seed}"
   if (seed_dir / "result.json").exists():
@@ -385,18 +403,29 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   primary = jax.process_index() == 0
   compiled_before = run.state_init is not None
   state = _init_state(run, seed)
-  if primary:  # A seed that did not finish is trained again from step 0: the interrupted run's rows go.
-    workdir_lib.drop_rows_after(seed_dir / "metrics.jsonl", 0)
+  resumable = checkpoint_lib.Checkpointer(seed_dir, keep=1, folder=STATE_FOLDER)
+  restored = resumable.restore_latest(checkpointed(state))
+  start_step, progress_so_far = 0, {}
+  if restored is not None:
+    start_step, saved, _, meta = restored
+    state = TrainState(**saved, frozen=run.frozen)
+    progress_so_far = meta["selection"]
+    log.info("seed %d: resumed from its training state at step %d in %s", seed, start_step, resumable.directory)
+  if primary:  # The steps after the saved state are computed again: the interrupted run's rows of them go.
+    workdir_lib.drop_rows_after(seed_dir / "metrics.jsonl", start_step)
   writer = metrics_lib.MetricWriter(seed_dir, enabled=primary)
   checkpointer = checkpoint_lib.Checkpointer(seed_dir, keep=1) if config.train.save_checkpoint else None
+  if checkpointer is not None:  # A selection after the saved state is made again (or not) by the rerun.
+    checkpointer.drop_after(start_step)
   interval = _eval_interval(config.train.eval_every)
   total_steps = config.train.epochs * run.steps_per_epoch
   num_rows = len(run.train_features["input_ids"])
   selection_split = task.eval_splits[0]
-  history: list[dict[str, Any]] = []
-  selected: dict[str, Any] | None = None
-  evaluations_since_best = 0
-  train_seconds = eval_seconds = 0.0
+  history: list[dict[str, Any]] = progress_so_far.get("history", [])
+  selected: dict[str, Any] | None = progress_so_far.get("selected")
+  evaluations_since_best = progress_so_far.get("evaluations_since_best", 0)
+  train_seconds = progress_so_far.get("train_seconds", 0.0)
+  eval_seconds = progress_so_far.get("eval_seconds", 0.0)
 
   def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
     del bad
@@ -412,13 +441,16 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
     record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4), "metrics": metrics}
     history.append(record)
     for split, values in metrics.items():
-      writer.write(step, values, prefix=f"eval/{split}/" if len(metrics) > 1 else "eval/")
+      writer.write(step, task_metrics.as_fractions(values), prefix=f"eval/{split}/" if len(metrics) > 1 else "eval/")
     value = metrics[selection_split][task.selection_metric]
     improved = selected is None or value > selected["metrics"][selection_split][task.selection_metric]
     evaluations_since_best = 0 if improved else evaluations_since_best + 1
     if config.train.selection == "last" or improved:
       selected = record
       if checkpointer is not None:
+        # The save replaces the selection a resumed state names: that state goes first, never left pointing at
+        # nothing (a seed killed before its next stop starts again from step 0).
+        resumable.drop_after(-1)
         checkpointer.save(step, {"params": distill_lib.student_params(state.params)}, {},
                           {"step": step, "seed": seed}, force=True)
     if primary:
@@ -430,10 +462,23 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
     return bool(patience) and evaluations_since_best >= patience
 
   def batches():
-    for epoch in range(config.train.epochs):
+    first_epoch, skipped = divmod(start_step, run.steps_per_epoch)  # where the saved state left the data
+    for epoch in range(first_epoch, config.train.epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-      for start in range(0, num_rows, run.train_batches.batch_size):
+      first_row = skipped * run.train_batches.batch_size if epoch == first_epoch else 0
+      for start in range(first_row, num_rows, run.train_batches.batch_size):
         yield run.train_batches(run.train_features, order[start:start + run.train_batches.batch_size], seed)
+
+  def saved_on_stop(step: int, state) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    train_seconds_now = train_seconds + time.perf_counter() - clock[0]
+    selection = {"selected": selected, "history": history, "evaluations_since_best": evaluations_since_best,
+                 "train_seconds": train_seconds_now, "eval_seconds": eval_seconds}
+    return checkpointed(state), {"step": step}, {"step": step, "seed": seed, "selection": selection}
+
+  def made_durable() -> None:  # the stop's state names a selection whose parameters and rows are on storage
+    writer.flush()
+    if checkpointer is not None:
+      checkpointer.wait()
 
   # "epoch": after every epoch's last step; "end": after the last step only; N: every N steps and the last.
   evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
@@ -445,7 +490,8 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
   throughput = metrics_lib.Throughput(run.train_batches.batch_size * seq_len * max(task.num_choices, 1),
                                       flops_per_token, run.partitioning.mesh.size)
   # The bar counts examples: a step is one global batch (the last batch of an epoch counts whole).
-  progress = (progress_lib.Progress(total_steps, f"seed {seed}", unit="ex", unit_scale=run.train_batches.batch_size)
+  progress = (progress_lib.Progress(total_steps, progress_desc, initial=start_step, unit="ex",
+                                    unit_scale=run.train_batches.batch_size, after=later_steps)
               if primary else None)
 
   def log_train(step: int, averaged: dict[str, float]) -> None:
@@ -455,26 +501,45 @@ def _train_seed(run: _Run, seed: int) -> dict[str, Any]:
       progress.set_postfix(progress_lib.metrics_postfix(averaged))
 
   clock = [time.perf_counter()]
+  # Only a stop saves the training state: a finished seed needs none, and its selected parameters are kept apart.
+  stop_hook = loop.CheckpointHook(resumable, 0, preemption, saved_on_stop, on_save=made_durable, at_last=False)
   # A failed asynchronous save of the selected parameters stops the seed after the call it fails in.
-  hooks = (evaluations,) + ((checkpoint_lib.SaveCheck(checkpointer),) if checkpointer is not None else ())
+  hooks = (evaluations,) + ((checkpoint_lib.SaveCheck(checkpointer),) if checkpointer is not None else ()) + (
+      stop_hook,)
+  failed = stop_now = False  # stop_now: a second Ctrl-C, waiting for no write
   try:
-    state, step, stopped = loop.run(run.train_step, state, batches(), start_step=0, total_steps=total_steps,
-                                    log_every=config.train.log_every, on_log=log_train,
-                                    nonfinite_message=nonfinite_message, hooks=hooks, progress=progress,
-                                    multi_step=run.multi_step, steps_per_call=config.train.steps_per_call)
-    run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
-  finally:
-    if progress is not None:
-      progress.close()
+    try:
+      state, step, stopped = loop.run(run.train_step, state, batches(), start_step=start_step,
+                                      total_steps=total_steps, log_every=config.train.log_every, on_log=log_train,
+                                      nonfinite_message=nonfinite_message, hooks=hooks, progress=progress,
+                                      multi_step=run.multi_step, steps_per_call=config.train.steps_per_call)
+      run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
+    except KeyboardInterrupt:
+      failed = stop_now = True
+      raise
+    except BaseException:
+      failed = True
+      raise
+    finally:
+      if progress is not None:
+        progress.close()
+      closers = [writer.close, resumable.abandon if stop_now else resumable.close]
+      if checkpointer is not None:
+        closers.append(checkpointer.abandon if stop_now else checkpointer.close)
+      loop.close_all(closers, quiet=failed)
+  except KeyboardInterrupt:
+    raise stop_hook.interrupted() from None
+  if stop_hook.preempted:
+    raise loop.Stopped(f"stop requested (SIGTERM or Ctrl-C): seed {seed}'s training state at step {step} is saved "
+                       f"in {resumable.directory}; the same command resumes it")
   stopped_early = stopped and step < total_steps
-  if checkpointer is not None:
-    checkpointer.close()
-  writer.close()
   result = {"seed": seed, "steps": step, "stopped_early": stopped_early, "selected": selected, "history": history,
             "train_seconds": train_seconds, "eval_seconds": eval_seconds,
             "compile_seconds": 0.0 if compiled_before else run.compile_seconds, "head": run.head_report}
   if primary:
     (seed_dir / "result.json").write_text(json.dumps(result, indent=2))
+    if resumable.directory.exists():  # the seed is finished: its result replaces the state it resumed from
+      resumable.directory.rmtree()
   return result
 
 
@@ -634,7 +699,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
     if teacher is not None:
       print(f"  distilling from {config.distill.teacher}: loss weights {objective.weights}", flush=True)
 
-  seed_results = [_train_seed(run, seed) for seed in config.seeds]
+  seeds = list(config.seeds)
+  unfinished = [not (workdir / f"seed_{seed}" / "result.json").exists() for seed in seeds]
+  seed_results = []
+  with loop.Preemption() as preemption:
+    for index, seed in enumerate(seeds):
+      label = f"seed {seed} ({index + 1}/{len(seeds)})" if len(seeds) > 1 else f"seed {seed}"
+      seed_results.append(_train_seed(run, seed, preemption, label, total_steps * sum(unfinished[index + 1:])))
   summary = summarize_seeds(task, seed_results)
   selection_split = task.eval_splits[0]
   best = max(seed_results, key=lambda r: r["selected"]["metrics"][selection_split][task.selection_metric])
@@ -757,19 +828,19 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
 
 def main(argv: list[str]) -> int:
   """bert-jax finetune --config FILE[:ARG] --workdir DIR [--config.KEY=VALUE ...]."""
-  parser = argparse.ArgumentParser(prog="bert-jax finetune", description=main.__doc__, allow_abbrev=False)
-  parser.add_argument("--config", required=True, help="configs/finetune/NAME.py[:arg]")
-  parser.add_argument("--workdir", required=True, help="run directory (finished seeds are not trained again)")
-  args, rest = parser.parse_known_args(argv)
-  unknown = [a for a in rest if not a.startswith("--config.")]
-  if unknown:
-    parser.error(f"unrecognised arguments {unknown}; overrides look like --config.optim.lr=3e-5")
+  parser = config_lib.config_parser("bert-jax finetune", main.__doc__, "configs/finetune/NAME.py[:arg]",
+                                    "--config.optim.lr=3e-5")
+  parser.add_argument("--workdir", required=True,
+                      help="run directory (finished seeds are not trained again; a stopped seed resumes)")
+  args, config = config_lib.parse_with_config(parser, argv)
+  if config is None:
+    return 0
   try:
-    config = config_lib.load_config(args.config, rest)
-  except config_lib.ConfigError as error:
-    print(f"bert-jax finetune: {error}")
-    return 2
-  results = finetune(config, args.workdir)
+    results = finetune(config, args.workdir)
+  except loop.Stopped as stopped:  # A requested stop: what was saved, in one line, and a nonzero exit.
+    if jax.process_index() == 0:
+      print(f"bert-jax finetune: {stopped}", flush=True)
+    return 1
   if jax.process_index() == 0:
     print(results_markdown(results))
   return 0

@@ -3,6 +3,14 @@
 Degenerate inputs (a constant prediction, a single class) give 0 rather than
 NaN, as scikit-learn does for Matthews correlation, so that model selection
 never compares against NaN.
+
+The unit rule: results for people (results.json and results.md, `bert-jax
+evaluate`, the evaluation lines printed while training, paper tables) give
+scores in percent, as the papers do; the logged metric streams
+(metrics.jsonl, TensorBoard) that `bert-jax plot` draws give every score
+(accuracy, F1, exact match, MCC, correlations) as a fraction, as pre-training
+logs its accuracies, so that runs of every command share an axis.
+`as_fractions` turns a task's scores into the logged unit.
 """
 
 from __future__ import annotations
@@ -69,3 +77,10 @@ def average_ranks(values: np.ndarray) -> np.ndarray:
 def spearman(predictions: np.ndarray, labels: np.ndarray) -> float:
   """Spearman correlation: Pearson of average ranks (ties handled as scipy)."""
   return pearson(average_ranks(predictions), average_ranks(labels))
+
+
+def as_fractions(metrics: dict[str, float]) -> dict[str, float]:
+  """A task's metrics as logged: scores on the 0-100 scale divided by 100; counts (SQuAD v2's `total`,
+  `*_total`) and no-answer thresholds (`*_thresh`) are not scores and stay as they are."""
+  return {name: value if name == "total" or name.endswith(("_total", "_thresh")) else value / 100.0
+          for name, value in metrics.items()}

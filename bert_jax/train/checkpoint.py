@@ -1,6 +1,6 @@
 """Orbax checkpoints holding the train state *and* the data-iterator state.
 
-`Checkpointer` wraps an `ocp.CheckpointManager` in `<workdir>/checkpoints`:
+`Checkpointer` wraps an `ocp.CheckpointManager` in `<workdir>/checkpoints` (or another folder of the workdir):
 async saves, keep-N, restore of the newest checkpoint that reads back. A
 corrupt or partial checkpoint (a save interrupted mid-way, a truncated file)
 is skipped with a warning and the previous one is used. The workdir may be
@@ -180,10 +180,11 @@ def verify_checksums(tree: Any, recorded: dict[str, int] | None, step: int) -> N
 class Checkpointer:
   """Saves and restores {state, data iterator state, run metadata} per step."""
 
-  def __init__(self, workdir: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, workdir: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
+               folder: str = "checkpoints"):
     _use_array_handler()
     _quiet_failed_io_reports()
-    self.directory = paths.as_path(workdir) / "checkpoints"
+    self.directory = paths.as_path(workdir) / folder
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
@@ -258,6 +259,13 @@ class Checkpointer:
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
+
+  def drop_after(self, step: int) -> list[int]:
+    """Deletes the checkpoints after `step` (a rerun computes those steps again); returns their steps."""
+    dropped = [later for later in self.steps() if later > step]
+    for later in dropped:
+      self.manager.delete(later)
+    return dropped
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
     """Restores the newest readable checkpoint into `abstract_state`'s shapes and shardings.

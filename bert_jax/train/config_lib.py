@@ -11,11 +11,12 @@ A file may also define `get_sweep(arg)` returning a list of override dicts.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib.util
 import pathlib
 import sys
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import ml_collections
 from ml_collections import config_dict
@@ -105,6 +106,48 @@ def load_config(spec: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
   config.lock()
   apply_overrides(config, overrides)
   return config
+
+
+CONFIG_KEYS_HELP = """config keys:
+  The config file's docstring names its arguments (FILE.py:key=value,...) and gives the launch command.
+  Any key of the config is set with --config.KEY=VALUE (e.g. {example}); unknown keys fail, naming them.
+  --help-config prints the file's docstring and every key with its value, overrides applied."""
+
+
+def config_parser(prog: str, description: str, config_help: str, example: str) -> argparse.ArgumentParser:
+  """The parser of a command run from a config: --config FILE[:ARG], --help-config, and a --help that points to the
+  config's keys (`example` is one override, as "--config.optim.lr=1e-4"); the command adds its own arguments."""
+  parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
+                                   epilog=CONFIG_KEYS_HELP.format(example=example),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True, help=config_help)
+  parser.add_argument("--help-config", action="store_true",
+                      help="print the config's docstring and its keys with their values, then exit")
+  return parser
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]
+                      ) -> tuple[argparse.Namespace, ml_collections.ConfigDict | None]:
+  """(the parsed arguments, the config with the --config.KEY=VALUE overrides applied), or (arguments, None) after
+  --help-config printed the config. A bad config is a `ConfigError` (the CLI prints it in one line); an argument
+  that is neither the parser's nor an override is a usage error."""
+  argv = list(argv)
+  if "--help-config" in argv:  # The command's other required arguments are not needed to show the config.
+    shown = argparse.ArgumentParser(prog=parser.prog, add_help=False, allow_abbrev=False)
+    shown.add_argument("--config")
+    args, rest = shown.parse_known_args(argv)
+    if not args.config:
+      parser.error("--help-config needs --config FILE[:ARG]")
+    config = load_config(args.config, [a for a in rest if a.startswith("--config.")])
+    path, _ = resolve_config_path(args.config)
+    print(f"{path}:\n{(_load_module(path).__doc__ or '(no docstring)').strip()}\n\nkeys (--config.KEY=VALUE):\n"
+          f"{config}")
+    return args, None
+  args, rest = parser.parse_known_args(argv)
+  unknown = [a for a in rest if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognised arguments {unknown}; config overrides look like --config.KEY=VALUE")
+  return args, load_config(args.config, rest)
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> None:

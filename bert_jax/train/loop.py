@@ -21,6 +21,7 @@ end of each call.
 
 from __future__ import annotations
 
+import collections
 import signal
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -28,6 +29,8 @@ from jax.experimental import multihost_utils
 
 import jax
 
+from bert_jax import progress as progress_lib
+from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import heap
 from bert_jax.train import metrics as metrics_lib
 
@@ -69,6 +72,30 @@ class Every:
     return bool(self.fn(step, state))
 
 
+class FinishedSteps:
+  """The newest step the device has finished, asked without waiting: a call's metrics are ready once its steps ran
+  (the calls run in order). The progress bar counts these, not the steps dispatched ahead of the device."""
+
+  def __init__(self, step: int):
+    self.step = step
+    self._calls: collections.deque[tuple[int, Any]] = collections.deque()  # (step after the call, a metric)
+
+  def add(self, step: int, metrics: Any) -> None:
+    self._calls.append((step, jax.tree.leaves(metrics)[0]))
+
+  def newest(self) -> int:
+    if self._calls and _ready(self._calls[-1][1]):  # the newest call done: every earlier one is
+      self.step = self._calls[-1][0]
+      self._calls.clear()
+    while self._calls and _ready(self._calls[0][1]):
+      self.step = self._calls.popleft()[0]
+    return self.step
+
+
+def _ready(value: Any) -> bool:
+  return getattr(value, "is_ready", lambda: True)()
+
+
 def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: Iterator[Any], *, start_step: int,
         total_steps: int, log_every: int, on_log: Callable[[int, dict[str, float]], None],
         nonfinite_message: Callable[[int, dict[str, float]], str], hooks: Sequence[Hook] = (),
@@ -83,7 +110,7 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
     log_every: log the mean metrics of every `log_every` steps through `on_log(step, averaged)`.
     nonfinite_message: `(step, its metrics) -> text` of the `NonFiniteLossError` raised at a non-finite step.
     hooks: run in order after each step where due; one returning True stops the loop after that step.
-    progress: a `progress.Progress` (or tqdm-like bar), updated once a call, or None.
+    progress: a `progress.Progress` (or tqdm-like bar) advanced to the newest finished step once a call, or None.
     multi_step: `(state, steps_per_call batches) -> (state, metrics over those steps)`, or None.
     steps_per_call: the steps of one `multi_step` call.
 
@@ -106,6 +133,12 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
 
   pending = metrics_lib.PendingMetrics(read)
   step, stopped = start_step, False
+  finished = FinishedSteps(start_step)
+
+  def show_finished() -> None:
+    if progress is not None:  # its count starts at start_step
+      progress.update(finished.newest() - progress.n)
+
   with heap.frozen_setup() as freeze_setup:
     while step < total_steps and not stopped:
       if multi_step is not None and step + steps_per_call <= next_stop(step):
@@ -117,8 +150,7 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
       freeze_setup()
       step += taken
       pending.add(step_metrics, taken)
-      if progress is not None:
-        progress.update(taken)
+      finished.add(step, step_metrics)
       if step % log_every == 0:
         pending.log_next(step)
       last = step == total_steps
@@ -127,8 +159,79 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
           pending.flush(step)
           stopped = hook(step, state) or stopped
           freeze_setup(f"hook {index}")
+      show_finished()
     pending.flush(step)
+  show_finished()
   return state, step, stopped
+
+
+def close_all(closers: Sequence[Callable[[], Any]], quiet: bool) -> None:
+  """Calls every closer; then raises the first storage error among them, unless `quiet` (the run already failed:
+  a write failing after it, on the same full disk, adds nothing)."""
+  first = None
+  for close in closers:
+    try:
+      close()
+    except OSError as error:
+      first = first or error
+  if first is not None and not quiet:
+    raise first
+
+
+class Stopped(InterruptedError):
+  """The run stopped at a stop request (SIGTERM or Ctrl-C) after saving what the same command resumes from."""
+
+
+class CheckpointHook:
+  """Saves `contents(step, state) -> (state tree, data state, meta)` with `checkpointer` every `every` steps (0:
+  never), after the last step (`at_last`) and on a stop request (`Preemption`), where it returns True: the loop
+  stops. `on_save()` runs after each save starts (the metrics logged so far made durable with it). A stop's
+  checkpoint is waited for; `stop_line(step)`, if given, is printed once it is complete."""
+
+  def __init__(self, checkpointer, every: int, preemption: "Preemption",
+               contents: Callable[[int, Any], tuple[Any, dict[str, Any], dict[str, Any]]], *,
+               on_save: Callable[[], None] = lambda: None, progress: Any = None,
+               stop_line: Callable[[int], str] | None = None, at_last: bool = True):
+    self.checkpointer, self.every, self.preemption, self.contents = checkpointer, every, preemption, contents
+    self.on_save, self.progress, self.stop_line, self.at_last = on_save, progress, stop_line, at_last
+    self.preempted = False
+    self.requested: int | None = None  # the newest step a save was started for
+    self.saved_on_stop: int | None = None  # the stop's checkpoint, once complete
+
+  def due(self, step: int, last: bool) -> bool:
+    self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
+    self.preempted = self.preemption.should_stop(step)  # every process asks after every call
+    return self.preempted or bool(self.every and step % self.every == 0) or (last and self.at_last)
+
+  def next_due(self, step: int) -> int | None:
+    return next_multiple(step, self.every)
+
+  def __call__(self, step: int, state) -> bool:
+    self.requested = step
+    tree, data_state, meta = self.contents(step, state)
+    self.checkpointer.save(step, tree, data_state, meta, force=True)
+    self.on_save()
+    if self.preempted:
+      self.checkpointer.wait()
+      self.saved_on_stop = step
+      if self.preemption.interrupted:  # A second Ctrl-C whose KeyboardInterrupt Python dropped (it hit a __del__).
+        raise KeyboardInterrupt
+      if self.stop_line is not None:
+        progress_lib.print_line(self.progress, self.stop_line(step))
+    return self.preempted
+
+  def interrupted(self) -> InterruptedError:
+    """The error of a second Ctrl-C, saying which checkpoint is complete (no save is waited for)."""
+    complete = self.checkpointer.complete_steps()
+    if self.saved_on_stop is not None:
+      said = f"after the checkpoint at step {self.saved_on_stop} was saved"
+    elif self.requested is not None and self.requested not in complete:
+      said = f"no checkpoint was saved (the one of step {self.requested} was not complete; its files are never read)"
+    else:
+      said = "no checkpoint was saved"
+    which = "a second Ctrl-C" if self.preemption.interrupted else "Ctrl-C"
+    return InterruptedError(f"stopped by {which}: {said}; {checkpoint_lib.resume_point(complete)} in "
+                            f"{self.checkpointer.directory}, where the same command resumes")
 
 
 class Preemption:

@@ -14,6 +14,10 @@ tokens where the run's config gives the tokens per step):
   learning_rate.png  the schedule
   throughput.png     tokens/s
   loss_vs_tokens.png the losses against tokens seen
+
+Scores are fractions (0-1) in every command's logs (`bert_jax.tasks.metrics`'s
+unit rule); a fine-tuning run logged before that rule has its dev scores in
+percent, which no fraction exceeds: a score stream above 1 is drawn divided by 100.
 """
 
 from __future__ import annotations
@@ -33,6 +37,22 @@ PANELS = {
     "learning_rate": lambda key: key.endswith("learning_rate"),
     "throughput": lambda key: key.endswith("tokens_per_second"),
 }
+# Each panel's y axis, with its unit.
+Y_LABELS = {
+    "loss": "loss (log scale)",
+    "accuracy": "accuracy / score (fraction, 0-1)",
+    "learning_rate": "learning rate",
+    "throughput": "tokens per second",
+}
+
+
+def _points(rows: list[dict[str, Any]], key: str, panel: str) -> list[tuple[int, float]]:
+  """(step, value) of `key`'s finite values; a score stream logged in percent (above 1) as fractions."""
+  points = [(row["step"], row[key]) for row in rows
+            if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])]
+  if panel == "accuracy" and any(value > 1.0 for _, value in points):
+    points = [(step, value / 100.0) for step, value in points]
+  return points
 
 
 def read_rows(path: str | epath.Path) -> list[dict[str, Any]]:
@@ -102,8 +122,7 @@ def plot(workdirs: Sequence[str], out: str | pathlib.Path) -> list[pathlib.Path]
         continue
       keys = sorted({key for row in rows for key in row if match(key)})
       for key in keys:
-        points = [(row["step"], row[key]) for row in rows
-                  if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])]
+        points = _points(rows, key, name.replace("_vs_tokens", ""))
         if not points:
           continue
         xs = [step * (tokens if axis == "tokens" else 1) for step, _ in points]
@@ -115,7 +134,7 @@ def plot(workdirs: Sequence[str], out: str | pathlib.Path) -> list[pathlib.Path]
       plt.close(figure)
       continue
     ax.set_xlabel("tokens seen" if axis == "tokens" else "step")
-    ax.set_ylabel(name.replace("_vs_tokens", "").replace("_", " "))
+    ax.set_ylabel(Y_LABELS[name.replace("_vs_tokens", "")])
     if name.startswith("loss"):
       ax.set_yscale("log")
     ax.grid(alpha=0.3)

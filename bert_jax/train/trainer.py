@@ -9,7 +9,6 @@ clear error; the state it stops on never reaches a checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -46,53 +45,6 @@ log = logging.getLogger(__name__)
 
 
 NonFiniteLossError = loop.NonFiniteLossError
-
-
-class _CheckpointHook:
-  """Saves the state and the data iterator's position every `every` steps, after the last, and on preemption;
-  the metrics logged so far are made durable with it (a remote workdir's are uploaded then). A stop's checkpoint
-  is waited for: "saved" is printed once it is complete."""
-
-  def __init__(self, checkpointer, every: int, preemption: loop.Preemption, train_iter, writer, progress):
-    self.checkpointer, self.every, self.preemption = checkpointer, every, preemption
-    self.train_iter, self.writer, self.progress, self.preempted = train_iter, writer, progress, False
-    self.requested: int | None = None  # the newest step a save was started for
-    self.saved_on_stop: int | None = None  # the stop's checkpoint, once complete
-
-  def due(self, step: int, last: bool) -> bool:
-    self.checkpointer.check()  # A failed asynchronous save (a full disk) stops the run now, not at the next save.
-    self.preempted = self.preemption.should_stop(step)  # every process asks after every call
-    return self.preempted or bool(self.every and step % self.every == 0) or last
-
-  def next_due(self, step: int) -> int | None:
-    return loop.next_multiple(step, self.every)
-
-  def __call__(self, step: int, state) -> bool:
-    # A distillation teacher (`TrainState.frozen`) is read again from its own path on resume, never saved here.
-    self.requested = step
-    self.checkpointer.save(step, checkpointed(state), self.train_iter.get_state(), {"step": step}, force=True)
-    self.writer.flush()
-    if self.preempted:
-      self.checkpointer.wait()
-      self.saved_on_stop = step
-      if self.preemption.interrupted:  # A second Ctrl-C whose KeyboardInterrupt Python dropped (it hit a __del__).
-        raise KeyboardInterrupt
-      progress_lib.print_line(self.progress,
-                              f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
-    return self.preempted
-
-  def interrupted(self) -> InterruptedError:
-    """The error of a second Ctrl-C, saying which checkpoint is complete (no save is waited for)."""
-    complete = self.checkpointer.complete_steps()
-    if self.saved_on_stop is not None:
-      said = f"after the checkpoint at step {self.saved_on_stop} was saved"
-    elif self.requested is not None and self.requested not in complete:
-      said = f"no checkpoint was saved (the one of step {self.requested} was not complete; its files are never read)"
-    else:
-      said = "no checkpoint was saved"
-    which = "a second Ctrl-C" if self.preemption.interrupted else "Ctrl-C"
-    return InterruptedError(f"stopped by {which}: {said}; {checkpoint_lib.resume_point(complete)} in "
-                            f"{self.checkpointer.directory}, where the same command resumes")
 
 
 def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -496,8 +448,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       progress_lib.print_line(progress, f"eval @ {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in eval_results.items()))
 
   with loop.Preemption() as preemption:
-    checkpoints = _CheckpointHook(checkpointer, config.train.checkpoint_every, preemption, train_iter, writer,
-                                  progress)
+    # A distillation teacher (`TrainState.frozen`) is read again from its own path on resume, never saved here.
+    checkpoints = loop.CheckpointHook(
+        checkpointer, config.train.checkpoint_every, preemption,
+        lambda step, state: (checkpointed(state), train_iter.get_state(), {"step": step}), on_save=writer.flush,
+        progress=progress,
+        stop_line=lambda step: f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     failed = stop_now = False  # stop_now: Ctrl-C in the loop (on one process, the second), waiting for no write
     try:
       try:
@@ -518,7 +474,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
           progress.close()
         # The run's own error is the one reported: a write failing after it (the same full disk) adds nothing.
         closers = [writer.close, checkpointer.abandon if stop_now else checkpointer.close]
-        _close_all(closers, quiet=failed)
+        loop.close_all(closers, quiet=failed)
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
     except KeyboardInterrupt:
@@ -533,18 +489,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     if jax.process_count() == 1 and "mlm_accuracy" in eval_results:  # Reads the batches' answers on this host.
       result["baseline"] = unigram_baseline(config, prepared_dir, mesh, eval_objective, tokenizer)
   return result
-
-
-def _close_all(closers, quiet: bool) -> None:
-  """Calls every closer; then raises the first storage error among them, unless `quiet`."""
-  first = None
-  for close in closers:
-    try:
-      close()
-    except OSError as error:
-      first = first or error
-  if first is not None and not quiet:
-    raise first
 
 
 def _match_params(loaded: Any, reference: Any, missing_ok: bool = False) -> Any:
@@ -571,16 +515,12 @@ def _match_params(loaded: Any, reference: Any, missing_ok: bool = False) -> Any:
 
 def main(argv: list[str]) -> int:
   """bert-jax pretrain --config FILE[:ARG] [--config.KEY=VALUE ...] --workdir DIR."""
-  parser = argparse.ArgumentParser(prog="bert-jax pretrain", description=main.__doc__, allow_abbrev=False)
-  parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
+  parser = config_lib.config_parser("bert-jax pretrain", main.__doc__, "configs/NAME.py[:arg]",
+                                    "--config.optim.lr=1e-4")
   parser.add_argument("--workdir", required=True, help="run directory; an existing one is resumed")
-  args, rest = parser.parse_known_args(argv)
-  overrides = [a for a in rest if a.startswith("--config.")]
-  unknown = [a for a in rest if not a.startswith("--config.")]
-  if unknown:
-    parser.error(f"unrecognised arguments {unknown}; overrides look like --config.optim.lr=1e-4")
-
-  config = config_lib.load_config(args.config, overrides)
+  args, config = config_lib.parse_with_config(parser, argv)
+  if config is None:
+    return 0
   result = train_and_evaluate(config, args.workdir)
   _report(config, result)
   return 0
