@@ -32,6 +32,14 @@ Formats (`EXAMPLE_FORMATS`), with L the sequence length:
                   (label 1 = swapped). A one-sentence chunk is split inside the
                   sentence at a random token, so both segments stay real,
                   consecutive text (ALBERT instead drew a random B there).
+  sso             StructBERT's sentence structural examples: the same chunks,
+                  split into a first part X and a second part Y; with
+                  probability 1/3 each the pair is (X, Y), label 0 = B is the
+                  next segment of A; (Y, X), label 1 = B is the previous
+                  segment of A; or (X, a random other document's sentences),
+                  label 2 = B is random, its unused sentences put back as NSP
+                  does. A one-sentence chunk is split inside the sentence for
+                  labels 0 and 1, as sop does, so the labels stay 1/3 each.
   full_sentences  RoBERTa: contiguous full sentences filling L-2 tokens, crossing
                   document boundaries with an extra [SEP] between documents.
   doc_sentences   RoBERTa: like full_sentences but an example never crosses a
@@ -59,8 +67,11 @@ import numpy as np
 
 from bert_jax.data import prepare
 
-EXAMPLE_FORMATS = ("segment_pair", "sentence_pair", "sop", "full_sentences", "doc_sentences", "single")
-PAIR_FORMATS = ("segment_pair", "sentence_pair", "sop")
+EXAMPLE_FORMATS = ("segment_pair", "sentence_pair", "sop", "sso", "full_sentences", "doc_sentences", "single")
+PAIR_FORMATS = ("segment_pair", "sentence_pair", "sop", "sso")
+# The labels of each sentence-pair format's examples (the sentence head's classes).
+SENTENCE_CLASSES = {"segment_pair": 2, "sentence_pair": 2, "sop": 2, "sso": 3}
+SSO_NEXT, SSO_PREVIOUS, SSO_RANDOM = 0, 1, 2
 _RANDOM_DOCUMENT_TRIES = 10
 
 
@@ -70,7 +81,7 @@ class Example(NamedTuple):
   Attributes:
     segment_a: ((start, end), ...) of segment A.
     segment_b: ranges of segment B; empty for single-segment formats.
-    label: NSP/SOP label (0 for formats without one).
+    label: NSP/SOP/SSO label (0 for formats without one).
   """
   segment_a: tuple[tuple[int, int], ...]
   segment_b: tuple[tuple[int, int], ...]
@@ -91,7 +102,7 @@ class FormatConfig:
   Attributes:
     example_format: one of EXAMPLE_FORMATS.
     seq_len: row length L, specials included.
-    short_seq_prob: probability of a short target length (segment_pair, sop, single).
+    short_seq_prob: probability of a short target length (segment_pair, sop, sso, single).
     random_next_prob: probability that B is random (segment_pair, sentence_pair).
     packing: pack several examples per row.
     max_packs: most examples in one packed row (P); 1 when packing is off.
@@ -171,7 +182,8 @@ class _Planner:
     front_b = int(self.rng.binomial(cut_b, 0.5)) if cut_b else 0
     return (a[0] + front_a, a[1] - (cut_a - front_a)), (b[0] + front_b, b[1] - (cut_b - front_b))
 
-  def segment_pairs(self, document: int, order_prediction: bool) -> list[Example]:
+  def segment_pairs(self, document: int, example_format: str) -> list[Example]:
+    """BERT's chunks of `document` as segment pairs of `example_format` (segment_pair, sop or sso)."""
     max_tokens = self.config.seq_len - 3
     first, stop = int(self.document_starts[document]), int(self.document_starts[document + 1])
     target = self.bert_target(max_tokens)
@@ -182,17 +194,14 @@ class _Planner:
       chunk_sentences = chunk_end - sentence
       a_end = sentence + (int(self.rng.integers(1, chunk_sentences)) if chunk_sentences >= 2 else 1)
       segment_a = self.tokens(sentence, a_end)
-      label = 0
-      if order_prediction:
-        if chunk_sentences == 1:
-          segment_a, segment_b = self.split_inside(segment_a)
-        else:
-          segment_b = self.tokens(a_end, chunk_end)
-        if self.rng.random() < 0.5:
-          segment_a, segment_b, label = segment_b, segment_a, 1
-        sentence = chunk_end
-      elif chunk_sentences == 1 or self.rng.random() < self.config.random_next_prob:
-        label = 1
+      if example_format == "sso":
+        label = int(self.rng.integers(3))
+        random_b = label == SSO_RANDOM
+      else:  # NSP's B is random with random_next_prob (always for a one-sentence chunk); SOP's never
+        random_b = example_format == "segment_pair" and (
+            chunk_sentences == 1 or self.rng.random() < self.config.random_next_prob)
+        label = int(random_b)
+      if random_b:
         target_b = target - (segment_a[1] - segment_a[0])
         other = self.random_other_document(document)
         other_first, other_stop = int(self.document_starts[other]), int(self.document_starts[other + 1])
@@ -200,7 +209,14 @@ class _Planner:
         segment_b = self.tokens(b_first, self.sentences_until(b_first, other_stop, target_b))
         sentence = a_end  # the chunk's unused sentences are put back
       else:
-        segment_b = self.tokens(a_end, chunk_end)
+        if example_format != "segment_pair" and chunk_sentences == 1:
+          segment_a, segment_b = self.split_inside(segment_a)
+        else:
+          segment_b = self.tokens(a_end, chunk_end)
+        if example_format == "sop" and self.rng.random() < 0.5:
+          label = 1
+        if label == 1:  # SOP's swapped pair, SSO's previous segment: B precedes A
+          segment_a, segment_b = segment_b, segment_a
         sentence = chunk_end
       if segment_a[1] > segment_a[0] and segment_b[1] > segment_b[0]:
         segment_a, segment_b = self.truncate_pair(segment_a, segment_b, max_tokens)
@@ -304,7 +320,7 @@ def plan_examples(corpus: prepare.PreparedCorpus, documents: np.ndarray, split_d
     if example_format == "sentence_pair":
       examples.extend(planner.sentence_pairs(document))
     elif example_format in PAIR_FORMATS:
-      examples.extend(planner.segment_pairs(document, order_prediction=example_format == "sop"))
+      examples.extend(planner.segment_pairs(document, example_format))
     elif example_format == "doc_sentences":
       examples.extend(planner.single_segments(document, config.seq_len - 2))
     else:

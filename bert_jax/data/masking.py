@@ -51,12 +51,31 @@ The span boundary objective (SpanBERT) needs, for every prediction, the
 positions just outside its span and its offset inside it. Spans are the
 contiguous runs of chosen tokens within one packed example, whatever the
 granularity (two spans drawn next to each other form one run).
+
+Word shuffling (StructBERT's word structural objective, `shuffle_words=True`):
+after the MLM positions are chosen, the row's tokens are also reordered inside
+a few trigrams of unchosen tokens, and the model predicts the original token at
+every position of each shuffled trigram. The paper shuffles "5% of the
+trigrams" of unmasked tokens and leaves the counting open; here a row of n
+maskable tokens holds n/K disjoint K-grams, of which round(shuffle_rate * n / K)
+are shuffled, at least one (K = `shuffle_len`, 3 in the paper), so
+`shuffle_rate` is also the fraction of the row's tokens shuffled. A K-gram is K
+consecutive maskable tokens of one packed example, none chosen by the MLM nor
+in another shuffled K-gram (words may be cut: the paper shuffles tokens). The
+K-grams are drawn one at a time, each start uniform among those still free (the
+anchor rule of the spans above). Each K-gram is reordered by a permutation
+drawn uniformly among the K! - 1 that are not the identity (5 for a trigram):
+an identity "shuffle" would make the label the input token, a free prediction.
+A permutation with a fixed point (a transposition of a trigram) leaves one token
+in place; it is still predicted, as the paper predicts every position of the
+shuffled span.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +112,9 @@ class MaskingConfig:
       each copy with its own mask, and epoch e trains on copy e mod dupe_factor
       (the trainer passes it to the input pipeline as `duplicates`).
     dupe_factor: the number of static copies (BERT: 10); unused when dynamic.
+    shuffle_rate: word shuffling (the objective mlm+wso only): round(shuffle_rate * n / shuffle_len) K-grams of
+      a row's n maskable tokens are shuffled, at least one (StructBERT: 5% of the trigrams).
+    shuffle_len: K, the tokens of one shuffled K-gram (StructBERT: 3).
   """
 
   rate: float = 0.15
@@ -106,6 +128,8 @@ class MaskingConfig:
   max_predictions: int = 20
   dynamic: bool = True
   dupe_factor: int = 10
+  shuffle_rate: float = 0.05
+  shuffle_len: int = 3
 
   def __post_init__(self):
     if not 0.0 < self.rate <= 1.0:
@@ -125,6 +149,11 @@ class MaskingConfig:
         raise ValueError(f"MaskingConfig.{name} must be an int >= 1, got {value!r}")
     if not 0.0 < self.span_geometric_p <= 1.0:
       raise ValueError(f"MaskingConfig.span_geometric_p must be in (0, 1], got {self.span_geometric_p}")
+    if not 0.0 < self.shuffle_rate <= 1.0:
+      raise ValueError(f"MaskingConfig.shuffle_rate must be in (0, 1], got {self.shuffle_rate}")
+    # K! permutations are tabled; beyond 6 the table grows fast and no paper shuffles longer spans.
+    if isinstance(self.shuffle_len, bool) or not isinstance(self.shuffle_len, int) or not 2 <= self.shuffle_len <= 6:
+      raise ValueError(f"MaskingConfig.shuffle_len must be an int in [2, 6], got {self.shuffle_len!r}")
 
 
 def span_length_probs(config: MaskingConfig) -> np.ndarray:
@@ -274,21 +303,83 @@ def _choose_spans(priority: jax.Array, span_words: jax.Array, maskable: jax.Arra
   return chosen
 
 
+def max_shuffled_spans(config: MaskingConfig, seq_len: int) -> int:
+  """The most K-grams a row of `seq_len` tokens shuffles: the static number of word-shuffling slots is K times it."""
+  return max(1, round(config.shuffle_rate * seq_len / config.shuffle_len))
+
+
+def shuffle_slots(config: MaskingConfig, seq_len: int) -> int:
+  """The static number of word-shuffling predictions of a row (`mask_batch`'s shuffled_* width)."""
+  return config.shuffle_len * max_shuffled_spans(config, seq_len)
+
+
+def non_identity_permutations(length: int) -> np.ndarray:
+  """int32 [length! - 1, length]: every permutation of range(length) but the identity, in lexicographic order."""
+  return np.array(list(itertools.permutations(range(length)))[1:], np.int32)
+
+
+def _shuffle_spans(priority: jax.Array, draws: jax.Array, free: jax.Array, pack_ids: jax.Array,
+                   num_maskable: jax.Array, config: MaskingConfig) -> tuple[jax.Array, jax.Array]:
+  """Chooses the K-grams to shuffle and their permutations (see the module docstring).
+
+  Args:
+    priority: int32 [L] i.i.d. uniform on [0, 2**31): the order K-gram starts are tried in.
+    draws: uint32 [S] one draw per K-gram slot for its permutation.
+    free: bool [L] maskable tokens the MLM did not choose.
+    pack_ids: int32 [L].
+    num_maskable: int32 [] the row's maskable tokens.
+    config: shuffle_rate and shuffle_len.
+
+  Returns:
+    starts: int32 [S] first position of each shuffled K-gram, -1 for an unused slot.
+    permutations: int32 [S, K] the new order: position start + j receives the token at start + permutations[j].
+  """
+  length, width = free.shape[0], config.shuffle_len
+  positions = jnp.arange(length)
+  most = draws.shape[0]
+  wanted = jnp.maximum(jnp.round(config.shuffle_rate * num_maskable / width).astype(jnp.int32), 1)
+  # Starts whose next width-1 tokens are in the same pack: a K-gram never crosses examples.
+  same_pack = jnp.ones((length,), bool)
+  for offset in range(1, width):
+    same_pack &= jnp.concatenate([pack_ids[offset:] == pack_ids[:-offset], jnp.zeros((offset,), bool)])
+
+  def add(step, state):
+    taken, starts = state
+    available = free & ~taken
+    fits = same_pack & available
+    for offset in range(1, width):
+      fits &= jnp.concatenate([available[offset:], jnp.zeros((offset,), bool)])
+    use = fits.any() & (step < wanted)
+    # Candidate sets only shrink, so the highest priority among them is a uniform draw (as `_choose_spans`).
+    anchor = jnp.argmax(jnp.where(fits, priority, -1)).astype(jnp.int32)
+    span = (positions >= anchor) & (positions < anchor + width) & use
+    return taken | span, starts.at[step].set(jnp.where(use, anchor, -1))
+
+  _, starts = jax.lax.fori_loop(0, most, add, (jnp.zeros((length,), bool), jnp.full((most,), -1, jnp.int32)))
+  table = non_identity_permutations(width)
+  # The modulo's bias is below len(table) / 2**32: negligible.
+  permutations = jnp.asarray(table)[(draws % len(table)).astype(jnp.int32)]
+  return starts, permutations
+
+
 def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, special_mask: jax.Array,
-              pack_ids: jax.Array, *, config: MaskingConfig, mask_id: int,
-              vocab_size: int) -> dict[str, jax.Array]:
+              pack_ids: jax.Array, *, config: MaskingConfig, mask_id: int, vocab_size: int,
+              shuffle_words: bool = False) -> dict[str, jax.Array]:
   """Masks one row; arrays are [L]. Returns `mask_batch`'s fields without the batch axis."""
   length = input_ids.shape[0]
   num_slots = config.max_predictions
   positions = jnp.arange(length)
   linguistic = config.granularity in LINGUISTIC_GRANULARITIES
-  # The linguistic granularities draw more bits; the others keep the draws they always had.
-  bits = jax.random.bits(key, (3 * length + num_slots + (length + num_slots if linguistic else 0),))
+  most_shuffled = max_shuffled_spans(config, length) if shuffle_words else 0
+  # The linguistic granularities and word shuffling draw more bits; the others keep the draws they always had.
+  linguistic_bits = length + num_slots if linguistic else 0
+  shuffle_bits = length + most_shuffled if shuffle_words else 0
+  bits = jax.random.bits(key, (3 * length + num_slots + linguistic_bits + shuffle_bits,))
   priority = (bits[:length] >> 1).astype(jnp.int32)
   action = _unit_floats(bits[length:2 * length])
   # The modulo's bias is below vocab_size / 2**32: negligible.
   random_ids = (bits[2 * length:3 * length] % vocab_size).astype(input_ids.dtype)
-  span_words = _span_lengths_from_bits(bits[3 * length:], config)
+  span_words = _span_lengths_from_bits(bits[3 * length:3 * length + num_slots], config)
 
   maskable = (special_mask == 0) & (pack_ids > 0)
   num_maskable = maskable.sum()
@@ -301,7 +392,7 @@ def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, spec
     if linguistic:
       offset = 3 * length + num_slots
       extra = {"span_priority": (bits[offset:offset + length] >> 1).astype(jnp.int32),
-               "coins": _unit_floats(bits[offset + length:])}
+               "coins": _unit_floats(bits[offset + length:offset + linguistic_bits])}
     chosen = _choose_spans(priority, span_words, maskable, word_starts, special_mask, pack_ids, budget, config,
                            **extra)
 
@@ -323,7 +414,7 @@ def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, spec
   def gather(values):
     return jnp.where(used, values[slot_positions], 0).astype(jnp.int32)
 
-  return {
+  outputs = {
       "input_ids": corrupted,
       "mlm_positions": slot_positions.astype(jnp.int32),
       "mlm_ids": gather(input_ids),
@@ -332,10 +423,24 @@ def _mask_row(key: jax.Array, input_ids: jax.Array, word_starts: jax.Array, spec
       "sbo_right": gather(jnp.clip(end_of_run + 1, 0, length - 1)),
       "sbo_offsets": gather(positions - start_of_run),
   }
+  if shuffle_words:
+    offset = 3 * length + num_slots + linguistic_bits
+    starts, permutations = _shuffle_spans((bits[offset:offset + length] >> 1).astype(jnp.int32),
+                                          bits[offset + length:], maskable & ~chosen, pack_ids, num_maskable, config)
+    in_use = jnp.repeat(starts >= 0, config.shuffle_len)
+    targets = (starts[:, None] + jnp.arange(config.shuffle_len)).reshape(-1)
+    sources = (starts[:, None] + permutations).reshape(-1)
+    # Unused slots write past the row and are dropped; shuffled tokens were never chosen, so never corrupted.
+    outputs["input_ids"] = corrupted.at[jnp.where(in_use, targets, length)].set(
+        input_ids[jnp.where(in_use, sources, 0)], mode="drop")
+    outputs["shuffled_positions"] = jnp.where(in_use, targets, 0).astype(jnp.int32)
+    outputs["shuffled_ids"] = jnp.where(in_use, input_ids[jnp.where(in_use, targets, 0)], 0).astype(jnp.int32)
+    outputs["shuffled_weights"] = in_use.astype(jnp.float32)
+  return outputs
 
 
 def mask_batch(key: jax.Array, batch: dict[str, jax.Array], config: MaskingConfig, *, mask_id: int,
-               vocab_size: int) -> dict[str, jax.Array]:
+               vocab_size: int, shuffle_words: bool = False) -> dict[str, jax.Array]:
   """Chooses and corrupts the MLM positions of every row of a batch.
 
   Jittable with static shapes; `config`, `mask_id` and `vocab_size` are
@@ -348,6 +453,7 @@ def mask_batch(key: jax.Array, batch: dict[str, jax.Array], config: MaskingConfi
     config: how to mask.
     mask_id: id of the [MASK] token.
     vocab_size: random replacements are drawn uniformly from [0, vocab_size).
+    shuffle_words: also shuffle K-grams of unchosen tokens (StructBERT's word structural objective).
 
   Returns:
     input_ids: [B, L] (dtype of the input) the corrupted inputs.
@@ -357,12 +463,18 @@ def mask_batch(key: jax.Array, batch: dict[str, jax.Array], config: MaskingConfi
     sbo_left, sbo_right: int32 [B, M] position just before / after the
       contiguous masked run of the prediction, clipped into [0, L); 0 unused.
     sbo_offsets: int32 [B, M] 0-based index of the prediction in its run.
+    With shuffle_words, also (S = `shuffle_slots(config, L)`, K consecutive slots a K-gram):
+    shuffled_positions: int32 [B, S] the positions of the shuffled K-grams; 0 in unused slots.
+    shuffled_ids: int32 [B, S] the original ids there (the labels); 0 in unused slots.
+    shuffled_weights: float32 [B, S] 1 for a shuffled position, 0 for an unused slot.
+    input_ids then holds the shuffled tokens too.
   """
 
   def row_key(example_id, epoch):
     return jax.random.fold_in(jax.random.fold_in(key, example_id), epoch)
 
   row_keys = jax.vmap(row_key)(batch["example_ids"], batch["epoch"])
-  mask_row = functools.partial(_mask_row, config=config, mask_id=mask_id, vocab_size=vocab_size)
+  mask_row = functools.partial(_mask_row, config=config, mask_id=mask_id, vocab_size=vocab_size,
+                               shuffle_words=shuffle_words)
   return jax.vmap(mask_row)(row_keys, batch["input_ids"], batch["word_starts"], batch["special_mask"],
                             batch["pack_ids"])

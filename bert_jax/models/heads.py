@@ -65,15 +65,16 @@ class Pooler(nn.Module):
 
 
 class SentenceHead(nn.Module):
-  """NSP / SOP: pooler + 2-way classifier, one prediction per packed example."""
+  """NSP / SOP (2 classes), StructBERT's SSO (3): pooler + classifier, one prediction per packed example."""
 
   config: ModelConfig
+  num_classes: int = 2
 
   @nn.compact
   def __call__(self, hidden_ble: Array, cls_positions_bp: Array | None = None, deterministic: bool = True) -> Array:
     pooled = Pooler(self.config, name="pooler")(hidden_ble, cls_positions_bp)
     pooled = Dropout(self.config.hidden_dropout, self.config.kernels)(pooled, deterministic=deterministic)
-    return dense(self.config, 2, ("embed", None), "classifier")(pooled)
+    return dense(self.config, self.num_classes, ("embed", None), "classifier")(pooled)
 
 
 class ReplacedTokenHead(nn.Module):

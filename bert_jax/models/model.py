@@ -59,12 +59,13 @@ class PretrainingModel(nn.Module):
   config: ModelConfig
   sentence_head: bool = True
   span_boundary_head: bool = False
+  sentence_classes: int = 2  # 2 for NSP / SOP, 3 for StructBERT's sentence structural objective
 
   def setup(self):
     self.encoder = Encoder(self.config)
     self.mlm = heads.MLMHead(self.config)
     if self.sentence_head:
-      self.sentence = heads.SentenceHead(self.config)
+      self.sentence = heads.SentenceHead(self.config, self.sentence_classes)
     if self.span_boundary_head:
       self.sbo = heads.SpanBoundaryHead(self.config)
 
@@ -73,7 +74,7 @@ class PretrainingModel(nn.Module):
                cls_positions: Array | None = None, sbo_left: Array | None = None, sbo_right: Array | None = None,
                sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True,
                output_hidden_states: bool = False) -> dict[str, Array]:
-    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,2]?, "sbo_logits" [B,M,V]?}, V
+    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,sentence_classes]?, "sbo_logits" [B,M,V]?}, V
     the config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it); no "hidden" where the
     last block computes only the heads' rows (`ModelConfig.sparse_last_layer`, `head_rows`). With
     `output_hidden_states`, also the encoder's "hidden_states" (`Encoder`'s)."""

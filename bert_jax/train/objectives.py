@@ -19,6 +19,10 @@ maps the config's `objective` to the class.
 
   mlm+nsp  BERT          mlm+sop  ALBERT         mlm  RoBERTa
   mlm+sbo  SpanBERT      ltr      left-to-right LM (BERT's "LTR & No NSP")
+  mlm+wso  StructBERT's word structural objective: MLM + the original tokens of shuffled trigrams, predicted by
+           the MLM head (term "wso")
+  mlm+sso  StructBERT's sentence structural objective: MLM + a three-way sentence head (B next / previous / random)
+  mlm+wso+sso  StructBERT: both
   rtd      ELECTRA: generator MLM + 50 x replaced-token detection
   replace_mlm / all_tokens_mlm   ELECTRA's Table 5: generator MLM + the
            discriminator's MLM on the generator's samples, at the masked
@@ -35,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from bert_jax.data import formats
+from bert_jax.data import masking as masking_lib
 from bert_jax.data.masking import MaskingConfig, mask_batch
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
 from bert_jax.train.losses import binary_cross_entropy_sums, copy_mixture_sums, cross_entropy_sums, dropout_key
@@ -42,14 +48,16 @@ from bert_jax.train.losses import binary_cross_entropy_sums, copy_mixture_sums, 
 Array = jax.Array
 
 
-def mlm_terms(logits: Array, inputs: dict[str, Array], kernels: str, term: str = "mlm") -> dict[str, Array]:
-  """Masked-token cross-entropy at the masked positions (also the SBO term, from the span-boundary logits)."""
-  loss, correct = cross_entropy_sums(logits, inputs["mlm_ids"], inputs["mlm_weights"], kernels)
+def mlm_terms(logits: Array, inputs: dict[str, Array], kernels: str, term: str = "mlm",
+              targets: str = "mlm") -> dict[str, Array]:
+  """Masked-token cross-entropy at the masked positions (also the SBO term, from the span-boundary logits), or at
+  the positions whose `{targets}_ids` and `{targets}_weights` the inputs hold (word shuffling's "shuffled")."""
+  loss, correct = cross_entropy_sums(logits, inputs[f"{targets}_ids"], inputs[f"{targets}_weights"], kernels)
   return {f"{term}_loss": loss, f"{term}_correct": correct}
 
 
 def sentence_terms(logits: Array, inputs: dict[str, Array]) -> dict[str, Array]:
-  """NSP / SOP cross-entropy of each example's [CLS] (two classes: no kernel applies)."""
+  """NSP / SOP / SSO cross-entropy of each example's [CLS] (two or three classes: no kernel applies)."""
   loss, correct = cross_entropy_sums(logits, inputs["sentence_labels"], inputs["sentence_weights"], "off")
   return {"sentence_loss": loss, "sentence_correct": correct}
 
@@ -84,6 +92,7 @@ class PretrainingObjective:
 
   name: ClassVar[str] = "mlm"
   sentence_formats: ClassVar[tuple[str, ...]] = ()  # the example formats a sentence head can train on
+  shuffles_words: ClassVar[bool] = False  # masking also shuffles trigrams (`mask_batch`'s shuffle_words)
 
   model_config: ModelConfig
   masking: MaskingConfig
@@ -96,6 +105,13 @@ class PretrainingObjective:
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, model_config: ModelConfig,
                   mask_id: int) -> PretrainingObjective:
+    if not cls.shuffles_words:
+      defaults = MaskingConfig()
+      for key in ("shuffle_rate", "shuffle_len"):
+        if config.masking.get(key, getattr(defaults, key)) != getattr(defaults, key):
+          raise ValueError(f"config.masking.{key}={config.masking[key]!r} applies to the word structural objective "
+                           f"only (objective 'mlm+wso' or 'mlm+wso+sso'; this one is {cls.name!r}): leave it at "
+                           f"{getattr(defaults, key)!r}")
     return cls(model_config=model_config, masking=MaskingConfig(**config.masking.to_dict()), mask_id=mask_id,
                weights=cls.loss_weights(config.loss), packed=bool(config.data.packing), seed=int(config.seed),
                max_packs=int(config.data.max_packs) if config.data.packing else 1)
@@ -120,7 +136,8 @@ class PretrainingObjective:
     return (self.model_config,)
 
   def predictions_per_token(self, max_predictions: int, seq_len: int) -> float:
-    return max_predictions / seq_len
+    shuffled = masking_lib.shuffle_slots(self.masking, seq_len) if self.shuffles_words else 0
+    return (max_predictions + shuffled) / seq_len
 
   def flops_per_token(self, max_predictions: int, seq_len: int, dense_embedding_lookup: bool = False) -> float:
     """Training FLOPs per token of every network the step runs (`ModelConfig.flops_per_token`)."""
@@ -142,7 +159,7 @@ class PretrainingObjective:
     """Masks the batch on device, keyed by (seed, example id, epoch) only."""
     inputs = dict(batch, original_ids=batch["input_ids"])
     inputs.update(mask_batch(jax.random.key(self.seed), batch, self.masking, mask_id=self.mask_id,
-                             vocab_size=self.model_config.vocab_size))
+                             vocab_size=self.model_config.vocab_size, shuffle_words=self.shuffles_words))
     return inputs
 
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
@@ -153,12 +170,17 @@ class PretrainingObjective:
     del inputs
     return {}
 
+  def predicted_positions(self, inputs: dict[str, Array]) -> Array:
+    """[B, M'] the positions the MLM head predicts: the masked ones (and more for word shuffling)."""
+    return inputs["mlm_positions"]
+
   def apply(self, variables: Any, inputs: dict[str, Array], train: bool, method: str = "apply", **kwargs) -> Any:
     common = dict(segment_ids=inputs["segment_ids"], position_ids=inputs["position_ids"],
                   pack_ids=inputs["pack_ids"], packed=self.packed, **self.head_inputs(inputs))
     if method == "apply":
       common["deterministic"] = not train
-    return getattr(self.model, method)(variables, inputs["input_ids"], inputs["mlm_positions"], **common, **kwargs)
+    return getattr(self.model, method)(variables, inputs["input_ids"], self.predicted_positions(inputs), **common,
+                                       **kwargs)
 
   def rngs(self, rng: Array | None, train: bool) -> dict[str, Array]:
     if not train or rng is None:
@@ -211,7 +233,8 @@ class NextSentencePrediction(PretrainingObjective):
 
   @property
   def model(self):
-    return PretrainingModel(self.model_config, sentence_head=True)
+    return PretrainingModel(self.model_config, sentence_head=True,
+                            sentence_classes=formats.SENTENCE_CLASSES[self.sentence_formats[0]])
 
   def denominators(self, inputs):
     return {**super().denominators(inputs), "sentence": jnp.sum(inputs["sentence_weights"])}
@@ -228,6 +251,46 @@ class SentenceOrderPrediction(NextSentencePrediction):
 
   name = "mlm+sop"
   sentence_formats = ("sop",)
+
+
+class SentenceStructural(NextSentencePrediction):
+  """StructBERT's sentence structural objective: MLM + a three-way head on segment pairs whose B is the next
+  segment of A, the previous one, or one from another document (the format "sso", its labels 0, 1, 2)."""
+
+  name = "mlm+sso"
+  sentence_formats = ("sso",)
+
+
+class WordStructural(PretrainingObjective):
+  """StructBERT's word structural objective: MLM + the original tokens at the positions of shuffled trigrams of
+  unmasked tokens (`masking` module docstring), predicted by the MLM head as the paper does, term "wso" with the
+  paper's weight (equal to MLM's)."""
+
+  name = "mlm+wso"
+  shuffles_words = True
+
+  @classmethod
+  def loss_weights(cls, loss):
+    return {**super().loss_weights(loss), "wso": 1.0}
+
+  def denominators(self, inputs):
+    return {**super().denominators(inputs), "wso": jnp.sum(inputs["shuffled_weights"])}
+
+  def predicted_positions(self, inputs):
+    return jnp.concatenate([super().predicted_positions(inputs), inputs["shuffled_positions"]], axis=1)
+
+  def terms(self, outputs, inputs):
+    # The MLM head's logits at the masked positions, then at the shuffled ones (`predicted_positions`).
+    masked = inputs["mlm_positions"].shape[1]
+    logits = outputs["mlm_logits"]
+    return {**super().terms(dict(outputs, mlm_logits=logits[:, :masked]), inputs),
+            **mlm_terms(logits[:, masked:], inputs, self.kernels, "wso", "shuffled")}
+
+
+class StructBERT(WordStructural, SentenceStructural):
+  """StructBERT (Wang et al. 2020): MLM + the word structural objective + the sentence structural objective."""
+
+  name = "mlm+wso+sso"
 
 
 class SpanBoundary(PretrainingObjective):
@@ -403,7 +466,8 @@ class AllTokensMLM(ReplaceMLM):
 # The config's `objective` -> its class; a new objective is one class added here.
 OBJECTIVES: dict[str, type[PretrainingObjective]] = {
     cls.name: cls for cls in (NextSentencePrediction, SentenceOrderPrediction, PretrainingObjective, SpanBoundary,
-                              LeftToRight, ReplacedTokenDetection, ReplaceMLM, AllTokensMLM)}
+                              LeftToRight, ReplacedTokenDetection, ReplaceMLM, AllTokensMLM, WordStructural,
+                              SentenceStructural, StructBERT)}
 # Each sentence objective's default example format (its first).
 SENTENCE_FORMATS = {name: cls.sentence_formats[0] for name, cls in OBJECTIVES.items() if cls.sentence_formats}
 
