@@ -6,12 +6,12 @@
 
 Implementations: "xla" (the reference path, with dropout), "flash" (Pallas
 kernels, with dropout), "cudnn" (GPU only, without dropout: cuDNN's fused
-attention has no per-call dropout seed, see bench/NOTES.md), "flash-nodrop", and
+attention has no per-call dropout seed), "flash-nodrop", and
 "mgpu-nomask": jax's own FlashAttention-3-style kernel for Hopper
 (`jax.experimental.pallas.ops.gpu.attention_mgpu`: warp-specialised, wgmma),
 which has no padding mask and no dropout, so it is not a path of the model; it
 measures what that kernel design gives at BERT's shapes (`--mgpu-blocks`; float16
-inputs). Session 12 (H100): no faster than "flash-nodrop" in forward + backward.
+inputs). Measured on an H100: no faster than "flash-nodrop" in forward + backward.
 
   python bench/attention.py --impls flash-nodrop,mgpu-nomask --heads 16 --shapes 128x128,32x512
 

@@ -6,15 +6,15 @@
       --platform manylinux2014_x86_64 -d /tmp/qwix_wheel qwix==0.1.8
   python bench/compression_gpu.py pack --out .carry_compress --wheels .carry_repro/wheels --wheels /tmp/qwix_wheel
   # on the GPU machine, one call each, .carry_compress carried (each ends with OUT/compress/<stage>.tar.gz, .json):
-  # call 1: SST-2's models, then their inference speed (~450 s)
+  # first call: SST-2's models, then their inference speed (~450 s)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
       --carry .carry_compress --stage tasks,speed --tasks sst2 --out $OUT/compress
-  # call 2: the other tasks side by side (~350 s)
+  # second call: the other tasks side by side (~350 s)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
       --carry .carry_compress --stage tasks --tasks mrpc,stsb,cola,rte,conll2003 --parallel 8 --out $OUT/compress
-  # call 3: general distillation, then its student fine-tuned on every task (~450 s)
+  # third call: general distillation, then its student fine-tuned on every task (~450 s)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
       --carry .carry_compress --stage general --out $OUT/compress
@@ -49,9 +49,9 @@ commands, card, versions, each step's seconds and status), again after every ste
 what finished. --deadline stops what still runs that many seconds after the start.
 
 Estimates on one H200, not measured (from the MiniLM fine-tuning SST-2's 3 epochs in ~31 s of steps + ~16 s of
-compilation, MRPC's in ~4 s, and ~15 s to start a process): call 1 ~450 s (the teacher's 3 seeds ~130 s with the
+compilation, MRPC's in ~4 s, and ~15 s to start a process): the first call ~450 s (the teacher's 3 seeds ~130 s with the
 teacher-less student beside it; then the distilled student ~110 s with quantize + evaluate and the head analysis +
-evaluate beside it; the bench ~130 s); call 2 ~350 s (35 processes of ~50 s, 8 at once); call 3 ~450 s (prepare
+evaluate beside it; the bench ~130 s); the second ~350 s (35 processes of ~50 s, 8 at once); the third ~450 s (prepare
 ~15 s, distillation <= 300 s, the six fine-tunings side by side ~120 s). Read each step's seconds in <stage>.json
 and set --general-steps, --parallel or --deadline from them.
 

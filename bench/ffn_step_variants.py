@@ -3,10 +3,10 @@
   python bench/ffn_step_variants.py fwd+bwd --size base --seq 128 --batch 256 --steps 20 --json
 
 VARIANT, then train_step's own arguments:
-  fwd      cooperative forward kernel, XLA backward (the step before change 29)
-  fwd+bwd  cooperative forward, ping-pong backward (dh and the bias gradient): the default in sessions 13-14
+  fwd      cooperative forward kernel, XLA backward (the step before the backward kernel)
+  fwd+bwd  cooperative forward, ping-pong backward (dh and the bias gradient): the earlier default
   pp       ping-pong forward (`PINGPONG_FORWARD_TILES`), XLA backward
-  pp+bwd   ping-pong forward and backward: the default since session 14
+  pp+bwd   ping-pong forward and backward: the default
 For the plain model (no kernels) use train_step's `--config.model.kernels=off`. One variant per process:
 the switches are read when the step is traced.
 """

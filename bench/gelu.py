@@ -10,10 +10,10 @@ Abramowitz-Stegun 7.1.26 polynomial ("as": the Hopper kernels' `ffn_kernel.gelu`
 exp(-h^2 / 2) the backward shares with the normal density).
 The "floor" rows do the same memory traffic with a multiply in place of the GELU: the memory-bound time.
 
-Measured on an H100 (bench/NOTES.md, session 12): "lax" is at the floor (backward 0.257 against 0.256 ms at
+Measured on an H100: "lax" is at the floor (backward 0.257 against 0.256 ms at
 32768 x 3072) and "as" is slower (0.479), so `ops.gelu` keeps `lax.erf`. (That run wrote the polynomial inline
 with a division and exp; `ffn_kernel.gelu` and `gelu_derivative` now evaluate it through `normal_tail`, with
-rsqrt and exp2, session 14. Not re-timed since.)
+rsqrt and exp2. Not re-timed since.)
 """
 
 from __future__ import annotations

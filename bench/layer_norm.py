@@ -10,8 +10,8 @@ Three tables, one line per [rows, features] input, ms per call:
     and writing dx once at the `--bandwidth` given;
   * residual backward of the post-LN residual LayerNorm(x + dropout(branch + bias)),
     rate 0.1: XLA's form, "split" (the plain backward kernel, then XLA's fusion of
-    the dropout's backward and the bias gradient: the arrangement before session
-    17) and `layer_norm_kernel.add_layer_norm_backward`, with the floor of reading
+    the dropout's backward and the bias gradient: the arrangement before they
+    moved into the kernel) and `layer_norm_kernel.add_layer_norm_backward`, with the floor of reading
     the sum and dy and writing dx and the branch's gradient once;
   * forward of that residual: XLA's form of `ops.add_layer_norm` and
     `layer_norm_kernel.add_layer_norm_forward`, with the floor of reading x and

@@ -10,7 +10,7 @@ kernels the memory warpgroup's barrier loops, the compute warpgroups' main loop,
 region: its share of all warp-state samples, its instruction count, most frequent opcodes and the stall reasons
 of its samples; then the kernel's totals by stall reason and by opcode. Samples are taken per warp, so a
 region's share is the time warps spend there, not the time the SM spends: in a warp-specialised kernel, compare
-the compute warpgroups' regions with each other (bench/NOTES.md, session 14).
+the compute warpgroups' regions with each other.
 """
 
 from __future__ import annotations

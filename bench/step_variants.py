@@ -48,12 +48,12 @@ DEFAULT_VARIANTS = {
     "latency-hiding": "--xla_gpu_enable_latency_hiding_scheduler=true",
     # XLA merges dots that share an operand (x @ Wq, x @ Wk, x @ Wv) only below this size (MiB). The steps set
     # 0 on GPU (step.GPU_COMPILER_OPTIONS: no merging, so each projection's bias add stays inside its GEMM);
-    # 32 is XLA's default, which merged the query and key projections of BERT-Base (session 6's profile); 4096
+    # 32 is XLA's default, which merged the query and key projections of BERT-Base (seen in a profile of the step); 4096
     # merges all three.
     "dot-merger-32m": "--xla_gpu_dot_merger_threshold_mb=32",
     "dot-merger-4g": "--xla_gpu_dot_merger_threshold_mb=4096",
     "kernels-off": "--config.model.kernels=off",  # the plain model: no hand-written kernel or custom gradient
-    # Every row of the last block, as before session 24 (the pre-training configs compute only the heads' rows).
+    # Every row of the last block (the pre-training configs compute only the heads' rows).
     "full-last-layer": "--config.model.sparse_last_layer=False",
 }
 BASELINE = "baseline"

@@ -9,12 +9,12 @@ Needs pip's Triton 3.5 or later (`pip install triton`, not a project dependency)
 on this machine as tests/test_kernels_lower.py does; each pallas_call's custom call carries its Triton IR and launch
 (num_warps, num_stages), which pip's Triton compiles for sm_90a, reading registers and spills from its ptxas log,
 the dynamic shared memory from its metadata, and the warp shuffles and barriers (`shfl`, `bar`: what a reduction
-across a tile's rows costs, bench/NOTES.md sessions 18 and 21) from its PTX. The flash kernels get the fused bias, as
+across a tile's rows costs) from its PTX. The flash kernels get the fused bias, as
 the encoder calls them. Needs jax <= 0.10.2's lowering (the IR in the custom call).
 
 This is not the GPU's compiler: there jaxlib compiles the same IR with XLA's pinned Triton. At B=256 L=128
 pip's Triton 3.4-3.9 gave the forward 125-128 registers and dQ 152-159, against 121 and 155 on the H100 (ncu,
-jax 0.11.2, bench/NOTES.md session 17); shared memory matched (dQ 66 KB). dK/dV is the most sensitive: 230-235
+jax 0.11.2); shared memory matched (dQ 66 KB). dK/dV is the most sensitive: 230-235
 registers without spills in 3.4-3.8, 255 with 24 bytes spilled in 3.9. Compare counts from one pinned Triton
 version (3.8.0: LLVM 23, as jaxlib 0.10.2's MLIR) with each other, not with ncu's to the register.
 """
