@@ -41,8 +41,9 @@ def get_config(arg=None):
   config.optim.name = "adamw"
   config.optim.weight_decay = 0.01
   if args.scale == "tiny":
+    # 128 positions: room for the fine-tuning configs' 128-token rows.
     config.model = model_section("bert", "tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128,
-                                 max_position_embeddings=64, dtype="float32")
+                                 max_position_embeddings=128, dtype="float32")
     config.data.builtin, config.data.builtin_vocab_size = True, 2000
     config.data.seq_len, config.masking.max_predictions = 64, 10
     config.optim.lr, config.optim.warmup_steps = 2e-3, 6
