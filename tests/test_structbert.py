@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from test_formats import corpus, document_of, plan  # noqa: F401  (corpus is a fixture)
 from test_train_step import make_config, synthetic_batch, tiny_model
+from test_trainer import prepared  # noqa: F401  (a fixture: the built-in corpus, prepared once a run)
 
 from bert_jax.data import formats
 from bert_jax.data.masking import MaskingConfig, mask_batch, non_identity_permutations, shuffle_slots
@@ -252,3 +253,15 @@ def test_the_tiny_config_has_a_finite_loss_and_gradients_reach_every_head():
     config_lib.load_config(f"configs/structbert.py:scale=tiny,objective={objective_name}")
   with pytest.raises(config_lib.ConfigError, match=re.escape("objective='mlm+sop'; expected one of")):
     config_lib.load_config("configs/structbert.py:objective=mlm+sop")
+
+
+@pytest.mark.slow
+def test_the_tiny_config_pretrains_on_the_built_in_corpus(prepared, tmp_path):  # noqa: F811
+  """The "sso" rows of the input pipeline, the shuffling and both heads through the trainer: every term is logged
+  and evaluated, finite."""
+  config = config_lib.load_config("configs/structbert.py:scale=tiny,steps=4",
+                                  ["--config.data.builtin=False", f"--config.data.prepared={prepared}"])
+  result = trainer.train_and_evaluate(config, tmp_path / "run")
+  assert result["step"] == 4
+  for term in ("mlm", "wso", "sentence"):
+    assert np.isfinite(result["eval"][f"{term}_loss"]) and 0 <= result["eval"][f"{term}_accuracy"] <= 1
