@@ -74,9 +74,9 @@ class PretrainingModel(nn.Module):
                cls_positions: Array | None = None, sbo_left: Array | None = None, sbo_right: Array | None = None,
                sbo_offsets: Array | None = None, packed: bool = False, deterministic: bool = True,
                output_hidden_states: bool = False) -> dict[str, Array]:
-    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,sentence_classes]?, "sbo_logits" [B,M,V]?}, V
-    the config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it); no "hidden" where the
-    last block computes only the heads' rows (`ModelConfig.sparse_last_layer`, `head_rows`). With
+    """Returns {"hidden" [B,L,H], "mlm_logits" [B,M,V], "sentence_logits" [B,P,C]?, "sbo_logits" [B,M,V]?}, V the
+    config's `padded_vocab_size` (vocab_size unless `vocab_pad_multiple` pads it), C `sentence_classes`; no "hidden"
+    where the last block computes only the heads' rows (`ModelConfig.sparse_last_layer`, `head_rows`). With
     `output_hidden_states`, also the encoder's "hidden_states" (`Encoder`'s)."""
     positions = {"mlm": mlm_positions}
     if self.sentence_head:
