@@ -833,6 +833,19 @@ def test_a_row_stopped_by_sigterm_stops_the_sweep(setup, tmp_path, monkeypatch):
   assert len(ran) == 1 and [row["status"] for row in results["rows"]] == ["incomplete", "not run", "not run"]
 
 
+def test_a_finetuning_task_stopped_by_sigterm_stops_the_sweep_instead_of_moving_on(setup, tmp_path, monkeypatch):
+  spec, data_dirs, _ = setup
+  tasks = []
+
+  def fake_finetune(config, directory):
+    tasks.append(config.task)
+    raise InterruptedError("stop requested: seed 1's state saved at step 4")
+
+  monkeypatch.setattr(ablation, "pretrain_phase", lambda config, row_dir, cross=(): None)
+  results = ablation.run_sweep(ablation.load_table(spec), tmp_path, data_dirs, finetune=fake_finetune)
+  assert len(tasks) == 1 and [row["status"] for row in results["rows"]] == ["incomplete", "not run", "not run"]
+
+
 def test_a_rows_pretraining_wall_time_adds_up_over_the_calls_that_trained_it(tmp_path, monkeypatch):
   """A row stopped at a call's deadline and resumed in the next records the time of both calls, and the devices
   each ran on; a call that failed counts too."""

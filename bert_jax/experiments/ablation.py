@@ -383,6 +383,8 @@ def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[
                       {"task": task_name, "lr": lr, "seed": seed_result["seed"], "metric": task.metric,
                        "split": task.split, "score": seed_result["selected"]["metrics"][task.split][task.metric],
                        "call_wall_seconds": time.perf_counter() - started})
+    except InterruptedError:  # A stop request: the task saved its state; the row stops and a rerun resumes it.
+      raise
     except Exception as error:  # One task's failure leaves the row's other tasks to run.
       traceback.print_exc()
       errors.append(f"{task_name}: {type(error).__name__}: {error}")
