@@ -126,13 +126,13 @@ def _check_spans(corpus, granularity: str) -> None:
 
 def _warn_single_sentence_documents(corpus, example_format: str) -> None:
   """Sentence-pair formats need multi-sentence documents; say so when most have one sentence."""
-  if example_format not in ("segment_pair", "sop"):  # sentence_pair draws a random B for a lone sentence
+  if example_format not in ("segment_pair", "sop", "sso"):  # sentence_pair draws a random B for a lone sentence
     return
   sentences_per_document = np.diff(corpus.document_starts)
   single = float(np.mean(sentences_per_document == 1)) if len(sentences_per_document) else 0.0
   if single > 0.5:
     log.warning("%.0f%% of the documents in %s have a single sentence: %s examples from them cannot pair "
-                "consecutive sentences (NSP always takes a random B, SOP splits inside the sentence). Is the "
+                "consecutive sentences (NSP always takes a random B, SOP and SSO split inside the sentence). Is the "
                 "input one sentence per line with blank lines between documents?", 100 * single,
                 corpus.directory, example_format)
 
