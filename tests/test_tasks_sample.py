@@ -52,7 +52,7 @@ def test_the_label_is_learnable_by_word_overlap_alone(written):
   overlaps, follows = (np.array([_overlap(e) for e in train]), np.array([e.label == "entailment" for e in train]))
   threshold = max(np.unique(overlaps), key=lambda t: ((overlaps >= t) == follows).mean())
   dev_accuracy = np.mean([(_overlap(e) >= threshold) == (e.label == "entailment") for e in dev])
-  assert dev_accuracy > 0.62
+  assert dev_accuracy > 0.6
 
 
 def test_same_bytes_every_run_and_a_rerun_rewrites_the_sample(written, tmp_path):
