@@ -96,6 +96,8 @@ def write_sample_rte(out_dir: str, force: bool = False) -> dict[str, int]:
   total = sum(SPLIT_SIZES.values())
   bounds = np.cumsum([0] + [round(len(documents) * size / total) for size in SPLIT_SIZES.values()])
   bounds[-1] = len(documents)
+  # README.txt first: a run killed mid-way leaves a folder that a rerun knows as its own and writes again.
+  paths.write_text(out / "README.txt", _ABOUT)
   counts, taken = {}, set()
   for (split, size), start, stop in zip(SPLIT_SIZES.items(), bounds[:-1], bounds[1:]):
     split_documents = [documents[i] for i in order[start:stop]]
@@ -103,7 +105,6 @@ def write_sample_rte(out_dir: str, force: bool = False) -> dict[str, int]:
     taken.update(sentence for document in split_documents for sentence in document)
     paths.write_text(out / "RTE" / f"{split}.tsv", _tsv(rows, labelled=split != "test"))
     counts[split] = len(rows)
-  paths.write_text(out / "README.txt", _ABOUT)
   return counts
 
 
