@@ -605,7 +605,7 @@ def test_row_subsets_and_collect_only(setup, tmp_path, monkeypatch, capsys):
   assert "1/3 rows done" in printed and "sweep: 1/1 row (100%), " in printed
   with pytest.raises(ValueError, match="out of range"):
     ablation.run_sweep(tab, tmp_path, data_dirs, indices=[5])
-  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0,2", "--data-dir", "glue"]) == 2
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0,2", "--data-dir", "glue"]) == 1
 
 
 def test_suite_picks_the_best_learning_rate_by_median():
@@ -919,8 +919,8 @@ def test_a_sweep_missing_a_tasks_data_folder_stops_before_any_row_runs(setup, tm
   for data_dir, message in ((["--tasks", "rte,squad1.1_f1"], "need --data-dir squad=PATH (for squad1.1_f1)"),
                             (["--data-dir", f"glue={tmp_path / 'nowhere'}"], "nowhere: no such folder")):
     args = data_dir if data_dir[0] == "--data-dir" else [*data_dir, "--data-dir", f"glue={data_dirs['glue']}"]
-    assert ablation.main(["--config", spec, "--workdir", str(tmp_path / "run"), *args]) == 2
-    printed = capsys.readouterr().out
+    assert ablation.main(["--config", spec, "--workdir", str(tmp_path / "run"), *args]) == 1
+    printed = capsys.readouterr().err
     assert message in printed and "nothing was run" in printed and len(printed.splitlines()) == 1, printed
     assert not (tmp_path / "run" / "rows").exists()
 
@@ -950,13 +950,13 @@ def test_the_command_line_replaces_the_suite_and_collect_keeps_it(setup, tmp_pat
   tab = dataclasses.replace(ablation.load_table(spec), suite=seen[0])
   config = ablation.finetune_config(tab, tab.rows[0], suite.TASKS["rte"], 1e-4, tmp_path, {"glue": "DATA"})
   assert config.optim.layerwise_lr_decay == 0.8
-  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 2
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--seeds", "x"]) == 1
   for bad in ("optim.layerwise_decay=0.8", "optim.layerwise_lr_decay"):
-    assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--finetune", bad]) == 2
-  assert "--finetune: " in capsys.readouterr().out
+    assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--finetune", bad]) == 1
+  assert "bert-jax sweep: error: --finetune: " in capsys.readouterr().err
   # The sweep fine-tuned with the decay: resuming it without would mix scores of both recipes.
-  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte", *glue]) == 2
-  assert "run it with the same --finetune, or give a new --workdir" in capsys.readouterr().out
+  assert ablation.main(["--config", spec, "--workdir", str(tmp_path), "--rows", "0", "--tasks", "mrpc,rte", *glue]) == 1
+  assert "run it with the same --finetune, or give a new --workdir" in capsys.readouterr().err
   gpu = suite.scaled(suite.Suite(tasks=("mnli_m", "mrpc", "sst2", "squad1.1_f1"), lrs=(5e-5, 3e-5, 2e-5)), "gpu")
   assert gpu.tasks == suite.GPU_TASKS and gpu.seeds == (1, 2, 3) and gpu.lrs == (suite.GPU_LR,)
 
@@ -1106,10 +1106,10 @@ def test_rendering_a_results_folder_runs_no_code_from_it(tmp_path, capsys):
   shared = tmp_path / "shared"
   shared.mkdir()
   (shared / "sweep.json").write_text(json.dumps({"config": str(evil), "overrides": [], "suite": suite_data}))
-  assert table.main([str(shared)]) == 2
-  out = capsys.readouterr().out
-  assert "records no table" in out and "--config" in out and len(out.strip().splitlines()) == 1
-  assert ablation.main(["--workdir", str(shared), "--collect"]) == 2
+  assert table.main([str(shared)]) == 1
+  err = capsys.readouterr().err
+  assert "records no table" in err and "--config" in err and len(err.strip().splitlines()) == 1
+  assert ablation.main(["--workdir", str(shared), "--collect"]) == 1
   (shared / "sweep.json").write_text(json.dumps({"config": str(evil), "overrides": [], "suite": suite_data,
                                                   "table": record}))
   assert table.main([str(shared)]) == 0  # The recorded table: rendered, nothing run.

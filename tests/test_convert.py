@@ -496,7 +496,7 @@ def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path, minilm_dir,
     (hf_dir / "model.safetensors").write_bytes(f.read(1 << 20))
   assert convert_main(["--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")]) == 1
   error = capsys.readouterr().err.strip()
-  assert "\n" not in error and error.startswith(f"bert-jax convert: {hf_dir / 'model.safetensors'} is truncated")
+  assert "\n" not in error and error.startswith(f"bert-jax convert: error: {hf_dir / 'model.safetensors'} is truncated")
   assert not (tmp_path / "ours").exists()
 
   # Our own format, as fine-tuning's init loads it.

@@ -165,12 +165,12 @@ def main(argv: list[str]) -> int:
   initial = load_initial_model(args.model, require_tokenizer=False)
   family, config, params = initial.family, initial.config, initial.params["encoder"]
   if args.max_len > config.max_position_embeddings - config.position_offset:
-    print(f"--max-len {args.max_len} exceeds the model's {config.max_position_embeddings - config.position_offset} "
-          "positions", file=sys.stderr)
-    return 2
+    print(f"bert-jax features: error: --max-len {args.max_len} exceeds the model's "
+          f"{config.max_position_embeddings - config.position_offset} positions", file=sys.stderr)
+    return 1
   if args.tokenizer is None and initial.tokenizer is None:
-    print(f"{args.model} has no tokenizer files; pass --tokenizer", file=sys.stderr)
-    return 2
+    print(f"bert-jax features: error: {args.model} has no tokenizer files; pass --tokenizer", file=sys.stderr)
+    return 1
   tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else initial.tokenizer
   layers = _parse_layers(args.layers, config.num_layers)
   lines = pathlib.Path(args.input).read_text(encoding="utf-8").splitlines()

@@ -41,10 +41,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
   """Runs the command on `argv` (the arguments after `convert`); returns the exit status."""
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.generator_dir and not args.from_hf:
-    print("bert-jax convert: --generator-dir goes with --from-hf", file=sys.stderr)
-    return 2
+    parser.error("--generator-dir goes with --from-hf")  # A command-line mistake: exit 2, as argparse does.
   try:
     if args.from_hf:
       family, config, params, extras = load_hf_checkpoint(args.from_hf, args.generator_dir)
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
       (family, config, params, tokenizer_path), extras = load_pretrained(args.to_hf, return_extras=True)
       written = save_hf_checkpoint(family, config, params, args.out, extras=extras, tokenizer_dir=tokenizer_path)
   except (CheckpointError, FileNotFoundError) as error:
-    print(f"bert-jax convert: {error}", file=sys.stderr)
+    print(f"bert-jax convert: error: {error}", file=sys.stderr)
     return 1
   count = sum(leaf.size for leaf in flatten_params(params).values())
   print(f"{family} {model_kind(params)} model, {count / 1e6:.2f}M parameters -> {', '.join(map(str, written))}")

@@ -828,8 +828,8 @@ def main(argv: list[str]) -> int:
       results = run_sweep(table, workdir, data_dirs, indices, args.parallel, child_args=child_args,
                           devices=args.devices, pipeline=args.pipeline)
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as error:
-    print(f"bert-jax sweep: {error}")
-    return 2
+    print(f"bert-jax sweep: error: {error}", file=sys.stderr)
+    return 1
   done = sum(row["status"] == "done" for row in results["rows"])
   failed = [row["name"] for row in results["rows"] if row["status"] == "failed"]
   print(f"{done}/{len(results['rows'])} rows done" + (f"; failed: {failed}" if failed else "")

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import textwrap
 from typing import Any, Sequence
 
@@ -547,8 +548,8 @@ def main(argv: Sequence[str]) -> int:
       return report.main(args.findings, args.page)
     written = render(args.workdir, args.out, args.config)
   except (FileNotFoundError, ValueError) as error:
-    print(f"bert-jax table: {error}")
-    return 2
+    print(f"bert-jax table: error: {error}", file=sys.stderr)
+    return 1
   print(written["markdown"].read_text())
   print("Written: " + ", ".join(str(path) for path in written.values()))
   return 0

@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
   written = plot(args.workdirs, args.out)
   if not written:
-    print("bert-jax plot: no metric to draw in " + ", ".join(args.workdirs), file=sys.stderr)
+    print("bert-jax plot: error: no metric to draw in " + ", ".join(args.workdirs), file=sys.stderr)
     return 1
   print("wrote " + ", ".join(str(path) for path in written))
   return 0
