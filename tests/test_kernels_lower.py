@@ -1,4 +1,5 @@
-"""The GPU kernels lowered for CUDA on this CPU (jax's cross-platform lowering, `lowering_platforms=("cuda",)`).
+"""The GPU kernels lowered for CUDA on this CPU (jax's cross-platform lowering, `lowering_platforms=("cuda",)`;
+`lower_for` also serves the TPU lowering of the whole steps, tests/test_tpu_lowering.py).
 
 CI has no GPU: the GPU test files skip, and the CPU tests run the Triton kernels in Pallas' interpreter, which
 checks their arithmetic but not that Pallas can lower them for a GPU. Lowering builds the kernels' Triton IR
@@ -23,8 +24,15 @@ from bert_jax.kernels import layer_norm as layer_norm_kernel
 shape = jax.ShapeDtypeStruct
 
 
+def lower_for(platform: str, fn, *args) -> jax.stages.Lowered:
+  """`fn` (a function, or a step already jitted with its shardings) traced on `args` (arrays or ShapeDtypeStructs)
+  and lowered for `platform` ("cuda", "tpu") on this CPU; tests/test_tpu_lowering.py lowers the steps with it."""
+  jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
+  return jitted.trace(*args).lower(lowering_platforms=(platform,))
+
+
 def lower_for_cuda(fn, *args) -> str:
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return lower_for("cuda", fn, *args).as_text()
 
 
 @pytest.mark.parametrize("packed, bias", [(False, True), (True, False)])

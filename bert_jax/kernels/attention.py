@@ -1,4 +1,4 @@
-"""The attention of the fast path (`layers.self_attention`): three implementations behind one signature.
+"""The attention of the fast path (`layers.self_attention`): four implementations behind one signature.
 
   * "cudnn": cuDNN's fused flash-attention kernel
     (`jax.nn.dot_product_attention(implementation="cudnn")`). Chosen by "auto"
@@ -9,6 +9,12 @@
     attention dropout (`flash_attention.py`). Chosen by "auto" on GPU for
     float16/bfloat16 in training (with or without attention dropout) when the
     head size is a power of two up to 128 and lengths are multiples of 16.
+  * "splash": JAX's Pallas TPU kernel
+    (`jax.experimental.pallas.ops.tpu.splash_attention`). Chosen by "auto" on
+    TPU where attention dropout is off (evaluation, inference, ALBERT's
+    training), lengths are multiples of 128 and the head size a multiple of 64
+    up to 256: it has no dropout of the probabilities, so where dropout is on
+    the plain path keeps its mask.
   * "xla": an explicit einsum/softmax path (float32 softmax) that also applies
     attention dropout and can return the probabilities for analysis.
 
@@ -25,7 +31,8 @@ batch is split over devices).
 Masking: `pack_ids` [B, L] says which packed example each token belongs to
 (0 = padding). Unpacked rows are 1 on real tokens, and their padding is passed
 to cuDNN as sequence lengths; packed rows get a block-diagonal mask (a token
-attends only inside its own example).
+attends only inside its own example). Splash takes `pack_ids` as segment ids
+and zeroes the padding rows' outputs, as the plain path's masked softmax does.
 """
 
 from __future__ import annotations
@@ -34,11 +41,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from bert_jax.kernels import flash_attention
 from bert_jax.models.encoder import attention_mask  # The plain model's mask: one definition for both paths.
+from bert_jax.parallel import sharding as sharding_lib
 
-IMPLEMENTATIONS = ("auto", "cudnn", "flash", "xla")
+IMPLEMENTATIONS = ("auto", "cudnn", "flash", "splash", "xla")
+# Splash's blocks are whole multiples of a TPU vreg's 128 lanes.
+SPLASH_BLOCK = 128
 
 
 @functools.cache
@@ -62,6 +73,7 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
   cudnn_ok = half and head_dim % 8 == 0 and head_dim <= 128 and not return_probs
   flash_ok = (not return_probs and flash_attention.supported(head_dim=head_dim, q_len=length or 16,
                                                              k_len=length or 16))
+  splash_ok = not return_probs and not dropout_active and splash_supported(head_dim=head_dim, length=length)
   if requested == "cudnn":
     if not cudnn_ok or dropout_active:
       raise ValueError(f"cuDNN attention needs float16/bfloat16, head size a multiple of 8 up to 128, no attention "
@@ -74,6 +86,14 @@ def resolve_implementation(requested: str, *, dtype, head_dim: int, dropout_acti
                        f"of 16 and no returned probabilities (head_dim={head_dim}, length={length}, "
                        f"return_probs={return_probs})")
     return "flash"
+  if requested == "splash":
+    if not splash_ok:
+      raise ValueError(f"splash attention needs lengths that are multiples of {SPLASH_BLOCK}, a head size that is a "
+                       f"multiple of 64 up to 256, no attention dropout and no returned probabilities "
+                       f"(head_dim={head_dim}, length={length}, dropout={dropout_active}, return_probs={return_probs})")
+    return "splash"
+  if requested == "auto" and _backend() == "tpu" and splash_ok:
+    return "splash"
   if requested == "auto" and _backend() == "gpu":
     if half and (dropout_active or training) and flash_ok:
       return "flash"
@@ -105,8 +125,8 @@ def dot_product_attention(
       None means no padding.
     packed: whether rows may hold several examples (needs the block mask).
     causal: attend only to earlier positions.
-    implementation: "auto", "cudnn", "flash" or "xla" ("flash" off GPU runs the
-      kernels in Pallas' interpreter: slow, for tests).
+    implementation: "auto", "cudnn", "flash", "splash" or "xla" ("flash" off GPU
+      and "splash" off TPU run the kernels in Pallas' interpreter: slow, for tests).
     dropout_rate: attention-probability dropout; applied when `dropout_rng` is
       given.
     return_probs: also return the [batch, heads, length, length] float32
@@ -142,6 +162,8 @@ def dot_product_attention(
                                        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
                                        implementation="cudnn")
     return out, None
+  if impl == "splash":
+    return splash_attention(query_blhd, key_blhd, value_blhd, pack_ids=pack_ids, causal=causal), None
 
   scale = head_dim ** -0.5
   logits_bhqk = jnp.einsum("bqhd,bkhd->bhqk", query_blhd * jnp.asarray(scale, query_blhd.dtype), key_blhd,
@@ -192,3 +214,54 @@ def self_attention(qkv_blh3d: jax.Array, *, pack_ids: jax.Array | None, packed: 
   return dot_product_attention(*flash_attention.split_qkv(qkv_blh3d), pack_ids=pack_ids, packed=packed,
                                causal=causal, implementation=impl, dropout_rate=dropout_rate,
                                dropout_rng=dropout_rng, return_probs=return_probs)
+
+
+def splash_supported(*, head_dim: int, length: int | None) -> bool:
+  """Whether "splash" takes these shapes; an unknown length (None) counts as not."""
+  return length is not None and length % SPLASH_BLOCK == 0 and head_dim % 64 == 0 and head_dim <= 256
+
+
+def splash_attention(query_blhd: jax.Array, key_blhd: jax.Array, value_blhd: jax.Array, *,
+                     pack_ids: jax.Array | None, causal: bool) -> jax.Array:
+  """Self-attention without dropout through JAX's splash attention kernel: [batch, length, heads, head_dim] in,
+  the same out, in the query dtype. Under a mesh it runs per shard (`jax.shard_map`), batch and heads split as the
+  logical axis rules say; the kernel sees one shard's heads."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # Only where this path is taken.
+
+  batch, length, heads, head_dim = query_blhd.shape
+  scale = jnp.asarray(head_dim ** -0.5, query_blhd.dtype)  # As the plain path scales: the query, in its dtype.
+  block = min(length, 512)
+  block_sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                  block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+
+  def per_shard(q_blhd, k_blhd, v_blhd, segments_bl):
+    shard_heads = q_blhd.shape[2]
+    mask = splash.MultiHeadMask([(splash.CausalMask if causal else splash.FullMask)((length, length))
+                                 for _ in range(shard_heads)])
+    kernel = splash.make_splash_mha(mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1,
+                                    interpret=_backend() != "tpu")
+    to_bhld = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    if segments_bl is None:
+      out_bhld = jax.vmap(kernel)(to_bhld(q_blhd * scale), to_bhld(k_blhd), to_bhld(v_blhd))
+    else:
+      segments = splash.SegmentIds(segments_bl, segments_bl)
+      out_bhld = jax.vmap(kernel)(to_bhld(q_blhd * scale), to_bhld(k_blhd), to_bhld(v_blhd), segments)
+    out_blhd = to_bhld(out_bhld).astype(q_blhd.dtype)
+    if segments_bl is None:
+      return out_blhd
+    # Padding (segment 0) attends to padding in the kernel; the plain path gives those rows zeros.
+    return jnp.where((segments_bl > 0)[:, :, None, None], out_blhd, jnp.zeros((), out_blhd.dtype))
+
+  segments_bl = None if pack_ids is None else pack_ids.astype(jnp.int32)
+  mesh = sharding_lib.current_mesh()
+  if mesh is None or mesh.size == 1:
+    return per_shard(query_blhd, key_blhd, value_blhd, segments_bl)
+  batch_axes, _, head_axes, _ = sharding_lib.split_axes(("batch", "length", "heads", "kv"),
+                                                        (batch, length, heads, head_dim), mesh)
+  spec = P(batch_axes or None, None, head_axes or None, None)
+  rows = P(batch_axes or None, None)
+  if segments_bl is None:
+    return jax.shard_map(lambda q, k, v: per_shard(q, k, v, None), mesh=mesh, in_specs=(spec, spec, spec),
+                         out_specs=spec, check_vma=False)(query_blhd, key_blhd, value_blhd)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec, rows), out_specs=spec,
+                       check_vma=False)(query_blhd, key_blhd, value_blhd, segments_bl)
