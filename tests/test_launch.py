@@ -101,9 +101,12 @@ def test_tpu_create_spot_pod_slice():
   assert "creating TPU VM pod1 (v4-32, runtime tpu-ubuntu2204-base, spot)" in stderr
 
 
+# Google's runtime for JAX on each generation (https://cloud.google.com/tpu/docs/runtimes): v6e v2-alpha-tpuv6e,
+# v5p v2-alpha-tpuv5, v5e v2-alpha-tpuv5-lite, v4 and older tpu-ubuntu2204-base.
 @pytest.mark.parametrize("accelerator, runtime", [
-    ("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v6e-8", "v2-alpha-tpuv6e"),
-    ("v5p-64", "tpu-ubuntu2204-base")])
+    ("v2-8", "tpu-ubuntu2204-base"), ("v3-32", "tpu-ubuntu2204-base"), ("v4-32", "tpu-ubuntu2204-base"),
+    ("v5p-64", "v2-alpha-tpuv5"), ("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v5e-8", "v2-alpha-tpuv5-lite"),
+    ("v6e-8", "v2-alpha-tpuv6e")])
 def test_tpu_create_runtime_follows_the_accelerator(accelerator, runtime):
   commands, _, _ = _launch("tpu/tpu.sh", "create", *TPU, "--accelerator-type", accelerator,
                            "--preemptible", "--dry-run")
@@ -155,9 +158,88 @@ def test_tpu_run_starts_every_worker_in_the_background():
   remote = _remote(ssh)
   assert ("nohup ~/bert_jax_venv/bin/python -m bert_jax.cli pretrain --config "
           "configs/bert.py:size=base --workdir gs://bucket/runs/base --config.optim.lr=1e-4 "
-          ">> ~/bert_jax_pretrain.log 2>&1 < /dev/null &") in remote
-  assert "echo $! > ~/bert_jax_pretrain.pid" in remote
+          ">> ~/bert_jax_run.log 2>&1 < /dev/null &") in remote
+  assert "echo $! > ~/bert_jax_run.pid" in remote
   assert "gs://bucket/runs/base" in stderr
+  # The shorthand is the general form's pre-training command line.
+  general, _, _ = _launch("tpu/tpu.sh", "run", *TPU, "--dry-run", "--", "pretrain", "--config",
+                          "configs/bert.py:size=base", "--workdir", "gs://bucket/runs/base", "--config.optim.lr=1e-4")
+  assert general == commands
+
+
+def _program(ssh):
+  """The bert-jax command line a `run` starts (argv after `python -m bert_jax.cli`)."""
+  remote = _remote(ssh)
+  started = remote.split("nohup ", 1)[1].split(" >> ", 1)[0]
+  argv = shlex.split(started)
+  assert argv[:3] == ["~/bert_jax_venv/bin/python", "-m", "bert_jax.cli"], argv
+  return argv[3:]
+
+
+def test_tpu_run_finetune_on_every_worker():
+  (ssh,), stderr, _ = _launch(
+      "tpu/tpu.sh", "run", *TPU, "--dry-run", "--", "finetune", "--config", "configs/finetune/glue.py:task=rte",
+      "--config.init.model=gs://b/runs/base", "--config.data_dir=gs://b/glue", "--workdir", "gs://b/runs/rte",
+      "--config.optim.lr=2e-5")
+  assert "--worker=all" in ssh and ssh[5] == "pod1"
+  assert _program(ssh) == ["finetune", "--config", "configs/finetune/glue.py:task=rte",
+                           "--config.init.model=gs://b/runs/base", "--config.data_dir=gs://b/glue",
+                           "--workdir", "gs://b/runs/rte", "--config.optim.lr=2e-5"]
+  assert "bert-jax finetune on worker all of pod1" in stderr
+
+
+_SWEEP = ("sweep", "--config", "configs/ablations/bert_table5.py:scale=gpu", "--workdir", "gs://b/t5",
+          "--data-dir", "glue=gs://b/glue", "--config.data.prepared=gs://b/wiki")
+
+
+def test_tpu_run_whole_sweep_then_collect_and_table_on_worker_0():
+  (ssh,), _, _ = _launch("tpu/tpu.sh", "run", *TPU, "--dry-run", "--", *_SWEEP)
+  assert "--worker=all" in ssh and _program(ssh) == list(_SWEEP)
+  (collect,), _, _ = _launch("tpu/tpu.sh", "run", *TPU, "--dry-run", "--", "sweep", "--workdir", "gs://b/t5",
+                             "--collect")
+  assert "--worker=0" in collect and _program(collect) == ["sweep", "--workdir", "gs://b/t5", "--collect"]
+  (table,), _, _ = _launch("tpu/tpu.sh", "run", *TPU, "--dry-run", "--", "table", "gs://b/t5", "--out",
+                           "gs://b/t5/table")
+  assert "--worker=0" in table and _program(table) == ["table", "gs://b/t5", "--out", "gs://b/t5/table"]
+
+
+def test_tpu_run_sweep_one_row_a_slice():
+  commands, _, _ = _launch("tpu/tpu.sh", "run", "--zone", "us-central2-b", "--project", "my-proj", "--slices",
+                           "t5-a,t5-b,t5-c", "--first-row", "1", "--dry-run", "--", *_SWEEP,
+                           env={"BERT_JAX_TPU_NAME": ""})
+  assert [ssh[5] for ssh in commands] == ["t5-a", "t5-b", "t5-c"]
+  for row, ssh in enumerate(commands, start=1):
+    assert "--worker=all" in ssh
+    assert _program(ssh) == [*_SWEEP, "--row-index", str(row)]
+
+
+@pytest.mark.parametrize("data", [("--config.data.prepared=data/wiki",), ("--config.data_dir", "/data/glue"),
+                                  ("--data-dir", "glue=data/glue"), ("--data-dir=/data/glue",)])
+def test_tpu_run_refuses_local_data_on_a_multi_host_slice(data):
+  args = ("run", *TPU, "--dry-run", "--", "finetune", "--config", "configs/finetune/glue.py",
+          "--workdir", "gs://b/w", *data)
+  stderr = _fails("tpu/tpu.sh", *args, match="is local: every worker of a multi-host slice reads it, so give a "
+                                             "gs:// path")
+  assert len([line for line in stderr.splitlines() if line.startswith("error:")]) == 1
+  _fails("tpu/tpu.sh", "run", *TPU, "--accelerator-type", "v5p-32", *args[len(TPU) + 1:], match="is local")
+  # One host (v4-8) reads its own disk; so does one worker.
+  _launch("tpu/tpu.sh", "run", *TPU, "--accelerator-type", "v4-8", *args[len(TPU) + 1:])
+  _launch("tpu/tpu.sh", "run", *TPU, "--worker", "0", *args[len(TPU) + 1:])
+
+
+def test_tpu_create_and_delete_a_queued_resource():
+  (spot,), stderr, _ = _launch("tpu/tpu.sh", "create", *TPU, "--accelerator-type", "v5p-32", "--queued", "--spot",
+                               "--dry-run")
+  assert spot == ["gcloud", "compute", "tpus", "queued-resources", "create", "pod1", "--node-id=pod1",
+                  "--zone=us-central2-b", "--project=my-proj", "--accelerator-type=v5p-32",
+                  "--runtime-version=v2-alpha-tpuv5", "--spot"]
+  assert "queued resource is ACTIVE" in stderr
+  (best,), _, _ = _launch("tpu/tpu.sh", "create", *TPU, "--accelerator-type", "v4-32", "--queued", "--best-effort",
+                          "--dry-run")
+  assert best[:5] == ["gcloud", "alpha", "compute", "tpus", "queued-resources"] and best[-1] == "--best-effort"
+  (delete,), _, _ = _launch("tpu/tpu.sh", "delete", *TPU, "--queued", "--dry-run")
+  assert delete == ["gcloud", "compute", "tpus", "queued-resources", "delete", "pod1", "--zone=us-central2-b",
+                    "--project=my-proj", "--force", "--quiet"]
 
 
 @pytest.mark.parametrize("workdir", ["/tmp/run", "runs/a", "gs://bucket-only", "s3://b/run"])
@@ -169,12 +251,12 @@ def test_tpu_run_needs_a_gcs_workdir(workdir):
 def test_tpu_logs_follows_worker_0_and_stop_and_delete():
   (logs,), _, _ = _launch("tpu/tpu.sh", "logs", *TPU, "--dry-run")
   assert "--worker=0" in logs
-  assert _remote(logs) == "tail -n 100 -F ~/bert_jax_pretrain.log"
+  assert _remote(logs) == "tail -n 100 -F ~/bert_jax_run.log"
   (logs,), _, _ = _launch("tpu/tpu.sh", "logs", *TPU, "--worker", "3", "--dry-run")
   assert "--worker=3" in logs
   (stop,), _, _ = _launch("tpu/tpu.sh", "stop", *TPU, "--dry-run")
   assert "--worker=all" in stop
-  assert "kill $(cat ~/bert_jax_pretrain.pid)" in _remote(stop)
+  assert "kill $(cat ~/bert_jax_run.pid)" in _remote(stop)
   (delete,), _, _ = _launch("tpu/tpu.sh", "delete", *TPU, "--dry-run")
   assert delete == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "pod1",
                     "--zone=us-central2-b", "--project=my-proj", "--quiet"]
@@ -201,7 +283,16 @@ def test_tpu_missing_location_arguments(drop, match):
     (("create", *TPU), "missing --accelerator-type"),
     (("create", *TPU, "--accelerator-type", "v4"), "not of the form v4-32"),
     (("create", *TPU, "--accelerator-type", "v9-8"), "missing --version"),
-    (("run", *TPU), "missing CONFIG"),
+    (("run", *TPU), "missing CONFIG, or -- COMMAND ARGS"),
+    (("run", *TPU, "--", "teleport", "--workdir", "gs://b/w"), "'teleport' is not a bert-jax command"),
+    (("run", *TPU, "--", "finetune", "--config", "configs/finetune/glue.py"), "missing --workdir"),
+    (("run", *TPU, "--", "finetune", "--workdir", "/tmp/w"), "workdir must be on GCS"),
+    (("run", *TPU, "--", "table"), "missing --workdir"),
+    (("run", *TPU, "--slices", "a,b", "--", "pretrain", "--workdir", "gs://b/w"), "applies to 'sweep' only"),
+    (("run", *TPU, "--slices", "a,b", "--", *_SWEEP, "--rows", "0,1"), "leave --rows and --row-index out"),
+    (("create", *TPU, "--accelerator-type", "v4-32", "--queued", "--preemptible"), "not --preemptible"),
+    (("create", *TPU, "--accelerator-type", "v4-32", "--best-effort"), "add --queued"),
+    (("delete", *TPU, "--", "pretrain"), "belong to 'run'"),
     (("run", *TPU, "configs/bert.py"), "missing WORKDIR"),
     (("run", *TPU, "configs/bert.py", "gs://b/w", "lr=1"), "--config.KEY=VALUE"),
     (("setup", *TPU, "--ref", "main"), "--ref needs --repo"),
@@ -211,7 +302,8 @@ def test_tpu_missing_location_arguments(drop, match):
     (("teleport", *TPU), "unknown command 'teleport'"),
 ])
 def test_tpu_argument_errors(args, match):
-  _fails("tpu/tpu.sh", *args, "--dry-run", match=match)
+  split = args.index("--") if "--" in args else len(args)  # after `--` the words are bert-jax's
+  _fails("tpu/tpu.sh", *args[:split], "--dry-run", *args[split:], match=match)
 
 
 def test_tpu_real_run_without_gcloud_says_so(tmp_path):
