@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from bert_jax.models.config import ModelConfig
 
 Array = jax.Array
+# The mutable collection in which each `SelfAttention` sows its pre-softmax scores [B, heads, Q, L] (float32)
+# when a caller asks for them (`attention_scores`); the model computes as without it.
+SCORES = "attention_scores"
 
 
 def _fast(config: ModelConfig):
@@ -220,6 +223,12 @@ class SelfAttention(nn.Module):
     its gate before the output projection (`gate_heads`; None: no gates).
     """
     cfg = self.config
+    # TinyBERT's attention loss reads the pre-softmax scores, which only the plain path materialises.
+    # (Not at init, where every collection is mutable: the variables it returns hold parameters only.)
+    scores_wanted = self.is_mutable_collection(SCORES) and not self.is_initializing()
+    if scores_wanted and cfg.kernels != "off":
+      raise ValueError(f"the {SCORES!r} collection needs the plain attention path: build the model with "
+                       "kernels='off' (the fused kernels never hold the score matrix)")
     if fast := _fast(cfg):
       return fast.self_attention(self, x_ble, pack_ids_bl, position_ids_bl, packed, deterministic, return_probs,
                                  query_positions_bq, head_mask_h)
@@ -238,6 +247,9 @@ class SelfAttention(nn.Module):
       ids_bl = pack_ids_bl if pack_ids_bl is not None else jnp.ones(x_ble.shape[:2], jnp.int32)
       mask_b1ql, causal = attention_mask(ids_bl, cfg.causal, query_positions_bq), False
     dropout = not deterministic and cfg.attention_dropout > 0
+    if scores_wanted:
+      self.sow(SCORES, "scores", jnp.einsum("bqhd,blhd->bhql", q_bqhd, k_blhd, preferred_element_type=jnp.float32)
+               / jnp.sqrt(jnp.float32(head_dim)))
     if not (dropout or return_probs):
       out_bqhd = jax.nn.dot_product_attention(q_bqhd, k_blhd, v_blhd, mask=mask_b1ql, is_causal=causal,
                                               query_seq_lengths=lengths_b, key_value_seq_lengths=lengths_b)
@@ -258,6 +270,34 @@ class SelfAttention(nn.Module):
                              kernel_init=dense_init(cfg, ("heads", "kv", "embed")), bias_init=bias_init(("embed",)),
                              name="output")
     return output(gate_heads(out_bqhd, head_mask_h)), probs_bhql
+
+
+def attention_scores(collection: Any, config: ModelConfig) -> tuple[Array, ...]:
+  """The scores an `Encoder` sowed into `SCORES` (its subtree of that collection), one [B, heads, Q, L] array per
+  layer in layer order; q . k / sqrt(head size), before masking and softmax.
+
+  A shared attention (ALBERT) sows once per layer that calls it, in call order; each group's layers are
+  consecutive, so groups in order give layers in order.
+  """
+  if config.num_shared_groups and config.shared_sublayers == "attention":
+    sources = [collection[f"shared_attention_{g}"] for g in range(config.num_shared_groups)]
+  else:
+    sources = [collection[f"block_{b}"]["attention"] for b in range(config.num_blocks)]
+  scores = tuple(s for source in sources for s in source["scores"])
+  if len(scores) != config.num_layers:
+    raise ValueError(f"{len(scores)} layers of attention scores for a model of {config.num_layers} layers")
+  return scores
+
+
+def apply_with_scores(apply: Any, config: ModelConfig, wanted: bool) -> Any:
+  """`apply` (a model's apply, its encoder named "encoder") returning (its outputs, {"attention_scores": the
+  encoder's per layer (`attention_scores`)}) when `wanted`, else (its outputs, {})."""
+  def run(*args, **kwargs):
+    if not wanted:
+      return apply(*args, **kwargs), {}
+    outputs, collections = apply(*args, mutable=[SCORES], **kwargs)
+    return outputs, {"attention_scores": attention_scores(collections[SCORES]["encoder"], config)}
+  return run
 
 
 class FeedForward(nn.Module):

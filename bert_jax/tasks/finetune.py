@@ -666,7 +666,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   teacher = None
   if config.distill.teacher:
     started = time.perf_counter()
-    objective, teacher = _distillation(config, task, objective, model_config, max_len)
+    objective, teacher = _distillation(config, task, objective, max_len)
     timings["load teacher"] = time.perf_counter() - started
   batch_size = config.train.batch_size
   steps_per_epoch = math.ceil(len(train_features["input_ids"]) / batch_size)
@@ -731,7 +731,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
 
 
 def _distillation(config: ml_collections.ConfigDict, task: Task, student: FinetuneObjective,
-                  student_config: ModelConfig, max_len: int) -> tuple[distill_lib.Distillation, tuple[Any, Any]]:
+                  max_len: int) -> tuple[distill_lib.Distillation, tuple[Any, Any]]:
   """The student's objective with the teacher's terms (`bert_jax.train.distill`), and (the teacher's task, its
   host params): the teacher is a fine-tuning workdir of this task, or a model directory with its head."""
   path = config.distill.teacher
@@ -749,11 +749,8 @@ def _distillation(config: ml_collections.ConfigDict, task: Task, student: Finetu
                      f"fewer than the student's inputs of {max_len} tokens; lower config.max_len")
   teacher = FinetuneObjective(build_model(teacher_config, task.kind, task.num_labels), task.kind,
                               single_token_type=teacher_config.type_vocab_size == 1, num_choices=task.num_choices)
-  settings = config.distill
-  objective = distill_lib.Distillation(
-      student, teacher, student_config, teacher_config, temperature=settings.temperature, alpha=settings.alpha,
-      pkd_weight=settings.pkd_weight, cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection)
-  return objective, (teacher, loaded.params)
+  objective = distill_lib.Distillation.from_config(config.distill, student, teacher)
+  return objective, (objective.teacher, loaded.params)
 
 
 def task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):

@@ -40,6 +40,7 @@ from bert_jax.convert.pretrained import load_pretrained
 from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from bert_jax.models import Encoder, FinetuneModel, ModelConfig
 from bert_jax.models import Dropout
+from bert_jax.models.encoder import apply_with_scores
 from bert_jax.models.recurrent import BiLSTM
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
@@ -225,13 +226,16 @@ class FinetuneObjective:
     return self.kind == "regression"
 
   def distill_outputs(self, params: Params, inputs: dict[str, Array], rng: Array | None,
-                      train: bool) -> dict[str, Any]:
-    """{"terms": `terms`, "soft_logits": [..., C] (regression: the values [B]), "hidden_states": the encoder's}."""
+                      train: bool, attention_scores: bool = False) -> dict[str, Any]:
+    """{"terms": `terms`, "soft_logits": [..., C] (regression: the values [B]), "hidden_states": the encoder's};
+    with `attention_scores` also "attention_scores" (`encoder.attention_scores`; kernels "off")."""
     if not isinstance(self.model, FinetuneModel):
       raise ValueError("distillation needs full fine-tuning; config.feature_based.layers freezes the encoder")
-    outputs, hidden_states = self._apply(params, inputs, rng, train, output_hidden_states=True)
+    (outputs, hidden_states), scores = apply_with_scores(self._apply, self.model.config, attention_scores)(
+        params, inputs, rng, train, output_hidden_states=True)
     soft_logits = jnp.swapaxes(self._span_logits(outputs, inputs), 1, 2) if self.kind == "span" else outputs
-    return {"terms": self.terms(outputs, inputs), "soft_logits": soft_logits, "hidden_states": hidden_states}
+    return {"terms": self.terms(outputs, inputs), "soft_logits": soft_logits, "hidden_states": hidden_states,
+            **scores}
 
   def soft_weights(self, inputs: dict[str, Array]) -> Array:
     """The weight of each soft prediction: `soft_logits`' leading shape (span: start and end of each window)."""

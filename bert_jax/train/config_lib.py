@@ -320,7 +320,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   while distill.teacher is None): teacher, temperature, alpha
                   (the soft loss's weight; the labels' is 1 - alpha),
                   pkd_weight (BERT-PKD's [CLS] loss), cos_weight,
-                  hidden_projection (`bert_jax.train.distill`).
+                  hidden_projection, TinyBERT's layer_map,
+                  attention_weight, hidden_weight, embedding_weight and
+                  prediction_weight (`bert_jax.train.distill`).
   mesh.*          mesh sizes and logical rules, as for pre-training.
   """
   from bert_jax.train import distill as distill_lib

@@ -12,10 +12,34 @@ divides by its count:
         k = L_teacher / L_student ("PKD-skip"), per example;
   cos   DistilBERT's 1 - cos(student, teacher) of the last hidden states, per token.
 
-The weights: the task's own terms (1 - alpha), soft alpha, pkd pkd_weight,
-cos cos_weight. A student narrower than its teacher compares hidden states
-through a learned linear map (TinyBERT's W_h, `hidden_projection`), trained with
-the student and kept beside its parameters under "distill_projection".
+and TinyBERT's (Jiao et al. 2020) intermediate-layer losses, student layer m
+(1 .. M) against teacher layer g(m) (`layer_map`; uniform g(m) = m N / M):
+
+  attention  sum over m of the mean over heads and real (query, key) pairs of
+             (A_student_m - A_teacher_g(m))**2, A the attention scores q . k /
+             sqrt(d) before masking and softmax: the paper's choice ("the
+             unnormalized attention matrix ... converges faster and performs
+             better" than its softmax); pairs a mask hides (padding, another
+             packed example) are left out, not zeroed. The heads must match.
+  hidden     sum over m of the mean over real tokens and teacher features of
+             (H_student_m W_h - H_teacher_g(m))**2.
+  embedding  the same for the embeddings' output: (E_student W_e - E_teacher)**2.
+
+The weights: the task's own terms (1 - alpha) * prediction_weight, soft
+alpha * prediction_weight, pkd pkd_weight, cos cos_weight, attention
+attention_weight, hidden hidden_weight, embedding embedding_weight. TinyBERT's
+prediction-layer loss is soft at alpha=1, temperature 1 (KL to the teacher:
+its cross-entropy less the teacher's entropy, the same gradients), and its two
+task-specific stages are two runs of one command: the intermediate layers
+(prediction_weight 0), then the prediction layer from that run's parameters.
+A student narrower than its teacher compares hidden states through a learned
+linear map (TinyBERT's W_h, `hidden_projection`) and its embeddings through
+another (W_e), trained with the student and kept beside its parameters under
+"distill_projection" and "distill_projection_embedding".
+
+Attention scores come out of the model through its `encoder.SCORES` collection,
+which only the plain attention path fills: with attention_weight > 0 both
+models run with kernels "off" (the fused kernels never hold the score matrix).
 
 The teacher's parameters are `TrainState.frozen`: the step runs the teacher in
 evaluation mode inside the same jitted step (`with_frozen`), with no gradient,
@@ -33,7 +57,15 @@ The config's `distill` section (pre-training and fine-tuning alike):
   alpha              weight of the soft loss; the task's own terms (hard labels, MLM) get 1 - alpha.
   pkd_weight         weight of the PKD loss (0: off).
   cos_weight         weight of the hidden-state cosine loss (0: off).
-  hidden_projection  learn a linear map from the student's width to the teacher's for pkd / cos.
+  hidden_projection  learn linear maps from the student's width to the teacher's for pkd / cos / hidden (W_h)
+                     and embedding (W_e).
+  layer_map          "uniform" (student layer m <-> teacher layer m N / M) or the teacher's layer (1 .. N) for
+                     each student layer, comma-separated ("3,6,9,12"), for attention and hidden.
+  attention_weight   weight of TinyBERT's attention-score loss (0: off).
+  hidden_weight      weight of TinyBERT's hidden-state loss (0: off).
+  embedding_weight   weight of TinyBERT's embedding loss (0: off).
+  prediction_weight  weight of the prediction layer: the task's own terms and the soft loss (0: intermediate
+                     layers only, TinyBERT's general distillation and first task-specific stage).
   init_from_teacher  (pre-training) the student starts from the teacher: embeddings, heads, and teacher layers
                      0, k, 2k, ... in its layers 0, 1, 2, ... (DistilBERT: every other layer).
 """
@@ -51,6 +83,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from bert_jax.models import Encoder, ModelConfig, PretrainingModel
+from bert_jax.models.encoder import apply_with_scores
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train.objectives import PretrainingObjective
 from bert_jax.train.losses import (cosine_distance_sums, normalized_distance_sums, soft_target_sums,
@@ -58,6 +91,8 @@ from bert_jax.train.losses import (cosine_distance_sums, normalized_distance_sum
 
 Array = jax.Array
 PROJECTION = "distill_projection"
+# Not "..._embedding_projection": layer-wise LR decay reads that name as the embeddings (`optim.layer_index`).
+EMBEDDING_PROJECTION = "distill_projection_embedding"
 # Pre-training objectives whose MLM logits a teacher's soft targets apply to.
 PRETRAINING_OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop", "mlm+sbo")
 
@@ -66,7 +101,8 @@ def config_section(pretraining: bool) -> ml_collections.ConfigDict:
   """The `distill` section of the defaults (see the module docstring); off while `teacher` is None."""
   section = ml_collections.ConfigDict(dict(
       teacher=config_dict.placeholder(str), temperature=2.0, alpha=0.5, pkd_weight=0.0, cos_weight=0.0,
-      hidden_projection=False))
+      hidden_projection=False, layer_map="uniform", attention_weight=0.0, hidden_weight=0.0, embedding_weight=0.0,
+      prediction_weight=1.0))
   if pretraining:
     section.init_from_teacher = False
   return section
@@ -78,6 +114,55 @@ def skip_layers(student_layers: int, teacher_layers: int, key: str = "config.dis
     raise ValueError(f"{key}: a student of {student_layers} layers cannot map onto a teacher of {teacher_layers} "
                      f"layers (layer i to layer k * i needs the teacher's depth to be a multiple of the student's)")
   return teacher_layers // student_layers
+
+
+def layer_map(spec: str, student_layers: int, teacher_layers: int) -> tuple[int, ...]:
+  """TinyBERT's g: the teacher layer (1 .. N) each student layer 1 .. M learns from.
+
+  Args:
+    spec: "uniform" (g(m) = m N / M) or the M teacher layers, comma-separated ("2,4,6").
+
+  Raises:
+    ValueError: naming config.distill.layer_map when the map does not fit the two depths.
+  """
+  key = f"config.distill.layer_map={spec!r}"
+  if spec == "uniform":
+    if teacher_layers % student_layers:
+      example = ",".join(str(round(m * teacher_layers / student_layers)) for m in range(1, student_layers + 1))
+      raise ValueError(f"{key}: a student of {student_layers} layers has no uniform map onto a teacher of "
+                       f"{teacher_layers} (g(m) = m N / M needs N to be a multiple of M); give the teacher's layer "
+                       f"for each student layer, e.g. config.distill.layer_map={example!r}")
+    return tuple(m * teacher_layers // student_layers for m in range(1, student_layers + 1))
+  try:
+    mapped = tuple(int(layer) for layer in spec.split(","))
+  except ValueError:
+    raise ValueError(f"{key}: expected 'uniform' or comma-separated teacher layers such as '2,4,6'") from None
+  if len(mapped) != student_layers or not all(1 <= layer <= teacher_layers for layer in mapped):
+    raise ValueError(f"{key}: expected {student_layers} teacher layers (one per student layer), each 1 to "
+                     f"{teacher_layers}")
+  return mapped
+
+
+def attention_pair_weights(pack_ids: Array, token_weights: Array, causal: bool) -> Array:
+  """[rows, 1, L, L] weight of each (query, key) pair: the query's token weight where the query may attend to
+  the key (the key is real and in the query's packed example; causal: not after it), else 0."""
+  pack_ids = pack_ids.reshape((-1, pack_ids.shape[-1]))
+  allowed = (pack_ids[:, :, None] == pack_ids[:, None, :]) & (pack_ids[:, None, :] > 0)
+  if causal:
+    allowed &= jnp.tril(jnp.ones(allowed.shape[1:], bool))
+  return (token_weights[:, :, None] * allowed)[:, None]
+
+
+def plain_attention(task: Any) -> Any:
+  """`task` with its model on the plain path (kernels "off"), the one that gives attention scores."""
+  if isinstance(task, PretrainingObjective):
+    return dataclasses.replace(task, model_config=task.model_config.replace(kernels="off"))
+  return dataclasses.replace(task, model=task.model.clone(config=task.model.config.replace(kernels="off")))
+
+
+def model_config_of(task: Any) -> ModelConfig:
+  """The encoder config of a pre-training or fine-tuning task."""
+  return task.model_config if isinstance(task, PretrainingObjective) else task.model.config
 
 
 class EncoderOnly(nn.Module):
@@ -107,11 +192,12 @@ class MaskedLMTeacher(PretrainingObjective):
     return PretrainingModel(self.model_config, sentence_head=False) if self.mlm_head else EncoderOnly(
         self.model_config)
 
-  def distill_outputs(self, params, inputs, rng, train):
+  def distill_outputs(self, params, inputs, rng, train, attention_scores=False):
     if self.mlm_head:
-      return super().distill_outputs(params, inputs, rng, train)
-    outputs = self.apply({"params": params}, inputs, train, rngs=self.rngs(rng, train), output_hidden_states=True)
-    return {"terms": {}, "soft_logits": None, "hidden_states": outputs["hidden_states"]}
+      return super().distill_outputs(params, inputs, rng, train, attention_scores)
+    outputs, scores = apply_with_scores(self.apply, self.model_config, attention_scores)(
+        {"params": params}, inputs, train, rngs=self.rngs(rng, train), output_hidden_states=True)
+    return {"terms": {}, "soft_logits": None, "hidden_states": outputs["hidden_states"], **scores}
 
 
 class HiddenProjection(nn.Module):
@@ -134,8 +220,9 @@ class Distillation:
     student: the task being trained.
     teacher: the same task on the teacher's model (its `distill_outputs` run on `TrainState.frozen`).
     student_config, teacher_config: the two encoders.
-    temperature, alpha, pkd_weight, cos_weight: as the config's keys.
-    hidden_projection: learn `HiddenProjection` (the widths differ).
+    temperature, alpha, pkd_weight, cos_weight, layer_map, attention_weight, hidden_weight, embedding_weight,
+      prediction_weight: as the config's keys.
+    hidden_projection: learn `HiddenProjection`s (the widths differ).
     soft_targets: the teacher has a head to give them (False: an encoder alone, alpha must be 0).
   """
 
@@ -149,18 +236,41 @@ class Distillation:
   cos_weight: float = 0.0
   hidden_projection: bool = False
   soft_targets: bool = True
+  layer_map: str = "uniform"
+  attention_weight: float = 0.0
+  hidden_weight: float = 0.0
+  embedding_weight: float = 0.0
+  prediction_weight: float = 1.0
+
+  @classmethod
+  def from_config(cls, settings: ml_collections.ConfigDict, student: Any, teacher: Any,
+                  soft_targets: bool = True) -> Distillation:
+    """The config's `distill` section over a student task and its teacher's; with attention_weight both run the
+    plain attention path, the one that gives the scores."""
+    if settings.attention_weight:
+      student, teacher = plain_attention(student), plain_attention(teacher)
+    return cls(student, teacher, model_config_of(student), model_config_of(teacher),
+               temperature=settings.temperature, alpha=settings.alpha, pkd_weight=settings.get("pkd_weight", 0.0),
+               cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection,
+               soft_targets=soft_targets, layer_map=settings.layer_map, attention_weight=settings.attention_weight,
+               hidden_weight=settings.hidden_weight, embedding_weight=settings.embedding_weight,
+               prediction_weight=settings.prediction_weight)
 
   def __post_init__(self):
     if self.temperature <= 0:
       raise ValueError(f"config.distill.temperature={self.temperature} must be positive")
     if not 0.0 <= self.alpha <= 1.0:
       raise ValueError(f"config.distill.alpha={self.alpha} must be in [0, 1]")
-    if not self.soft_targets and self.alpha:
+    if not self.soft_targets and self.alpha and self.prediction_weight:
       raise ValueError(f"config.distill.alpha={self.alpha}: the teacher has no head to give soft targets; set "
                        "config.distill.alpha=0 to distil its hidden states only (cos_weight, pkd_weight)")
-    for key in ("pkd_weight", "cos_weight"):
+    intermediate = ("attention_weight", "hidden_weight", "embedding_weight")
+    for key in ("pkd_weight", "cos_weight", *intermediate, "prediction_weight"):
       if getattr(self, key) < 0:
         raise ValueError(f"config.distill.{key}={getattr(self, key)} must be >= 0")
+    if not any(weight for weight in self.weights.values()):
+      raise ValueError("config.distill: every loss has weight 0; set config.distill.prediction_weight or one of "
+                       "attention_weight, hidden_weight, embedding_weight, pkd_weight, cos_weight above 0")
     if self.student_config.vocab_size != self.teacher_config.vocab_size:
       raise ValueError(f"config.distill.teacher: its vocabulary of {self.teacher_config.vocab_size} tokens differs "
                        f"from the student's {self.student_config.vocab_size}; the two must share a tokenizer")
@@ -169,21 +279,30 @@ class Distillation:
         raise ValueError("config.distill.pkd_weight: a 1-layer student has no intermediate layer to match; "
                          "set it to 0")
       skip_layers(self.student_config.num_layers, self.teacher_config.num_layers)
+    if self.attention_weight or self.hidden_weight:
+      self.mapped_layers()  # fails naming config.distill.layer_map
+    if self.attention_weight:
+      heads = [(config.num_heads, config.heads_per_layer) for config in (self.student_config, self.teacher_config)]
+      if heads[0] != heads[1] or heads[0][1] is not None:
+        raise ValueError(f"config.distill.attention_weight: the student's {self.student_config.num_heads} heads a "
+                         f"layer and the teacher's {self.teacher_config.num_heads} must be equal and unpruned (the "
+                         "scores are matched head by head); set config.model.num_heads or attention_weight=0")
     widths = self.student_config.hidden_size, self.teacher_config.hidden_size
-    if (self.pkd_weight or self.cos_weight) and widths[0] != widths[1] and not self.hidden_projection:
+    compared = self.pkd_weight or self.cos_weight or self.hidden_weight or self.embedding_weight
+    if compared and widths[0] != widths[1] and not self.hidden_projection:
       raise ValueError(f"config.distill: the student's width {widths[0]} differs from the teacher's {widths[1]}; "
-                       "set config.distill.hidden_projection=True to learn a map between them (or pkd_weight and "
-                       "cos_weight to 0)")
+                       "set config.distill.hidden_projection=True to learn a map between them (or pkd_weight, "
+                       "cos_weight, hidden_weight and embedding_weight to 0)")
 
   @property
   def weights(self) -> dict[str, float]:
-    weights = {name: (1.0 - self.alpha) * weight for name, weight in self.student.weights.items()}
+    weights = {name: (1.0 - self.alpha) * self.prediction_weight * weight
+               for name, weight in self.student.weights.items()}
     if self.soft_targets:
-      weights["soft"] = self.alpha
-    if self.pkd_weight:
-      weights["pkd"] = self.pkd_weight
-    if self.cos_weight:
-      weights["cos"] = self.cos_weight
+      weights["soft"] = self.alpha * self.prediction_weight
+    for name in ("pkd", "cos", "attention", "hidden", "embedding"):
+      if getattr(self, f"{name}_weight"):
+        weights[name] = getattr(self, f"{name}_weight")
     return weights
 
   def pkd_layers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -191,6 +310,10 @@ class Distillation:
     k = skip_layers(self.student_config.num_layers, self.teacher_config.num_layers)
     student = tuple(range(1, self.student_config.num_layers))
     return student, tuple(k * i for i in student)
+
+  def mapped_layers(self) -> tuple[int, ...]:
+    """g(1) .. g(M): the teacher layer (an index into `hidden_states`) of each student layer 1 .. M."""
+    return layer_map(self.layer_map, self.student_config.num_layers, self.teacher_config.num_layers)
 
   # The step's Task interface.
 
@@ -203,6 +326,9 @@ class Distillation:
   def prepare(self, batch: dict[str, Array]) -> dict[str, Array]:
     return self.student.prepare(batch)
 
+  def _pair_weights(self, inputs: dict[str, Array]) -> Array:
+    return attention_pair_weights(inputs["pack_ids"], self.student.token_weights(inputs), self.student_config.causal)
+
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
     counts = dict(self.student.denominators(inputs))
     if self.soft_targets:
@@ -211,20 +337,36 @@ class Distillation:
       counts["pkd"] = jnp.sum(self.student.row_weights(inputs))
     if self.cos_weight:
       counts["cos"] = jnp.sum(self.student.token_weights(inputs))
+    # Means over every element compared (per layer; the layers' losses add up, as the paper's).
+    features = self.teacher_config.hidden_size * jnp.sum(self.student.token_weights(inputs))
+    if self.hidden_weight:
+      counts["hidden"] = features
+    if self.embedding_weight:
+      counts["embedding"] = features
+    if self.attention_weight:
+      counts["attention"] = self.student_config.num_heads * jnp.sum(self._pair_weights(inputs))
     return counts
 
   def with_frozen(self, frozen: Any, inputs: dict[str, Array]) -> dict[str, Array]:
-    """Adds the teacher's outputs: teacher_logits, and the hidden states pkd / cos compare."""
-    outputs = self.teacher.distill_outputs(frozen, inputs, None, False)
+    """Adds the teacher's outputs: teacher_logits, and the hidden states and attention scores the terms compare."""
+    outputs = self.teacher.distill_outputs(frozen, inputs, None, False, attention_scores=bool(self.attention_weight))
     added = {"teacher_logits": outputs["soft_logits"]} if self.soft_targets else {}
+    hidden_states = outputs["hidden_states"]
     if self.pkd_weight:
-      added["teacher_cls"] = jnp.stack([outputs["hidden_states"][i][:, 0] for i in self.pkd_layers()[1]])
+      added["teacher_cls"] = jnp.stack([hidden_states[i][:, 0] for i in self.pkd_layers()[1]])
     if self.cos_weight:
-      added["teacher_last"] = outputs["hidden_states"][-1]
+      added["teacher_last"] = hidden_states[-1]
+    if self.hidden_weight:
+      added["teacher_hidden"] = jnp.stack([hidden_states[g] for g in self.mapped_layers()])
+    if self.embedding_weight:
+      added["teacher_embedding"] = hidden_states[0]
+    if self.attention_weight:
+      added["teacher_attention"] = jnp.stack([outputs["attention_scores"][g - 1] for g in self.mapped_layers()])
     return {**inputs, **added}
 
   def forward(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]:
-    outputs = self.student.distill_outputs(self.student_params(params), inputs, rng, train)
+    outputs = self.student.distill_outputs(self.student_params(params), inputs, rng, train,
+                                           attention_scores=bool(self.attention_weight))
     terms = dict(outputs["terms"])
     if self.soft_targets:
       soft_weights = self.student.soft_weights(inputs)
@@ -233,7 +375,7 @@ class Distillation:
       else:
         terms["soft_loss"] = soft_target_sums(outputs["soft_logits"], inputs["teacher_logits"], soft_weights,
                                               self.temperature)
-    project = self._projection(params)
+    project = self._projection(params, PROJECTION)
     hidden_states = outputs["hidden_states"]
     if self.pkd_weight:
       student_cls = jnp.stack([hidden_states[i][:, 0] for i in self.pkd_layers()[0]])
@@ -242,13 +384,29 @@ class Distillation:
     if self.cos_weight:
       terms["cos_loss"] = cosine_distance_sums(project(hidden_states[-1]), inputs["teacher_last"],
                                                self.student.token_weights(inputs))
+    token_weights = self.student.token_weights(inputs)[..., None]  # over the features
+    if self.hidden_weight:
+      student_hidden = jnp.stack(hidden_states[1:])
+      terms["hidden_loss"] = squared_error_sums(project(student_hidden), inputs["teacher_hidden"], token_weights)
+    if self.embedding_weight:
+      terms["embedding_loss"] = squared_error_sums(self._projection(params, EMBEDDING_PROJECTION)(hidden_states[0]),
+                                                   inputs["teacher_embedding"], token_weights)
+    if self.attention_weight:
+      terms["attention_loss"] = squared_error_sums(jnp.stack(outputs["attention_scores"]),
+                                                   inputs["teacher_attention"], self._pair_weights(inputs))
     return terms
 
-  def _projection(self, params: Any):
+  def _projections(self) -> tuple[str, ...]:
+    """The learned maps' names in the parameters: W_h, and W_e for the embedding loss."""
     if not self.hidden_projection:
+      return ()
+    return (PROJECTION, EMBEDDING_PROJECTION) if self.embedding_weight else (PROJECTION,)
+
+  def _projection(self, params: Any, name: str):
+    if name not in self._projections():
       return lambda x: x
     module = HiddenProjection(self.teacher_config.hidden_size, self.student_config.initializer_range)
-    return lambda x: module.apply({"params": params[PROJECTION]}, x)
+    return lambda x: module.apply({"params": params[name]}, x)
 
   def student_params(self, params: Any) -> Any:
     return student_params(params)
@@ -257,18 +415,18 @@ class Distillation:
     return self.student.predict(self.student_params(params), inputs)
 
   def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
-    """The student's boxed variables, plus the projection's where there is one."""
+    """The student's boxed variables, plus the learned projections where there are some."""
     variables = self.student.init_variables(rng, batch)
-    if not self.hidden_projection:
-      return variables
-    projection = HiddenProjection(self.teacher_config.hidden_size, self.student_config.initializer_range).init(
-        jax.random.fold_in(rng, 1), jnp.zeros((1, self.student_config.hidden_size), jnp.float32))
-    return {**variables, "params": {**variables["params"], PROJECTION: projection["params"]}}
+    projections = {
+        name: HiddenProjection(self.teacher_config.hidden_size, self.student_config.initializer_range).init(
+            jax.random.fold_in(rng, i + 1), jnp.zeros((1, self.student_config.hidden_size), jnp.float32))["params"]
+        for i, name in enumerate(self._projections())}
+    return {**variables, "params": {**variables["params"], **projections}}
 
 
 def student_params(params: Any) -> Any:
-  """The student model's own parameters: without the learned projection, as its checkpoints keep them."""
-  return {name: value for name, value in params.items() if name != PROJECTION}
+  """The student model's own parameters: without the learned projections, as its checkpoints keep them."""
+  return {name: value for name, value in params.items() if name not in (PROJECTION, EMBEDDING_PROJECTION)}
 
 
 def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning, hint: str = "") -> tuple[Any, Any]:
@@ -337,7 +495,7 @@ def init_from_teacher(student: Any, teacher: Any, student_config: ModelConfig, t
 
   def take(path, value):
     names = [str(getattr(entry, "key", entry)) for entry in path]
-    if names[0] == PROJECTION:
+    if names[0] in (PROJECTION, EMBEDDING_PROJECTION):
       return value
     if names[0] == "encoder" and len(names) > 1 and names[1] in mapped:
       names[1] = mapped[names[1]]

@@ -43,6 +43,7 @@ from bert_jax.data import formats
 from bert_jax.data import masking as masking_lib
 from bert_jax.data.masking import MaskingConfig, mask_batch
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
+from bert_jax.models.encoder import apply_with_scores
 from bert_jax.train.losses import binary_cross_entropy_sums, copy_mixture_sums, cross_entropy_sums, dropout_key
 
 Array = jax.Array
@@ -200,12 +201,15 @@ class PretrainingObjective:
 
   soft_regression: ClassVar[bool] = False
 
-  def distill_outputs(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Any]:
+  def distill_outputs(self, params: Any, inputs: dict[str, Array], rng: Array | None, train: bool,
+                      attention_scores: bool = False) -> dict[str, Any]:
     """{"terms": `terms`, "soft_logits": [B, M, vocab] at the predicted positions, "hidden_states": the
-    encoder's (the last at every position only without `ModelConfig.sparse_last_layer`)}."""
-    outputs = self.apply({"params": params}, inputs, train, rngs=self.rngs(rng, train), output_hidden_states=True)
+    encoder's (the last at every position only without `ModelConfig.sparse_last_layer`)}; with
+    `attention_scores` also "attention_scores" (`encoder.attention_scores`; kernels "off")."""
+    outputs, scores = apply_with_scores(self.apply, self.model_config, attention_scores)(
+        {"params": params}, inputs, train, rngs=self.rngs(rng, train), output_hidden_states=True)
     return {"terms": self.terms(outputs, inputs), "hidden_states": outputs["hidden_states"],
-            "soft_logits": outputs["mlm_logits"][..., :self.model_config.vocab_size]}
+            "soft_logits": outputs["mlm_logits"][..., :self.model_config.vocab_size], **scores}
 
   def soft_weights(self, inputs: dict[str, Array]) -> Array:
     return inputs["mlm_weights"]

@@ -324,15 +324,14 @@ def _distillation(config: ml_collections.ConfigDict, objective: objectives.Pretr
   if settings.pkd_weight:
     raise ValueError("config.distill.pkd_weight applies to fine-tuning; pre-training's hidden-state loss is "
                      "config.distill.cos_weight")
-  # The cosine loss compares every position's last hidden state, which the sparse last layer does not compute.
+  # The cosine, hidden-state and attention losses compare every position of the last layer, which the sparse
+  # last layer does not compute.
+  every_position = settings.cos_weight or settings.hidden_weight or settings.attention_weight
   student = dataclasses.replace(objective, model_config=objective.model_config.replace(
-      sparse_last_layer=objective.model_config.sparse_last_layer and not settings.cos_weight))
+      sparse_last_layer=objective.model_config.sparse_last_layer and not every_position))
   teacher, teacher_params = load_teacher(settings.teacher, student)
-  distillation = distill_lib.Distillation(
-      student, teacher, student.model_config, teacher.model_config, temperature=settings.temperature,
-      alpha=settings.alpha, cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection,
-      soft_targets=teacher.mlm_head)
-  return distillation, (teacher, teacher_params)
+  distillation = distill_lib.Distillation.from_config(settings, student, teacher, soft_targets=teacher.mlm_head)
+  return distillation, (distillation.teacher, teacher_params)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
