@@ -44,7 +44,7 @@ def _run(objective, params, teacher_params, batch):
 
 def _with_projections(objective, params, seed=0):
   """The student's parameters and the objective's learned maps, drawn at random."""
-  variables = nn.unbox(objective.init_variables(jax.random.key(seed), _batch()))["params"]
+  variables = nn.unbox(jax.jit(objective.init_variables)(jax.random.key(seed), _batch()))["params"]
   return {**variables, **params}
 
 
@@ -190,6 +190,29 @@ def test_gradients_reach_the_student_both_maps_and_the_head():
   assert sorted(grads) == sorted(["encoder", "head", distill.PROJECTION, distill.EMBEDDING_PROJECTION])
   for path, grad in jax.tree_util.tree_leaves_with_path(grads):
     assert np.any(grad != 0), jax.tree_util.keystr(path)
+
+
+def test_general_distillation_from_a_base_model_without_an_mlm_head():
+  """The general stage's weights over an MLM student and a teacher encoder alone (sentence-transformers' MiniLM):
+  the attention, hidden and embedding terms, no soft targets, the plain path for both."""
+  from bert_jax.train import objectives
+  from test_train_step import make_config, synthetic_batch, tiny_model as step_model
+
+  student = objectives.make_objective(make_config("mlm"), step_model(sparse_last_layer=False), mask_id=4)
+  teacher_config = step_model(num_layers=4, hidden_size=48, intermediate_size=96)
+  teacher = distill.MaskedLMTeacher(model_config=teacher_config, masking=student.masking, mask_id=4,
+                                    weights={"mlm": 1.0}, mlm_head=False)
+  general = config_lib.load_config(str(REPO / "configs/tinybert.py:stage=general,scale=tiny")).distill
+  objective = distill.Distillation.from_config(general, student, teacher, soft_targets=False)
+  assert objective.weights == {"mlm": 0.0, "attention": 1.0, "hidden": 1.0, "embedding": 1.0}
+  assert objective.student_config.kernels == objective.teacher.model_config.kernels == "off"
+  batch = synthetic_batch()
+  params = nn.unbox(jax.jit(objective.init_variables)(jax.random.key(1), batch))["params"]
+  teacher_params = nn.unbox(jax.jit(teacher.init_variables)(jax.random.key(2), batch))["params"]
+  terms = jax.jit(lambda p, frozen, x: objective.forward(p, objective.with_frozen(frozen, objective.prepare(x)),
+                                                         None, False))(params, teacher_params, batch)
+  assert {"attention_loss", "hidden_loss", "embedding_loss", "mlm_loss"} <= set(terms)
+  assert all(float(terms[f"{name}_loss"]) > 0 for name in ("attention", "hidden", "embedding"))
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ The config's `distill` section (pre-training and fine-tuning alike):
   teacher            path of the teacher (None: no distillation): a fine-tuning workdir (its best seed) or a
                      converted / Hugging Face model with the task's head; for pre-training a pre-training workdir
                      or a converted / Hugging Face model with its MLM head (a base model without one gives no soft
-                     targets: alpha 0, its hidden states through cos_weight only).
+                     targets: alpha 0, its hidden states and attention scores through the other losses only).
   temperature        T of the soft targets.
   alpha              weight of the soft loss; the task's own terms (hard labels, MLM) get 1 - alpha.
   pkd_weight         weight of the PKD loss (0: off).
@@ -250,7 +250,7 @@ class Distillation:
     if settings.attention_weight:
       student, teacher = plain_attention(student), plain_attention(teacher)
     return cls(student, teacher, model_config_of(student), model_config_of(teacher),
-               temperature=settings.temperature, alpha=settings.alpha, pkd_weight=settings.get("pkd_weight", 0.0),
+               temperature=settings.temperature, alpha=settings.alpha, pkd_weight=settings.pkd_weight,
                cos_weight=settings.cos_weight, hidden_projection=settings.hidden_projection,
                soft_targets=soft_targets, layer_map=settings.layer_map, attention_weight=settings.attention_weight,
                hidden_weight=settings.hidden_weight, embedding_weight=settings.embedding_weight,
