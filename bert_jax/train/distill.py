@@ -1,8 +1,8 @@
 """Knowledge distillation: a frozen teacher's outputs as extra loss terms of the one train step.
 
 `Distillation` wraps a task (a pre-training objective or a fine-tuning
-objective) and adds up to three terms to its own, each a sum that the step
-divides by its count:
+objective) and adds terms to its own, each a sum that the step divides by
+its count:
 
   soft  the teacher's soft targets at temperature T: T**2 * KL(teacher || student)
         per prediction (Hinton et al. 2015; DistilBERT's L_ce on masked tokens);
@@ -17,10 +17,10 @@ and TinyBERT's (Jiao et al. 2020) intermediate-layer losses, student layer m
 
   attention  sum over m of the mean over heads and real (query, key) pairs of
              (A_student_m - A_teacher_g(m))**2, A the attention scores q . k /
-             sqrt(d) before masking and softmax: the paper's choice ("the
-             unnormalized attention matrix ... converges faster and performs
-             better" than its softmax); pairs a mask hides (padding, another
-             packed example) are left out, not zeroed. The heads must match.
+             sqrt(d) before masking and softmax: the paper's choice, which it
+             reports converging faster and scoring better than the softmax's
+             probabilities; pairs a mask hides (padding, another packed
+             example) are left out, not zeroed. The heads must match.
   hidden     sum over m of the mean over real tokens and teacher features of
              (H_student_m W_h - H_teacher_g(m))**2.
   embedding  the same for the embeddings' output: (E_student W_e - E_teacher)**2.
