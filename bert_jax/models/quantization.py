@@ -1,4 +1,4 @@
-"""int8 post-training quantisation (Q8BERT, Zafrir et al. 2019), through Qwix.
+"""int8 quantisation (Q8BERT, Zafrir et al. 2019) through Qwix: post-training, and quantisation-aware training.
 
 Every dense layer of the encoder and of a task head (attention's query, key, value and output projections, the
 feed-forward layers, ALBERT's embedding projection, the pooler, the classifier...) computes
@@ -20,12 +20,21 @@ shapes [in..., out...] and [1..., out...]). Qwix's PTQ quantises only what enter
 own `quantize`. The quantised model runs the plain path (`kernels="off"`): the hand-written kernels take float
 operands.
 
+Quantisation-aware training (Q8BERT's own recipe; `--config.quant.qat=True` in fine-tuning): `qat_model` wraps the
+float model with Qwix's training-time (QT) provider, which quantises the same kernels and activations inside the
+step, and reads each embedding table as its int8 values times their row scales. Its forward pass is the int8 model's
+on `quantize_params` of its weights, so `bert-jax quantize` then runs what was trained. Gradients pass the roundings
+unchanged (the straight-through estimator): a dense layer's are those of its matmul of the dequantised int8 operands,
+a table's those of a plain lookup. The parameters stay float32, in the float model's tree.
+
 `to_storage` / `from_storage` turn that tree into nested dicts of arrays (what Orbax saves and
 `checkpoint.restore_params` reads back) and back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import flax
@@ -34,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import qwix
+from qwix._src.utils import flax_util as _flax_util
 
 # Module paths (as Qwix writes them: "encoder/block_0/attention/query") of the dense layers quantised. The attention
 # module itself ("encoder/block_0/attention") does not match, so its products between activations stay float.
@@ -84,9 +94,78 @@ class _Provider(qwix.PtqProvider):
     return super().get_intercept_map() | {"jax.numpy.take": self.take}
 
 
+@jax.custom_vjp
+def _fake_quantized_table(table: jax.Array) -> jax.Array:
+  """The values `_Provider.take` gathers from the int8 table (qvalue * scale, row by row), with the identity as
+  gradient (the straight-through estimator)."""
+  return qwix.dequantize(_quantize_table(table))
+
+
+_fake_quantized_table.defvjp(lambda table: (_fake_quantized_table(table), None), lambda _, grad: (grad,))
+
+
+@jax.custom_vjp
+def _gradient_in_own_dtype(x: jax.Array) -> jax.Array:
+  """The identity, whose gradient comes back in `x`'s dtype: Qwix's training-time matmul returns a bfloat16
+  input's gradient in float32, which the rest of the backward pass does not accept."""
+  return x
+
+
+_gradient_in_own_dtype.defvjp(lambda x: (x, jnp.zeros((), x.dtype)), lambda like, grad: (grad.astype(like.dtype),))
+
+
+class _QatProvider(qwix.QtProvider):
+  """Qwix's training-time (QT) provider computing the forward pass `_Provider` computes from the same float
+  parameters: int8 kernels and activations (quantised inside the step), int8 embedding rows, float gradients
+  through both roundings."""
+
+  def dot_general(self, lhs, rhs, *args, **kwargs):
+    # The output cast as `_Provider.dot_general`'s.
+    return super().dot_general(_gradient_in_own_dtype(lhs), rhs, *args, **kwargs).astype(lhs.dtype)
+
+  def nn_param(self, module: nn.Module, name: str, *args, **kwargs):
+    """An `nn.Embed` table reads as its int8 values times their row scales (stored float, trained float)."""
+    value = module.param(name, *args, **kwargs)
+    if isinstance(module, nn.Embed) and not module.is_initializing():
+      return _fake_quantized_table(value)
+    return value
+
+  def promote_dtype(self, *args, dtype=None, **kwargs):
+    """Casts as flax does, except what `_Provider`'s model holds in float32: a quantised layer's kernel (its int8
+    values are rounded from the float32 weights) and an embedding table (its rows are int8 times float32 scales).
+    In a bfloat16 model both would otherwise be cast before the rounding."""
+    module = _flax_util.get_current_module()
+    if isinstance(module, nn.Embed):
+      return list(args)
+    quantised = re.fullmatch(DENSE_LAYERS, "/".join(map(str, module.path))) is not None
+    kept = [quantised and x is not None and _flax_util.find_param(x) == "kernel" for x in args]
+    promoted = nn.dtypes.promote_dtype(*[None if keep else x for x, keep in zip(args, kept)], dtype=dtype, **kwargs)
+    return [x if keep else y for x, y, keep in zip(args, promoted, kept)]
+
+  def get_intercept_map(self):
+    return super().get_intercept_map() | {"flax.linen.Module.param": self.nn_param,
+                                          "flax.linen.dtypes.promote_dtype": self.promote_dtype}
+
+
+def qat_rules() -> list[qwix.QtRule]:
+  """`rules()` for training: the same quantisation in the forward pass; in the backward pass each dense layer's
+  gradients are those of its matmul of the int8 operands (as dequantised), passed unchanged through the rounding
+  (Q8BERT's straight-through estimator)."""
+  return [qwix.QtRule(**dataclasses.asdict(rule), additional_qt_config={"use_original_residuals": False})
+          for rule in rules()]
+
+
+def qat_model(model: nn.Module) -> nn.Module:
+  """`model` fine-tuned with fake-quantised int8 (Q8BERT's quantisation-aware training): its forward pass is
+  `quantized_model`'s on `quantize_params` of its parameters, which stay float32 and train as usual. Its encoder
+  runs the plain path."""
+  plain = model.clone(config=model.config.replace(kernels="off"))
+  return qwix.quantize_model(plain, _QatProvider(qat_rules()))
+
+
 def quantized_model(model: nn.Module) -> nn.Module:
-  """`model` (any module with a `ModelConfig` field `config`: `FinetuneModel`, `FeatureBasedTagger`...) with its
-  dense layers and embedding tables in int8; apply it to `quantize_params`' tree. Its encoder runs the plain path
+  """`model` (any module with a `ModelConfig` field `config`: `FinetuneModel`, `FeatureBasedTagger`..., or its
+  `qat_model`) with its dense layers and embedding tables in int8; apply it to `quantize_params`' tree. Its encoder runs the plain path
   without remat."""
   plain = model.clone(config=model.config.replace(kernels="off", remat="none"))
   return qwix.quantize_model(plain, _Provider(rules()))

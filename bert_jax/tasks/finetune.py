@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -145,6 +146,9 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     raise ValueError("config.data_dir is not set: add --config.data_dir=DIR, the folder with the task's files "
                      "(for GLUE the folder holding RTE/, SST-2/, ...), or --config.data_dir=tfds for TensorFlow "
                      "Datasets")
+  if config.quant.qat and importlib.util.find_spec("qwix") is None:
+    raise ValueError("config.quant.qat=True needs Qwix, which is not installed: pip install -e '.[quant]' "
+                     "(or leave config.quant.qat False)")
   if config.distill.teacher and config.feature_based.layers:
     raise ValueError("config.distill.teacher is set with config.feature_based.layers: distillation trains the whole "
                      "student; leave one of them unset")
@@ -754,10 +758,16 @@ def _distillation(config: ml_collections.ConfigDict, task: Task, student: Finetu
 
 
 def task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):
-  """The model `config` fine-tunes on `task` (a run written before `top_bilstm` existed has none)."""
+  """The model `config` fine-tunes on `task`, fake-quantised to int8 with `quant.qat` (a run written before
+  `top_bilstm` or `quant` existed has neither)."""
   feature = config.feature_based
-  return build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
-                     feature.head_size, feature.head_layers, feature.dropout, bool(config.get("top_bilstm", False)))
+  model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
+                      feature.head_size, feature.head_layers, feature.dropout, bool(config.get("top_bilstm", False)))
+  if config.get("quant", {}).get("qat", False):
+    from bert_jax.models import quantization  # noqa: PLC0415 - Qwix (the `quant` extra) only where asked for
+
+    model = quantization.qat_model(model)
+  return model
 
 
 def _test_splits(task: Task) -> tuple[str, ...]:

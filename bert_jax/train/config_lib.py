@@ -323,6 +323,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   hidden_projection, TinyBERT's layer_map,
                   attention_weight, hidden_weight, embedding_weight and
                   prediction_weight (`bert_jax.train.distill`).
+  quant.qat       Q8BERT's quantisation-aware training: every dense layer and embedding table fake-quantised
+                  to int8 in the forward pass, as `bert-jax quantize` then runs them (straight-through
+                  gradients; `bert_jax.models.quantization.qat_model`; the `quant` extra).
   mesh.*          mesh sizes and logical rules, as for pre-training.
   """
   from bert_jax.train import distill as distill_lib
@@ -352,6 +355,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                                                         dropout=0.1))
   config.top_bilstm = False
   config.distill = distill_lib.config_section(pretraining=False)
+  config.quant = ml_collections.ConfigDict(dict(qat=False))
   config.mesh = ml_collections.ConfigDict(dict(
       sizes=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)), rules=config_dict.placeholder(tuple)))
   return config
