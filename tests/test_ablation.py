@@ -903,6 +903,7 @@ def test_a_sweep_given_some_gpus_numbers_its_accelerators_within_them(monkeypatc
     ablation._slot_environment(0, parallel=3, devices=3)
 
 
+@pytest.mark.slow
 def test_one_row_from_the_command_line_records_its_failure(setup, tmp_path):
   """`--row-index I` as a cluster job runs it: the row fails (3 heads do not divide width 64) and says so."""
   spec, data_dirs, _ = setup

@@ -93,6 +93,7 @@ def test_attention_patterns_match_transformers_attentions(minilm, minilm_dir):
   assert layer_means["entropy"][0] > layer_means["entropy"][middle].mean()
 
 
+@pytest.mark.slow
 def test_attention_patterns_match_goldens(minilm):
   """The test above without PyTorch: transformers' pattern means over the same lines, written by
   tests/goldens/make_goldens.py with `reference_patterns`."""
@@ -139,6 +140,7 @@ def tiny_classifier(kernels="off", **overrides):
 
 
 @pytest.mark.parametrize("kernels", ["off", "auto"])
+@pytest.mark.slow
 def test_all_ones_head_mask_is_exact_and_the_tree_unchanged(kernels):
   import flax.linen as nn
   import jax
@@ -294,6 +296,7 @@ def tiny_sst2_run(tmp_path_factory):
   return root / "run", root / "glue"
 
 
+@pytest.mark.slow
 def test_analyze_writes_the_report_and_a_pruned_model_that_evaluate_reads(tiny_sst2_run, tmp_path, capsys):
   import json
 
@@ -327,6 +330,7 @@ def test_analyze_writes_the_report_and_a_pruned_model_that_evaluate_reads(tiny_s
   assert rescored[1]["dev"]["accuracy"] == pytest.approx(prune["pruned_score"])
 
 
+@pytest.mark.slow
 def test_analyze_attention_only_on_a_model_directory_and_bad_requests(tiny_sst2_run, tmp_path, capsys):
   from bert_jax import cli
   run, _ = tiny_sst2_run
@@ -355,6 +359,7 @@ def test_analyze_attention_only_on_a_model_directory_and_bad_requests(tiny_sst2_
   assert "--metric 'f1': glue/sst2 reports accuracy" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_attention_patterns_of_a_pruned_model_leave_its_missing_heads_blank(tiny_sst2_run, tmp_path):
   from bert_jax.analysis import analyze
   run, _ = tiny_sst2_run
@@ -426,6 +431,7 @@ def test_probes_on_random_features_stay_near_chance_and_learn_informative_ones()
   assert results["accuracy"][1] > 90
 
 
+@pytest.mark.slow
 def test_probes_read_the_conll_columns(minilm, shared_data, tmp_path):
   from bert_jax.analysis import probe
   family, config, params, tokenizer = minilm

@@ -92,6 +92,7 @@ def test_ours_config_overrides_reach_ours_pretraining_alone(bench, tmp_path):
   assert config.model.dtype == "float32" and config.loss.rtd_positions == "masked"
 
 
+@pytest.mark.slow
 def test_an_unknown_ours_config_key_is_one_line_before_any_training():
   import subprocess
   import sys

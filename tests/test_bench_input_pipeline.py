@@ -3,11 +3,14 @@ split, the sampled stacks and the report written."""
 
 import json
 
+import pytest
+
 from test_trainer import prepared  # noqa: F401 - the session fixture (prepared built-in corpus)
 
 from conftest import bench_module
 
 
+@pytest.mark.slow
 def test_input_pipeline_bench_smoke(prepared, tmp_path, capsys):  # noqa: F811
   bench = bench_module("input_pipeline")
   out = tmp_path / "out"

@@ -4,6 +4,8 @@ import argparse
 import json
 import pathlib
 
+import pytest
+
 from conftest import bench_module
 
 bench = bench_module("compression_gpu")
@@ -129,6 +131,7 @@ def test_the_kept_files_render_the_same_page_and_the_page_takes_findings_a_figur
   assert (tmp_path / "compression.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_steps_wait_for_what_they_need_and_stop_at_their_limit_or_the_deadline(tmp_path):
   """A failed step's dependents do not run; a step past its stop_after gets SIGTERM (and counts as done when it
   exits cleanly, as a pre-training run does); what still runs at the deadline is stopped, what waits never starts."""

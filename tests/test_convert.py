@@ -216,6 +216,7 @@ def test_electra_export_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("head", ["mlm", "all_tokens"])
+@pytest.mark.slow
 def test_electra_trees_of_the_table_5_objectives_save_in_our_format_and_refuse_hugging_face(tmp_path, head):
   """Replace MLM / All-Tokens MLM runs: the discriminator has an MLM head (and a copy gate), no RTD head."""
   from bert_jax.models import ElectraModel, electra_generator_config, model_config
@@ -296,6 +297,7 @@ def assert_gradients_match(golden, grads, atol):
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
+@pytest.mark.slow
 def test_pretraining_heads_and_gradients_match_goldens(family, tmp_path):
   golden = goldens.outputs(family)
   got_family, config, params, _ = load_hf_checkpoint(goldens.checkpoint(family, tmp_path / "hf"))
@@ -399,6 +401,7 @@ def test_export_writes_the_checkpoint_transformers_saved(name, tmp_path):
   assert_params_equal(params, params_again)
 
 
+@pytest.mark.slow
 def test_minilm_hidden_states_and_gradients_match_goldens(minilm_dir, tmp_path):
   golden = goldens.outputs("minilm")
   config, params, ids, mask = _minilm_batch(minilm_dir)

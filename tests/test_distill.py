@@ -80,6 +80,7 @@ def _setup(objective, tx, frozen=None, teacher=None, mesh_sizes=None, initial=No
 
 
 @pytest.mark.parametrize("kind", ["classification", "regression", "span", "multiple_choice", "tagging"])
+@pytest.mark.slow
 def test_a_student_equal_to_its_teacher_has_zero_distillation_losses(kind):
   """Temperature 1, the teacher's own parameters: KL (or the squared error) 0, PKD 0, cosine 0."""
   task = _task(kind=kind)
@@ -104,6 +105,7 @@ def test_soft_targets_are_hintons_kl_with_the_temperature_squared():
   assert np.isfinite(float(soft_target_sums(student, masked, np.ones(4), 0.5)))
 
 
+@pytest.mark.slow
 def test_zero_teacher_weights_give_the_plain_step_and_the_teacher_stays_frozen():
   """alpha=0 and pkd 0: the same parameters as the plain step after two steps; the teacher's are untouched."""
   task = _task()
@@ -126,6 +128,7 @@ def test_zero_teacher_weights_give_the_plain_step_and_the_teacher_stays_frozen()
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), teacher_params)
 
 
+@pytest.mark.slow
 def test_a_call_of_two_steps_with_the_teacher_equals_two_single_steps():
   """`steps_per_call=2`: the teacher rides in the state through the call (unchanged), and the student's parameters
   and per-step metrics are the single steps'."""
@@ -156,6 +159,7 @@ def test_a_call_of_two_steps_with_the_teacher_equals_two_single_steps():
   jax.tree.map(np.testing.assert_array_equal, results[1][0].frozen, teacher_params)
 
 
+@pytest.mark.slow
 def test_a_narrower_student_learns_a_projection_and_its_pkd_loss_falls():
   teacher_config = TINY.replace(hidden_size=48, intermediate_size=96)  # wider, as deep (width is what is tested)
   student, teacher = _task(), _task(teacher_config)
@@ -175,6 +179,7 @@ def test_a_narrower_student_learns_a_projection_and_its_pkd_loss_falls():
   assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_a_teacher_sharded_by_fsdp_gives_the_single_device_step():
   """The teacher's weights are sharded like the student's and gathered where its modules read them (a teacher as
   deep as the student: sharding, not depth, is what this compares). Both runs start from one initial state, drawn
@@ -211,6 +216,7 @@ def test_bad_distillation_settings_name_the_key():
     distill.Distillation(task, task, TINY, TINY, alpha=1.5)
 
 
+@pytest.mark.slow
 def test_student_starts_from_every_other_teacher_layer():
   from bert_jax.models import PretrainingModel
   teacher_config = TINY.replace(num_layers=4)
@@ -333,6 +339,7 @@ def test_pretraining_distillation_config_errors_name_the_key(prepared, tmp_path)
     trainer.train_and_evaluate(config, tmp_path / "run2")
 
 
+@pytest.mark.slow
 def test_a_teacher_without_an_mlm_head_gives_hidden_states_only(tmp_path):
   """A base model (an encoder without heads, as sentence-transformers' MiniLM) teaches through the cosine loss;
   soft targets from it are refused, naming the key."""
@@ -387,6 +394,7 @@ def test_checkpoints_keep_the_layout_of_states_without_a_frozen_field(tmp_path):
   saver.close()
 
 
+@pytest.mark.slow
 def test_init_layers_starts_a_shallower_student(tiny_model, sst2_run, tmp_path):
   """`config.init.layers`: the student keeps every k-th layer of its initial model and is recorded so (fewer
   parameters than conftest.py's SST-2 run of the whole model)."""

@@ -49,6 +49,7 @@ def _expected_row_sums(num_processes, local_devices, width=4):
 
 
 @pytest.mark.parametrize("num_processes", [2, 4])
+@pytest.mark.slow
 def test_processes_join_and_sum_a_global_array(num_processes):
   local_devices = 2
   results = multiprocess_util.run_processes(
@@ -70,6 +71,7 @@ def test_processes_join_and_sum_a_global_array(num_processes):
     assert "explicit" in result.stderr  # initialize() logged its decision
 
 
+@pytest.mark.slow
 def test_barrier_names_that_differ_between_processes_raise():
   # Each process catches the error and reports it, so neither is stopped
   # early by the other's failure.

@@ -113,6 +113,7 @@ def test_tensorstore_status_text_gives_the_os_error_and_the_file():
   assert cause.filename.endswith("ocdbt.process_0/d/9c92d0995dfcf6b74c97c3ffc929a89d")
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_write_stops_the_run_in_one_line(prepared, after_step_4, straight, tmp_path,
                                                                           monkeypatch, capfd, caplog, cli_state):
   """The background write of checkpoint 6 fails with ENOSPC: one line naming the file and the cause, exit 1, the run
@@ -196,6 +197,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_says_no_checkpoint_was_saved_and_the_rerun_resumes_from_the_last_complete_one(
     prepared, after_step_4, straight, tmp_path):
   """A real process and real signals: the second Ctrl-C cuts the stop's checkpoint (step 5) short. One line says so
@@ -235,6 +237,7 @@ def test_ctrl_c_during_start_up_is_one_line(prepared, tmp_path, monkeypatch, cap
   assert not (workdir / "workdir.lock").exists()
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_saved_optimizer_state_is_a_corrupt_checkpoint(prepared, after_step_4, straight, tmp_path,
                                                                         caplog):
   """One bit of an Adam moment in checkpoint 4 flips on storage, in a form Orbax reads back without a word: the
@@ -259,6 +262,7 @@ def test_a_flipped_bit_in_saved_optimizer_state_is_a_corrupt_checkpoint(prepared
   _assert_bit_identical(workdir, straight)
 
 
+@pytest.mark.slow
 def test_finetuning_from_a_run_whose_newest_checkpoint_is_truncated_needs_the_step(tmp_path, capfd, cli_state):
   """A pre-training run with checkpoints 7 and 9, 9 truncated: fine-tuning from it stops in one line naming
   checkpoint 9, its cause and --config.init.step (exit 1, nothing fine-tuned); with --config.init.step=7 it starts

@@ -182,6 +182,7 @@ def test_kill_9_while_the_builtin_corpus_is_written_leaves_nothing_reused(refere
     ("shard-00000.tokens.npy", errno.ENOSPC),
     ("eval_documents.npy", errno.EACCES),
 ])
+@pytest.mark.slow
 def test_storage_error_while_deriving_data_is_one_line_and_the_rerun_rebuilds(reference, tmp_path, monkeypatch,
                                                                                capsys, cli_state, name, code):
   _fail_writes_of(monkeypatch, name, code)
@@ -199,6 +200,7 @@ def test_storage_error_while_deriving_data_is_one_line_and_the_rerun_rebuilds(re
   assert _rebuilt(tmp_path) == reference
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_from_a_real_process(tmp_path):
   """A file-size limit makes the kernel refuse the corpus part-way (EFBIG), as a full disk would."""
   # The shell sets the limit (64 KiB): a preexec_fn would fork this multithreaded process.

@@ -71,6 +71,7 @@ def test_features_match_transformers_hidden_states(minilm_dir, hf_minilm, tmp_pa
 
 
 @pytest.mark.parametrize("concat", [False, True])
+@pytest.mark.slow
 def test_features_match_golden_hidden_states(minilm_dir, tmp_path, concat):
   """The test above without PyTorch: transformers' tokens of every line and hidden states of two (a pair and a
   single), written by tests/goldens/make_goldens.py."""

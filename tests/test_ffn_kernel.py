@@ -151,6 +151,7 @@ def encoder_value_and_grad(kernels, ids, target, mesh=None):
 
 
 @pytest.mark.parametrize("sharded, save_derivative", [(False, False), (True, False), (False, True)])
+@pytest.mark.slow
 def test_kernel_path_gradients_equal_the_xla_form(monkeypatch, sharded, save_derivative):
   """The FFN's kernel path (`ops.gelu_feed_forward` with both kernels, emulated) in an encoder against its XLA form
   (the same model before the emulation, where the kernels do not apply):

@@ -154,6 +154,7 @@ def classification_run(tiny_model, tmp_path_factory):
   return workdir, results
 
 
+@pytest.mark.slow
 def test_classification_beats_chance_with_a_multi_seed_summary(classification_run):
   workdir, results = classification_run
   assert min(_selected(results, "accuracy")) > 80.0
@@ -197,6 +198,7 @@ def test_best_evaluation_is_selected_and_rescored_by_evaluate(classification_run
   assert {row.split("\t")[1] for row in submission[1:]} <= {"0", "1"}
 
 
+@pytest.mark.slow
 def test_regression_from_a_finetuned_run_reuses_the_pooler(classification_run, tmp_path):
   classification_dir, _ = classification_run
   data = _glue_stsb(tmp_path / "glue", np.random.default_rng(1))
@@ -209,6 +211,7 @@ def test_regression_from_a_finetuned_run_reuses_the_pooler(classification_run, t
   assert _selected(results, "pearson")[0] > 60.0
 
 
+@pytest.mark.slow
 def test_several_steps_per_call_keep_the_logs_and_evaluations_of_single_steps(tiny_model, sst2_run, tmp_path):
   """`train.steps_per_call=5` over 6 epochs of 12 steps: calls of 5 steps wherever no log (every 5) or epoch end
   falls inside them, single steps elsewhere; the logged losses, the evaluations' steps and scores are those of the
@@ -230,6 +233,7 @@ def test_several_steps_per_call_keep_the_logs_and_evaluations_of_single_steps(ti
     assert ours["metrics"]["dev"]["accuracy"] == pytest.approx(theirs["metrics"]["dev"]["accuracy"], abs=1.6)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_naming_the_step(tiny_model, tmp_path):
   """An exploding learning rate makes the loss non-finite within a few steps; the run stops at the next log
   step, naming the first bad step."""
@@ -244,6 +248,7 @@ def test_span_extraction_beats_chance(span_run):
   assert _selected(results, "exact_match")[0] > 50.0  # one of 10 context words by chance
 
 
+@pytest.mark.slow
 def test_multiple_choice_beats_chance(tiny_model, tmp_path):
   data = _swag(tmp_path / "swag", np.random.default_rng(3))
   results = _finetune("configs/finetune/swag.py", tiny_model, data, tmp_path / "run", "--config.train.epochs=4")
@@ -255,6 +260,7 @@ def test_tagging_beats_chance(tagging_run):
   assert _selected(results, "f1")[0] > 70.0
 
 
+@pytest.mark.slow
 def test_feature_based_tagging_trains_the_head_and_freezes_the_encoder(tiny_model, tmp_path):
   data = _conll(tmp_path / "conll", np.random.default_rng(5))
   workdir = tmp_path / "run"
@@ -326,6 +332,7 @@ def test_configs_load_and_have_sweeps(spec):
 
 
 @pytest.mark.shared_data
+@pytest.mark.slow
 def test_real_rte_featurises_like_transformers(shared_data, minilm_dir):
   transformers = pytest.importorskip("transformers")
   initial = load_initial_model(minilm_dir)
@@ -341,6 +348,7 @@ def test_real_rte_featurises_like_transformers(shared_data, minilm_dir):
   assert set(features["labels"].tolist()) <= {0, 1}
 
 
+@pytest.mark.slow
 def test_glue_from_tfds_with_mock_data(tiny_model, tmp_path):
   """config.data_dir=tfds reads TFDS glue/* (mocked records): the run trains and scores the dev split."""
   tfds = pytest.importorskip("tensorflow_datasets")
@@ -367,6 +375,7 @@ def test_cli_compilation_cache(tmp_path, monkeypatch):
   assert jax.config.jax_compilation_cache_dir == before
 
 
+@pytest.mark.slow
 def test_runs_of_other_lengths_and_sizes_share_the_compiled_steps(tiny_model, tmp_path):
   """With pad_to_max_len, a run over another number of examples and epochs (another schedule horizon, another
   longest row) runs the steps compiled for the first: the persistent cache serves all of its compilations."""
@@ -390,6 +399,7 @@ def test_runs_of_other_lengths_and_sizes_share_the_compiled_steps(tiny_model, tm
   assert run_info[0]["seq_len"] == run_info[1]["seq_len"] == 32
 
 
+@pytest.mark.slow
 def test_cloud_storage_workdir_holds_the_run_and_evaluate_reads_it(tiny_model, tmp_path, gcs_bucket):
   """A gs:// fine-tuning workdir (an emulated bucket): results, per-seed metrics and checkpoint, the tokenizer;
   `evaluate` scores the run from the bucket again."""
@@ -408,6 +418,7 @@ def test_cloud_storage_workdir_holds_the_run_and_evaluate_reads_it(tiny_model, t
 
 
 @pytest.mark.parametrize("kind,num_labels", [("classification", 3), ("tagging", 5)])
+@pytest.mark.slow
 def test_top_bilstm_sits_between_the_encoder_and_the_head(kind, num_labels):
   """BERT Table 5's "+ BiLSTM": a fresh BiLSTM (hidden/2 a direction) under the head; the encoder's parameters and
   the head's shapes are those of the model without it, and the loss reaches the BiLSTM."""

@@ -60,6 +60,7 @@ def _rows(seed_dir: pathlib.Path, prefix: str) -> list[dict]:
           for row in rows if any(key.startswith(prefix) for key in row)]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_seed_and_the_rerun_ends_as_the_uninterrupted_run(tiny_model, data, tmp_path):
   straight = _finetune(SPEC, tiny_model, data, tmp_path / "straight", *OVERRIDES)
 

@@ -48,6 +48,7 @@ def inputs(batch=2, length=64, heads=2, head_dim=16, packed=True):
 
 @pytest.mark.parametrize("rate,causal,packed", [(0.0, False, True), (0.1, False, True), (0.3, True, True),
                                                 (0.0, False, False), (0.1, False, False), (0.3, True, False)])
+@pytest.mark.slow
 def test_kernels_match_reference(rate, causal, packed):
   # packed=False: pack ids 0 / 1, masked by the per-key bias alone (no per-pair compare in the kernels).
   q, k, v, cotangent, pack = inputs(packed=packed)
@@ -170,6 +171,7 @@ def test_bias_gradient_is_summed_by_the_kernels(mesh_shape):
 
 
 @pytest.mark.parametrize("impl,position", [("flash", "learned"), ("xla", "learned"), ("xla", "rotary")])
+@pytest.mark.slow
 def test_key_bias_is_trained_only_where_it_changes_the_scores(monkeypatch, impl, position):
   """The encoder's key-bias gradient with kernels: exactly 0 with learned positions (fused flash projections, forced
   here in Pallas' interpreter, or separate ones), a real gradient with rotary positions (which rotate the bias by

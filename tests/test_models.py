@@ -76,6 +76,7 @@ def run_encoder(cfg, ids, pack_ids=None, position_ids=None, packed=False, segmen
   return model.apply(params, ids, segment_ids, position_ids, pack_ids, packed=packed, **kwargs)
 
 
+@pytest.mark.slow
 def test_packed_rows_equal_each_segment_alone():
   cfg = tiny()
   rng = np.random.default_rng(0)
@@ -117,6 +118,7 @@ def test_causal_mode_never_looks_right():
   assert not np.allclose(bi[:, :6], bi_changed[:, :6], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_causal_classifier_pools_the_last_real_token():
   """A left-to-right encoder's [CLS] sees only itself: its classifier must read the last real token instead."""
   cfg = tiny(causal=True)
@@ -199,6 +201,7 @@ def test_rotary_attention_is_translation_invariant():
 
 @pytest.mark.parametrize("options", [dict(norm="pre"), dict(ffn="geglu"), dict(dtype="bfloat16"),
                                      dict(remat="full"), dict(hidden_act="gelu_tanh")])
+@pytest.mark.slow
 def test_options_run_with_float32_params(options):
   cfg = tiny(**options)
   ids = jnp.ones((2, 8), jnp.int32)
@@ -236,6 +239,7 @@ def test_pretraining_heads_shapes():
   assert out["sbo_logits"].shape == (2, 3, 97)
 
 
+@pytest.mark.slow
 def test_electra_shares_embeddings_and_labels_replacements():
   disc = tiny(embedding_size=16)
   gen = electra_generator_config(disc, 0.5)
@@ -271,6 +275,7 @@ def test_finetune_heads(kind, shape):
 
 
 @pytest.mark.parametrize("unroll", [1, 4])
+@pytest.mark.slow
 def test_bilstm_equals_flax_bidirectional_lstm(unroll):
   """Both directions in one scan = flax's two RNNs of OptimizedLSTMCell: outputs and gradients at real tokens of
   rows of lengths 9, 4 and 1 (the backward direction starts at each row's last real token), random biases."""
@@ -315,6 +320,7 @@ def test_projection_equals_flax_dense_with_the_same_parameters(features, axes, c
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
   """Where the flash kernels apply (forced here: Pallas' interpreter on CPU), Q/K/V are one fused GEMM read in place
   by the kernels; the XLA form projects them separately. Same parameters, same dropout masks: same outputs and
@@ -348,6 +354,7 @@ def test_fused_qkv_flash_path_equals_the_xla_path(monkeypatch):
 
 
 @pytest.mark.parametrize("layer_norm_kernel", [False, True])
+@pytest.mark.slow
 def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding_them_in_the_projections(
     monkeypatch, layer_norm_kernel):
   """With kernels, the post-LN block hands its sublayers' output biases to the residual LayerNorms (so that the
@@ -416,6 +423,7 @@ def _sparse_vs_full(cfg, model_kwargs, ids, positions, rngs=None, **call_kwargs)
 @pytest.mark.parametrize("overrides,packed", [
     ({}, False), ({"norm": "pre", "position_embedding": "rotary"}, True), ({"num_shared_groups": 1}, False),
     ({"remat": "full", "causal": True}, True), ({"attention_dropout": 0.3}, True)])
+@pytest.mark.slow
 def test_sparse_last_layer_equals_the_full_model(overrides, packed):
   """`sparse_last_layer`: the last block computes only the heads' rows (MLM, [CLS], span boundaries); every head's
   logits and every gradient are the full model's (float32; attention dropout on draws the same masks)."""
@@ -437,6 +445,7 @@ def test_sparse_last_layer_equals_the_full_model(overrides, packed):
 
 @pytest.mark.parametrize("kind,overrides", [("classification", {}), ("regression", {"causal": True}),
                                              ("multiple_choice", {"norm": "pre"}), ("tagging", {})])
+@pytest.mark.slow
 def test_sparse_last_layer_of_a_finetuning_model_equals_the_full_model(kind, overrides):
   """The sentence-level heads read one row (the [CLS], or a left-to-right model's last real token): with
   `sparse_last_layer` the last block computes that row alone; logits and every gradient are the full model's
@@ -477,6 +486,7 @@ def test_sparse_last_layer_only_where_the_rows_are_at_most_half_the_sequence():
   assert head_rows(cfg.replace(sparse_last_layer=False), 8, {"mlm": mlm})[0] is None
 
 
+@pytest.mark.slow
 def test_sparse_last_layer_electra_generator():
   """ELECTRA's generator reads only the masked positions; its sparse last block gives the same logits and
   replacements (argmax sampling)."""
@@ -497,6 +507,7 @@ def test_sparse_last_layer_electra_generator():
     ({}, False), ({}, True), ({"norm": "pre"}, False), ({"causal": True}, True),
     ({"position_embedding": "rotary", "ffn": "geglu"}, True), ({"sparse_last_layer": True}, False),
     ({"embedding_size": 32, "num_shared_groups": 1, "num_layers": 3, "hidden_act": "gelu_tanh"}, False)])
+@pytest.mark.slow
 def test_kernels_auto_equals_the_plain_model(overrides, packed):
   """`kernels="auto"` (here the kernels' XLA forms and custom gradients) against the plain Flax model ("off"): the
   same parameter tree (names, shapes, logical axes), and with those parameters the same logits and gradients
@@ -530,6 +541,7 @@ def test_kernels_auto_equals_the_plain_model(overrides, packed):
   assert_trees_close(fast_grads, plain_grads, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.slow
 def test_plain_model_imports_no_kernels():
   """`kernels="off"` builds and runs the model without importing `bert_jax.kernels`."""
   import os

@@ -26,6 +26,7 @@ def apply(objective, params, inputs, rng, train):
   return jax.jit(lambda p, x: objective.apply({"params": p}, x, train, rngs=objective.rngs(rng, train)))(params, inputs)
 
 
+@pytest.mark.slow
 def test_objectives_are_registered_with_their_heads_and_terms():
   for name, head, tree in (("replace_mlm", "mlm", {"mlm"}), ("all_tokens_mlm", "all_tokens", {"mlm", "copy"})):
     objective, _, params = build(name)
@@ -38,6 +39,7 @@ def test_objectives_are_registered_with_their_heads_and_terms():
     objectives.make_objective(config, tiny_model(embedding_size=32), mask_id=4)
 
 
+@pytest.mark.slow
 def test_the_generator_samples_replace_exactly_the_masked_positions():
   """A generator whose distribution is known (its logits are its output bias alone): every masked position, and
   only those, holds one of its samples, at its frequencies (both objectives corrupt through ELECTRA's one path)."""
@@ -79,6 +81,7 @@ def test_replace_mlm_scores_the_masked_positions_against_the_original_tokens():
   assert objective.denominators(inputs)["mlm"] == weights.sum() == objective.denominators(inputs)["generator"]
 
 
+@pytest.mark.slow
 def test_all_tokens_mlm_scores_every_real_token_with_the_copy_mixture():
   objective, inputs, params = build("all_tokens_mlm")
   outputs = apply(objective, params, inputs, None, False)
@@ -115,6 +118,7 @@ def test_copy_mixture_sums_is_stable_at_confident_gates():
 
 
 @pytest.mark.parametrize("name,heads", [("replace_mlm", ("mlm",)), ("all_tokens_mlm", ("mlm", "copy"))])
+@pytest.mark.slow
 def test_gradients_are_finite_and_reach_the_generator_and_the_discriminator(name, heads):
   objective, inputs, params = build(name)
 

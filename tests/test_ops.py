@@ -20,6 +20,7 @@ def _close(a, b, rtol, atol):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_layer_norm_matches_flax_values_and_gradients(dtype):
   keys = jax.random.split(jax.random.key(0), 4)
   x = (3.0 + 2.0 * jax.random.normal(keys[0], (4, 7, 96))).astype(dtype)
@@ -172,6 +173,7 @@ def logits_with_ties(shape, key, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("columns", [4096, 4352, 30522, 30592])  # 4352: 17 chunks, one split; 30522: overlap
+@pytest.mark.slow
 def test_cross_entropy_kernel_statistics_match_xla(columns):
   """The kernel's log-sum-exp to float32 rounding, the target's logit and the first argmax (ties) exactly."""
   logits, targets = logits_with_ties((4, 4, columns), jax.random.key(5))

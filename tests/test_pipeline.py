@@ -64,6 +64,7 @@ def test_resume_continues_exactly(prepared_dir, example_format, packing):
     assert_same_batches(take(resumed, 17), reference[13:])
 
 
+@pytest.mark.slow
 def test_worker_processes_give_the_same_batches_and_resume_with_any_count(prepared_dir):
   """For every format, 2 worker processes yield the batches of none, and a state saved with either resumes with
   the other (train, and the padded last batch of eval)."""

@@ -30,6 +30,7 @@ def test_length_buckets():
   assert inference.length_buckets(16) == (16,)
 
 
+@pytest.mark.slow
 def test_classification_predictions_equal_the_evaluation(sst2_run, tmp_path, capsys):
   workdir, data = sst2_run
   # The evaluation's predictions of the test split (the dev sentences) as GLUE's submission file.
@@ -121,6 +122,7 @@ def test_pruned_model_folder_loads_and_predicts(sst2_run, tmp_path):
   assert len((tmp_path / "pruned.jsonl").read_text().splitlines()) == 64
 
 
+@pytest.mark.slow
 def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tagging_run, tmp_path):
   workdir, data = tagging_run
   evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
@@ -173,6 +175,7 @@ def test_glue_tsv_layout_is_told_by_the_first_line(name, tmp_path):
     assert tsv_has_labels(SPECS[name], path) is expected
 
 
+@pytest.mark.slow
 def test_span_predictions_equal_the_evaluation_on_questions_without_answers(span_run, tmp_path):
   workdir, data = span_run
   dev = json.loads((data / "test-v1.1.json").read_text())
@@ -192,6 +195,7 @@ def test_span_predictions_equal_the_evaluation_on_questions_without_answers(span
 @pytest.mark.parametrize("task_name, make_data, data_file", [
     ("glue/sst2", _glue_sst2, "SST-2/dev.tsv"), ("swag", _swag, "val.csv"), ("conll2003", _conll, "eng.testa"),
     ("squad/v1.1", _squad, "dev-v1.1.json")])
+@pytest.mark.slow
 def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_file,
                                                     tiny_model, tmp_path):
   """Every kind's outputs from rows cut to their buckets equal those of rows at max_len, on the real tokens."""
@@ -212,6 +216,7 @@ def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_f
   np.testing.assert_allclose(bucketed, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_inference_bench_times_a_fine_tuned_variant(sst2_run, tmp_path, capsys):
   workdir, _ = sst2_run
   from conftest import bench_module

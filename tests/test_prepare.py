@@ -53,6 +53,7 @@ def test_shards_hold_every_document_in_order(tmp_path, tokenizer):
   assert corpus_reader.load_tokenizer().fingerprint() == tokenizer.fingerprint()
 
 
+@pytest.mark.slow
 def test_parallel_workers_give_the_same_bytes(tmp_path, tokenizer):
   corpus = write_bert_format(tmp_path / "corpus.txt", DOCUMENTS * 4)
   serial = prepare.prepare_corpus([str(corpus)], tokenizer, tmp_path / "serial", num_workers=0, chunk_documents=7,
@@ -170,6 +171,7 @@ def test_tfds_input_without_tensorflow_names_the_extra(tmp_path, tokenizer):
                            log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_tfds_text_dataset_is_prepared_with_mock_data(tmp_path, tokenizer):
   tfds = pytest.importorskip("tensorflow_datasets")
   with tfds.testing.mock_data(num_examples=6):
@@ -264,6 +266,7 @@ def _corpus_files(directory):
   return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_failure_midway_leaves_the_earlier_corpus_intact(tmp_path, tokenizer, monkeypatch):
   corpus = write_bert_format(tmp_path / "corpus.txt", DOCUMENTS)
   out = tmp_path / "out"
@@ -378,6 +381,7 @@ sys.exit(prepare.main(sys.argv[2:]))
 
 
 @pytest.mark.parametrize("moment", ["install", "move"])
+@pytest.mark.slow
 def test_kill_9_keeps_the_earlier_corpus_or_leaves_a_rerunnable_folder(tmp_path, minilm_dir, moment):
   corpus = write_bert_format(tmp_path / "corpus.txt", DOCUMENTS)
   out = tmp_path / "out"

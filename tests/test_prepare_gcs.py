@@ -53,6 +53,7 @@ def test_a_corpus_prepared_on_gcs_gives_the_batches_of_a_local_one(gcs_bucket, t
       np.testing.assert_array_equal(from_cloud[key], from_local[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_preparing_again_on_gcs_replaces_only_the_corpus(gcs_bucket, tmp_path, minilm_dir):
   corpus = _write_corpus(tmp_path / "corpus.txt")
   tokenizer = tokenizers.load_tokenizer(minilm_dir / "vocab.txt")

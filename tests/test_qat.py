@@ -119,6 +119,7 @@ def _int8_model(model, params, ids, pack_ids):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_qat_forward_equals_the_int8_forward_of_the_same_weights(small_model, dtype):
   """Both programs compute the same Qwix operations on the same int8 values and scales (the QAT model keeps its
   kernels and tables float32 in a bfloat16 model, as the int8 model's scales are), so their logits agree to the bit
@@ -140,6 +141,7 @@ def test_qat_forward_equals_the_int8_forward_of_the_same_weights(small_model, dt
   assert np.max(np.abs(qat_logits - int8_logits)) <= 0.02 * int8_error
 
 
+@pytest.mark.slow
 def test_qat_gradients_reach_every_parameter(small_model):
   model, params, ids, pack_ids = small_model
   qat = quantization.qat_model(model.clone(config=SMALL.replace(dtype="bfloat16")))

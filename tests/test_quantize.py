@@ -65,6 +65,7 @@ def small_model():
   return model, params, ids, pack_ids
 
 
+@pytest.mark.slow
 def test_rounding_error_is_at_most_half_a_scale_per_output_channel(small_model):
   model, params, ids, pack_ids = small_model
   _, quantized = _quantized(model, params, ids, pack_ids=pack_ids)
@@ -127,6 +128,7 @@ def test_dense_matmuls_are_int8_with_int32_accumulation(small_model):
   assert 0 < np.max(np.abs(compiled_apply(quantized) - float_logits)) < 0.1 * np.max(np.abs(float_logits))
 
 
+@pytest.mark.slow
 def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
   config = SMALL.replace(dtype="bfloat16")
   ids, pack_ids = np.full((2, 8), 7, np.int32), np.ones((2, 8), np.int32)
@@ -147,6 +149,7 @@ def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
     ("tagging", (2, 8), dict(feature_layers=(-1, -2), feature_head="mlp", feature_head_layers=1), 2 * 6 + 2),
     ("regression", (2, 8), dict(albert=True), 6 + 1 + 2),  # one shared block, the embedding projection
 ])
+@pytest.mark.slow
 def test_every_task_kind_quantises_close_to_float(kind, shape, options, dense_layers):
   config = SMALL.replace(embedding_size=None, num_shared_groups=0)
   if options.pop("albert", False):
@@ -173,6 +176,7 @@ def test_stored_tree_of_another_model_is_refused_naming_the_array(small_model):
     quantization.from_storage(abstract, stored)
 
 
+@pytest.mark.slow
 def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   """Tolerances: int8 rounding of every dense layer's weights (per output feature) and inputs (per token) and of
   the embedding rows perturbs each of MiniLM's 38 dense layers by about absmax / (127.5 * sqrt(12) * rms) of its
@@ -213,6 +217,7 @@ def test_int8_minilm_stays_close_to_float_on_a_real_sentence(minilm_dir):
   assert 3.8 < float_bytes / int8_bytes < 4
 
 
+@pytest.mark.slow
 def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_path, capsys):
   """On conftest.py's fine-tuned tiny SST-2 run."""
   workdir, _ = sst2_run

@@ -12,6 +12,7 @@ import tomllib
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 
 from bert_jax import cli
 from bert_jax.models import ModelConfig, PretrainingModel
@@ -107,6 +108,7 @@ def _tiny_demo_run(workdir: pathlib.Path) -> None:
                                                  for step in (10, 20)))
 
 
+@pytest.mark.slow
 def test_the_fine_tuning_path_runs_as_written(tmp_path, monkeypatch, capsys, caplog):
   """The README's Fine-tune commands, run as written from a fresh folder: the sample task the first command writes,
   fine-tuned from a tiny stand-in for the demo's model (its shape, a few words of vocabulary)."""

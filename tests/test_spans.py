@@ -165,6 +165,7 @@ def test_spans_from_tags_follow_conlleval_within_sentences():
   np.testing.assert_array_equal(starts, [1, 0, 0, 0, 0, 1, 1, 0])
 
 
+@pytest.mark.slow
 def test_tagger_marks_a_corpus_and_named_entity_masking_pretrains(tagging_run, tmp_path, capsys):
   workdir, _ = tagging_run
   rng = np.random.default_rng(7)

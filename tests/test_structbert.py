@@ -208,6 +208,7 @@ def test_objectives_are_registered_with_their_terms_heads_and_formats():
   assert "mlm+wso" not in objectives.SENTENCE_FORMATS
 
 
+@pytest.mark.slow
 def test_wso_is_the_mlm_heads_cross_entropy_at_the_shuffled_positions():
   objective, inputs, params = build("mlm+wso+sso")
   outputs = jax.jit(lambda p, x: objective.apply({"params": p}, x, False))(params, inputs)
@@ -232,6 +233,7 @@ def test_wso_is_the_mlm_heads_cross_entropy_at_the_shuffled_positions():
                              -np.take_along_axis(sentence_log_probs, np.arange(8)[:, None] % 3, 1).sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_tiny_config_has_a_finite_loss_and_gradients_reach_every_head():
   config = config_lib.load_config("configs/structbert.py:scale=tiny")
   assert (config.objective, config.data.format, config.data.builtin) == ("mlm+wso+sso", "sso", True)

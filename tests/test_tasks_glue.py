@@ -305,6 +305,7 @@ def test_carve_report_overlap_by_hand():
 
 
 @pytest.mark.shared_data
+@pytest.mark.slow
 def test_real_sst2_sentence_carve_shares_no_text(shared_data):
   path = shared_data / "glue" / "SST-2" / "train.tsv"
   if not path.is_file():

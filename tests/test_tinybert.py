@@ -113,6 +113,7 @@ def test_a_student_equal_to_its_teacher_has_zero_tinybert_losses(projection):
     assert abs(float(terms[f"{name}_loss"] / counts[name])) < 1e-6, (name, terms)
 
 
+@pytest.mark.slow
 def test_each_loss_is_its_numpy_mean_squared_error():
   """A 2-layer width-32 student of a 4-layer width-48 teacher (layers 2, 4), random maps, rows of several lengths
   and one row of weight 0: each term / its count against numpy, from the two models' outputs."""
@@ -192,6 +193,7 @@ def test_gradients_reach_the_student_both_maps_and_the_head():
     assert np.any(grad != 0), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_general_distillation_from_a_base_model_without_an_mlm_head():
   """The general stage's weights over an MLM student and a teacher encoder alone (sentence-transformers' MiniLM):
   the attention, hidden and embedding terms, no soft targets, the plain path for both."""

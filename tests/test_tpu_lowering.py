@@ -122,6 +122,7 @@ CASES = [pytest.param(name, dtype, mesh, id=f"{name}-{dtype}-{mesh}",
 
 
 @pytest.mark.parametrize("name, dtype, mesh_name", CASES)
+@pytest.mark.slow
 def test_pretraining_step_lowers_for_tpu(name, dtype, mesh_name):
   """The default switch (`kernels="auto"`, attention dropout on) on TPU: the plain path, no GPU op. The estimated
   FLOPs are at least the model's own count of a training step (`flops_per_token`, the matmuls), which the
@@ -149,6 +150,7 @@ def test_finetuning_step_lowers_for_tpu(dtype, mesh_name):
 
 
 @pytest.mark.parametrize("dtype, mesh_name", [("bfloat16", "fsdp8"), ("float32", "data8")])
+@pytest.mark.slow
 def test_distillation_steps_lower_for_tpu(dtype, mesh_name):
   """Fine-tuning distillation (soft targets and BERT-PKD from a frozen teacher of twice the depth) and general
   distillation (an MLM teacher's soft targets and DistilBERT's cosine loss), the teacher in the state."""
@@ -180,6 +182,7 @@ def backend(monkeypatch):
   attention_kernels._backend.cache_clear()
 
 
+@pytest.mark.slow
 def test_auto_kernels_take_the_plain_path_on_tpu_by_construction(backend):
   """Every GPU kernel's "auto" switch asks for a GPU backend, so on TPU the step runs the plain path; attention
   with dropout (pre-training's default) too, splash having no dropout. The same step on a GPU backend lowers its

@@ -84,6 +84,7 @@ def run_steps(state, step, mesh, batches):
   return state, losses
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_direct_step():
   batches = [synthetic_batch(seed=s) for s in range(3)]
   direct_state, direct_step, mesh, *_ = build(accum_steps=1)
@@ -99,6 +100,7 @@ def test_gradient_accumulation_equals_direct_step():
 # call as through single steps. SBO's case also shards over 8 devices and accumulates; the plain MLM + NSP step's
 # calls are the trainer's (tests/test_trainer.py).
 @pytest.mark.parametrize("objective_name,mesh_sizes,accum_steps", [("rtd", None, 1), ("mlm+sbo", {"data": 8}, 2)])
+@pytest.mark.slow
 def test_several_steps_per_call_equal_single_steps(objective_name, mesh_sizes, accum_steps):
   """A call of 3 steps over 3 batches (with dropout; sharded and with accumulation in one case) gives the 3 single
   steps' state and metrics, one entry a step, and takes the step's random keys from the state's step as they do."""
@@ -121,6 +123,7 @@ def test_several_steps_per_call_equal_single_steps(objective_name, mesh_sizes, a
     multi_step(multi_state, [sharding_lib.global_batch(batches[0], mesh)])
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_losses_and_gradients_equal_the_exact_ones():
   """`vocab_pad_multiple`: the MLM and SBO heads compute 128 logits for the 101 words; the losses, accuracies and
   gradients (parameters of the same shapes) are the unpadded model's."""
@@ -199,6 +202,7 @@ def test_cross_entropy_sums_plain_and_auto_equal_the_formula():
     losses.cross_entropy_sums(logits, targets, weights, "of")
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_logits_and_electra_samples():
   from bert_jax.models import ElectraModel, PretrainingModel, electra_generator_config
   cfg = tiny_model(vocab_pad_multiple=64)
@@ -225,6 +229,7 @@ def test_padded_vocabulary_logits_and_electra_samples():
   assert np.any(np.asarray(outs[0]["replaced"]))
 
 
+@pytest.mark.slow
 def test_param_norms_are_those_of_the_parameters_before_and_the_update():
   state, step, mesh, *_ = build(param_norms=True)
   before = jax.tree.map(np.asarray, state.params)
@@ -245,6 +250,7 @@ def single_device_losses():
 
 
 @pytest.mark.parametrize("mesh_sizes", [{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])
+@pytest.mark.slow
 def test_sharded_steps_equal_single_device(mesh_sizes):
   batches = [synthetic_batch(seed=s) for s in range(2)]
   single_losses = single_device_losses()
@@ -257,6 +263,7 @@ def test_sharded_steps_equal_single_device(mesh_sizes):
 
 
 @pytest.mark.parametrize("mesh_sizes", [{"data": 4}, {"data": 2, "tensor": 2}])
+@pytest.mark.slow
 def test_pallas_layer_norm_backward_steps_equal_xla(monkeypatch, mesh_sizes):
   """A 128-wide model (the kernel's chunk): the Pallas LayerNorm backward per batch shard (replicated over
   the tensor axis, as the activations are) equals the XLA form on one device."""
@@ -288,6 +295,7 @@ def _all_gather_shapes(step, state, mesh):
   return re.findall(r"= (\S+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_weights_where_used_and_again_under_remat():
   """FSDP moves weights, never activations; with remat the backward pass gathers each block's weights again."""
   single_losses = single_device_losses()
@@ -304,6 +312,7 @@ def test_fsdp_gathers_weights_where_used_and_again_under_remat():
   assert counts["full"] > counts["none"], counts
 
 
+@pytest.mark.slow
 def test_fsdp_electra_with_shared_embeddings_equals_single_device():
   """The generator and discriminator read one embedding table: gathered at each use, the step is unchanged."""
   batches = [synthetic_batch(seed=s) for s in range(2)]

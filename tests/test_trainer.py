@@ -188,6 +188,7 @@ def _cli_cache_env() -> dict[str, str]:
   return cli_env(BERT_JAX_COMPILATION_CACHE=os.environ["BERT_JAX_TEST_COMPILATION_CACHE"])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
   """A run stopped by SIGTERM mid-way and started again gives the uninterrupted run's losses; the interrupted run
   builds its batches in 2 worker processes, the resumed one in 1, the uninterrupted one in its thread."""
@@ -226,6 +227,7 @@ def test_sigterm_saves_and_resume_is_exact(prepared, tmp_path):
                              rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(prepared, four_steps, tmp_path, monkeypatch):
   workdir = _continued(four_steps, tmp_path)
   # The NaN comes from a changed loss weight, which the resume check would refuse: allow it here.
@@ -284,6 +286,7 @@ def test_pending_metrics_of_calls_of_several_steps_name_the_step_inside_a_call()
   assert np.isnan(averaged["extra"])
 
 
+@pytest.mark.slow
 def test_several_steps_per_call_equal_single_steps_and_resume_exactly(prepared, tmp_path):
   """`train.steps_per_call=4` over 10 steps (calls of steps 1-4 and 5-8, then single steps 9 and 10) reads the same
   batches and ends with the single steps' parameters and losses; a copy of it cut back to its step-8 checkpoint,
@@ -329,6 +332,7 @@ def _checkpoint(workdir):
   return step, [np.asarray(x) for x in jax.tree.leaves(params)], dict(data)
 
 
+@pytest.mark.slow
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
   """A log step's metrics are read once the following step is on its way (the device stays busy); evaluation,
   checkpoints and the last step read them at once. The logged steps are the same. From the second step on, the
@@ -404,6 +408,7 @@ def test_replicated_small_arrays_are_saved_whole_and_large_ones_in_replica_slice
   assert step == 1 and all(np.array_equal(restored[k], state[k]) for k in state)
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_falls_back_to_previous(prepared, four_steps, tmp_path, caplog):
   workdir = _continued(four_steps, tmp_path)
   _corrupt(workdir / "checkpoints" / "4")
@@ -449,6 +454,7 @@ def test_every_shipped_config_loads():
           config_lib.set_by_path(copy, key, str(value))
 
 
+@pytest.mark.slow
 def test_demo_cli_runs(tmp_path):
   """The README's demo command, shortened: built-in corpus -> vocab -> shards -> pretrain -> fill-mask."""
   env = cli_env()
@@ -486,6 +492,7 @@ def test_single_sentence_documents_are_flagged_for_sentence_pair_formats(prepare
   assert not caplog.records
 
 
+@pytest.mark.slow
 def test_one_loop_runs_a_pretraining_and_a_finetuning_job(prepared, tmp_path, monkeypatch):
   """`train/loop.run` steps both commands: a short pre-training run, then fine-tuning from its workdir."""
   from bert_jax.tasks import finetune
@@ -545,6 +552,7 @@ def test_import_graph_models_import_kernels_only_lazily():
     assert not bad, f"{path.name} imports {bad} at module level"
 
 
+@pytest.mark.slow
 def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, four_steps, tmp_path):
   workdir = _continued(four_steps, tmp_path)
   saved = (workdir / "config.json").read_text()
@@ -560,6 +568,7 @@ def test_changed_config_in_a_workdir_is_refused_and_loses_nothing(prepared, four
   assert trainer.train_and_evaluate(_continue(prepared, steps=6), workdir)["history"][0]["step"] == 5
 
 
+@pytest.mark.slow
 def test_every_checkpoint_unreadable_stops_unless_a_restart_is_asked_for(prepared, four_steps, tmp_path):
   workdir = _continued(four_steps, tmp_path)
   for step in (2, 4):
@@ -570,6 +579,7 @@ def test_every_checkpoint_unreadable_stops_unless_a_restart_is_asked_for(prepare
   assert result["step"] == 4 and result["history"][0]["step"] == 1  # from the start
 
 
+@pytest.mark.slow
 def test_resumed_run_drops_the_rows_it_logs_again(prepared, four_steps, tmp_path):
   workdir = _continued(four_steps, tmp_path)
   with open(workdir / "metrics.jsonl", "a") as metrics:  # Rows a run killed after its last checkpoint logged.
@@ -607,6 +617,7 @@ def test_ctrl_c_asks_for_a_checkpoint_like_sigterm_and_a_second_one_stops_at_onc
     signal.signal(signal.SIGINT, outer)
 
 
+@pytest.mark.slow
 def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, gcs_bucket):
   """A gs:// workdir (an emulated bucket): killed with SIGKILL after a checkpoint, the same command resumes from it
   and finishes; checkpoints, metrics (each step once), TensorBoard, configs and the tokenizer are in the bucket."""
@@ -643,6 +654,7 @@ def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, g
   assert not (tmp_path / "gs:").exists() and not (REPO / "gs:").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_lines(prepared, tmp_path):
   """The file-size limit of the running trainer drops to a few bytes after its first checkpoint (every later write
   fails, as on a full disk): the run stops within a few steps with one line naming the checkpoint it resumes from,
@@ -676,6 +688,7 @@ def test_a_full_disk_during_an_async_checkpoint_stops_the_run_at_once_in_a_few_l
   assert restore_params(workdir)[0] == 5
 
 
+@pytest.mark.slow
 def test_evaluate_run_rescoring_a_run_and_scoring_it_on_another_sentence_task(mlm_run):
   """`evaluate_run` with no change gives the run's own final evaluation (conftest.py's MLM run); with another
   objective and format it scores the checkpoint on that sentence task (ALBERT's cross-evaluation), a missing sentence
