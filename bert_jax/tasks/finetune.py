@@ -510,27 +510,16 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
   # A failed asynchronous save of the selected parameters stops the seed after the call it fails in.
   hooks = (evaluations,) + ((checkpoint_lib.SaveCheck(checkpointer),) if checkpointer is not None else ()) + (
       stop_hook,)
-  failed = stop_now = False  # stop_now: a second Ctrl-C, waiting for no write
+  def closers(abandon: bool) -> list:  # abandon: a second Ctrl-C, waiting for no write
+    return [writer.close, resumable.abandon if abandon else resumable.close] + (
+        [checkpointer.abandon if abandon else checkpointer.close] if checkpointer is not None else [])
+
   try:
-    try:
-      state, step, stopped = loop.run(run.train_step, state, batches(), start_step=start_step,
-                                      total_steps=total_steps, log_every=config.train.log_every, on_log=log_train,
-                                      nonfinite_message=nonfinite_message, hooks=hooks, progress=progress,
-                                      multi_step=run.multi_step, steps_per_call=config.train.steps_per_call)
-      run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
-    except KeyboardInterrupt:
-      failed = stop_now = True
-      raise
-    except BaseException:
-      failed = True
-      raise
-    finally:
-      if progress is not None:
-        progress.close()
-      closers = [writer.close, resumable.abandon if stop_now else resumable.close]
-      if checkpointer is not None:
-        closers.append(checkpointer.abandon if stop_now else checkpointer.close)
-      loop.close_all(closers, quiet=failed)
+    state, step, stopped = loop.run_and_close(
+        run.train_step, state, batches(), start_step=start_step, total_steps=total_steps,
+        log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message, hooks=hooks,
+        progress=progress, multi_step=run.multi_step, steps_per_call=config.train.steps_per_call, closers=closers)
+    run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
   except KeyboardInterrupt:
     raise stop_hook.interrupted() from None
   if stop_hook.preempted:

@@ -165,6 +165,25 @@ def run(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batches: 
   return state, step, stopped
 
 
+def run_and_close(train_step, state, batches, *, closers: Callable[[bool], Sequence[Callable[[], Any]]],
+                  **run_args) -> tuple[Any, int, bool]:
+  """`run`, then closes its progress bar and `closers(abandon)` whatever happened: `abandon` after a Ctrl-C in the
+  loop (wait for no write); after a failure a closer's storage error is not raised over the run's own."""
+  failed = abandon = False
+  try:
+    return run(train_step, state, batches, **run_args)
+  except KeyboardInterrupt:
+    failed = abandon = True
+    raise
+  except BaseException:
+    failed = True
+    raise
+  finally:
+    if run_args.get("progress") is not None:
+      run_args["progress"].close()
+    close_all(closers(abandon), quiet=failed)
+
+
 def close_all(closers: Sequence[Callable[[], Any]], quiet: bool) -> None:
   """Calls every closer; then raises the first storage error among them, unless `quiet` (the run already failed:
   a write failing after it, on the same full disk, adds nothing)."""

@@ -453,27 +453,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
         lambda step, state: (checkpointed(state), train_iter.get_state(), {"step": step}), on_save=writer.flush,
         progress=progress,
         stop_line=lambda step: f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
-    failed = stop_now = False  # stop_now: Ctrl-C in the loop (on one process, the second), waiting for no write
     try:
-      try:
-        state, step, preempted = loop.run(
-            train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
-            log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
-            hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
-            multi_step=multi_step, steps_per_call=steps_per_call)
-      except KeyboardInterrupt:
-        failed = stop_now = True
-        raise
-      except BaseException:
-        failed = True
-        raise
-      finally:
-        train_iter.close()
-        if progress is not None:
-          progress.close()
-        # The run's own error is the one reported: a write failing after it (the same full disk) adds nothing.
-        closers = [writer.close, checkpointer.abandon if stop_now else checkpointer.close]
-        loop.close_all(closers, quiet=failed)
+      # abandon: Ctrl-C in the loop (on one process, the second), waiting for no write.
+      state, step, preempted = loop.run_and_close(
+          train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
+          log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
+          hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
+          multi_step=multi_step, steps_per_call=steps_per_call,
+          closers=lambda abandon: [train_iter.close, writer.close,
+                                   checkpointer.abandon if abandon else checkpointer.close])
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
     except KeyboardInterrupt:
