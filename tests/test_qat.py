@@ -16,17 +16,10 @@ import numpy as np
 import pytest
 
 from bert_jax import cli
-from bert_jax.models import FinetuneModel, ModelConfig
 from bert_jax.models import quantization
 from bert_jax.tasks import finetune as finetune_lib
 from test_finetune import _finetune, _glue_sst2
-
-SMALL = ModelConfig(vocab_size=64, hidden_size=48, num_layers=2, num_heads=3, intermediate_size=96,
-                    max_position_embeddings=32, embedding_size=24, kernels="off")
-# The dense layers of a FinetuneModel on SMALL (per block query, key, value, output, wi, wo; the embedding
-# projection; the pooler and the classifier) and its word, position and token-type tables.
-SMALL_DENSE_LAYERS = 2 * 6 + 1 + 2
-SMALL_TABLES = 3
+from test_quantize import SMALL, SMALL_DENSE_LAYERS, SMALL_TABLES, small_model  # noqa: F401 - the fixture
 
 
 class _DenseAndTable(nn.Module):
@@ -93,23 +86,6 @@ def test_dense_layer_and_table_are_int8_forward_with_straight_through_gradients(
   table_grad = np.zeros_like(params["word_embeddings"]["embedding"])
   np.add.at(table_grad, ids, rows_cotangent)
   np.testing.assert_allclose(grads["word_embeddings"]["embedding"], table_grad, rtol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def small_model():
-  """A random classification model whose kernels' output channels and tables' rows span magnitudes 0.01 to 10
-  (the per-channel and per-row scales must follow them), its params and inputs."""
-  ids = np.random.default_rng(0).integers(5, 64, (2, 12)).astype(np.int32)
-  pack_ids = (np.arange(12) < np.array([[12], [7]])).astype(np.int32)
-  model = FinetuneModel(SMALL, "classification", 3)
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids, pack_ids=pack_ids)["params"])
-
-  def gain(path, x):
-    if path[-1].key == "kernel":
-      return x * np.geomspace(0.01, 10, x.shape[-1], dtype=np.float32)
-    return x * np.geomspace(0.01, 10, x.shape[0], dtype=np.float32)[:, None] if path[-1].key == "embedding" else x
-
-  return model, jax.tree_util.tree_map_with_path(gain, jax.tree.map(np.asarray, params)), ids, pack_ids
 
 
 def _int8_model(model, params, ids, pack_ids):
