@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -893,6 +894,21 @@ def test_rows_sharing_an_accelerator_split_its_memory_and_the_hosts_cores(monkey
   monkeypatch.setenv(ablation.SHARING_ENV, "4")  # Another sweep's two rows share the accelerator too.
   env, _ = ablation._slot_environment(1, parallel=2, devices=1)
   assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.225" and env[ablation.SHARING_ENV] == "4"
+
+
+def test_a_one_row_sweep_beside_other_sweeps_takes_only_its_share_of_the_memory(setup, tmp_path, monkeypatch):
+  """A sweep running its row in-process (no --parallel) on an accelerator other sweeps announce
+  ($BERT_JAX_ROWS_PER_DEVICE) sets its memory share before JAX starts: XLA's default preallocation of most of the
+  memory made the other sweeps' rows fail to start."""
+  spec, data_dirs, _ = setup
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setenv(ablation.SHARING_ENV, "5")
+  ablation.run_sweep(ablation.load_table(spec), tmp_path / "run", data_dirs, indices=[])
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.180"
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # The user's own setting stays.
+  monkeypatch.setenv(ablation.SHARING_ENV, "2")
+  ablation.run_sweep(ablation.load_table(spec), tmp_path / "run2", data_dirs, indices=[])
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
 
 
 def test_a_sweep_given_some_gpus_numbers_its_accelerators_within_them(monkeypatch):

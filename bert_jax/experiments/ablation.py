@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, MutableMapping, Sequence
 
 from etils import epath
 
@@ -561,6 +561,9 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   progress = progress_lib.Progress(len(indices), "sweep", unit="row", every_seconds=0, plain=True,
                                    clock_after_first=False)
   if parallel <= 1:
+    # Rows of other sweeps on this accelerator ($BERT_JAX_ROWS_PER_DEVICE) leave this process its share of the
+    # memory too: without it, XLA's default preallocation starves theirs.
+    _share_memory(os.environ, int(os.environ.get(SHARING_ENV) or 1))
     for index in indices:
       status = run_row(table, index, workdir, data_dirs, finetune)
       print(f"row {index} ({table.rows[index].name}): {status['status']}"
@@ -572,6 +575,12 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   else:
     _run_subprocesses(table, workdir, indices, parallel, child_args, progress, devices, pipeline)
   return collect(workdir)
+
+
+def _share_memory(env: MutableMapping[str, str], sharing: int) -> None:
+  """`sharing` rows on one accelerator: each process gets its share of the memory (unless the user set one)."""
+  if sharing > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / sharing:.3f}"
 
 
 def _slot_environment(slot: int, parallel: int, devices: int) -> tuple[dict[str, str], list[int] | None]:
@@ -589,8 +598,7 @@ def _slot_environment(slot: int, parallel: int, devices: int) -> tuple[dict[str,
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[slot % devices] if visible else str(slot % devices))
   sharing = max(-(-parallel // devices), int(os.environ.get(SHARING_ENV) or 1))
   env[SHARING_ENV] = str(sharing)
-  if sharing > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / sharing:.3f}"
+  _share_memory(env, sharing)
   if not hasattr(os, "sched_getaffinity"):
     return env, None
   cores = sorted(os.sched_getaffinity(0))
