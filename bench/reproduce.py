@@ -459,6 +459,7 @@ def run_name(folder: pathlib.Path, docs: pathlib.Path) -> str:
   seed; -b, -c, ... where that name is taken, a seed run again). A folder already under `docs` keeps its name. A
   sweep with other overrides, or a suite changed from the config's, needs a name given (--as)."""
   from bert_jax.experiments import ablation
+  from bert_jax.train import config_lib
 
   docs, folder = docs.resolve(), folder.resolve()
   if folder.is_relative_to(docs):
@@ -471,7 +472,8 @@ def run_name(folder: pathlib.Path, docs: pathlib.Path) -> str:
   if others or spec.get("suite") != json.loads(json.dumps(dataclasses.asdict(table.suite))):
     raise SystemExit(f"{folder}: its sweep ran {' '.join(others) or 'another fine-tuning suite'} beside budget and "
                      "seed; name its run: --as TABLE/runs/NAME (what it changed, e.g. 30000-ft3e-4-seed1)")
-  config = ablation.row_config(table, table.rows[0])
+  # The table's budget, not its first row's (ELECTRA's MLM row at equal compute trains more steps).
+  config = config_lib.load_config(table.spec, list(table.base_overrides))
   base = f"{pathlib.Path(spec['config'].partition(':')[0]).stem}/runs/{config.train.steps}-seed{config.seed}"
   name, suffix = base, iter("bcdefghijklmnopqrstuvwxyz")
   while (docs / name).exists():

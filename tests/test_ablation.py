@@ -455,7 +455,7 @@ def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path
   pack(calls[1], {"MLM"})
   docs = tmp_path / "docs"
   name = reproduce.run_name(calls[0], docs)  # The table's, its budget and pre-training seed.
-  config = ablation.row_config(ablation.load_table(results["config"]), ablation.load_table(results["config"]).rows[0])
+  config = config_lib.load_config(results["config"])
   assert name == f"table_t/runs/{config.train.steps}-seed{config.seed}"
   reproduce.publish(calls[:2], docs)
   assert capsys.readouterr().out.endswith(f"published {name} to {docs / name} (2 calls)\n")
@@ -1132,3 +1132,17 @@ def test_rendering_a_results_folder_runs_no_code_from_it(tmp_path, capsys):
   assert table.main([str(shared)]) == 0  # The recorded table: rendered, nothing run.
   assert not (tmp_path / "ran").exists()
 
+
+def test_a_run_is_named_by_its_tables_budget_not_its_first_rows_steps(tmp_path):
+  """ELECTRA's compute table gives its MLM row (row 0) more steps at equal compute: the run is named by the
+  table's budget."""
+  reproduce = _bench_reproduce()
+  spec = f"{REPO / 'configs/ablations/electra_compute.py'}:scale=gpu"
+  tab = ablation.load_table(spec, ["--config.seed=2"])
+  assert ablation.row_config(tab, tab.rows[0]).train.steps > config_lib.load_config(spec).train.steps == 3000
+  sweep = tmp_path / "sweep.json"
+  sweep.write_text(json.dumps({"config": spec, "overrides": ["--config.seed=2"],
+                               "suite": dataclasses.asdict(tab.suite)}))
+  with tarfile.open(tmp_path / "sweep.tar.gz", "w:gz") as tar:
+    tar.add(sweep, "sweep.json")
+  assert reproduce.run_name(tmp_path, tmp_path / "docs") == "electra_compute/runs/3000-seed2"
