@@ -27,7 +27,7 @@ SUBCOMMANDS = {
     "quantize": ("bert_jax.tasks.quantize", "int8 post-training quantisation of a fine-tuned model"),
     "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
-    "fill-mask": ("bert_jax.analysis.fill_mask", "top predictions at each [MASK]"),
+    "fill-mask": ("bert_jax.train.fill_mask", "top predictions at each [MASK]"),
     "analyze": ("bert_jax.analysis.analyze", "attention patterns, head importance and pruning: report + figures"),
     "sweep": ("bert_jax.experiments.ablation", "pre-train a table's rows, fine-tune their downstream suite, score"),
     "table": ("bert_jax.experiments.table", "render a sweep's paper-style table with the published numbers, plots"),

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from bert_jax.kernels import flash_attention
-from bert_jax.models.encoder import attention_mask  # The plain model's mask: one definition for both paths.
+from bert_jax.models.functional import attention_mask  # The plain model's mask: one definition for both paths.
 from bert_jax.parallel import sharding as sharding_lib
 
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "splash", "xla")

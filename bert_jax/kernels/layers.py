@@ -34,9 +34,10 @@ from bert_jax.kernels.attention import dot_product_attention, resolve_implementa
 from bert_jax.kernels.attention import self_attention as fused_self_attention
 from bert_jax.kernels.dropout import Dropout
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import bias_init, dense_init, gate_heads, gather_positions, position_and_constrain
+from bert_jax.models.functional import bias_init, dense_init, gate_heads, gather_positions, position_and_constrain
 
 Array = jax.Array
+bias_add = ops.bias_add  # `encoder.add_bias`'s fast form.
 
 
 def activation(name: str):

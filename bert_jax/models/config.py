@@ -18,6 +18,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from bert_jax.models import fast_path
+
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 FAMILIES = ("bert", "roberta", "albert", "electra")
 SHARED_SUBLAYERS = ("all", "attention", "ffn")
@@ -64,6 +66,7 @@ class ModelConfig:
       ops of `bert_jax.kernels` wherever they apply (GPU, dtype, shapes; their
       own XLA forms elsewhere), the same values to rounding; "off": the plain
       Flax / `jax.nn` model, the reference the fast paths are tested against.
+      Other names come from `fast_path.register`.
     remat: "none", "full" (recompute each block in the backward pass) or
       "dots" (save only matmul outputs).
     vocab_pad_multiple: the MLM and SBO heads' tied vocabulary projection
@@ -141,7 +144,7 @@ class ModelConfig:
     if self.hidden_act not in ACTIVATIONS:
       fail("hidden_act", f"expected one of {ACTIVATIONS}")
     choices = {"norm": ("post", "pre"), "ffn": ("dense", "geglu"),
-               "position_embedding": ("learned", "rotary"), "kernels": ("auto", "off"),
+               "position_embedding": ("learned", "rotary"), "kernels": ("off", *fast_path.PROVIDERS),
                "remat": ("none", "full", "dots"), "dtype": ("float32", "bfloat16", "float16"),
                "param_dtype": ("float32", "bfloat16"), "shared_sublayers": SHARED_SUBLAYERS}
     for field, allowed in choices.items():

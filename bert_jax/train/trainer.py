@@ -533,7 +533,7 @@ def _report(config, result) -> None:
     print(f"Held-out masked tokens: the model predicts {100 * result['eval']['mlm_accuracy']:.1f}% right; the best "
           f"frequency guess, always {token!r} (their most frequent answer), gets {100 * accuracy:.1f}%")
   if config.train.fill_mask:
-    from bert_jax.analysis import fill_mask
+    from bert_jax.train import fill_mask
 
     model_cfg, params, tokenizer = fill_mask.load_run(workdir)
     texts = list(config.train.fill_mask)
