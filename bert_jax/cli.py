@@ -25,7 +25,7 @@ SUBCOMMANDS = {
     "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
     "predict": ("bert_jax.tasks.predict", "a fine-tuned model's predictions for a file (JSON lines or submission)"),
     "quantize": ("bert_jax.tasks.quantize", "int8 post-training quantisation of a fine-tuned model"),
-    "convert": ("bert_jax.convert.hf", "import / export Hugging Face checkpoints"),
+    "convert": ("bert_jax.convert.command", "import / export Hugging Face checkpoints"),
     "features": ("bert_jax.analysis.features", "per-token features from chosen layers (.npz)"),
     "fill-mask": ("bert_jax.train.fill_mask", "top predictions at each [MASK]"),
     "analyze": ("bert_jax.analysis.analyze", "attention patterns, head importance and pruning: report + figures"),

@@ -12,7 +12,7 @@ import pytest
 
 from bert_jax.convert import (CheckpointError, build_model, detect_format, encoder_params, load_hf_checkpoint,
                               load_pretrained, save_hf_checkpoint, save_pretrained)
-from bert_jax.convert.hf import main as convert_main
+from bert_jax.convert.command import main as convert_main
 from bert_jax.models import Encoder
 from bert_jax.models.heads import Pooler, ReplacedTokenHead
 

@@ -4,7 +4,7 @@
   mapping      the name and layout tables per family
   params       model kinds of a params tree, shapes, flattening
   pretrained   our directory format: save_pretrained / load_pretrained (either format)
-  hf           the `bert-jax convert` command (main), re-exporting the above
+  command      the `bert-jax convert` command (main)
 """
 
 from bert_jax.convert.huggingface import CheckpointError, load_hf_checkpoint, save_hf_checkpoint

@@ -87,9 +87,9 @@ def load_model(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any], T
   path = paths.as_path(path)
   if (path / "checkpoints").is_dir():
     return load_run(path)
-  from bert_jax.convert import hf as convert_hf  # noqa: PLC0415 - optional heavy import
+  from bert_jax.convert import pretrained  # noqa: PLC0415 - optional heavy import
 
-  loaded = convert_hf.load_pretrained(path)
+  loaded = pretrained.load_pretrained(path)
   return loaded.config, mlm_params_from_run(loaded.params), load_tokenizer(loaded.tokenizer_path)
 
 

@@ -10,9 +10,9 @@ re-exports a Hugging Face one) as a checkpoint `transformers` loads; an
 ELECTRA model writes its generator to OUT/generator. Tokenizer files travel
 along both ways.
 
-The functions behind it are re-exported here: `load_hf_checkpoint` and
-`save_hf_checkpoint` (`bert_jax.convert.huggingface`), `load_pretrained` and
-`save_pretrained` (`bert_jax.convert.pretrained`).
+The functions behind it: `load_hf_checkpoint` and `save_hf_checkpoint`
+(`bert_jax.convert.huggingface`), `load_pretrained` and `save_pretrained`
+(`bert_jax.convert.pretrained`), all importable from `bert_jax.convert`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ import sys
 
 from bert_jax.convert.huggingface import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from bert_jax.convert.params import flatten_params, model_kind
-from bert_jax.convert.pretrained import Pretrained, find_tokenizer, load_pretrained, save_pretrained
-
-__all__ = ["CheckpointError", "Pretrained", "load_hf_checkpoint", "save_hf_checkpoint", "load_pretrained",
-           "save_pretrained", "main"]
+from bert_jax.convert.pretrained import find_tokenizer, load_pretrained, save_pretrained
 
 
 def _parser() -> argparse.ArgumentParser:
