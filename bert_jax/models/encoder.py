@@ -5,12 +5,13 @@ are `ModelConfig` fields. Every parameter carries logical axis names (vocab,
 embed, heads, kv, mlp) and the main activations carry (batch, length, ...), so
 sharding is decided by rules in the trainer, never here.
 
-The model is plain Flax and `jax.nn`. Where `ModelConfig.kernels` is "auto",
-each operation goes through one seam into `bert_jax.kernels` (imported only
-then): dense layers, LayerNorm and the post-LN residual, attention, the
-feed-forward block, the embedding lookup and dropout. The seams are the
-functions and `if _fast(cfg)` branches below; the fast forms create the same
-parameters and compute the same values to rounding.
+The model is plain Flax and `jax.nn`. Where `ModelConfig.kernels` names a fast
+path ("auto": `bert_jax.kernels.layers`, found through `fast_path`'s registry
+and imported only then), each operation goes through one seam into it: dense
+layers, LayerNorm and the post-LN residual, attention, the feed-forward block,
+the embedding lookup, bias adds and dropout. The seams are the functions and
+`if _fast(cfg)` branches below; the fast forms create the same parameters and
+compute the same values to rounding.
 
 Shape suffixes: b batch, l length, h heads, d head size, e embedding/hidden
 width, f feed-forward width, v vocabulary.
