@@ -1,8 +1,8 @@
 """Times one attention call (forward, forward + backward) for each implementation, and tunes the flash kernels.
 
-  python bench/attention.py                       # B=256 L=128 and B=64 L=512, 12 heads x 64, bf16
-  python bench/attention.py --sweep               # also flash tiles and (num_warps, num_stages) per kernel
-  python bench/attention.py --shapes 2x64 --impls xla,flash   # CPU smoke run (flash in Pallas' interpreter)
+  python -m bench.attention                       # B=256 L=128 and B=64 L=512, 12 heads x 64, bf16
+  python -m bench.attention --sweep               # also flash tiles and (num_warps, num_stages) per kernel
+  python -m bench.attention --shapes 2x64 --impls xla,flash   # CPU smoke run (flash in Pallas' interpreter)
 
 Implementations: "xla" (the reference path, with dropout), "flash" (Pallas
 kernels, with dropout), "cudnn" (GPU only, without dropout: cuDNN's fused
@@ -13,7 +13,7 @@ which has no padding mask and no dropout, so it is not a path of the model; it
 measures what that kernel design gives at BERT's shapes (`--mgpu-blocks`; float16
 inputs). Measured on an H100: no faster than "flash-nodrop" in forward + backward.
 
-  python bench/attention.py --impls flash-nodrop,mgpu-nomask --heads 16 --shapes 128x128,32x512
+  python -m bench.attention --impls flash-nodrop,mgpu-nomask --heads 16 --shapes 128x128,32x512
 
 The sweep varies the tiles and Triton launch parameters of
 `flash_attention.KERNEL_PARAMS`: the forward kernel timed alone, the two
@@ -25,29 +25,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import pathlib
-import sys
-import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from bert_jax.kernels import flash_attention  # noqa: E402
-from bert_jax.kernels.attention import dot_product_attention, self_attention  # noqa: E402
+from bench.timing import time_ms
+from bert_jax.kernels import flash_attention
+from bert_jax.kernels.attention import dot_product_attention, self_attention
 
 IMPLS = {"xla": ("xla", 0.1), "flash": ("flash", 0.1), "cudnn": ("cudnn", 0.0), "flash-nodrop": ("flash", 0.0),
          "mgpu-nomask": ("mgpu", 0.0)}
-
-
-def time_ms(fn, *args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / iters * 1e3
 
 
 def mgpu_attention(blocks: str):

@@ -1,7 +1,7 @@
 """The "+ BiLSTM" fine-tuning layer's speed: flax's two scans against both directions in one scan, on one device.
 
-  python bench/bilstm.py                 # the table of BERT Table 5's fine-tuning shapes
-  python bench/bilstm.py --smoke         # CPU, seconds
+  python -m bench.bilstm                 # the table of BERT Table 5's fine-tuning shapes
+  python -m bench.bilstm --smoke         # CPU, seconds
 
 BERT Table 5's "+ BiLSTM" row puts a one-layer BiLSTM (hidden/2 units a direction) between the encoder and every
 task head; the feature-based tagger's head is a two-layer one. Both use `bert_jax.models.recurrent.BiLSTM`: every
@@ -14,8 +14,6 @@ at batch 32 and the suite's lengths, and prints the table with the device."""
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 import time
 
 import flax.linen as nn
@@ -23,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bert_jax.models.recurrent import BiLSTM, flax_bilstm, params_from_flax
 
 

@@ -3,7 +3,7 @@
   # here: the revision to compare against, unpacked beside the working tree (git-ignored, carried)
   git archive REV bert_jax bench configs | (mkdir -p .carry_old && tar -x -C .carry_old)
   # on the GPU machine:
-  python3 bench/compare_revisions.py --old .carry_old --new . --rows base:128:256,large:128:128 \\
+  python3 -m bench.compare_revisions --old .carry_old --new . --rows base:128:256,large:128:128 \\
       --finetune sst2 --carry .carry_ft --repeats 2
 
 For a change that must not move speed (a refactor): each pre-training row is
@@ -52,7 +52,7 @@ def run(command: list[str], cwd: pathlib.Path, env: dict[str, str], log) -> str:
 
 def step_row(checkout: pathlib.Path, row: str, steps: int, env: dict[str, str], log) -> dict:
   size, seq, batch = row.split(":")
-  out = run([sys.executable, "bench/train_step.py", "--size", size, "--seq", seq, "--batch", batch,
+  out = run([sys.executable, "-m", "bench.train_step", "--size", size, "--seq", seq, "--batch", batch,
              "--steps", str(steps), "--json"], checkout, env, log)
   result = json.loads(out.strip().splitlines()[-1])
   return {"value": result["step_s"] * 1e3, "unit": "ms/step", "device": result["device"], "jax": result["jax"]}
@@ -93,8 +93,7 @@ def main() -> None:
   jobs = [(f"{row} step", lambda side, row=row: step_row(sides[side], row, args.steps, side_env(side), log))
           for row in filter(None, args.rows.split(","))]
   if args.finetune:
-    sys.path.insert(0, str(HERE))
-    from finetune_vs_reference import float32_model  # noqa: E402 (the bench's own float32 restore)
+    from bert_jax.experiments.carry import float32_model  # pylint: disable=import-outside-toplevel
     model = float32_model(pathlib.Path(args.carry).resolve(), scratch / "minilm")
     jobs.append((f"finetune {args.finetune}, {args.epochs} epoch", lambda side: finetune_row(
         sides[side], args.finetune, pathlib.Path(args.carry).resolve(), model, args.epochs, scratch,

@@ -1,7 +1,7 @@
 """Times the MLM loss's row statistics: the Pallas kernel at several launches against XLA's reductions.
 
-  python bench/cross_entropy.py                         # BERT-Base / -Large seq-128 MLM logits, bf16
-  python bench/cross_entropy.py --shapes 64x4096 --launches 8/256/8/8 --iters 2   # CPU smoke run (interpreter)
+  python -m bench.cross_entropy                         # BERT-Base / -Large seq-128 MLM logits, bf16
+  python -m bench.cross_entropy --shapes 64x4096 --launches 8/256/8/8 --iters 2   # CPU smoke run (interpreter)
 
 One table, one line per [rows, vocabulary] bfloat16 logits (the padded vocabulary's last columns at the padding
 logit), ms per call:
@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from attention import time_ms  # noqa: E402
-from bert_jax.kernels import cross_entropy as cross_entropy_kernel  # noqa: E402
-from bert_jax.models.heads import PAD_LOGIT  # noqa: E402
+from bench.timing import time_ms
+from bert_jax.kernels import cross_entropy as cross_entropy_kernel
+from bert_jax.models.heads import PAD_LOGIT
 
 VOCAB = 30522
 

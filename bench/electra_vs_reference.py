@@ -1,10 +1,10 @@
 r"""ELECTRA's early learning, ours against an independent PyTorch `transformers` reference, one table.
 
-  python bench/electra_vs_reference.py                 # CPU, ~2 minutes: the built-in corpus, 600 steps
-  python bench/electra_vs_reference.py --steps 1500 --out bench/results/electra_vs_reference.md
-  # a GPU, the ELECTRA Table 1 row's sizes and recipe on the Wikipedia sample (bench/reproduce.py's carried folder);
-  # the two sides run at once, on the same card
-  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --out $OUT/electra_vs_reference.md
+  python -m bench.electra_vs_reference                 # CPU, ~2 minutes: the built-in corpus, 600 steps
+  python -m bench.electra_vs_reference --steps 1500 --out bench/results/electra_vs_reference.md
+  # a GPU, the ELECTRA Table 1 row's sizes and recipe on the Wikipedia sample (`bert-jax reproduce pack`'s carried
+  # folder); the two sides run at once, on the same card
+  python -m bench.electra_vs_reference --scale gpu --carry .carry_repro --out $OUT/electra_vs_reference.md
 
 Ours: `bert-jax pretrain --config configs/ablations/electra_compute.py:scale=SCALE --config.objective=rtd` (a
 discriminator, its generator `--generator-fraction` as wide at the same depth, embeddings shared; at scale tiny a
@@ -27,7 +27,7 @@ at the scale (`configs/ablations/electra_variants.py`, the paper's 3e-4 and laye
 --layerwise-decay say otherwise; the reference saved as a Hugging Face `ElectraForPreTraining` directory, which
 fine-tuning reads as any such checkpoint) and adds each side's dev score per task:
 
-  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
+  python -m bench.electra_vs_reference --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
       --rtd-positions masked --finetune-tasks stsb,conll2003_f1 --out $OUT/electra15_vs_reference.md
 
 Longer than one call (a GPU machine's ten minutes): give a --scratch that the calls share (one warm machine) and a
@@ -35,7 +35,7 @@ Longer than one call (a GPU machine's ten minutes): give a --scratch that the ca
 optimizer, random generators and position in the data), and the same command again goes on exactly where it
 stopped, fine-tuning once both have reached --steps:
 
-  python bench/electra_vs_reference.py --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
+  python -m bench.electra_vs_reference --scale gpu --carry .carry_repro --generator-fraction 0.333333 \
       --rtd-positions masked --steps 30000 --scratch runs/ref --deadline 540 --finetune-tasks stsb,conll2003_f1 \
       --seeds 1,2,3 --out $OUT/electra15_vs_reference.md
 
@@ -61,9 +61,8 @@ from typing import Sequence
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
-from bert_jax.data import pipeline  # noqa: E402  (after the path so that a checkout runs without installing)
-from bert_jax.models import ModelConfig, electra_generator_config  # noqa: E402
+from bert_jax.data import pipeline
+from bert_jax.models import ModelConfig, electra_generator_config
 
 # Per scale: what ours' config sets at that scale (configs/ablations/electra_compute.py, `ablation.base_config`),
 # written out again for the reference; the generator's sizes are ours' rule's (`generator_sizes`).
@@ -302,7 +301,7 @@ def main() -> int:
   parser.add_argument("--every", type=int, default=100)
   parser.add_argument("--generator-fraction", type=float, default=0.25)
   parser.add_argument("--carry", type=pathlib.Path,
-                      help="scale gpu: bench/reproduce.py's carried folder (the Wikipedia sample and vocab.txt)")
+                      help="scale gpu: `bert-jax reproduce pack`'s carried folder (the Wikipedia sample and vocab.txt)")
   parser.add_argument("--scratch", type=pathlib.Path,
                       help="where the corpus is prepared and both sides keep their state, so that the same command "
                       "again goes on where a --deadline stopped it (default: a temporary folder)")
@@ -331,7 +330,7 @@ def main() -> int:
       parser.error(f"--ours-config {' '.join(args.ours_config)}: {error}")
   steps = args.steps or SCALES[args.scale]["steps"]
   if args.scale == "gpu" and args.carry is None:
-    parser.error("--scale gpu reads the Wikipedia sample: give --carry (see bench/reproduce.py pack)")
+    parser.error("--scale gpu reads the Wikipedia sample: give --carry (see `bert-jax reproduce pack`)")
   finetuning = None
   if args.finetune_tasks:  # checked before any training: the sweep's own parsing and data checks
     from bert_jax.experiments import ablation  # pylint: disable=import-outside-toplevel
@@ -360,11 +359,11 @@ def main() -> int:
       tokenizer_file = workdir / "tokenizer" / "tokenizer.json"
       ours_process = None
     else:  # the two at once on one card, ours' JAX leaving the reference room
-      from reproduce import _prepare  # pylint: disable=import-outside-toplevel
+      from bert_jax.experiments.reproduce import prepare_corpus  # pylint: disable=import-outside-toplevel
       # Ours' process, then this one's fine-tuning, leave the reference the rest of the card.
       os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
       env = dict(os.environ)
-      prepared, tokenizer_file = _prepare(args.carry, scratch, "gpu", env), args.carry / "vocab.txt"
+      prepared, tokenizer_file = prepare_corpus(args.carry, scratch, "gpu", env), args.carry / "vocab.txt"
       workdir.mkdir(parents=True, exist_ok=True)
       print(f"ours and the reference: {steps} steps at once ...", flush=True)
       log = open(workdir.parent / f"{workdir.name}.log", "w")  # pylint: disable=consider-using-with

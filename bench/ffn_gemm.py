@@ -1,11 +1,11 @@
 """Times the FFN's GEMM-with-GELU kernel (`kernels/ffn.py`) against XLA's form, on a Hopper GPU.
 
-  python bench/ffn_gemm.py                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
-  python bench/ffn_gemm.py --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
-  python bench/ffn_gemm.py --tiles none --pingpong-stages 4,5,5x64x4,4+saved  # the ping-pong kernels only
-  python bench/ffn_gemm.py --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
+  python -m bench.ffn_gemm                       # BERT-Base and -Large FFN shapes at 32768 / 16384 tokens
+  python -m bench.ffn_gemm --shapes 32768x768x3072 --tiles 128x128x64x4 --widths 1,8
+  python -m bench.ffn_gemm --tiles none --pingpong-stages 4,5,5x64x4,4+saved  # the ping-pong kernels only
+  python -m bench.ffn_gemm --tiles none --pingpong-stages '' --ablate  # where the ping-pong kernels' time goes
   ncu --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 --set full -o fwd \
-    python bench/ffn_gemm.py --shapes 32768x768x3072 --once forward  # one kernel for a profiler (see below)
+    python -m bench.ffn_gemm --shapes 32768x768x3072 --once forward  # one kernel for a profiler (see below)
 
 Per [tokens, hidden, intermediate] shape, ms per call of h = x @ wi + bias and GELU(h), both written: XLA (a
 cuBLAS GEMM with the bias in its epilogue, then the GELU kernel) and cuBLAS' GEMM alone, then per launch
@@ -33,19 +33,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from attention import time_ms  # noqa: E402
+from bench.timing import time_ms
 from bert_jax.kernels import ffn as ffn_kernel
-from bert_jax.kernels import ops  # noqa: E402
-from bert_jax.train import step as step_lib  # noqa: E402
+from bert_jax.kernels import ops
+from bert_jax.train import step as step_lib
 
 
 def xla_forward(x, w, bias):

@@ -1,6 +1,6 @@
-"""`bench/train_step.py` with the FFN kernels' module switches set (`kernels/ffn.py`), on a Hopper GPU.
+"""`python -m bench.train_step` with the FFN kernels' module switches set (`kernels/ffn.py`), on a Hopper GPU.
 
-  python bench/ffn_step_variants.py fwd+bwd --size base --seq 128 --batch 256 --steps 20 --json
+  python -m bench.ffn_step_variants fwd+bwd --size base --seq 128 --batch 256 --steps 20 --json
 
 VARIANT, then train_step's own arguments:
   fwd      cooperative forward kernel, XLA backward (the step before the backward kernel)
@@ -11,22 +11,18 @@ For the plain model (no kernels) use train_step's `--config.model.kernels=off`. 
 the switches are read when the step is traced.
 """
 
-import pathlib
 import runpy
 import sys
+
+from bert_jax.kernels import ffn as ffn_kernel
 
 VARIANTS = ("fwd", "fwd+bwd", "pp", "pp+bwd")
 
 if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
-  sys.exit(f"usage: {sys.argv[0]} {{{','.join(VARIANTS)}}} [bench/train_step.py arguments]")
+  sys.exit(f"usage: python -m bench.ffn_step_variants {{{','.join(VARIANTS)}}} [bench.train_step arguments]")
 variant = sys.argv.pop(1)
-root = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(root))
-from bert_jax.kernels import ffn as ffn_kernel  # noqa: E402
-
 ffn_kernel.FORWARD_SCHEDULE = "pingpong" if variant.startswith("pp") else "cooperative"
 ffn_kernel.BACKWARD_KERNEL = variant.endswith("bwd")
 print(f"variant {variant}: FORWARD_SCHEDULE={ffn_kernel.FORWARD_SCHEDULE} BACKWARD_KERNEL={ffn_kernel.BACKWARD_KERNEL}",
       flush=True)
-sys.argv[0] = str(root / "bench" / "train_step.py")
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_module("bench.train_step", run_name="__main__", alter_sys=True)

@@ -28,13 +28,13 @@ set, written as squad/train-v1.1.json and squad/dev-v1.1.json.
 CoNLL-2003 trains on eng.train and is scored on eng.testa (its dev split).
 
   # here: gather model (float16 copy), data and wheels into .carry_ft/
-  python bench/finetune_vs_reference.py pack --out .carry_ft --wheels DIR_WITH_ml_collections_WHEEL
+  python -m bench.finetune_vs_reference pack --out .carry_ft --wheels DIR_WITH_ml_collections_WHEEL
   # on the GPU machine (one call, .carry_ft carried; ml_collections is its only missing package):
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \\
       .carry_ft/wheels/*.whl && export PYTHONPATH=/tmp/site &&
-  python3 bench/finetune_vs_reference.py run --carry .carry_ft --tasks squad,conll --seeds 1,2,3
+  python3 -m bench.finetune_vs_reference run --carry .carry_ft --tasks squad,conll --seeds 1,2,3
   # a CPU smoke test of the whole path: 64 train and 64 dev examples, 1 epoch
-  python bench/finetune_vs_reference.py run --carry .carry_ft --tasks squad,conll --seeds 1 --limit 64 --epochs 1
+  python -m bench.finetune_vs_reference run --carry .carry_ft --tasks squad,conll --seeds 1 --limit 64 --epochs 1
 
 Each side runs as its own process per task, so both walls include the
 framework's start-up; "train s" is the training-loop time of the first seed and,
@@ -63,20 +63,14 @@ import time
 
 import numpy as np
 
+from bert_jax.experiments.carry import (GLUE_DIRS, SHARED, copy_wheels, float32_model, limit_data,
+                                        write_float16_model, write_task_data)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# The shared data folder beside the checkout, or beside the folder of worktrees that holds it.
-SHARED = next((folder / "shared" for folder in REPO.parents if (folder / "shared" / "data").is_dir()),
-              REPO.parent / "shared")
-GLUE_DIRS = {"rte": "RTE", "mrpc": "MRPC", "stsb": "STS-B", "cola": "CoLA", "sst2": "SST-2"}
 # Our metric names; the GLUE reference names some differently (REFERENCE_KEYS), the SQuAD/CoNLL one does not.
 METRICS = {"rte": ("accuracy",), "mrpc": ("f1", "accuracy"), "stsb": ("pearson", "spearman"), "cola": ("mcc",),
            "sst2": ("accuracy",), "squad": ("exact_match", "f1"), "conll": ("f1", "precision", "recall")}
 REFERENCE_KEYS = {"accuracy": "acc", "f1": "f1", "mcc": "mcc", "pearson": "pearson", "spearman": "spearman"}
-SST2_DEV_ROWS = 872
-SQUAD_TRAIN_FRACTION = 0.8  # of the articles of dev-v1.1.json, in file order
-SQUAD_FILES = ("train-v1.1.json", "dev-v1.1.json")  # what squad/v1.1's `load` reads
-CONLL_FILES = ("eng.train", "eng.testa")  # conll2003's train and dev splits
-MODEL_FILES = ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _GLUE_HYPER = dict(lr=5e-5, epochs=3, batch=32, max_len=128, eval_batch=256)
 HYPER = {**{task: _GLUE_HYPER for task in GLUE_DIRS},
          "squad": dict(lr=5e-5, epochs=2, batch=32, max_len=384, eval_batch=128),
@@ -84,71 +78,6 @@ HYPER = {**{task: _GLUE_HYPER for task in GLUE_DIRS},
 # Ours: config file and the data directory under the carried (or --limit) data root.
 OUR_CONFIGS = {"squad": ("configs/finetune/squad.py:version=1.1", "squad"),
                "conll": ("configs/finetune/ner.py", "conll2003")}
-
-
-def split_squad(source: pathlib.Path, out: pathlib.Path, train_fraction: float = SQUAD_TRAIN_FRACTION) -> dict:
-  """Writes the first `train_fraction` of source's articles as train-v1.1.json and the rest as dev-v1.1.json."""
-  data = json.loads(source.read_text(encoding="utf-8"))
-  articles = data["data"]
-  cut = int(train_fraction * len(articles))
-  out.mkdir(parents=True, exist_ok=True)
-  counts = {}
-  for name, chosen in zip(SQUAD_FILES, (articles[:cut], articles[cut:])):
-    (out / name).write_text(json.dumps({"version": data["version"], "data": chosen}, separators=(",", ":")),
-                            encoding="utf-8")
-    counts[name] = (len(chosen), sum(len(p["qas"]) for a in chosen for p in a["paragraphs"]))
-  return counts
-
-
-def _glue_module():
-  """bert_jax.tasks.glue of this checkout, imported only where the data is written (`run` never needs it)."""
-  if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-  from bert_jax.tasks import glue
-  return glue
-
-
-def write_task_data(out: pathlib.Path, glue_tasks=tuple(GLUE_DIRS), squad: bool = True) -> None:
-  """Writes the downstream data both sides (and bench/reproduce.py's rows) read: GLUE with SST-2's dev carved
-  from its train file as whole sentences (and glue/SST-2/carve.json), SQuAD v1.1's dev file split by article into
-  train and dev, CoNLL-2003's train and dev."""
-  glue = SHARED / "data" / "glue"
-  for task in glue_tasks:
-    directory = GLUE_DIRS[task]
-    (out / "glue" / directory).mkdir(parents=True, exist_ok=True)
-    if task == "sst2":
-      # Its rows are the phrases of ~7k sentences: a random carve would put parts of one sentence on both sides.
-      marker = _glue_module().write_sentence_carve(glue / directory / "train.tsv", out / "glue" / directory,
-                                                   SST2_DEV_ROWS, seed=0)
-      print(f"sst2: {marker['dev_rows']} dev sentences, {marker['train_rows']} train rows ({marker['method']})")
-    else:
-      for split in ("train", "dev"):
-        shutil.copy(glue / directory / f"{split}.tsv", out / "glue" / directory / f"{split}.tsv")
-  if squad:
-    counts = split_squad(SHARED / "data" / "squad" / "dev-v1.1.json", out / "squad")
-    print("squad: " + ", ".join(f"{name} {articles} articles / {questions} questions"
-                                for name, (articles, questions) in counts.items()))
-  (out / "conll2003").mkdir(parents=True, exist_ok=True)
-  for name in CONLL_FILES:
-    shutil.copy(SHARED / "data" / "conll2003" / name, out / "conll2003" / name)
-
-
-def copy_wheels(wheels: pathlib.Path | None, out: pathlib.Path) -> None:
-  if wheels is not None and wheels.resolve() != (out / "wheels").resolve():
-    shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
-
-
-def write_float16_model(model_dir: pathlib.Path, out: pathlib.Path) -> None:
-  """The MiniLM's files with its weights as float16 (half the bytes to carry), in out/minilm."""
-  import safetensors.numpy
-
-  model_out = out / "minilm"
-  model_out.mkdir(parents=True, exist_ok=True)
-  for name in MODEL_FILES:
-    shutil.copy(model_dir / name, model_out / name)
-  tensors = safetensors.numpy.load_file(model_dir / "model.safetensors")
-  safetensors.numpy.save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()},
-                              model_out / "model.safetensors")
 
 
 def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None) -> None:
@@ -160,54 +89,6 @@ def pack(out: pathlib.Path, model_dir: pathlib.Path, wheels: pathlib.Path | None
   copy_wheels(wheels, out)
   size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
   print(f"packed {out} ({size / 2**20:.1f} MiB)")
-
-
-def limit_data(carry: pathlib.Path, tasks: list[str], limit: int, destination: pathlib.Path) -> pathlib.Path:
-  """Copies of the SQuAD / CoNLL splits cut to their first `limit` questions or sentences (smoke tests)."""
-  for task in tasks:
-    if task == "squad":
-      (destination / "squad").mkdir(parents=True, exist_ok=True)
-      for name in SQUAD_FILES:
-        data = json.loads((carry / "squad" / name).read_text(encoding="utf-8"))
-        kept, left = [], limit
-        for article in data["data"]:
-          paragraphs = []
-          for paragraph in article["paragraphs"]:
-            if left > 0:
-              paragraphs.append({**paragraph, "qas": paragraph["qas"][:left]})
-              left -= len(paragraphs[-1]["qas"])
-          if paragraphs:
-            kept.append({**article, "paragraphs": paragraphs})
-        (destination / "squad" / name).write_text(json.dumps({**data, "data": kept}), encoding="utf-8")
-    elif task == "conll":
-      (destination / "conll2003").mkdir(parents=True, exist_ok=True)
-      for name in CONLL_FILES:
-        lines, sentences, in_sentence = [], 0, False
-        for line in (carry / "conll2003" / name).read_text(encoding="utf-8").splitlines():
-          is_word = bool(line.split()) and not line.startswith("-DOCSTART-")
-          if in_sentence and not is_word:
-            sentences += 1
-            if sentences == limit:
-              break
-          in_sentence = is_word
-          lines.append(line)
-        (destination / "conll2003" / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    else:
-      raise ValueError(f"--limit serves squad and conll, not {task}")
-  return destination
-
-
-def float32_model(carry: pathlib.Path, destination: pathlib.Path) -> pathlib.Path:
-  """The carried float16 MiniLM written back as float32 (what both sides load)."""
-  import safetensors.numpy
-
-  destination.mkdir(parents=True, exist_ok=True)
-  for name in MODEL_FILES:
-    shutil.copy(carry / "minilm" / name, destination / name)
-  tensors = safetensors.numpy.load_file(carry / "minilm" / "model.safetensors")
-  safetensors.numpy.save_file({k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in tensors.items()},
-                              destination / "model.safetensors")
-  return destination
 
 
 def _run_process(command: list[str], side: str, task: str, log,
@@ -233,7 +114,7 @@ def run_reference(carry: pathlib.Path, data: pathlib.Path, model: pathlib.Path, 
                str(glue / "SST-2" / "dev.tsv"), "--tasks", task, *common]
     keys = {metric: REFERENCE_KEYS[metric] for metric in METRICS[task]}
   else:
-    command = [sys.executable, str(REPO / "bench" / "reference_hf_span_ner.py"), "--task", task, "--data",
+    command = [sys.executable, "-m", "bench.reference_hf_span_ner", "--task", task, "--data",
                str(data / OUR_CONFIGS[task][1]), "--eval-batch", str(hyper["eval_batch"]), *common]
     keys = {metric: metric for metric in METRICS[task]}
   completed, wall = _run_process(command, "reference", task, log)

@@ -1,7 +1,7 @@
 """Times the exact GELU's XLA kernels with two erf evaluations: `lax.erf` and the Abramowitz-Stegun form.
 
-  python bench/gelu.py                                   # BERT-Base / -Large FFN activations, bf16
-  python bench/gelu.py --shapes 256x512 --iters 2        # CPU smoke run
+  python -m bench.gelu                                   # BERT-Base / -Large FFN activations, bf16
+  python -m bench.gelu --shapes 256x512 --iters 2        # CPU smoke run
 
 Per [tokens, intermediate] shape, ms per call of the forward GELU (read h, write GELU(h)) and of the backward
 pass as the train step fuses it (read h and dy, write dh = dy GELU'(h), and the bias gradient, the float32
@@ -19,19 +19,14 @@ rsqrt and exp2. Not re-timed since.)
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from attention import time_ms  # noqa: E402
+from bench.timing import time_ms
 from bert_jax.kernels import ffn as ffn_kernel
-from bert_jax.kernels import ops  # noqa: E402
-from bert_jax.train import step as step_lib  # noqa: E402
+from bert_jax.kernels import ops
+from bert_jax.train import step as step_lib
 
 
 def forward(h, erf):

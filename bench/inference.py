@@ -1,8 +1,8 @@
 """Inference speed of our encoder against Hugging Face transformers in PyTorch, side by side on one device.
 
-  python bench/inference.py                                         # BERT-base and MiniLM on the GPU
-  python bench/inference.py --variant int8=runs/sst2_int8 --variant pruned=runs/sst2_pruned
-  python bench/inference.py --smoke --out /tmp/inference            # CPU: a tiny model, seconds
+  python -m bench.inference                                         # BERT-base and MiniLM on the GPU
+  python -m bench.inference --variant int8=runs/sst2_int8 --variant pruned=runs/sst2_pruned
+  python -m bench.inference --smoke --out /tmp/inference            # CPU: a tiny model, seconds
 
 Sequence classification (2 labels) at each batch size and length: our jitted
 predict step (`bert_jax.tasks.inference`, the one `bert-jax predict` runs)
@@ -35,7 +35,7 @@ keeps what it measured) and prints the table last.
 matmul kernels' share (bench/train_step.py's summary; the trace stays in DIR).
 
 On a GPU machine without the MiniLM's package, `--minilm FOLDER` names a
-Hugging Face folder of it (e.g. bench/compression_gpu.py's carried float16 copy).
+Hugging Face folder of it (e.g. `bert-jax compression-runs pack`'s carried float16 copy).
 """
 
 from __future__ import annotations
@@ -53,19 +53,18 @@ from typing import Any, Callable
 # Both frameworks share the device: JAX takes memory as it needs it instead of most of the card up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Run from a checkout, installed or not; bench/ for train_step's profile summary.
-sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parent)]
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import flax.linen as nn
+import jax
+import numpy as np
 
-from bert_jax.convert.params import encoder_params  # noqa: E402
-from bert_jax.convert.pretrained import load_pretrained  # noqa: E402
-from bert_jax.models import ModelConfig, model_config  # noqa: E402
-from bert_jax.parallel import sharding as sharding_lib  # noqa: E402
-from bert_jax.tasks.finetune_model import FinetuneObjective, build_model, merge_initial_params  # noqa: E402
-from bert_jax.tasks.inference import InferenceModel, inference_model, load_for_inference  # noqa: E402
-from bert_jax.tasks.registry import get_task  # noqa: E402
+from bert_jax.convert.params import encoder_params
+from bert_jax.convert.pretrained import load_pretrained
+from bert_jax.models import ModelConfig, model_config
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.tasks.finetune_model import FinetuneObjective, build_model, merge_initial_params
+from bert_jax.tasks.inference import InferenceModel, inference_model, load_for_inference
+from bert_jax.tasks.registry import get_task
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, vocab_size=1000,
@@ -177,7 +176,7 @@ GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|imma|splitKreduce|^_kernel$|^
 
 def profile(step, params, inputs, trace_dir: pathlib.Path, calls: int = 10) -> list[str]:
   """Device time per op and kernel of `calls` calls (train_step.py's summary) and the matmul kernels' share."""
-  import train_step  # pylint: disable=import-outside-toplevel
+  from bench import train_step  # pylint: disable=import-outside-toplevel
 
   hlo_text = step.lower(params, inputs).compile().as_text()
   trace_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The pre-training input pipeline: the host's batch rate alone, and (with a GPU) the real loop beside the step.
 
-  python bench/input_pipeline.py --out bench/results/input_pipeline          # host part only on a CPU machine
-  python bench/input_pipeline.py --out DIR --corpus wiki.txt.gz --vocab vocab.txt --sizes mini,small,medium,base
+  python -m bench.input_pipeline --out bench/results/input_pipeline          # host part only on a CPU machine
+  python -m bench.input_pipeline --out DIR --corpus wiki.txt.gz --vocab vocab.txt --sizes mini,small,medium,base
 
 Data: `--data` a prepared directory, or `--corpus` text (default: the Wikipedia
 sample in ../shared/data) tokenised with `--vocab` (default: the installed
@@ -32,7 +32,7 @@ runs the cases N times interleaved (A B C A B C), the first round unobserved; `-
 case under several interpreter switch intervals. `--loop-step trivial` replaces the jitted step by one that
 only reads the batch (the loop's host cost alone, e.g. on a CPU with `--loop-on-cpu`):
 
-  python bench/input_pipeline.py --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \\
+  python -m bench.input_pipeline --out /tmp/ip --formats '' --sizes mini --batch 256 --mini-batch 256 \\
       --loop-on-cpu --loop-step trivial --loop-steps 600 --loop-workers 2 --loop-profile --steps-per-call 1,4
 
 Writes OUT/input_pipeline.md (the tables and stacks) and OUT/input_pipeline.json after every loop case, the
@@ -60,11 +60,10 @@ from typing import Any
 import psutil
 
 # Run from a checkout, installed or not; bench/ for train_step and sampler.
-sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parent)]
 
-from bert_jax.data import pipeline  # noqa: E402
-from bert_jax.data import prepare  # noqa: E402
-import sampler  # noqa: E402  (bench/sampler.py)
+from bert_jax.data import pipeline
+from bert_jax.data import prepare
+from bench import sampler
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WIKI_SAMPLE = REPO.parent / "shared" / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
@@ -257,7 +256,7 @@ def percentiles(values_us) -> dict[str, float]:
 
 def device_summary(trace_dir: pathlib.Path, steps: int) -> list[str]:
   """The device's busy and idle time per step in a `jax.profiler` trace of `steps` loop steps."""
-  import train_step  # pylint: disable=import-outside-toplevel
+  from bench import train_step  # pylint: disable=import-outside-toplevel
   traced = train_step.device_kernels(trace_dir)
   if traced is None:
     return ["no trace written"]
@@ -596,7 +595,7 @@ def main(argv: list[str]) -> int:
   sizes = [size for size in args.sizes.split(",") if size]
   skipped = []
   if sizes and (jax.default_backend() == "gpu" or args.loop_on_cpu):
-    import train_step  # pylint: disable=import-outside-toplevel
+    from bench import train_step  # pylint: disable=import-outside-toplevel
     # The loop reuses the step's compile; the cache stays out of --out, which a GPU call brings back.
     jax.config.update("jax_compilation_cache_dir", str(scratch / "xla_cache"))
     loop_workers = None if args.loop_workers == "auto" else int(args.loop_workers)

@@ -1,7 +1,7 @@
 """Times the LayerNorm kernels against the XLA forms, at several launch parameters.
 
-  python bench/layer_norm.py                              # BERT-Base and -Large rows of a seq-128 step, bf16
-  python bench/layer_norm.py --shapes 256x128 --blocks 32 --step-rows 2 --warps 4   # CPU smoke run (interpreter)
+  python -m bench.layer_norm                              # BERT-Base and -Large rows of a seq-128 step, bf16
+  python -m bench.layer_norm --shapes 256x128 --blocks 32 --step-rows 2 --warps 4   # CPU smoke run (interpreter)
 
 Three tables, one line per [rows, features] input, ms per call:
   * backward: the XLA backward of `ops.layer_norm` (one row-reduction, one
@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from attention import time_ms  # noqa: E402
+from bench.timing import time_ms
 from bert_jax.kernels import dropout, ops
-from bert_jax.kernels import layer_norm as layer_norm_kernel  # noqa: E402
+from bert_jax.kernels import layer_norm as layer_norm_kernel
 
 
 def inputs(rows: int, features: int, dtype=jnp.bfloat16):

@@ -1,7 +1,7 @@
 """Does the optimised step train like the unoptimised one? Loss curves of two revisions, several seeds each.
 
-  python bench/loss_curve.py                              # HEAD vs d892eab (before the speed work), bf16
-  python bench/loss_curve.py --baseline REV --seeds 1,2,3 --steps 400 --config configs/demo.py --out FILE
+  python -m bench.loss_curve                              # HEAD vs d892eab (before the speed work), bf16
+  python -m bench.loss_curve --baseline REV --seeds 1,2,3 --steps 400 --config configs/demo.py --out FILE
 
 Both revisions pre-train the same config (the demo: BERT-Tiny, MLM + NSP on the
 built-in corpus) with the same seeds, so data order, masking and initial
@@ -110,7 +110,7 @@ def main() -> None:
   verdict = (f"{whole}; largest per-step |z| {worst:.2f} over {len(rows) - 2} logged steps. Read: |t| under "
              f"Student's two-sided 5% point at those dof (2.57 at 5) means agreement within seed noise.")
   text = (f"# Train MLM loss: {head} (current, with local changes if any) vs {args.baseline} (baseline)\n\n"
-          f"Command: python bench/loss_curve.py --baseline {args.baseline} --config {args.config} --seeds "
+          f"Command: python -m bench.loss_curve --baseline {args.baseline} --config {args.config} --seeds "
           f"{args.seeds} --steps {args.steps} --dtype {args.dtype}\n\n" + "\n".join(rows) + f"\n\n{verdict}\n")
   if args.out:
     pathlib.Path(args.out).write_text(text)

@@ -1,9 +1,9 @@
 """Summarises an Nsight Compute profile's per-instruction warp-stall samples by code region.
 
   ncu --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 --set full -o fwd \\
-    python bench/ffn_gemm.py --shapes 32768x768x3072 --once forward
+    python -m bench.ffn_gemm --shapes 32768x768x3072 --once forward
   ncu --import fwd.ncu-rep --page source --csv --print-source sass > fwd_source.csv
-  python bench/ncu_regions.py fwd_source.csv[.gz]
+  python -m bench.ncu_regions fwd_source.csv[.gz]
 
 A region is a run of consecutive SASS instructions executed equally often (a basic block, roughly: in the FFN
 kernels the memory warpgroup's barrier loops, the compute warpgroups' main loop, the unrolled epilogue). Per

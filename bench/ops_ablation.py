@@ -1,7 +1,7 @@
 """Step time with and without the hand-written gradients of `kernels/ops.py` and the MLM cross-entropy, one process.
 
-  python bench/ops_ablation.py                                   # BERT-Base seq 128 batch 256
-  python bench/ops_ablation.py --size tiny --seq 64 --batch 8 --steps 2      # CPU smoke run
+  python -m bench.ops_ablation                                   # BERT-Base seq 128 batch 256
+  python -m bench.ops_ablation --size tiny --seq 64 --batch 8 --steps 2      # CPU smoke run
 
 Builds the trainer's step four times (`train_step.measure`), each time putting
 back one more of the current forms in place of the earlier ones (flax
@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import train_step  # noqa: E402
-from bert_jax.kernels import layers, ops  # noqa: E402
-from bert_jax.models import encoder  # noqa: E402
-from bert_jax.train import objectives  # noqa: E402
+from bench import train_step
+from bert_jax.kernels import layers, ops
+from bert_jax.models import encoder
+from bert_jax.train import objectives
 
 CURRENT = {"layer_norm": layers.layer_norm, "activation": layers.activation, "ce": objectives.cross_entropy_sums}
 

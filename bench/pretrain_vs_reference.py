@@ -1,9 +1,9 @@
 """Our pre-training step vs the PyTorch reference, side by side on one GPU, in one command.
 
-  python bench/pretrain_vs_reference.py --reference ../shared/bench/anchor_hf_torch.py
-  python bench/pretrain_vs_reference.py --extras --data DIR   # + input pipeline, packing, largest batch
-  python bench/pretrain_vs_reference.py --parallel 4 --extras --data DIR   # a 4-GPU host: 4 jobs at once
-  python bench/pretrain_vs_reference.py --render A.json B.json               # join earlier runs' rows
+  python -m bench.pretrain_vs_reference --reference ../shared/bench/anchor_hf_torch.py
+  python -m bench.pretrain_vs_reference --extras --data DIR   # + input pipeline, packing, largest batch
+  python -m bench.pretrain_vs_reference --parallel 4 --extras --data DIR   # a 4-GPU host: 4 jobs at once
+  python -m bench.pretrain_vs_reference --render A.json B.json               # join earlier runs' rows
 
 Ours: `bench/train_step.py` (MLM+NSP, 15% token masking inside the jitted
 step, AdamW with clipping, bf16 compute, float32 params, BERT's dropout 0.1 on
@@ -104,7 +104,7 @@ def run_json(command: list[str], env: dict[str, str] | None = None, timeout: int
 
 def ours(size: str, seq: int, batch: int, *extra: str, env: dict[str, str] | None = None, steps: int = 20,
          place: Place | None = None) -> dict:
-  return run_json([sys.executable, str(HERE / "train_step.py"), "--size", size, "--seq", str(seq), "--batch",
+  return run_json([sys.executable, "-m", "bench.train_step", "--size", size, "--seq", str(seq), "--batch",
                    str(batch), "--steps", str(steps), "--json", *extra], env=env, place=place)
 
 
@@ -296,7 +296,7 @@ def render_files(paths: list[str], out_dir: pathlib.Path, stem: str | None) -> N
   order = {row: i for i, row in enumerate(ROWS + TINY_ROWS)}
   results.sort(key=lambda item: order.get(item[0], len(order)))
   dates = sorted({run["date"] for run in runs})
-  commands = [f"python bench/pretrain_vs_reference.py --render {' '.join(paths)}"] + [
+  commands = [f"python -m bench.pretrain_vs_reference --render {' '.join(paths)}"] + [
       run["command"] for run in runs if run.get("command")]
   extras_text = "\n".join(run["extras"] for run in runs if run.get("extras"))
   text = report(runs[0]["versions"], ", ".join(dates), "; ".join(commands), results, extras_text)
@@ -348,7 +348,7 @@ def main(argv: list[str]) -> None:
                         [int(b) for b in args.batches_full.split(",") if b], pool)
 
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  command = f"python bench/pretrain_vs_reference.py {' '.join(argv)}"
+  command = f"python -m bench.pretrain_vs_reference {' '.join(argv)}"
   text = report(info, date, command, results, extra_text)
   stem = f"pretrain_vs_reference_{info.get('card', 'unknown').replace(' ', '_')}_{date[:10]}"
   write(pathlib.Path(args.out_dir), stem, text, payload(info, date, results, extra_text, command))

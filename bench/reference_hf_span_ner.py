@@ -28,9 +28,9 @@ padded per batch to the batch's longest row (rounded up to 8) here, to the
 task's longest row in bert_jax (fixed shapes for jit); padding is masked on
 both sides, so this changes speed, not the arithmetic of real tokens.
 
-  python3 bench/reference_hf_span_ner.py --task squad --model MODEL_DIR --data DIR_WITH_train-v1.1.json \\
+  python3 -m bench.reference_hf_span_ner --task squad --model MODEL_DIR --data DIR_WITH_train-v1.1.json \\
       --seeds 1,2,3
-  python3 bench/reference_hf_span_ner.py --task conll --model MODEL_DIR --data DIR_WITH_eng.train_AND_eng.testa
+  python3 -m bench.reference_hf_span_ner --task conll --model MODEL_DIR --data DIR_WITH_eng.train_AND_eng.testa
 
 Prints one JSON line per seed: the task's metrics (SQuAD exact_match, f1;
 CoNLL f1, precision, recall, on the 0-100 scale), train_s (the training loop,
@@ -51,11 +51,9 @@ import torch
 from transformers import BertForQuestionAnswering, BertForTokenClassification
 from transformers.optimization import get_linear_schedule_with_warmup
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bert_jax from this checkout.
-
-from bert_jax.tasks.base import HFTokenizerAdapter, Task  # noqa: E402
-from bert_jax.tasks.ner import Conll2003Task  # noqa: E402
-from bert_jax.tasks.squad import SquadTask  # noqa: E402
+from bert_jax.tasks.base import HFTokenizerAdapter, Task
+from bert_jax.tasks.ner import Conll2003Task
+from bert_jax.tasks.squad import SquadTask
 
 # The squad.py / ner.py configs' task options (doc_stride 128, ... ; no document context).
 TASKS = {"squad": lambda: SquadTask(version="1.1", doc_stride=128, max_query_length=64, n_best_size=20,

@@ -1,9 +1,9 @@
 """Data-parallel and FSDP scaling of the pre-training step over the GPUs of one host (issue 7).
 
-  NCCL_NVLS_ENABLE=0 python bench/scaling.py                        # 1, 2, 4 GPUs, both rows, largest FSDP fit
-  NCCL_NVLS_ENABLE=0 python bench/scaling.py --rows base-128 --largest none
-  python bench/scaling.py --gpus 1,2 --dry-run                      # print the child commands only
-  python bench/scaling.py --tiny --gpus 1,2,4                       # CPU check on fake host devices
+  NCCL_NVLS_ENABLE=0 python -m bench.scaling                        # 1, 2, 4 GPUs, both rows, largest FSDP fit
+  NCCL_NVLS_ENABLE=0 python -m bench.scaling --rows base-128 --largest none
+  python -m bench.scaling --gpus 1,2 --dry-run                      # print the child commands only
+  python -m bench.scaling --tiny --gpus 1,2,4                       # CPU check on fake host devices
 
 Every measurement is its own `bench/train_step.py --json` process (the
 trainer's step on synthetic full rows, timed after warm-up), so each sees only
@@ -29,9 +29,9 @@ markdown table (card, driver, versions, command) is printed last and written
 beside it with the JSON of all runs. Where one command may not run long
 enough for everything, split it (--rows, --largest) and join the pieces:
 
-  NCCL_NVLS_ENABLE=0 python bench/scaling.py --largest none --max-minutes 9
-  NCCL_NVLS_ENABLE=0 python bench/scaling.py --rows none --max-minutes 9
-  python bench/scaling.py --render A/scaling_*.jsonl B/scaling_*.jsonl [--stem NAME]   # one table, no device
+  NCCL_NVLS_ENABLE=0 python -m bench.scaling --largest none --max-minutes 9
+  NCCL_NVLS_ENABLE=0 python -m bench.scaling --rows none --max-minutes 9
+  python -m bench.scaling --render A/scaling_*.jsonl B/scaling_*.jsonl [--stem NAME]   # one table, no device
 """
 
 from __future__ import annotations
@@ -47,11 +47,8 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from bert_jax.models.config import model_config  # noqa: E402  (no JAX backend is started in this process)
-from pretrain_vs_reference import gib, render  # noqa: E402  (the same table cells and layout)
+from bert_jax.models.config import model_config
+from bench.pretrain_vs_reference import gib, render
 
 HERE = pathlib.Path(__file__).resolve().parent
 # name -> (BERT size, seq, per-GPU batch).
@@ -123,7 +120,7 @@ def child_command(size: str, seq: int, global_batch: int, strategy: str, n: int,
                   objective: str, extra: list[str]) -> list[str]:
   """`bench/train_step.py --json` for one measurement; strategy picks the mesh (data=n or fsdp=n)."""
   data, fsdp = (1, n) if strategy == "fsdp" else (n, 1)
-  return [sys.executable, str(HERE / "train_step.py"), "--size", size, "--seq", str(seq), "--batch",
+  return [sys.executable, "-m", "bench.train_step", "--size", size, "--seq", str(seq), "--batch",
           str(global_batch), "--objective", objective, "--steps", str(steps), "--warmup", str(warmup), "--json",
           f"--config.mesh.sizes.data={data}", f"--config.mesh.sizes.fsdp={fsdp}", "--config.mesh.sizes.tensor=1",
           *extra]
@@ -416,7 +413,7 @@ def main(argv: list[str]) -> None:
   stem = f"scaling_{re.sub(r'[^A-Za-z0-9.-]+', '_', info['card'].split(' (')[0])}_{date[:10]}"
   env_prefix = " ".join(f"{k}={os.environ[k]}" for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS") if k in os.environ)
   header = {"kind": "header", "stem": stem, "date": date, "versions": info, "platform": platform,
-            "command": f"{env_prefix} python bench/scaling.py {' '.join(argv)}".strip(),
+            "command": f"{env_prefix} python -m bench.scaling {' '.join(argv)}".strip(),
             "cap": (f"allocator capped at {args.budget_gib:.0f} GiB per GPU (XLA_PYTHON_CLIENT_MEM_FRACTION="
                     f"{mem_fraction:.3f})" if mem_fraction else "no allocator cap"),
             "objective": args.objective, "steps": args.steps, "warmup": args.warmup,

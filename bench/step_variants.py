@@ -1,9 +1,9 @@
 """Variants of the pre-training step side by side: XLA flags and config overrides (issue 6).
 
-  python bench/step_variants.py                                     # base-128 b256, default variants, 1 GPU
-  python bench/step_variants.py --parallel 4 --size large --seq 128 --batch 128
-  python bench/step_variants.py --variant lt=--xla_gpu_enable_cublaslt=true --variant ...   # your own
-  python bench/step_variants.py --tiny --parallel 2 --variant off=--config.model.kernels=off  # CPU
+  python -m bench.step_variants                                     # base-128 b256, default variants, 1 GPU
+  python -m bench.step_variants --parallel 4 --size large --seq 128 --batch 128
+  python -m bench.step_variants --variant lt=--xla_gpu_enable_cublaslt=true --variant ...   # your own
+  python -m bench.step_variants --tiny --parallel 2 --variant off=--config.model.kernels=off  # CPU
 
 Every variant is one `bench/train_step.py --json` process (the trainer's
 step on synthetic full rows); a variant is a list of options: `--xla_...`
@@ -34,9 +34,7 @@ import os
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from pretrain_vs_reference import Pool, gib, ours, render, versions, write  # noqa: E402
+from bench.pretrain_vs_reference import Pool, gib, ours, render, versions, write
 
 DEFAULT_VARIANTS = {
     # The steps compile with Triton GEMM fusions off on GPU (step.GPU_COMPILER_OPTIONS); this puts them back.
@@ -131,7 +129,7 @@ def main(argv: list[str]) -> None:
       f"{date}; JAX {info.get('jax')} ({str(info.get('jax_cuda', '')).replace(chr(10), ' ')}); "
       f"bert-{args.size} seq {args.seq} batch {args.batch}, MLM+NSP, {args.steps} timed steps; "
       f"XLA_FLAGS of this process: {inherited or '(none)'}.",
-      f"Command: python bench/step_variants.py {' '.join(argv)}",
+      f"Command: python -m bench.step_variants {' '.join(argv)}",
       "",
       table(runs),
   ]) + "\n"

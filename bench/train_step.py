@@ -1,9 +1,9 @@
 """Times the jitted pre-training train step on whatever device is present.
 
-  python bench/train_step.py --family bert --size base --seq 128 --batch 256 --objective mlm+nsp
-  python bench/train_step.py --config configs/demo.py --config.train.batch_size=64
-  python bench/train_step.py --size tiny --seq 64 --batch 8 --steps 3        # CPU smoke run
-  python bench/train_step.py --size large --seq 512 --batch 32 --data .carry_bench/wiki_prepared
+  python -m bench.train_step --family bert --size base --seq 128 --batch 256 --objective mlm+nsp
+  python -m bench.train_step --config configs/demo.py --config.train.batch_size=64
+  python -m bench.train_step --size tiny --seq 64 --batch 8 --steps 3        # CPU smoke run
+  python -m bench.train_step --size large --seq 512 --batch 32 --data .carry_bench/wiki_prepared
 
 The step is the trainer's own (`make_train_step`: masking inside the step,
 the config's optimizer, bf16 compute with float32 params unless the config
@@ -32,18 +32,16 @@ import threading
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
+import jax
+import ml_collections
+import numpy as np
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bert_jax.data.batch import validate_batch  # noqa: E402
-from bert_jax.models import model_config  # noqa: E402
-from bert_jax.kernels.attention import resolve_implementation  # noqa: E402
-from bert_jax.parallel import sharding as sharding_lib  # noqa: E402
-from bert_jax.train import config_lib, heap, objectives, optim  # noqa: E402
-from bert_jax.train.step import Partitioning, create_state, make_train_step  # noqa: E402
+from bert_jax.data.batch import validate_batch
+from bert_jax.models import model_config
+from bert_jax.kernels.attention import resolve_implementation
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import config_lib, heap, objectives, optim
+from bert_jax.train.step import Partitioning, create_state, make_train_step
 
 H100_BF16_DENSE_TFLOPS = 989.0
 BERT_VOCAB = 30522

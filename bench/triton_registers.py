@@ -1,9 +1,9 @@
 """Registers, spills and shared memory of the Pallas Triton kernels, compiled offline for an H100 (no GPU needed).
 
-  python bench/triton_registers.py                             # B=256 L=128, 12 heads x 64, dropout 0.1
-  python bench/triton_registers.py --shape 64x512 --layer-norm # also the LayerNorm kernels (rows B*L)
-  python bench/triton_registers.py --dump /tmp/kernels         # keep each kernel's TTIR, PTX and ptxas log
-  python bench/triton_registers.py --cross-entropy              # also the MLM loss's row statistics (4864 x 30592)
+  python -m bench.triton_registers                             # B=256 L=128, 12 heads x 64, dropout 0.1
+  python -m bench.triton_registers --shape 64x512 --layer-norm # also the LayerNorm kernels (rows B*L)
+  python -m bench.triton_registers --dump /tmp/kernels         # keep each kernel's TTIR, PTX and ptxas log
+  python -m bench.triton_registers --cross-entropy              # also the MLM loss's row statistics (4864 x 30592)
 
 Needs pip's Triton 3.5 or later (`pip install triton`, not a project dependency). The kernels are lowered for CUDA
 on this machine as tests/test_kernels_lower.py does; each pallas_call's custom call carries its Triton IR and launch
@@ -32,17 +32,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # Run from a checkout, installed or not.
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax._src.interpreters import mlir  # noqa: E402
-from jax._src.lib import triton as jax_triton  # noqa: E402
-from jax._src.lib.mlir import ir  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import mlir
+from jax._src.lib import triton as jax_triton
+from jax._src.lib.mlir import ir
 
 from bert_jax.kernels import cross_entropy as cross_entropy_kernel
 from bert_jax.kernels import flash_attention
-from bert_jax.kernels import layer_norm as layer_norm_kernel  # noqa: E402
+from bert_jax.kernels import layer_norm as layer_norm_kernel
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -32,6 +32,9 @@ SUBCOMMANDS = {
     "sweep": ("bert_jax.experiments.ablation", "pre-train a table's rows, fine-tune their downstream suite, score"),
     "table": ("bert_jax.experiments.table", "render a sweep's paper-style table with the published numbers, plots"),
     "plot": ("bert_jax.train.plot", "PNG plots of runs' metrics (loss, accuracy, learning rate, throughput)"),
+    "reproduce": ("bert_jax.experiments.reproduce", "the ablation tables on a GPU machine: pack, run, publish, ..."),
+    "compression-runs": ("bert_jax.experiments.compression_runs", "docs/compression.md's GPU runs: pack, run, render"),
+    "analysis-runs": ("bert_jax.experiments.analysis_runs", "docs/analysis.md's GPU runs: pack, run"),
 }
 
 

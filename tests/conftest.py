@@ -87,17 +87,20 @@ def built_once(tmp_path_factory, name: str, build) -> pathlib.Path:
 
 
 def bench_module(name: str):
-  """bench/NAME.py as a module (bench/ is a folder of scripts, not a package). bench/ is put on sys.path for the
-  import only; what the script adds itself (for its own later imports of its neighbours) stays."""
+  """bench/NAME.py as the module bench.NAME (bench/ is a package at the repository's root, not installed: the root is
+  on sys.path under `python -m pytest`, and put there for the import where pytest was started otherwise)."""
   import importlib
   import sys
 
-  bench = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
-  sys.path.insert(0, bench)
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  added = root not in sys.path
+  if added:
+    sys.path.insert(0, root)
   try:
-    return importlib.import_module(name)
+    return importlib.import_module(f"bench.{name}")
   finally:
-    sys.path.remove(bench)
+    if added:
+      sys.path.remove(root)
 
 
 @pytest.fixture(scope="session")

