@@ -37,6 +37,7 @@ import pathlib
 import statistics
 from typing import Any, Iterable, Mapping, Sequence
 
+from bert_jax.experiments import scores as scores_lib
 from bert_jax.experiments import suite as suite_lib
 
 MAIN_SCALE = "gpu"
@@ -74,15 +75,11 @@ class Finding:
 
 
 def _available() -> set[str]:
-  from bert_jax.experiments import table
-
-  return {*suite_lib.GPU_TASKS, "glue", *table.INTRINSIC}
+  return {*suite_lib.GPU_TASKS, "glue", *scores_lib.INTRINSIC}
 
 
 def _intrinsic() -> set[str]:
-  from bert_jax.experiments import table
-
-  return set(table.INTRINSIC)
+  return set(scores_lib.INTRINSIC)
 
 
 def resolve_columns(finding: Finding, published: Mapping[str, Any]) -> tuple[list[str], list[str]]:
@@ -258,8 +255,6 @@ def scores(row: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, floa
   """Column -> a run's score: each task it finished with every fine-tuning seed (median over them), the GLUE score
   where every GLUE task of its suite counts, the pre-training columns it has. A carved dev's task counts only where
   the run recorded its dev files (the leak-free carve); elsewhere it is TASK@old_carve, shown apart."""
-  from bert_jax.experiments import table
-
   suite = results["suite"]
   leak_free = set(results.get("dev_sets", {}))
   counts = lambda task: task not in CARVED or task in leak_free  # noqa: E731
@@ -270,11 +265,11 @@ def scores(row: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, floa
   # The GLUE score over the same tasks for every run: the GLUE tasks of the main budget's suite.
   glue = [task for task in suite_lib.GPU_TASKS if task in suite_lib.GLUE]
   if glue and all(task in out for task in glue):
-    out["glue"] = table.glue_score(row, glue)["median"]
+    out["glue"] = scores_lib.glue_score(row, glue)["median"]
   elif glue and all(task in out or task + OLD_CARVE in out for task in glue):
-    out["glue" + OLD_CARVE] = table.glue_score(row, glue)["median"]
-  for column in table.INTRINSIC:
-    value = table.ours(row, column)
+    out["glue" + OLD_CARVE] = scores_lib.glue_score(row, glue)["median"]
+  for column in scores_lib.INTRINSIC:
+    value = scores_lib.ours(row, column)
     if value is not None:
       out[column] = value["median"]
   return out
