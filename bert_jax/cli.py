@@ -1,5 +1,5 @@
-"""`bert-jax` entry point: prepare | mark-spans | pretrain | finetune | evaluate | predict | quantize | convert |
-features | fill-mask | analyze | sweep | table | plot.
+"""`bert-jax` entry point: prepare | mark-spans | pretrain | sample-rte | finetune | evaluate | predict | quantize |
+convert | features | fill-mask | analyze | sweep | table | plot | reproduce | compression-runs | analysis-runs.
 
 Intentionally thin: each subcommand is an importable `main(argv)` beside the code it runs.
 
@@ -70,7 +70,8 @@ Run `bert-jax COMMAND --help` for a command's options."""
 
 
 def usage() -> str:
-  lines = [f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+  width = max(map(len, SUBCOMMANDS))
+  lines = [f"  {name:<{width}} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
   return "usage: bert-jax COMMAND [args]  (bert-jax --version)\n\ncommands:\n" + "\n".join(lines) + "\n\n" + EXAMPLES
 
 
