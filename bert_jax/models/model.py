@@ -5,8 +5,8 @@
   ElectraModel      generator + discriminator sharing one embedding table; the
                     discriminator detects replaced tokens, or (ELECTRA's
                     Table 5) predicts the originals: Replace / All-Tokens MLM.
-  FinetuneModel     encoder + one task head (classification, regression,
-                    span extraction, multiple choice, tagging).
+  FinetuneModel     encoder + one task head, built by its task kind
+                    (`bert_jax.tasks.kinds.TASK_KINDS`).
 
 All take the batch fields of `bert_jax.data.batch` by name.
 """
@@ -25,11 +25,6 @@ from bert_jax.models.encoder import Embeddings, Encoder, gather_positions
 from bert_jax.models.recurrent import BiLSTM
 
 Array = jax.Array
-
-TASK_KINDS = ("classification", "regression", "span", "multiple_choice", "tagging")
-# Kinds whose head pools one position per row ([CLS], or the last token of a left-to-right encoder).
-POOLED_KINDS = ("classification", "regression", "multiple_choice")
-
 
 def head_rows(config: ModelConfig, length: int, positions: dict[str, Array]) -> tuple[Array | None, dict[str, Array]]:
   """The rows the last block computes under `config.sparse_last_layer`, and each head's positions in them.
@@ -184,20 +179,27 @@ class ElectraModel(nn.Module):
     return outputs
 
 
+def _task_kind(name: str) -> Any:
+  """The task kind called `name` (`bert_jax.tasks.kinds`): the head, pooling and output shape the model takes."""
+  # The kinds build on this package's heads: the model reaches their table only when it is built.
+  from bert_jax.tasks.kinds import task_kind as lookup  # noqa: PLC0415
+  return lookup(name)
+
+
 class FinetuneModel(nn.Module):
   """Encoder + one task head.
 
   Attributes:
     config: the encoder.
-    kind: one of TASK_KINDS.
+    kind: a name in `bert_jax.tasks.kinds.TASK_KINDS`; its class builds the head and shapes the logits.
     num_labels: classes (classification, tagging); ignored otherwise.
     top_bilstm: a randomly initialised one-layer BiLSTM between the encoder and the head (hidden/2 units a
       direction, so the head's input keeps its width): BERT Table 5's "+ BiLSTM" row, for every task kind.
 
-  A left-to-right encoder (`config.causal`) pools its last real token for the sentence-level kinds, as GPT does:
-  its [CLS] attends to itself alone. With `top_bilstm` the BiLSTM has read the whole row, so [CLS] is pooled.
-  With `config.sparse_last_layer` the sentence-level kinds' last block computes the pooled row alone (not with
-  `top_bilstm` or `output_hidden_states`, which read every row).
+  A left-to-right encoder (`config.causal`) pools its last real token for the kinds whose head reads one position
+  per row (`TaskKind.pooled`), as GPT does: its [CLS] attends to itself alone. With `top_bilstm` the BiLSTM has
+  read the whole row, so [CLS] is pooled. With `config.sparse_last_layer` those kinds' last block computes the
+  pooled row alone (not with `top_bilstm` or `output_hidden_states`, which read every row).
   """
 
   config: ModelConfig
@@ -206,21 +208,13 @@ class FinetuneModel(nn.Module):
   top_bilstm: bool = False
 
   def setup(self):
-    if self.kind not in TASK_KINDS:
-      raise ValueError(f"unknown task kind {self.kind!r}; expected one of {TASK_KINDS}")
+    kind = _task_kind(self.kind)
     self.encoder = Encoder(self.config)
     if self.top_bilstm:
       if self.config.hidden_size % 2:
         raise ValueError(f"top_bilstm needs an even hidden size (half of it a direction), got {self.config.hidden_size}")
       self.bilstm = BiLSTM(self.config.hidden_size // 2)
-    if self.kind in ("classification", "regression"):
-      self.head = heads.ClassificationHead(self.config, 1 if self.kind == "regression" else self.num_labels)
-    elif self.kind == "span":
-      self.head = heads.SpanExtractionHead(self.config)
-    elif self.kind == "multiple_choice":
-      self.head = heads.MultipleChoiceHead(self.config)
-    else:
-      self.head = heads.TokenClassificationHead(self.config, self.num_labels)
+    self.head = kind.head(self.config, self.num_labels)
 
   def __call__(self, input_ids: Array, *, segment_ids: Array | None = None, position_ids: Array | None = None,
                pack_ids: Array | None = None, deterministic: bool = True, head_mask: Array | None = None,
@@ -231,14 +225,13 @@ class FinetuneModel(nn.Module):
     multiple_choice [N, C]; tagging [B, L, labels]. With `output_hidden_states`, (those logits, the encoder's
     hidden states: `Encoder`'s, [N * C, L, H] each for multiple choice).
     """
-    choices_shape = None
-    if self.kind == "multiple_choice":
-      choices_shape = input_ids.shape[:2]
-      flatten = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
-      input_ids, segment_ids, position_ids, pack_ids = map(flatten, (input_ids, segment_ids, position_ids, pack_ids))
+    kind = _task_kind(self.kind)
+    rows_shape = input_ids.shape[:-1]
+    input_ids, segment_ids, position_ids, pack_ids = (None if x is None else kind.encoder_rows(x)
+                                                      for x in (input_ids, segment_ids, position_ids, pack_ids))
     batch, length = input_ids.shape
     pooled_b1 = None  # the one position a pooled head reads
-    if self.kind in POOLED_KINDS and not self.top_bilstm:
+    if kind.pooled and not self.top_bilstm:
       pooled_b1 = jnp.zeros((batch, 1), jnp.int32)
       if self.config.causal:
         last_b = (length if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)) - 1
@@ -256,9 +249,5 @@ class FinetuneModel(nn.Module):
       hidden = self.bilstm(hidden.astype(jnp.float32), lengths).astype(hidden.dtype)
     elif output_positions is None and self.config.causal and pooled_b1 is not None:
       hidden = gather_positions(hidden, pooled_b1)  # [B, 1, E]
-    out = self.head(hidden, deterministic=deterministic)
-    if self.kind == "regression":
-      out = out[..., 0]
-    elif choices_shape is not None:
-      out = out.reshape(choices_shape)
+    out = kind.logits(self.head(hidden, deterministic=deterministic), rows_shape)
     return (out, encoded["hidden_states"]) if output_hidden_states else out

@@ -4,7 +4,8 @@ A `Task` turns raw files into examples (`load` a split, `read_file` one file
 to predict on), examples into fixed-shape numpy features (`featurize`), and
 the model's raw head outputs back into predictions and official metrics
 (`predict`, `evaluate`). The fine-tuning loop
-only needs this interface and `Task.kind` to pick the head and the loss.
+only needs this interface and `Task.kind`, the name of the kind whose class
+(`bert_jax.tasks.kinds.TASK_KINDS`) gives the head and the loss.
 
 Features are a dict of numpy arrays padded to `max_len`, in the example order
 (SQuAD windows and over-long CoNLL sentences give several features per
@@ -44,7 +45,9 @@ all features, stacked in feature order (strip any batch padding first):
 `predict` returns, per kind: classification a label string per example;
 regression a float per example; span {question id: answer text} ("" is no
 answer); multiple_choice the chosen index per example; tagging a tag list per
-sentence. GLUE tasks write test predictions with `write_submission`.
+sentence. `submission_text` writes predictions in the task's official format
+(GLUE's TSV, SQuAD's JSON, CoNLL lines); GLUE tasks write test predictions with
+`write_submission`.
 
 All metrics are reported on the 0-100 scale of the papers' tables
 (correlations as 100 * r); thresholds are in logit units.
@@ -57,12 +60,11 @@ import codecs
 import dataclasses
 import json
 import pathlib
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import tokenizers
 
-TaskKind = Literal["classification", "regression", "span", "multiple_choice", "tagging"]
 Offsets = list[tuple[int, int]]
 
 
@@ -153,7 +155,7 @@ class Task(abc.ABC):
 
   Attributes:
     name: registry name, e.g. "glue/mrpc".
-    kind: which head and loss the loop uses (see `TaskKind`).
+    kind: the name of its kind in `bert_jax.tasks.kinds.TASK_KINDS`, whose class gives the head and the loss.
     labels: label strings in id order (tag set for tagging; empty for
       regression, span and multiple choice).
     metric_names: keys of the dict `evaluate` returns that tables show.
@@ -163,7 +165,7 @@ class Task(abc.ABC):
   """
 
   name: str
-  kind: TaskKind
+  kind: str
   labels: tuple[str, ...] = ()
   metric_names: tuple[str, ...] = ()
   selection_metric: str = ""
@@ -174,13 +176,11 @@ class Task(abc.ABC):
   def num_labels(self) -> int:
     """Width of the head's output per row, per choice or per token.
 
-    Classification and tagging: one logit per label; span: start and end
-    logits per token; regression and multiple choice: one score per row or
-    per choice.
+    One logit per label (classification, tagging), or one score where the task
+    has no labels (regression, multiple choice); span extraction overrides it
+    (start and end logits per token).
     """
-    if self.kind in ("classification", "tagging"):
-      return len(self.labels)
-    return 2 if self.kind == "span" else 1
+    return len(self.labels) or 1
 
   @abc.abstractmethod
   def load(self, data_dir: str | pathlib.Path, split: str) -> list[Any]:
@@ -204,6 +204,10 @@ class Task(abc.ABC):
   def evaluate(self, outputs: np.ndarray, features: dict[str, np.ndarray],
                examples: Sequence[Any]) -> dict[str, float]:
     """Official metrics of the predictions against the examples' gold labels."""
+
+  def submission_text(self, examples: Sequence[Any], predictions: Any) -> str:
+    """`predict`'s output for `examples` as the file the task's official evaluation reads."""
+    raise NotImplementedError(f"{self.name} has no submission format")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,10 +74,12 @@ from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks import metrics as task_metrics
 from bert_jax.tasks.base import Task
+from bert_jax.tasks.batching import BatchMaker, fitted_max_len, padded_length, trim_features
 from bert_jax.tasks.glue import GlueTask
 from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model,
                                            device_fields, frozen_encoder_optimizer, load_initial_model,
-                                           merge_initial_params, task_tokenizer)
+                                           merge_initial_params, task_model, task_tokenizer)
+from bert_jax.tasks.inference import load_for_inference
 from bert_jax.tasks.registry import get_task
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
@@ -92,7 +94,6 @@ SELECTIONS = ("best", "last")
 RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
 MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer")
-_LENGTH_MULTIPLE = 8
 # A seed's resumable training state (params, optimizer state, step, selection so far), while it is unfinished.
 STATE_FOLDER = "state"
 
@@ -160,37 +161,6 @@ def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict)
   return initial.replace(**{name: overrides.get(name) for name in MODEL_OVERRIDES if overrides.get(name) is not None})
 
 
-def fitted_max_len(max_len: int, model_config: ModelConfig) -> int:
-  """config.max_len, cut to the positions the model has (a small pre-trained model has fewer than 128)."""
-  positions = model_config.max_position_embeddings - model_config.position_offset
-  if max_len <= positions:
-    return max_len
-  log.warning("config.max_len=%d exceeds the model's %d positions: inputs are cut to %d tokens "
-              "(set --config.max_len to choose a shorter length)", max_len, positions, positions)
-  return positions
-
-
-def _token_axis(kind: str) -> int:
-  return 2 if kind == "multiple_choice" else 1
-
-
-def trim_features(features: dict[str, np.ndarray], kind: str, max_len: int, seq_len: int) -> dict[str, np.ndarray]:
-  """Cuts every per-token array from max_len to seq_len tokens (only padding is removed)."""
-  axis = _token_axis(kind)
-  trimmed = {}
-  for key, value in features.items():
-    if value.ndim > axis and value.shape[axis] == max_len:
-      value = np.take(value, np.arange(seq_len), axis=axis)
-    trimmed[key] = value
-  return trimmed
-
-
-def padded_length(feature_sets: Sequence[dict[str, np.ndarray]], max_len: int) -> int:
-  """The longest row of all feature sets, rounded up to a multiple of 8, at most max_len."""
-  longest = max(int(features["lengths"].max()) for features in feature_sets)
-  return min(max_len, -(-longest // _LENGTH_MULTIPLE) * _LENGTH_MULTIPLE)
-
-
 @dataclasses.dataclass
 class EvalSet:
   """One evaluation split: its examples and (trimmed) features."""
@@ -198,31 +168,6 @@ class EvalSet:
   split: str
   examples: list[Any]
   features: dict[str, np.ndarray]
-
-
-class BatchMaker:
-  """Fixed-shape host batches from feature arrays; rows past the data are weight-0 padding.
-
-  Each process builds the whole global batch's row indices and keeps its own
-  contiguous slice, which `global_batch` assembles into global arrays.
-  """
-
-  def __init__(self, fields: Sequence[str], batch_size: int, mesh):
-    self.fields = tuple(fields)
-    self.batch_size = batch_size
-    self.mesh = mesh
-    rows_per_process = batch_size // jax.process_count()
-    self.local_rows = slice(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
-
-  def __call__(self, features: dict[str, np.ndarray], rows: np.ndarray, seed: int) -> dict[str, jax.Array]:
-    """Global batch of `rows` of `features` (fewer rows than batch_size are padded)."""
-    real = len(rows)
-    padded_rows = np.concatenate([rows, np.zeros(self.batch_size - real, rows.dtype)])[self.local_rows]
-    weights = (np.arange(self.batch_size) < real).astype(np.float32)[self.local_rows]
-    local = {field: features[field][padded_rows] for field in self.fields}
-    local["weights"] = weights
-    local["seed"] = np.full(len(padded_rows), seed, np.int32)
-    return sharding_lib.global_batch(local, self.mesh)
 
 
 def predict_outputs(predict_step, params, features: dict[str, np.ndarray], make_batch: BatchMaker) -> np.ndarray:
@@ -746,19 +691,6 @@ def _distillation(config: ml_collections.ConfigDict, task: Task, student: Finetu
   return objective, (objective.teacher, loaded.params)
 
 
-def task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task):
-  """The model `config` fine-tunes on `task`, fake-quantised to int8 with `quant.qat` (a run written before
-  `top_bilstm` or `quant` existed has neither)."""
-  feature = config.feature_based
-  model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
-                      feature.head_size, feature.head_layers, feature.dropout, bool(config.get("top_bilstm", False)))
-  if config.get("quant", {}).get("qat", False):
-    from bert_jax.models import quantization  # noqa: PLC0415 - Qwix (the `quant` extra) only where asked for
-
-    model = quantization.qat_model(model)
-  return model
-
-
 def _test_splits(task: Task) -> tuple[str, ...]:
   return tuple(task.spec.submissions) if isinstance(task, GlueTask) else ("test",)
 
@@ -779,8 +711,6 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   Returns:
     {seed: {split: metrics}} for dev, {seed: {split: written file}} for test.
   """
-  from bert_jax.tasks.inference import load_for_inference  # noqa: PLC0415 - it builds on this module
-
   if split not in ("dev", "test"):
     raise ValueError(f"split must be 'dev' or 'test', got {split!r}")
   model = load_for_inference(workdir, seeds[0] if seeds else None)

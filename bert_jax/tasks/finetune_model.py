@@ -1,8 +1,9 @@
 """Fine-tuning models, losses and starting points.
 
-  FinetuneObjective   one task kind's loss behind the train step's interface
-                      (`bert_jax.train.step`): prepare / denominators /
-                      forward, plus `predict` for the head's raw outputs.
+  FinetuneObjective   one task kind's loss (`bert_jax.tasks.kinds`) behind the
+                      train step's interface (`bert_jax.train.step`): prepare /
+                      denominators / forward, plus `predict` for the head's raw
+                      outputs.
   FeatureBasedTagger  BERT's feature-based mode: a frozen encoder whose chosen
                       layers are concatenated and fed to a small trained head.
   load_initial_model  the encoder (and any reusable head) to start from: a
@@ -15,10 +16,8 @@ the last batch) and `seed` int32 [B] (the run's seed on every row, so one
 compiled step serves every seed of a multi-seed run). The head analyses
 (`bert_jax.analysis.heads`) add `head_mask` float [layers, heads], the heads' gates.
 
-Losses are sums over the batch (the step divides once by `denominators`):
-classification and multiple choice cross-entropy per example, regression
-squared error per example, span (start CE + end CE) / 2 per window, tagging
-cross-entropy per labelled word piece (-1 labels are ignored).
+Losses are sums over the batch (the step divides once by `denominators`), each
+kind's own (`bert_jax.tasks.kinds`).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 
@@ -42,9 +42,10 @@ from bert_jax.models import Encoder, FinetuneModel, ModelConfig
 from bert_jax.models import Dropout
 from bert_jax.models.encoder import apply_with_scores
 from bert_jax.models.recurrent import BiLSTM
-from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, TaskKind, TaskTokenizer
+from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, Task, TaskTokenizer
+from bert_jax.tasks.kinds import TaskKind, task_kind
 from bert_jax.train import checkpoint as checkpoint_lib
-from bert_jax.train.losses import cross_entropy_sums, dropout_key
+from bert_jax.train.losses import dropout_key
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -55,15 +56,11 @@ RUN_FILE = "finetune_run.json"
 # (`bert_jax.models.quantization`).
 QUANTIZATION_FILE = "quantization.json"
 FEATURE_HEADS = ("bilstm", "mlp")
-_LABEL_FIELDS: dict[str, tuple[str, ...]] = {
-    "classification": ("labels",), "regression": ("labels",), "multiple_choice": ("labels",),
-    "tagging": ("labels",), "span": ("start_positions", "end_positions"),
-}
 
 
-def device_fields(kind: TaskKind) -> tuple[str, ...]:
-  """Feature arrays of `kind` that go to the device (the rest stay on the host for decoding)."""
-  return ("input_ids", "segment_ids", "lengths") + _LABEL_FIELDS[kind]
+def device_fields(kind: str) -> tuple[str, ...]:
+  """Feature arrays of the kind called `kind` that go to the device (the rest stay on the host for decoding)."""
+  return ("input_ids", "segment_ids", "lengths") + task_kind(kind).label_fields
 
 
 class FeatureHead(nn.Module):
@@ -75,6 +72,7 @@ class FeatureHead(nn.Module):
     size: LSTM units per direction, or MLP width.
     num_layers: BiLSTM or MLP layers.
     dropout: dropout on the features and between layers.
+    kernels: `ModelConfig.kernels` of the encoder, which also chooses the dropout's implementation.
   """
 
   num_labels: int
@@ -82,16 +80,17 @@ class FeatureHead(nn.Module):
   size: int
   num_layers: int
   dropout: float
+  kernels: str = "auto"
 
   @nn.compact
   def __call__(self, features_blf: Array, lengths_b: Array, deterministic: bool) -> Array:
-    x_blf = Dropout(self.dropout)(features_blf, deterministic=deterministic)
+    x_blf = Dropout(self.dropout, self.kernels)(features_blf, deterministic=deterministic)
     for layer in range(self.num_layers):
       if self.kind == "bilstm":
         x_blf = BiLSTM(self.size, name=f"bilstm_{layer}")(x_blf, lengths_b)
       else:
         x_blf = nn.gelu(nn.Dense(self.size, name=f"dense_{layer}")(x_blf))
-      x_blf = Dropout(self.dropout)(x_blf, deterministic=deterministic)
+      x_blf = Dropout(self.dropout, self.kernels)(x_blf, deterministic=deterministic)
     return nn.Dense(self.num_labels, name="classifier")(x_blf)
 
 
@@ -121,7 +120,7 @@ class FeatureBasedTagger(nn.Module):
     features_blf = jax.lax.stop_gradient(features_blf)
     lengths_b = jnp.sum(pack_ids > 0, axis=-1) if pack_ids is not None else None
     return FeatureHead(self.num_labels, self.head_kind, self.head_size, self.head_layers, self.head_dropout,
-                       name="head")(features_blf, lengths_b, deterministic)
+                       self.config.kernels, name="head")(features_blf, lengths_b, deterministic)
 
 
 def frozen_encoder_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -143,20 +142,24 @@ class FinetuneObjective:
 
   Attributes:
     model: the Flax module; its params tree is {"encoder", "head"}.
-    kind: the task kind.
+    kind: the task kind's name (`bert_jax.tasks.kinds.TASK_KINDS`).
     single_token_type: zero the segment ids (models with one token type, RoBERTa).
     num_choices: choices per example (multiple choice only).
   """
 
   model: nn.Module
-  kind: TaskKind
+  kind: str
   single_token_type: bool = False
   num_choices: int = 0
   weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"task": 1.0})
 
+  @property
+  def task_kind(self) -> TaskKind:
+    return task_kind(self.kind)
+
   def example_batch(self, rows: int, seq_len: int) -> dict[str, Array]:
     """A batch of the device fields' shapes (zeros), to initialise the model and trace the steps."""
-    shape = (rows, self.num_choices) if self.kind == "multiple_choice" else (rows,)
+    shape = self.task_kind.row_shape(rows, self.num_choices)
     tokens = jnp.zeros(shape + (seq_len,), jnp.int32)
     return {"input_ids": tokens, "segment_ids": tokens,
             "lengths": jnp.full(shape, seq_len, jnp.int32), "weights": jnp.ones((rows,), jnp.float32),
@@ -171,19 +174,8 @@ class FinetuneObjective:
       inputs["segment_ids"] = jnp.zeros_like(batch["segment_ids"])
     return inputs
 
-  def _loss_weights(self, inputs: dict[str, Array]) -> Array:
-    """Float32 weight per loss item: [B] per example, [B, L] per token for tagging."""
-    rows = inputs["weights"].astype(jnp.float32)
-    if self.kind == "regression":
-      return rows * jnp.isfinite(inputs["labels"])
-    if self.kind == "tagging":
-      return rows[:, None] * (inputs["labels"] >= 0)
-    if self.kind == "span":
-      return rows
-    return rows * (inputs["labels"] >= 0)
-
   def denominators(self, inputs: dict[str, Array]) -> dict[str, Array]:
-    return {"task": jnp.sum(self._loss_weights(inputs))}
+    return {"task": jnp.sum(self.task_kind.loss_weights(inputs))}
 
   def _apply(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool, **kwargs) -> Any:
     rngs = {"dropout": dropout_key(jax.random.fold_in(rng, inputs["seed"][0]))} if train and rng is not None else {}
@@ -192,38 +184,20 @@ class FinetuneObjective:
     return self.model.apply({"params": params}, inputs["input_ids"], segment_ids=inputs["segment_ids"],
                             pack_ids=inputs["pack_ids"], deterministic=not train, rngs=rngs, **gates, **kwargs)
 
-  def _span_logits(self, outputs: tuple[Array, Array], inputs: dict[str, Array]) -> Array:
-    """(start [B, L], end [B, L]) -> float32 [B, L, 2] with padding at the float32 minimum."""
-    logits_bl2 = jnp.stack(outputs, axis=-1).astype(jnp.float32)
-    return jnp.where(inputs["pack_ids"][..., None] > 0, logits_bl2, jnp.finfo(jnp.float32).min)
-
   def forward(self, params: Params, inputs: dict[str, Array], rng: Array | None, train: bool) -> dict[str, Array]:
     """task_loss (and task_correct, except for regression) summed over the batch."""
     return self.terms(self._apply(params, inputs, rng, train), inputs)
 
   def terms(self, outputs: Any, inputs: dict[str, Array]) -> dict[str, Array]:
     """The loss sums of the head's outputs."""
-    weights = self._loss_weights(inputs)
-    if self.kind == "regression":
-      targets = jnp.where(jnp.isfinite(inputs["labels"]), inputs["labels"], 0.0)
-      return {"task_loss": jnp.sum(jnp.square(outputs.astype(jnp.float32) - targets) * weights)}
-    if self.kind == "span":
-      logits_bl2 = self._span_logits(outputs, inputs)
-      start_loss, _ = cross_entropy_sums(logits_bl2[..., 0], inputs["start_positions"], weights, "off")
-      end_loss, _ = cross_entropy_sums(logits_bl2[..., 1], inputs["end_positions"], weights, "off")
-      both_correct = ((jnp.argmax(logits_bl2[..., 0], -1) == inputs["start_positions"])
-                      & (jnp.argmax(logits_bl2[..., 1], -1) == inputs["end_positions"]))
-      return {"task_loss": (start_loss + end_loss) / 2, "task_correct": jnp.sum(both_correct * weights)}
-    # Rows of a few labels (or one window's positions): narrower than any fast path's rows.
-    loss, correct = cross_entropy_sums(outputs, jnp.maximum(inputs["labels"], 0), weights, "off")
-    return {"task_loss": loss, "task_correct": correct}
+    return self.task_kind.terms(outputs, inputs)
 
   # What distillation (`bert_jax.train.distill.Distillation`) reads of a student or teacher.
 
   @property
   def soft_regression(self) -> bool:
     """Whether the soft target is a value to match (squared error) rather than a distribution."""
-    return self.kind == "regression"
+    return self.task_kind.soft_regression
 
   def distill_outputs(self, params: Params, inputs: dict[str, Array], rng: Array | None,
                       train: bool, attention_scores: bool = False) -> dict[str, Any]:
@@ -233,19 +207,16 @@ class FinetuneObjective:
       raise ValueError("distillation needs full fine-tuning; config.feature_based.layers freezes the encoder")
     (outputs, hidden_states), scores = apply_with_scores(self._apply, self.model.config, attention_scores)(
         params, inputs, rng, train, output_hidden_states=True)
-    soft_logits = jnp.swapaxes(self._span_logits(outputs, inputs), 1, 2) if self.kind == "span" else outputs
-    return {"terms": self.terms(outputs, inputs), "soft_logits": soft_logits, "hidden_states": hidden_states,
-            **scores}
+    return {"terms": self.terms(outputs, inputs), "soft_logits": self.task_kind.soft_logits(outputs, inputs),
+            "hidden_states": hidden_states, **scores}
 
   def soft_weights(self, inputs: dict[str, Array]) -> Array:
     """The weight of each soft prediction: `soft_logits`' leading shape (span: start and end of each window)."""
-    weights = self._loss_weights(inputs)
-    return jnp.stack([weights, weights], axis=-1) if self.kind == "span" else weights
+    return self.task_kind.soft_weights(inputs)
 
   def row_weights(self, inputs: dict[str, Array]) -> Array:
     """[rows] the weight of each encoder row ([N * C] for multiple choice)."""
-    rows = inputs["weights"].astype(jnp.float32)
-    return jnp.repeat(rows, self.num_choices) if self.kind == "multiple_choice" else rows
+    return self.task_kind.row_weights(inputs, self.num_choices)
 
   def token_weights(self, inputs: dict[str, Array]) -> Array:
     """[rows, L] the weight of each encoder token: its row's on real tokens, 0 on padding."""
@@ -254,10 +225,7 @@ class FinetuneObjective:
 
   def predict(self, params: Params, inputs: dict[str, Array]) -> Array:
     """The head's raw float32 outputs in `Task.evaluate`'s layout (span: [B, L, 2])."""
-    outputs = self._apply(params, inputs, None, False)
-    if self.kind == "span":
-      return self._span_logits(outputs, inputs)
-    return outputs.astype(jnp.float32)
+    return self.task_kind.predictions(self._apply(params, inputs, None, False), inputs)
 
   def init_variables(self, rng: Array, batch: dict[str, Array]) -> Any:
     """Boxed variables (params with logical axes) from a batch of the right shapes."""
@@ -407,7 +375,7 @@ def merge_initial_params(initialised: Params, loaded: Params) -> tuple[Params, l
   return merged, reused, fresh
 
 
-def build_model(config: ModelConfig, kind: TaskKind, num_labels: int, feature_layers: Sequence[int] = (),
+def build_model(config: ModelConfig, kind: str, num_labels: int, feature_layers: Sequence[int] = (),
                 feature_head: str = "bilstm", feature_head_size: int = 768, feature_head_layers: int = 2,
                 feature_dropout: float = 0.1, top_bilstm: bool = False) -> nn.Module:
   """`FinetuneModel` (with a BiLSTM under its head when `top_bilstm`), or `FeatureBasedTagger` when
@@ -422,7 +390,7 @@ def build_model(config: ModelConfig, kind: TaskKind, num_labels: int, feature_la
   if top_bilstm:
     raise ValueError("config.top_bilstm adds a BiLSTM in full fine-tuning; feature-based mode has its own head "
                      "(config.feature_based.head)")
-  if kind != "tagging":
+  if not task_kind(kind).feature_based:
     raise ValueError(f"config.feature_based.layers is set, but feature-based mode serves tagging tasks "
                      f"(BERT's NER comparison), not {kind}")
   if feature_head not in FEATURE_HEADS:
@@ -433,3 +401,16 @@ def build_model(config: ModelConfig, kind: TaskKind, num_labels: int, feature_la
                      f"[{-(config.num_layers + 1)}, {config.num_layers}] for {config.num_layers} layers")
   return FeatureBasedTagger(config, num_labels, tuple(feature_layers), feature_head, feature_head_size,
                             feature_head_layers, feature_dropout)
+
+
+def task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, task: Task) -> nn.Module:
+  """The model `config` fine-tunes on `task`, fake-quantised to int8 with `quant.qat` (a run written before
+  `top_bilstm` or `quant` existed has neither)."""
+  feature = config.feature_based
+  model = build_model(model_config, task.kind, task.num_labels, tuple(feature.layers), feature.head,
+                      feature.head_size, feature.head_layers, feature.dropout, bool(config.get("top_bilstm", False)))
+  if config.get("quant", {}).get("qat", False):
+    from bert_jax.models import quantization  # noqa: PLC0415 - Qwix (the `quant` extra) only where asked for
+
+    model = quantization.qat_model(model)
+  return model

@@ -257,7 +257,7 @@ class GlueTask(Task):
   def __init__(self, spec: GlueSpec):
     self.spec = spec
     self.name = f"glue/{spec.name}"
-    self.kind = "classification" if spec.labels else "regression"
+    self.kind = "classification" if spec.labels else "regression"  # STS-B alone scores (it names no labels)
     self.labels = spec.labels
     self.metric_names = spec.metric_names
     self.selection_metric = spec.selection_metric
@@ -328,7 +328,7 @@ class GlueTask(Task):
       ids_b, _ = tokenizer.tokenize_with_offsets([e.text_b or "" for e in examples])
     features = encode_segments(ids_a, ids_b, tokenizer, max_len)
     features["example_index"] = np.arange(len(examples), dtype=np.int32)
-    if self.kind == "classification":
+    if self.labels:
       label_ids = {label: i for i, label in enumerate(self.labels)}
       features["labels"] = np.array([label_ids[e.label] if e.label is not None else -1 for e in examples],
                                     np.int32)
@@ -338,7 +338,7 @@ class GlueTask(Task):
     return features
 
   def _predicted_ids_or_scores(self, outputs: np.ndarray, features: dict[str, np.ndarray]) -> np.ndarray:
-    if self.kind == "classification":
+    if self.labels:
       return np.argmax(check_outputs(outputs, features, (len(self.labels),)), axis=-1)
     outputs = np.asarray(outputs)
     return check_outputs(outputs, features, (1,) if outputs.ndim == 2 else ()).reshape(-1)
@@ -347,7 +347,7 @@ class GlueTask(Task):
               examples: Sequence[TextPairExample]) -> list[str | float]:
     """Label strings (classification) or scores (STS-B), one per example."""
     values = self._predicted_ids_or_scores(outputs, features)
-    if self.kind == "classification":
+    if self.labels:
       return [self.labels[i] for i in values]
     return [float(v) for v in values]
 
@@ -398,7 +398,7 @@ class GlueTask(Task):
     """GLUE's `index\\tprediction` rows (scores to 3 decimals) for `predict`'s output on `examples`."""
     rows = ["index\tprediction"]
     for example, prediction in zip(examples, predictions):
-      value = f"{prediction:.3f}" if self.kind == "regression" else str(prediction)
+      value = str(prediction) if self.labels else f"{prediction:.3f}"
       rows.append(f"{example.guid}\t{value}")
     return "\n".join(rows) + "\n"
 

@@ -36,9 +36,10 @@ from bert_jax.models import ModelConfig
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.base import Task, TaskTokenizer
-from bert_jax.tasks.finetune import BatchMaker, task_model, fitted_max_len
-from bert_jax.tasks.finetune_model import (QUANTIZATION_FILE, RUN_FILE, FinetuneObjective, build_model,
+from bert_jax.tasks.batching import BatchMaker, fitted_max_len
+from bert_jax.tasks.finetune_model import (QUANTIZATION_FILE, RUN_FILE, FinetuneObjective, build_model, task_model,
                                            task_tokenizer)
+from bert_jax.tasks.kinds import task_kind
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train.step import Partitioning, make_predict_step
@@ -140,8 +141,8 @@ class InferenceModel:
                       progress: progress_lib.Progress | None = None) -> np.ndarray:
     """The head's raw outputs for every feature row, in feature order, as `Task.predict` takes them.
 
-    Per-token outputs (span, tagging) come back at the features' full length: span positions past a row's
-    bucket at the float32 minimum (never an answer), tagging ones at 0 (never read: they hold no word).
+    Per-token outputs come back at the features' full length, the positions past a row's bucket at the kind's
+    `TaskKind.token_output_fill` (span: the float32 minimum, never an answer; tagging: 0, never read).
 
     Args:
       features: `featurize`'s output (any length up to max_len).
@@ -156,14 +157,14 @@ class InferenceModel:
     make_batch = BatchMaker(_TOKEN_FIELDS, batch_size, self.partitioning.mesh)
     token_axis = features["input_ids"].ndim - 1
     full_length = features["input_ids"].shape[-1]
+    fill = task_kind(self.task.kind).token_output_fill
     outputs: np.ndarray | None = None
     pending = None
 
     def collect(rows, length, device_outputs):
       nonlocal outputs
       values = np.asarray(device_outputs)[:len(rows)]
-      if self.task.kind in ("span", "tagging"):
-        fill = np.finfo(np.float32).min if self.task.kind == "span" else 0.0
+      if fill is not None:  # per-token outputs
         widths = [(0, 0)] * values.ndim
         widths[1] = (0, full_length - length)
         values = np.pad(values, widths, constant_values=fill)

@@ -357,3 +357,12 @@ class Conll2003Task(Task):
                examples: Sequence[TaggedSentence]) -> dict[str, float]:
     """conlleval chunk-level precision, recall, F1 (and F1 per type), in percent."""
     return conll_f1(self.predict(outputs, features, examples), [s.tags for s in examples])
+
+  def submission_text(self, examples: Sequence[TaggedSentence], predictions: Sequence[Sequence[str]]) -> str:
+    """CoNLL lines of `word tag`, a blank line after each sentence, -DOCSTART- before each document."""
+    lines = []
+    for index, (sentence, tags) in enumerate(zip(examples, predictions)):
+      if index == 0 or sentence.document_index != examples[index - 1].document_index:
+        lines += ["-DOCSTART- O", ""]
+      lines += [f"{word} {tag}" for word, tag in zip(sentence.words, tags)] + [""]
+    return "\n".join(lines)

@@ -30,43 +30,24 @@ import numpy as np
 
 from bert_jax import progress as progress_lib
 from bert_jax.tasks.base import Task
-from bert_jax.tasks.glue import GlueTask
 from bert_jax.tasks.inference import length_buckets, load_for_inference
+from bert_jax.tasks.kinds import task_kind
 
 FORMATS = ("jsonl", "submission")
 
 
 def prediction_records(task: Task, predictions: Any, outputs: np.ndarray, examples: Sequence[Any]) -> list[dict]:
-  """One JSON-ready record per example (see the module docstring), in example order."""
-  if task.kind == "classification":
-    logits = outputs - outputs.max(axis=-1, keepdims=True)
-    probabilities = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
-    return [{"id": example.guid, "label": label,
-             "probabilities": {name: round(float(p), 6) for name, p in zip(task.labels, row)}}
-            for example, label, row in zip(examples, predictions, probabilities)]
-  if task.kind == "regression":
-    return [{"id": example.guid, "score": score} for example, score in zip(examples, predictions)]
-  if task.kind == "multiple_choice":
-    return [{"id": example.guid, "choice": choice} for example, choice in zip(examples, predictions)]
-  if task.kind == "span":
-    return [{"id": example.qid, "answer": predictions[example.qid]} for example in examples]
-  return [{"words": list(sentence.words), "tags": tags} for sentence, tags in zip(examples, predictions)]
+  """One JSON-ready record per example (see the module docstring; its kind's `TaskKind.records`), in example
+  order."""
+  return task_kind(task.kind).records(task.labels, predictions, outputs, examples)
 
 
 def submission_text(task: Task, predictions: Any, examples: Sequence[Any]) -> str:
-  """The task's submission file for `predictions` (see the module docstring)."""
-  if isinstance(task, GlueTask):
+  """The task's submission file for `predictions` (see the module docstring; `Task.submission_text`)."""
+  try:
     return task.submission_text(examples, predictions)
-  if task.kind == "span":
-    return json.dumps(predictions, indent=1, ensure_ascii=False) + "\n"
-  if task.kind == "tagging":
-    lines = []
-    for index, (sentence, tags) in enumerate(zip(examples, predictions)):
-      if index == 0 or sentence.document_index != examples[index - 1].document_index:
-        lines += ["-DOCSTART- O", ""]
-      lines += [f"{word} {tag}" for word, tag in zip(sentence.words, tags)] + [""]
-    return "\n".join(lines)
-  raise ValueError(f"--format submission: {task.name} has no submission format; use --format jsonl")
+  except NotImplementedError as error:
+    raise ValueError(f"--format submission: {error}; use --format jsonl") from None
 
 
 def predict_file(workdir: str, input_path: str, output_path: str, seed: int | None = None,

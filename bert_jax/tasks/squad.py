@@ -446,6 +446,17 @@ class SquadTask(Task):
     return score_squad_v2(decoded, examples, self.null_score_threshold)
 
 
+  @property
+  def num_labels(self) -> int:
+    """Start and end logits per token."""
+    return 2
+
+  def submission_text(self, examples: Sequence[SquadExample], predictions: dict[str, str]) -> str:
+    """The official predictions.json: {question id: answer text} ("" is no answer)."""
+    del examples
+    return json.dumps(predictions, indent=1, ensure_ascii=False) + "\n"
+
+
 def score_squad_v1(predictions: dict[str, str], examples: Sequence[SquadExample]) -> dict[str, float]:
   """evaluate-v1.1.py: exact match and F1 in percent; missing predictions score 0."""
   exact = f1 = 0.0
