@@ -318,7 +318,7 @@ def pretrain_phase(config, row_dir: epath.Path, cross: Sequence[tuple[str, str]]
   return state
 
 
-def finetune_config(table: Table, row: Row, task: suite_lib.Task, lr: float, model_dir: epath.Path,
+def finetune_config(table: Table, row: Row, task: suite_lib.SuiteTask, lr: float, model_dir: epath.Path,
                     data_dirs: dict[str, str]):
   suite = table.suite
   if task.data not in data_dirs:

@@ -28,7 +28,7 @@ GPU_TRAIN_EXAMPLES = 6000
 
 
 @dataclasses.dataclass(frozen=True)
-class Task:
+class SuiteTask:
   """One downstream column.
 
   Attributes:
@@ -48,25 +48,25 @@ class Task:
 
 
 GLUE = {
-    "mnli_m": Task("mnli_m", "finetune/glue.py:task=mnli", "accuracy", "dev_matched", label="MNLI-m (Acc)"),
-    "qnli": Task("qnli", "finetune/glue.py:task=qnli", "accuracy", label="QNLI (Acc)"),
-    "qqp": Task("qqp", "finetune/glue.py:task=qqp", "accuracy", label="QQP (Acc)"),
-    "mrpc": Task("mrpc", "finetune/glue.py:task=mrpc", "accuracy", label="MRPC (Acc)"),
-    "sst2": Task("sst2", "finetune/glue.py:task=sst2", "accuracy", label="SST-2 (Acc)"),
-    "cola": Task("cola", "finetune/glue.py:task=cola", "mcc", label="CoLA (MCC)"),
-    "stsb": Task("stsb", "finetune/glue.py:task=stsb", "spearman", label="STS-B (Spearman)"),
-    "rte": Task("rte", "finetune/glue.py:task=rte", "accuracy", label="RTE (Acc)"),
+    "mnli_m": SuiteTask("mnli_m", "finetune/glue.py:task=mnli", "accuracy", "dev_matched", label="MNLI-m (Acc)"),
+    "qnli": SuiteTask("qnli", "finetune/glue.py:task=qnli", "accuracy", label="QNLI (Acc)"),
+    "qqp": SuiteTask("qqp", "finetune/glue.py:task=qqp", "accuracy", label="QQP (Acc)"),
+    "mrpc": SuiteTask("mrpc", "finetune/glue.py:task=mrpc", "accuracy", label="MRPC (Acc)"),
+    "sst2": SuiteTask("sst2", "finetune/glue.py:task=sst2", "accuracy", label="SST-2 (Acc)"),
+    "cola": SuiteTask("cola", "finetune/glue.py:task=cola", "mcc", label="CoLA (MCC)"),
+    "stsb": SuiteTask("stsb", "finetune/glue.py:task=stsb", "spearman", label="STS-B (Spearman)"),
+    "rte": SuiteTask("rte", "finetune/glue.py:task=rte", "accuracy", label="RTE (Acc)"),
 }
 SQUAD = {
-    "squad1.1_f1": Task("squad1.1_f1", "finetune/squad.py:version=1.1", "f1", data="squad",
-                        label="SQuAD 1.1 (F1)"),
-    "squad2.0_f1": Task("squad2.0_f1", "finetune/squad.py:version=2.0", "best_f1", data="squad",
-                        label="SQuAD 2.0 (F1)"),
+    "squad1.1_f1": SuiteTask("squad1.1_f1", "finetune/squad.py:version=1.1", "f1", data="squad",
+                             label="SQuAD 1.1 (F1)"),
+    "squad2.0_f1": SuiteTask("squad2.0_f1", "finetune/squad.py:version=2.0", "best_f1", data="squad",
+                             label="SQuAD 2.0 (F1)"),
 }
 OTHER = {
-    "conll2003_f1": Task("conll2003_f1", "finetune/ner.py", "f1", data="conll2003", label="CoNLL-2003 NER (F1)"),
+    "conll2003_f1": SuiteTask("conll2003_f1", "finetune/ner.py", "f1", data="conll2003", label="CoNLL-2003 NER (F1)"),
     # RACE has no task in bert_jax/tasks yet: this column fails with that error (a row's other tasks still run).
-    "race": Task("race", "finetune/race.py", "accuracy", data="race", label="RACE (Acc)"),
+    "race": SuiteTask("race", "finetune/race.py", "accuracy", data="race", label="RACE (Acc)"),
 }
 TASKS = {**GLUE, **SQUAD, **OTHER}
 

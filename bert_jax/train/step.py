@@ -47,7 +47,7 @@ class TrainState:
   frozen: Any = None
 
 
-class Task(Protocol):
+class Objective(Protocol):
   """What the step needs from an objective: pre-training's (`objectives`) or fine-tuning's (`FinetuneObjective`)."""
 
   weights: dict[str, float]
@@ -104,7 +104,7 @@ def _split_microbatches(inputs: dict[str, Array], accum_steps: int) -> dict[str,
   return jax.tree.map(split, inputs)
 
 
-def _loss_and_terms(task: Task, params, inputs, rng, denominators, train, frozen=None):
+def _loss_and_terms(task: Objective, params, inputs, rng, denominators, train, frozen=None):
   if frozen is not None:  # Not an argument the gradient is taken of: the frozen model runs forward only.
     inputs = task.with_frozen(jax.lax.stop_gradient(frozen), inputs)
   terms = task.forward(params, inputs, rng, train)
@@ -129,7 +129,7 @@ def _model_params(partitioning: Partitioning, param_shardings: Any) -> Callable[
   return lambda params: jax.tree.map(sharding_lib.GatherOnUse, params, gather_to)
 
 
-def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: Any, *, accum_steps: int,
+def make_train_step(task: Objective, tx: optax.GradientTransformation, schedule: Any, *, accum_steps: int,
                     rng: Array, partitioning: Partitioning, state_shardings: Any, param_norms: bool = False,
                     steps_per_call: int = 1) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
   """Returns `train_step(state, batch) -> (state, metrics)`, jitted with in/out shardings and the state donated.
@@ -259,7 +259,7 @@ def persistent_cache_hits():
     jax.monitoring.unregister_event_listener(listener)
 
 
-def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array]) -> dict[str, Array]:
+def summarize(task: Objective, terms: dict[str, Array], denominators: dict[str, Array]) -> dict[str, Array]:
   """Per-term mean loss and accuracy, plus the counts (for averaging over batches)."""
   metrics = {}
   for name in task.weights:
@@ -270,7 +270,7 @@ def summarize(task: Task, terms: dict[str, Array], denominators: dict[str, Array
   return metrics
 
 
-def make_eval_step(task: Task, partitioning: Partitioning, state_shardings: Any) -> Callable:
+def make_eval_step(task: Objective, partitioning: Partitioning, state_shardings: Any) -> Callable:
   """Returns the jitted `eval_step(params, batch) -> sums` (loss/correct sums and counts per term)."""
   read = _model_params(partitioning, state_shardings.params)
 
