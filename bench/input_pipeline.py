@@ -290,7 +290,7 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
   config.train.steps = steps = calls * per_call
   config.train.log_every = per_call * max(1, calls // 20)
   tail = calls * 3 // 10  # The timed calls: tail .. calls - 2 - trace_calls.
-  loop_ends, run, make_train_step = [], trainer.loop.run, trainer.make_train_step
+  loop_ends = []
   starts, waits, dispatches = [], [], []  # Per call: its start, the wait for its batches, the call's dispatch.
   cpu_waits, cpu_dispatches = [], []  # The main thread's CPU time in each.
   in_flight, depths = collections.deque(maxlen=64), []  # Per call, the calls queued on the device after it.
@@ -357,26 +357,20 @@ def time_loop(config, steps: int, workdir: pathlib.Path, trivial: bool = False,
     if "sampler" in window:
       window["profile"] = window.pop("sampler").stop()
 
-  def timed_run(train_step, state, batches, **kwargs):
-    if kwargs.get("multi_step") is not None:
-      kwargs["multi_step"] = timed(kwargs["multi_step"])
-    try:
-      return run(timed(train_step), state, timed_batches(batches), **kwargs)
-    finally:
-      loop_ends.append(time.perf_counter())
-      if "end" not in window:
-        end_window()
+  def loop_ended():
+    loop_ends.append(time.perf_counter())
+    if "end" not in window:
+      end_window()
 
+  instruments = trainer.loop.Instruments(
+      step=timed, batches=timed_batches, on_loop_end=loop_ended,
+      make_train_step=trivial_step_factory(trainer.make_train_step) if trivial else None)
   meter = CpuMeter().start()
   started = time.perf_counter()
-  trainer.loop.run = timed_run
-  if trivial:
-    trainer.make_train_step = trivial_step_factory(make_train_step)
   gc.callbacks.append(on_gc)
   try:
-    trainer.train_and_evaluate(config, workdir)
+    trainer.train_and_evaluate(config, workdir, instruments=instruments)
   finally:
-    trainer.loop.run, trainer.make_train_step = run, make_train_step
     gc.callbacks.remove(on_gc)
   total_s = time.perf_counter() - started
   meter.stop()

@@ -336,28 +336,33 @@ def _checkpoint(workdir):
 def test_log_steps_fetch_metrics_after_the_next_step_is_dispatched(prepared, tmp_path, monkeypatch):
   """A log step's metrics are read once the following step is on its way (the device stays busy); evaluation,
   checkpoints and the last step read them at once. The logged steps are the same. From the second step on, the
-  setup's objects are frozen out of full garbage collections, and returned to the collector at the end."""
+  setup's objects are frozen out of full garbage collections, and returned to the collector at the end. The step
+  functions and batches are counted through the run's `loop.Instruments`, as a benchmark times them."""
   from bert_jax.train import metrics as metrics_lib
-  dispatched, fetched_at, frozen = [0], [], []
+  dispatched, fetched_at, frozen, read, ended = [0], [], [], [0], []
   before = gc.get_freeze_count()
-  make_train_step = trainer.make_train_step
 
-  def counting_make_train_step(*args, **kwargs):
-    step = make_train_step(*args, **kwargs)
-
+  def counting(step):
     def counted(state, batch):
       dispatched[0] += 1
       frozen.append(gc.get_freeze_count() > before)
       return step(state, batch)
     return counted
 
+  def counting_batches(batches):
+    for batch in batches:
+      read[0] += 1
+      yield batch
+
   fetch = metrics_lib.fetch
-  monkeypatch.setattr(trainer, "make_train_step", counting_make_train_step)
   monkeypatch.setattr(metrics_lib, "fetch",
                       lambda steps: fetched_at.extend([dispatched[0]] * len(steps)) or fetch(steps))
+  instruments = trainer.loop.Instruments(step=counting, batches=counting_batches,
+                                         on_loop_end=lambda: ended.append(dispatched[0]))
   result = trainer.train_and_evaluate(short_config(prepared, steps=9, log_every=2, checkpoint_every=6, eval_every=0),
-                                      tmp_path)
+                                      tmp_path, instruments=instruments)
   assert [h["step"] for h in result["history"]] == [2, 4, 6, 8, 9]
+  assert read == [9] and ended == [9]
   # Steps 1-2 read when step 3 was dispatched, 3-4 at 5, 5-6 at once (checkpoint), 7-8 at 9, then 9 (last).
   assert fetched_at == [3, 3, 5, 5, 6, 6, 9, 9, 9], fetched_at
   assert frozen == [False] + [True] * 8 and gc.get_freeze_count() == 0

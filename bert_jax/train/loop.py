@@ -22,6 +22,7 @@ end of each call.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import signal
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -33,6 +34,19 @@ from bert_jax import progress as progress_lib
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import heap
 from bert_jax.train import metrics as metrics_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruments:
+  """What a benchmark wraps around a pre-training run's loop, so that it times the real loop without patching it:
+  `step` wraps each jitted step function (single and multi-step), `batches` the device batch iterator,
+  `make_train_step` stands in for `step.make_train_step` (same arguments), and `on_loop_end` runs when the loop
+  returns or raises, before the run's writers close."""
+
+  step: Callable[[Callable], Callable] | None = None
+  batches: Callable[[Iterator[Any]], Iterator[Any]] | None = None
+  make_train_step: Callable[..., Callable] | None = None
+  on_loop_end: Callable[[], None] | None = None
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -213,8 +213,10 @@ def unigram_baseline(config, prepared_dir, mesh, objective, tokenizer) -> tuple[
   return tokenizer.convert_ids_to_tokens([most_frequent])[0], float(counts[most_frequent] / max(counts.sum(), 1.0))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
-  """Runs (or resumes) the pre-training experiment `config` in `workdir` (a local folder or `gs://`).
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
+                       instruments: loop.Instruments | None = None) -> dict[str, Any]:
+  """Runs (or resumes) the pre-training experiment `config` in `workdir` (a local folder or `gs://`); a benchmark's
+  `instruments` wrap the loop's step functions and batches.
 
   Returns:
     {"step": final step, "train": last logged train metrics, "eval": last eval
@@ -228,7 +230,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   # One writer a workdir: a second run refuses at once, naming the holder; a killed run's lock does not block.
   lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None
   try:
-    return _train_and_evaluate(config, workdir, primary)
+    return _train_and_evaluate(config, workdir, primary, instruments or loop.Instruments())
   except KeyboardInterrupt:  # Ctrl-C outside the steps (start-up, the last evaluation): one line, as errors are.
     raise InterruptedError(f"stopped by Ctrl-C; {checkpoint_lib.resume_point(checkpoint_lib.complete_steps(workdir))}"
                            f" in {workdir / 'checkpoints'}, where the same command resumes") from None
@@ -334,7 +336,8 @@ def _distillation(config: ml_collections.ConfigDict, objective: objectives.Pretr
   return distillation, (distillation.teacher, teacher_params)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool,
+                        instruments: loop.Instruments) -> dict[str, Any]:
   mesh, partitioning, prepared_dir, tokenizer, model_cfg, objective = _setup(config, workdir)
   teacher = None
   if config.distill.teacher:
@@ -387,12 +390,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   train_iter.start()  # The workers start and the first batches are built while the step compiles.
   step_settings = dict(accum_steps=config.train.accum_steps, rng=step_rng, partitioning=partitioning,
                        state_shardings=state_shardings, param_norms=config.train.log_param_norms)
-  train_step = make_train_step(objective, tx, schedule, **step_settings)
+  make_step = instruments.make_train_step or make_train_step
+  train_step = make_step(objective, tx, schedule, **step_settings)
   # Several steps a call; the single step (compiled only if used) takes those before the first multiple of
   # steps_per_call and after the last one that fits.
   steps_per_call = config.train.steps_per_call
-  multi_step = (make_train_step(objective, tx, schedule, steps_per_call=steps_per_call, **step_settings)
+  multi_step = (make_step(objective, tx, schedule, steps_per_call=steps_per_call, **step_settings)
                 if steps_per_call > 1 else None)
+  if instruments.step:
+    train_step, multi_step = instruments.step(train_step), multi_step and instruments.step(multi_step)
   # Evaluation scores the student's own objective: the teacher's terms need the teacher's outputs.
   eval_objective = objective.student if teacher is not None else objective
   eval_step = make_eval_step(eval_objective, partitioning, state_shardings)
@@ -455,12 +461,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
         stop_line=lambda step: f"stop requested (SIGTERM or Ctrl-C): saved checkpoint at step {step}; exiting")
     try:
       # abandon: Ctrl-C in the loop (on one process, the second), waiting for no write.
+      batches = instruments.batches(train_iter) if instruments.batches else train_iter
       state, step, preempted = loop.run_and_close(
-          train_step, state, train_iter, start_step=start_step, total_steps=total_steps,
+          train_step, state, batches, start_step=start_step, total_steps=total_steps,
           log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
           hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
           multi_step=multi_step, steps_per_call=steps_per_call,
-          closers=lambda abandon: [train_iter.close, writer.close,
+          closers=lambda abandon: [*filter(None, [instruments.on_loop_end]), train_iter.close, writer.close,
                                    checkpointer.abandon if abandon else checkpointer.close])
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
