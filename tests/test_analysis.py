@@ -127,7 +127,8 @@ def tiny_classifier(kernels="off", **overrides):
   import jax
   import jax.numpy as jnp
 
-  from bert_jax.models import FinetuneModel, model_config
+  from bert_jax.models import model_config
+  from bert_jax.tasks.finetune_model import FinetuneModel
   config = model_config("bert", "L3-H64", num_heads=4, vocab_size=97, max_position_embeddings=32,
                         intermediate_size=96, hidden_dropout=0.0, attention_dropout=0.0, kernels=kernels, **overrides)
   model = FinetuneModel(config, "classification", num_labels=3)
@@ -219,7 +220,7 @@ def test_pruned_model_equals_the_masked_model(kernels):
   import jax.numpy as jnp
 
   from bert_jax.analysis import heads
-  from bert_jax.models import FinetuneModel
+  from bert_jax.tasks.finetune_model import FinetuneModel
   config, model, params, ids, pack_ids, _ = tiny_classifier(kernels)
   keep = np.ones((config.num_layers, config.num_heads), bool)
   keep[0, [0, 2]] = keep[1, 3] = keep[2, [0, 1, 2]] = False

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import FinetuneModel, ModelConfig
+from bert_jax.models import ModelConfig
+from bert_jax.tasks.finetune_model import FinetuneModel
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks.finetune_model import FinetuneObjective

@@ -4,8 +4,8 @@ Every import counts, at module level or inside a function (a lazy import is stil
 - no circle between modules;
 - `bert_jax.models` never imports `bert_jax.kernels`: fast paths attach through `models/fast_path.py`'s registry
   (by module name), so the plain model loads no kernel code;
-- `bert_jax.train` never imports `bert_jax.tasks`, `bert_jax.analysis` or `bert_jax.experiments` (pre-training
-  knows nothing of what is done with its models);
+- `bert_jax.models` never imports the training, task, analysis or experiment code, and `bert_jax.train` never
+  imports `bert_jax.tasks`, `bert_jax.analysis` or `bert_jax.experiments` (each knows nothing of its users);
 - nothing in the package imports `bench` (benchmarks use the package, never the other way).
 """
 
@@ -117,6 +117,11 @@ def test_models_reach_kernels_only_through_the_registry(graph):
 @pytest.mark.parametrize("layer", ["bert_jax.tasks", "bert_jax.analysis", "bert_jax.experiments"])
 def test_pre_training_does_not_import_what_uses_it(graph, layer):
   assert _arrows(graph, "bert_jax.train", layer) == []
+
+
+@pytest.mark.parametrize("layer", ["bert_jax.train", "bert_jax.tasks", "bert_jax.analysis", "bert_jax.experiments"])
+def test_the_models_import_none_of_their_users(graph, layer):
+  assert _arrows(graph, "bert_jax.models", layer) == []
 
 
 def test_the_package_never_imports_bench(graph):

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bert_jax.models import (ElectraModel, Encoder, FinetuneModel, PretrainingModel, electra_generator_config,
-                             model_config)
+from bert_jax.models import ElectraModel, Encoder, PretrainingModel, electra_generator_config, model_config
 from bert_jax.models.heads import Pooler
 from bert_jax.models.recurrent import BiLSTM, flax_bilstm, params_from_flax
+from bert_jax.tasks.finetune_model import FinetuneModel
 
 
 def tiny(**overrides):

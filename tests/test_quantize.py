@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from bert_jax import cli
-from bert_jax.models import Encoder, FinetuneModel, ModelConfig
+from bert_jax.models import Encoder, ModelConfig
+from bert_jax.tasks.finetune_model import FinetuneModel
 from bert_jax.models import quantization
 from bert_jax.tasks import finetune as finetune_lib
 from bert_jax.tasks import quantize as quantize_lib

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from bert_jax.kernels import attention as attention_kernels
-from bert_jax.models import FinetuneModel, model_config
+from bert_jax.models import model_config
+from bert_jax.tasks.finetune_model import FinetuneModel
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks.finetune_model import FinetuneObjective
 from bert_jax.train import config_lib, distill, objectives, optim

@@ -229,7 +229,7 @@ def _finetune_state(row_dir: epath.Path, task: str, lr: float, seed: int) -> epa
 # Phases ---------------------------------------------------------------------------------------------------------
 
 # Rows per accelerator, set by `--parallel` for its rows (or beforehand by whoever runs several sweeps on the same
-# accelerators, e.g. bench/reproduce.py): wall times of shared devices say so, and memory is split by it.
+# accelerators, e.g. `bert-jax reproduce run`): wall times of shared devices say so, and memory is split by it.
 SHARING_ENV = "BERT_JAX_ROWS_PER_DEVICE"
 
 

@@ -2,7 +2,7 @@
 
 from bert_jax.models.config import ModelConfig, electra_generator_config, model_config
 from bert_jax.models.encoder import Dropout, Encoder
-from bert_jax.models.model import ElectraModel, FinetuneModel, PretrainingModel
+from bert_jax.models.model import ElectraModel, PretrainingModel
 
 __all__ = ["Dropout", "ModelConfig", "model_config", "electra_generator_config", "Encoder", "PretrainingModel",
-           "ElectraModel", "FinetuneModel"]
+           "ElectraModel"]

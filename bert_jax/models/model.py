@@ -1,19 +1,15 @@
-"""Complete models: encoder + heads for pre-training and fine-tuning.
+"""Complete pre-training models: encoder + heads (the fine-tuning model is `bert_jax.tasks.finetune_model`'s).
 
   PretrainingModel  BERT / RoBERTa / ALBERT / SpanBERT / LTR: MLM at gathered
                     positions, optional NSP/SOP head, optional SBO head.
   ElectraModel      generator + discriminator sharing one embedding table; the
                     discriminator detects replaced tokens, or (ELECTRA's
                     Table 5) predicts the originals: Replace / All-Tokens MLM.
-  FinetuneModel     encoder + one task head, built by its task kind
-                    (`bert_jax.tasks.kinds.TASK_KINDS`).
 
 All take the batch fields of `bert_jax.data.batch` by name.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -21,10 +17,10 @@ import jax.numpy as jnp
 
 from bert_jax.models import heads
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import Embeddings, Encoder, gather_positions
-from bert_jax.models.recurrent import BiLSTM
+from bert_jax.models.encoder import Embeddings, Encoder
 
 Array = jax.Array
+
 
 def head_rows(config: ModelConfig, length: int, positions: dict[str, Array]) -> tuple[Array | None, dict[str, Array]]:
   """The rows the last block computes under `config.sparse_last_layer`, and each head's positions in them.
@@ -177,77 +173,3 @@ class ElectraModel(nn.Module):
       outputs["token_logits"] = self.mlm(disc_hidden, every_position, self.embeddings.attend)
       outputs["copy_logits"] = self.copy(disc_hidden)
     return outputs
-
-
-def _task_kind(name: str) -> Any:
-  """The task kind called `name` (`bert_jax.tasks.kinds`): the head, pooling and output shape the model takes."""
-  # The kinds build on this package's heads: the model reaches their table only when it is built.
-  from bert_jax.tasks.kinds import task_kind as lookup  # noqa: PLC0415
-  return lookup(name)
-
-
-class FinetuneModel(nn.Module):
-  """Encoder + one task head.
-
-  Attributes:
-    config: the encoder.
-    kind: a name in `bert_jax.tasks.kinds.TASK_KINDS`; its class builds the head and shapes the logits.
-    num_labels: classes (classification, tagging); ignored otherwise.
-    top_bilstm: a randomly initialised one-layer BiLSTM between the encoder and the head (hidden/2 units a
-      direction, so the head's input keeps its width): BERT Table 5's "+ BiLSTM" row, for every task kind.
-
-  A left-to-right encoder (`config.causal`) pools its last real token for the kinds whose head reads one position
-  per row (`TaskKind.pooled`), as GPT does: its [CLS] attends to itself alone. With `top_bilstm` the BiLSTM has
-  read the whole row, so [CLS] is pooled. With `config.sparse_last_layer` those kinds' last block computes the
-  pooled row alone (not with `top_bilstm` or `output_hidden_states`, which read every row).
-  """
-
-  config: ModelConfig
-  kind: str
-  num_labels: int = 2
-  top_bilstm: bool = False
-
-  def setup(self):
-    kind = _task_kind(self.kind)
-    self.encoder = Encoder(self.config)
-    if self.top_bilstm:
-      if self.config.hidden_size % 2:
-        raise ValueError(f"top_bilstm needs an even hidden size (half of it a direction), got {self.config.hidden_size}")
-      self.bilstm = BiLSTM(self.config.hidden_size // 2)
-    self.head = kind.head(self.config, self.num_labels)
-
-  def __call__(self, input_ids: Array, *, segment_ids: Array | None = None, position_ids: Array | None = None,
-               pack_ids: Array | None = None, deterministic: bool = True, head_mask: Array | None = None,
-               output_hidden_states: bool = False) -> Any:
-    """input_ids [B, L] ([N, C, L] for multiple choice) -> the head's logits; `head_mask`: `Encoder`'s.
-
-    classification [B, labels]; regression [B]; span (start [B,L], end [B,L]);
-    multiple_choice [N, C]; tagging [B, L, labels]. With `output_hidden_states`, (those logits, the encoder's
-    hidden states: `Encoder`'s, [N * C, L, H] each for multiple choice).
-    """
-    kind = _task_kind(self.kind)
-    rows_shape = input_ids.shape[:-1]
-    input_ids, segment_ids, position_ids, pack_ids = (None if x is None else kind.encoder_rows(x)
-                                                      for x in (input_ids, segment_ids, position_ids, pack_ids))
-    batch, length = input_ids.shape
-    pooled_b1 = None  # the one position a pooled head reads
-    if kind.pooled and not self.top_bilstm:
-      pooled_b1 = jnp.zeros((batch, 1), jnp.int32)
-      if self.config.causal:
-        last_b = (length if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)) - 1
-        pooled_b1 = jnp.broadcast_to(last_b, (batch,))[:, None].astype(jnp.int32)
-    # The last block at the pooled row only (`ModelConfig.sparse_last_layer`): the head reads nothing else.
-    output_positions = None
-    if pooled_b1 is not None and not output_hidden_states:
-      output_positions, _ = head_rows(self.config, length, {"pooled": pooled_b1})
-    encoded = self.encoder(input_ids, segment_ids, position_ids, pack_ids, deterministic=deterministic,
-                           head_mask=head_mask, output_hidden_states=output_hidden_states,
-                           output_positions=output_positions)
-    hidden = encoded["hidden"]
-    if self.top_bilstm:
-      lengths = None if pack_ids is None else jnp.sum(pack_ids > 0, axis=-1)
-      hidden = self.bilstm(hidden.astype(jnp.float32), lengths).astype(hidden.dtype)
-    elif output_positions is None and self.config.causal and pooled_b1 is not None:
-      hidden = gather_positions(hidden, pooled_b1)  # [B, 1, E]
-    out = kind.logits(self.head(hidden, deterministic=deterministic), rows_shape)
-    return (out, encoded["hidden_states"]) if output_hidden_states else out
