@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 
 SCALES = ("paper", "gpu", "tiny")
 # The tasks a `scale=gpu` row fine-tunes: the GLUE tasks with at most ~70k training rows (SST-2's dev carved from
-# its train file, see `bench/reproduce.py`), SQuAD v1.1 (an article split of its dev file) and CoNLL-2003 NER.
+# its train file, see `bert_jax/experiments/carry.py`), SQuAD v1.1 (an article split of its dev file) and CoNLL-2003
+# NER.
 GPU_TASKS = ("cola", "sst2", "mrpc", "stsb", "rte", "squad1.1_f1", "conll2003_f1")
 # Small encoders trained briefly fine-tune best at the top of the BERT grid (Turc et al. 2019 use 1e-4 to 3e-5).
 GPU_LR = 1e-4

@@ -86,7 +86,8 @@ class FinetuneModel(nn.Module):
     self.encoder = Encoder(self.config)
     if self.top_bilstm:
       if self.config.hidden_size % 2:
-        raise ValueError(f"top_bilstm needs an even hidden size (half of it a direction), got {self.config.hidden_size}")
+        raise ValueError("top_bilstm needs an even hidden size (half of it a direction), "
+                         f"got {self.config.hidden_size}")
       self.bilstm = BiLSTM(self.config.hidden_size // 2)
     self.head = kind.head(self.config, self.num_labels)
 

@@ -23,7 +23,7 @@ again replaces the marks of every kind.
 `export_spans` writes a marked corpus' spans into one compressed file and
 `import_spans` adds them to another copy of the same prepared corpus (same
 tokenizer and shards): a machine that keeps nothing between runs marks once
-and carries the file (`bench/reproduce.py`).
+and carries the file (`bert-jax reproduce`).
 """
 
 from __future__ import annotations
