@@ -70,8 +70,6 @@ import numpy as np
 
 from bert_jax import paths
 from bert_jax import progress as progress_lib
-from bert_jax.parallel import distributed
-from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.tasks import metrics as task_metrics
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.batching import BatchMaker, fitted_max_len, padded_length, trim_features
@@ -85,6 +83,7 @@ from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, optim
+from bert_jax.train import run as run_lib
 from bert_jax.train.step import (Partitioning, TrainState, checkpointed, make_predict_step, make_state_init,
                                  make_train_step, persistent_cache_hits)
 
@@ -532,14 +531,7 @@ def _check_workdir_config(workdir: epath.Path, config: ml_collections.ConfigDict
     return
   current = json.loads(json.dumps(config.to_dict(), default=str))
   defaults = json.loads(json.dumps(finetune_defaults().to_dict(), default=str))
-
-  def with_defaults(saved: Any, default: Any) -> Any:
-    if not (isinstance(saved, dict) and isinstance(default, dict)):
-      return saved
-    return {**{key: value for key, value in default.items() if key not in saved},
-            **{key: with_defaults(value, default.get(key)) for key, value in saved.items()}}
-
-  if with_defaults(json.loads(path.read_text()), defaults) != current:
+  if run_lib.with_defaults(defaults, json.loads(path.read_text())) != current:
     raise ValueError(f"{workdir} already holds a fine-tuning run with another config ({path}); "
                      "use a new workdir")
 
@@ -555,24 +547,13 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     best_seed, seq_len, num_params; with a teacher also distill (the config's
     `distill` section).
   """
-  distributed.initialize()
-  workdir = paths.as_path(workdir)
-  primary = jax.process_index() == 0
-  lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None  # One writer a workdir.
-  try:
+  with run_lib.locked(workdir, lambda workdir: f"the seeds finished in {workdir} (seed_<s>/result.json) are kept, "
+                      "and the same command trains the others") as (workdir, primary):
     return _finetune(config, workdir, primary)
-  except KeyboardInterrupt:  # One line, as errors are.
-    raise InterruptedError(f"stopped by Ctrl-C; the seeds finished in {workdir} (seed_<s>/result.json) are kept, "
-                           "and the same command trains the others") from None
-  finally:
-    if lock is not None:
-      lock.release()
 
 
 def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool) -> dict[str, Any]:
-  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
-  validate(config, sharding_lib.data_parallel_size(mesh))
-  partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
+  mesh, partitioning = run_lib.mesh_and_partitioning(config, validate)
   task = get_task(config.task, **config.task_options.to_dict())
   started = time.perf_counter()
   initial = load_initial_model(config.init.model, step=config.init.get("step"), step_key="--config.init.step")
@@ -623,19 +604,14 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              teacher=teacher)
 
   if primary:
-    workdir.mkdir(parents=True, exist_ok=True)
     _check_workdir_config(workdir, config)
-    _write_json(workdir / "config.json", config.to_dict())
-    _write_json(workdir / "model_config.json", dataclasses.asdict(model_config))
-    initial.tokenizer.save(workdir / "tokenizer")
+    run_lib.write_run_files(workdir, config, model_config, initial.tokenizer)
     at_step = f", step {initial.step}" if initial.step is not None else ""
-    print(f"bert_jax finetune: task={task.name} ({task.kind}) init={config.init.model} ({initial.source}{at_step}) "
-          f"params={num_params / 1e6:.2f}M\n  train rows={len(train_features['input_ids'])} "
-          f"seq_len={seq_len} global batch={batch_size} per-host batch={batch_size // jax.process_count()} "
-          f"tokens/step={batch_size * seq_len * max(task.num_choices, 1)} devices={mesh.size} "
-          f"steps={total_steps} seeds={tuple(config.seeds)}\n  workdir={workdir}", flush=True)
-    if teacher is not None:
-      print(f"  distilling from {config.distill.teacher}: loss weights {objective.weights}", flush=True)
+    run_lib.banner("finetune", f"task={task.name} ({task.kind}) init={config.init.model} ({initial.source}{at_step})",
+                   num_params, f"train rows={len(train_features['input_ids'])} seq_len={seq_len} "
+                   f"{run_lib.batch_sizes(batch_size)} tokens/step={batch_size * seq_len * max(task.num_choices, 1)} "
+                   f"devices={mesh.size} steps={total_steps} seeds={tuple(config.seeds)}", workdir,
+                   (config.distill.teacher, objective.weights) if teacher is not None else None)
 
   seeds = list(config.seeds)
   unfinished = [not (workdir / f"seed_{seed}" / "result.json").exists() for seed in seeds]
@@ -716,8 +692,7 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
   model = load_for_inference(workdir, seeds[0] if seeds else None)
   workdir, task = model.source, model.task
   run_info = json.loads((workdir / RUN_FILE).read_text())
-  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  data_dir = data_dir or config.data_dir
+  data_dir = data_dir or run_lib.saved_config(workdir, finetune_defaults()).data_dir
   splits = task.eval_splits if split == "dev" else _test_splits(task)
   eval_sets = []
   for name in splits:

@@ -38,8 +38,8 @@ from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, objectives, optim
-from bert_jax.train.step import (Partitioning, TrainState, checkpointed, create_state, make_eval_step,
-                                 make_train_step)
+from bert_jax.train import run as run_lib
+from bert_jax.train.step import TrainState, checkpointed, create_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -224,27 +224,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     with config.train.report_baseline also "baseline": `unigram_baseline`'s
     (token, accuracy), and a finished run started again is evaluated once.
   """
-  distributed.initialize()
-  workdir = paths.as_path(workdir)
-  primary = jax.process_index() == 0
-  # One writer a workdir: a second run refuses at once, naming the holder; a killed run's lock does not block.
-  lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None
-  try:
+  with run_lib.locked(workdir, _after_ctrl_c) as (workdir, primary):
     return _train_and_evaluate(config, workdir, primary, instruments or loop.Instruments())
-  except KeyboardInterrupt:  # Ctrl-C outside the steps (start-up, the last evaluation): one line, as errors are.
-    raise InterruptedError(f"stopped by Ctrl-C; {checkpoint_lib.resume_point(checkpoint_lib.complete_steps(workdir))}"
-                           f" in {workdir / 'checkpoints'}, where the same command resumes") from None
-  finally:
-    if lock is not None:
-      lock.release()
+
+
+def _after_ctrl_c(workdir: epath.Path) -> str:
+  """What a Ctrl-C outside the steps leaves: the checkpoint the same command resumes from."""
+  return (f"{checkpoint_lib.resume_point(checkpoint_lib.complete_steps(workdir))} in {workdir / 'checkpoints'}, "
+          "where the same command resumes")
 
 
 def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
   """What training and `evaluate_run` share: (mesh, partitioning, prepared corpus, tokenizer, model config,
   objective), every derived value checked."""
-  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
-  validate(config, sharding_lib.data_parallel_size(mesh))
-  partitioning = Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
+  mesh, partitioning = run_lib.mesh_and_partitioning(config, validate)
   prepared_dir = prepare_data(config, workdir)
   corpus = open_prepared(prepared_dir)
   _check_spans(corpus, config.masking.granularity)
@@ -270,13 +263,7 @@ def evaluate_run(workdir: str | os.PathLike, overrides: Sequence[str] = ()) -> d
     `evaluate`'s results.
   """
   workdir = paths.as_path(workdir)
-
-  def merged(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:  # keys newer than the run: defaults
-    return {**defaults, **{key: merged(defaults[key], value) if isinstance(value, dict) and
-                           isinstance(defaults.get(key), dict) else value for key, value in saved.items()}}
-
-  config = ml_collections.ConfigDict(merged(config_lib.pretrain_defaults().to_dict(),
-                                            checkpoint_lib.read_run_config(workdir)))
+  config = run_lib.saved_config(workdir, config_lib.pretrain_defaults())
   config_lib.apply_overrides(config, list(overrides))
   mesh, partitioning, prepared_dir, _, _, objective = _setup(config, workdir)
   dummy = objective.example_batch(config.train.batch_size, config.data.seq_len)
@@ -415,17 +402,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       log.info("dropped %d rows of metrics.jsonl logged after step %d by the interrupted run", dropped, start_step)
   writer = metrics_lib.MetricWriter(workdir, enabled=primary)
   if primary:
-    (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
-    (workdir / "model_config.json").write_text(json.dumps(model_cfg.__dict__, indent=2))
-    (workdir / "environment.json").write_text(json.dumps(_environment(), indent=2))
-    tokenizer.save(workdir / "tokenizer")
-    print(f"bert_jax pretrain: objective={config.objective} model={config.model.family}/{config.model.size} "
-          f"params={num_params / 1e6:.2f}M\n  global batch={config.train.batch_size} per-host batch="
-          f"{config.train.batch_size // jax.process_count()} seq_len={config.data.seq_len} "
-          f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} steps={start_step}->"
-          f"{total_steps}\n  workdir={workdir}", flush=True)
-    if teacher is not None:
-      print(f"  distilling from {config.distill.teacher}: loss weights {objective.weights}", flush=True)
+    # end="" keeps pre-training's run files byte for byte: they end at the closing brace.
+    run_lib.write_run_files(workdir, config, model_cfg, tokenizer, {"environment.json": _environment()}, end="")
+    run_lib.banner("pretrain", f"objective={config.objective} model={config.model.family}/{config.model.size}",
+                   num_params, f"{run_lib.batch_sizes(config.train.batch_size)} seq_len={config.data.seq_len} "
+                   f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} "
+                   f"steps={start_step}->{total_steps}", workdir,
+                   (config.distill.teacher, objective.weights) if teacher is not None else None)
 
   history, eval_results, last_train = [], {}, {}
   progress = progress_lib.Progress(total_steps, "pretrain", initial=start_step) if primary else None

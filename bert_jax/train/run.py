@@ -1,0 +1,103 @@
+"""The scaffold every run shares: pre-training (`trainer`) and fine-tuning (`bert_jax.tasks.finetune`) alike.
+
+  with locked(workdir, interrupted) as (workdir, primary):   # distributed start, the workdir's lock, Ctrl-C
+    mesh, partitioning = mesh_and_partitioning(config, validate)
+    ...
+    if primary:
+      write_run_files(workdir, config, model_config, tokenizer)   # config.json, model_config.json, tokenizer/
+      banner("pretrain", subject, num_params, sizes, workdir)     # what runs, where
+
+`saved_config` reads a run's config back for its evaluation, the keys newer than the run at their defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Iterator
+
+from etils import epath
+import jax
+import ml_collections
+
+from bert_jax import paths
+from bert_jax.models import ModelConfig
+from bert_jax.parallel import distributed
+from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import workdir as workdir_lib
+from bert_jax.train.step import Partitioning
+
+
+@contextlib.contextmanager
+def locked(workdir: str | os.PathLike, interrupted: Callable[[epath.Path], str]
+           ) -> Iterator[tuple[epath.Path, bool]]:
+  """Starts the distributed runtime and holds the workdir's lock (on the primary process) around a run.
+
+  Yields:
+    (the workdir as a path, whether this is the primary process, the one that writes the run's files).
+
+  Raises:
+    InterruptedError: "stopped by Ctrl-C; " and `interrupted(workdir)` (what is kept, how to go on), for a Ctrl-C
+      that the steps' own handling did not take (start-up, the last evaluation).
+  """
+  distributed.initialize()
+  workdir = paths.as_path(workdir)
+  primary = jax.process_index() == 0
+  # One writer a workdir: a second run refuses at once, naming the holder; a killed run's lock does not block.
+  lock = workdir_lib.WorkdirLock.acquire(workdir) if primary else None
+  try:
+    yield workdir, primary
+  except KeyboardInterrupt:  # One line, as errors are.
+    raise InterruptedError(f"stopped by Ctrl-C; {interrupted(workdir)}") from None
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def mesh_and_partitioning(config: ml_collections.ConfigDict, validate: Callable[[ml_collections.ConfigDict, int], None]
+                          ) -> tuple[jax.sharding.Mesh, Partitioning]:
+  """The device mesh of `config.mesh.sizes` and its partitioning by `config.mesh.rules`, once `validate(config,
+  data_parallel)` has checked the derived values (the batch against the mesh's data-parallel size)."""
+  mesh = sharding_lib.create_mesh(dict(config.mesh.sizes))
+  validate(config, sharding_lib.data_parallel_size(mesh))
+  return mesh, Partitioning(mesh, sharding_lib.rules_from_config(config.mesh.rules))
+
+
+def write_run_files(workdir: epath.Path, config: ml_collections.ConfigDict, model_config: ModelConfig, tokenizer: Any,
+                    extra: dict[str, Any] | None = None, *, end: str = "\n") -> None:
+  """Writes what a run's readers need besides its checkpoints: config.json, model_config.json, `extra` ({file name:
+  JSON value}), each as indented JSON followed by `end`, and tokenizer/."""
+  workdir.mkdir(parents=True, exist_ok=True)
+  files = {"config.json": config.to_dict(), "model_config.json": dataclasses.asdict(model_config), **(extra or {})}
+  for name, value in files.items():
+    (workdir / name).write_text(json.dumps(value, indent=2, default=str) + end)
+  tokenizer.save(workdir / "tokenizer")
+
+
+def batch_sizes(batch_size: int) -> str:
+  """The global and per-host batch, as a banner shows them."""
+  return f"global batch={batch_size} per-host batch={batch_size // jax.process_count()}"
+
+
+def banner(command: str, subject: str, num_params: int, sizes: str, workdir: epath.Path,
+           distilling: tuple[str, Any] | None = None) -> None:
+  """Prints a run's start: `bert_jax COMMAND: SUBJECT params=...M`, its sizes (`batch_sizes`, lengths, devices,
+  steps), the workdir, and with `distilling` ((teacher, loss weights)) the teacher it learns from."""
+  print(f"bert_jax {command}: {subject} params={num_params / 1e6:.2f}M\n  {sizes}\n  workdir={workdir}", flush=True)
+  if distilling is not None:
+    teacher, weights = distilling
+    print(f"  distilling from {teacher}: loss weights {weights}", flush=True)
+
+
+def with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+  """A run's saved config (as a dict) with the keys newer than the run at their `defaults`, at every depth."""
+  return {**defaults, **{key: with_defaults(defaults[key], value) if isinstance(value, dict) and
+                         isinstance(defaults.get(key), dict) else value for key, value in saved.items()}}
+
+
+def saved_config(workdir: str | os.PathLike, defaults: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` was started with (its config.json), the keys newer than the run at `defaults`."""
+  return ml_collections.ConfigDict(with_defaults(defaults.to_dict(), checkpoint_lib.read_run_config(workdir)))
