@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from bert_jax.models import fast_path
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.functional import (attention_mask, bias_init, dense_init, gate_heads,  # noqa: F401 (re-exported)
-                                        gather_positions, position_and_constrain, rotary_embedding)
+from bert_jax.models.functional import (attention_mask, bias_init, dense_init, gate_heads, gather_positions,
+                                        position_and_constrain)
 
 Array = jax.Array
 # The mutable collection in which each `SelfAttention` sows its pre-softmax scores [B, heads, Q, L] (float32)

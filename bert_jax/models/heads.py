@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import Dropout, activation, add_bias, bias_init, dense, gather_positions, layer_norm
+from bert_jax.models.encoder import Dropout, activation, add_bias, dense, layer_norm
+from bert_jax.models.functional import bias_init, gather_positions
 
 Array = jax.Array
 
