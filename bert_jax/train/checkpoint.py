@@ -136,10 +136,15 @@ def _checksum(x: jax.Array) -> jax.Array:
   position = jnp.zeros(words.shape, jnp.uint32)
   for axis, size in enumerate(words.shape):
     position = position * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-  mixed = words ^ (position * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15))
+  return _mixed_sum(words, position, jnp)
+
+
+def _mixed_sum(words: Any, position: Any, xp: Any) -> Any:
+  """The uint32 sum of a hash of each (word, row-major position), in `xp` (jax.numpy on device, numpy on host)."""
+  mixed = words ^ (position * xp.uint32(0x9E3779B9) + xp.uint32(0x7F4A7C15))
   for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):  # MurmurHash3's finaliser: a bijection
-    mixed = (mixed ^ (mixed >> shift)) * jnp.uint32(multiplier)
-  return jnp.sum(mixed ^ (mixed >> 16), dtype=jnp.uint32)
+    mixed = (mixed ^ (mixed >> xp.uint32(shift))) * xp.uint32(multiplier)
+  return xp.sum(mixed ^ (mixed >> xp.uint32(16)), dtype=xp.uint32)
 
 
 _checksums_jit = jax.jit(lambda leaves: [_checksum(leaf) for leaf in leaves])
@@ -147,17 +152,13 @@ _checksums_jit = jax.jit(lambda leaves: [_checksum(leaf) for leaf in leaves])
 
 def _host_checksum(x: np.ndarray) -> int:
   """`_checksum` of a host array in numpy: the same bits, without compiling a program for the tree's shapes (on
-  a CPU backend that compilation costs seconds, the hashing itself milliseconds)."""
+  a CPU backend that compilation costs more than the hashing)."""
   if x.dtype == np.bool_:
     x = x.astype(np.uint8)
   unsigned = {1: np.uint8, 2: np.uint16}.get(x.dtype.itemsize, np.uint32)
   words = np.ascontiguousarray(x).view(unsigned).astype(np.uint32).ravel()
   with np.errstate(over="ignore"):
-    position = np.arange(words.size, dtype=np.uint32)  # the row-major index `_checksum` builds axis by axis
-    mixed = words ^ (position * np.uint32(0x9E3779B9) + np.uint32(0x7F4A7C15))
-    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-      mixed = (mixed ^ (mixed >> np.uint32(shift))) * np.uint32(multiplier)
-    return int(np.sum(mixed ^ (mixed >> np.uint32(16)), dtype=np.uint32))
+    return int(_mixed_sum(words, np.arange(words.size, dtype=np.uint32), np))
 
 
 # The meta item's key of `checksums` ('/'-joined leaf names; a checkpoint without it predates them).
