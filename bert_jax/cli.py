@@ -22,7 +22,7 @@ SUBCOMMANDS = {
     "pretrain": ("bert_jax.train.trainer", "pre-train from a config (resumes in the same workdir)"),
     "sample-rte": ("bert_jax.tasks.sample", "write a small RTE-format sample task (not GLUE) to try fine-tuning"),
     "finetune": ("bert_jax.tasks.finetune", "fine-tune on GLUE / SQuAD / SWAG / CoNLL-2003"),
-    "evaluate": ("bert_jax.tasks.finetune", "re-score a fine-tuned checkpoint"),
+    "evaluate": ("bert_jax.tasks.evaluate", "re-score a fine-tuned checkpoint"),
     "predict": ("bert_jax.tasks.predict", "a fine-tuned model's predictions for a file (JSON lines or submission)"),
     "quantize": ("bert_jax.tasks.quantize", "int8 post-training quantisation of a fine-tuned model"),
     "convert": ("bert_jax.convert.command", "import / export Hugging Face checkpoints"),
@@ -113,8 +113,7 @@ def _main(argv: list[str]) -> int:
   enable_compilation_cache()
   try:
     module = importlib.import_module(SUBCOMMANDS[command][0])
-    entry = getattr(module, "evaluate_main" if command == "evaluate" else "main")
-    return entry(rest)
+    return module.main(rest)
   except (ValueError, OSError, FloatingPointError) as error:
     # Bad input (config, data, checkpoint, NaN loss) or storage (a full disk): the message names the problem; a
     # traceback would bury it. Every command's errors take this one form and exit 1 (a command line argparse

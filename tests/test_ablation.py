@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from bert_jax.experiments import ablation, suite, table
-from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import evaluate as evaluate_lib
 from bert_jax.tasks import glue as glue_lib
 from bert_jax.train import config_lib, trainer
 
@@ -1038,9 +1038,9 @@ def test_the_gpu_suite_trains_every_row_on_the_same_subset_and_scores_the_last_e
   assert config.train_examples == suite.GPU_TRAIN_EXAMPLES
   assert (config.train.eval_every, config.train.selection, config.train.steps_per_call) == ("end", "last", 4)
   examples = list(range(50))
-  picked = finetune_lib.subset(examples, 20)
-  assert picked == finetune_lib.subset(examples, 20) == sorted(picked) and len(set(picked)) == 20
-  assert finetune_lib.subset(examples, 50) is examples and finetune_lib.subset(examples, None) is examples
+  picked = evaluate_lib.subset(examples, 20)
+  assert picked == evaluate_lib.subset(examples, 20) == sorted(picked) and len(set(picked)) == 20
+  assert evaluate_lib.subset(examples, 50) is examples and evaluate_lib.subset(examples, None) is examples
 
 
 def test_a_finetuning_configs_sweep_runs_each_row_as_one_finetune(tmp_path):

@@ -302,7 +302,7 @@ def test_analyze_writes_the_report_and_a_pruned_model_that_evaluate_reads(tiny_s
   import json
 
   from bert_jax import cli
-  from bert_jax.tasks import finetune as finetune_lib
+  from bert_jax.tasks import evaluate as evaluate_lib
   run, _ = tiny_sst2_run
   out = tmp_path / "analysis"
   assert cli.main(["analyze", "--model", str(run), "--out", str(out), "--step", "0.25", "--prune-fraction", "0.25",
@@ -327,7 +327,7 @@ def test_analyze_writes_the_report_and_a_pruned_model_that_evaluate_reads(tiny_s
   assert prune["heads_removed"] == 2 and sum(prune["heads_per_layer"]) == 6
   assert prune["params"][1] < prune["params"][0] and prune["max_output_difference"] < 1e-4
   assert prune["pruned_score"] == prune["masked_score"]
-  rescored = finetune_lib.evaluate_run(out / "pruned_model")
+  rescored = evaluate_lib.evaluate_run(out / "pruned_model")
   assert rescored[1]["dev"]["accuracy"] == pytest.approx(prune["pruned_score"])
 
 

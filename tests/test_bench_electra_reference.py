@@ -63,6 +63,7 @@ def test_the_table_shows_each_sides_columns_with_the_masked_positions_accuracy(b
   assert masked[4] == "| 100 | 0.036 | 0.840 | 0.4730 | 3.20 | 0.031 | 0.143 | 0.857 | 0.4659 | 2.91 | 0.4104 |"
 
 
+@pytest.mark.slow
 def test_the_reference_stopped_at_a_deadline_goes_on_exactly_from_its_saved_state(bench, prepared, tmp_path):
   """A reference cut short (its deadline already past: it stops after the first interval) and run again with the
   same state file reaches the uninterrupted run's every number; run once more, it trains nothing."""

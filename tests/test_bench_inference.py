@@ -7,6 +7,7 @@ import pytest
 from conftest import bench_module
 
 
+@pytest.mark.slow
 def test_inference_bench_smoke(tmp_path, capsys):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")

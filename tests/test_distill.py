@@ -13,7 +13,7 @@ import pytest
 from bert_jax.models import ModelConfig
 from bert_jax.tasks.finetune_model import FinetuneModel
 from bert_jax.parallel import sharding as sharding_lib
-from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import evaluate as evaluate_lib
 from bert_jax.tasks.finetune_model import FinetuneObjective
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib, distill, optim, trainer
@@ -271,7 +271,7 @@ def test_a_tiny_distilled_finetune_learns_from_its_teacher(tiny_model, sst2_run,
   assert min(seed["selected"]["metrics"]["dev"]["accuracy"] for seed in results["seeds"]) > 75.0
   _, student_params = checkpoint_lib.restore_params(student / "seed_1")
   assert sorted(student_params) == ["encoder", "head"]
-  assert finetune_lib.evaluate_run(student, seeds=[1])[1]["dev"] == results["seeds"][0]["selected"]["metrics"]["dev"]
+  assert evaluate_lib.evaluate_run(student, seeds=[1])[1]["dev"] == results["seeds"][0]["selected"]["metrics"]["dev"]
   _, after = checkpoint_lib.restore_params(teacher / "seed_1")
   jax.tree.map(np.testing.assert_array_equal, after, teacher_params)
   (student / "seed_2" / "result.json").unlink()  # seed 2 did not finish

@@ -20,7 +20,7 @@ from bert_jax import cli
 from bert_jax import paths
 from bert_jax.data import prepare
 from bert_jax.train import config_lib
-from bert_jax.train import trainer
+from bert_jax.train import pretrain_data
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.py")
@@ -62,12 +62,12 @@ def _one_process():
 def reference(tmp_path_factory) -> dict[str, object]:
   """What an uninterrupted demo run derives in its workdir's builtin_corpus/."""
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  trainer.prepare_data(_demo_config(), paths.as_path(workdir))
+  pretrain_data.prepare_data(_demo_config(), paths.as_path(workdir))
   return _snapshot(workdir / "builtin_corpus")
 
 
 def _rebuilt(workdir: pathlib.Path) -> dict[str, object]:
-  trainer.prepare_data(_demo_config(), paths.as_path(workdir))
+  pretrain_data.prepare_data(_demo_config(), paths.as_path(workdir))
   return _snapshot(workdir / "builtin_corpus")
 
 
@@ -284,11 +284,11 @@ def test_the_trainer_refuses_a_changed_split_before_rewriting_the_builtin_corpus
   from bert_jax.train import workdir as workdir_lib
 
   config = _demo_config()
-  trainer.prepare_data(config, tmp_path)
+  pretrain_data.prepare_data(config, tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
   before = _snapshot(tmp_path / "builtin_corpus")
   monkeypatch.setattr(checkpoint_lib, "complete_steps", lambda workdir: [2])
   changed = config_lib.load_config(DEMO, ["data.eval_fraction=0.1"])
   with pytest.raises(workdir_lib.ConfigMismatchError, match="data.eval_fraction"):
-    trainer.prepare_data(changed, tmp_path)
+    pretrain_data.prepare_data(changed, tmp_path)
   assert _snapshot(tmp_path / "builtin_corpus") == before

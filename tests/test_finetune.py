@@ -18,6 +18,9 @@ import pytest
 from bert_jax.convert import save_pretrained
 from bert_jax.models import Encoder, ModelConfig, PretrainingModel
 from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import evaluate as evaluate_lib
+from bert_jax.tasks import finetune_config
+from bert_jax.tasks.registry import get_task
 from bert_jax.tasks.finetune_model import load_initial_model, merge_initial_params, task_tokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib
@@ -187,12 +190,12 @@ def test_best_evaluation_is_selected_and_rescored_by_evaluate(classification_run
     first_best = accuracies.index(max(accuracies))
     assert seed["selected"]["step"] == seed["history"][first_best]["step"]
     assert checkpoint_lib.Checkpointer(workdir / f"seed_{seed['seed']}").steps() == [seed["selected"]["step"]]
-  assert finetune_lib.evaluate_main(["--workdir", str(workdir)]) == 0
+  assert evaluate_lib.main(["--workdir", str(workdir)]) == 0
   rescored = json.loads((workdir / "evaluate_dev.json").read_text())
   for seed in results["seeds"]:
     assert rescored[str(seed["seed"])]["dev"] == seed["selected"]["metrics"]["dev"]
   assert "seed 1 dev: accuracy=" in capsys.readouterr().out
-  finetune_lib.evaluate_main(["--workdir", str(workdir), "--split", "test", "--seed", "2"])
+  evaluate_lib.main(["--workdir", str(workdir), "--split", "test", "--seed", "2"])
   submission = (workdir / "submission" / "seed_2" / "SST-2.tsv").read_text().splitlines()
   assert submission[0] == "index\tprediction" and len(submission) == 11
   assert {row.split("\t")[1] for row in submission[1:]} <= {"0", "1"}
@@ -314,10 +317,10 @@ def test_bad_config_keys_fail_naming_the_key(tmp_path, capsys):
   with pytest.raises(config_lib.ConfigError, match="doc_strid"):
     config_lib.load_config(str(REPO / "configs/finetune/squad.py"), ["--config.task_options.doc_strid=64"])
   with pytest.raises(ValueError, match="train.selection"):
-    finetune_lib.validate(config_lib.load_config(str(REPO / "configs/finetune/glue.py"),
+    finetune_config.validate(config_lib.load_config(str(REPO / "configs/finetune/glue.py"),
                                                  ["--config.train.selection=worst"]), 1)
   with pytest.raises(ValueError, match="config.train_examples=0"):
-    finetune_lib.validate(config_lib.load_config(str(REPO / "configs/finetune/glue.py"),
+    finetune_config.validate(config_lib.load_config(str(REPO / "configs/finetune/glue.py"),
                                                  ["--config.train_examples=0"]), 1)
 
 
@@ -336,7 +339,7 @@ def test_configs_load_and_have_sweeps(spec):
 def test_real_rte_featurises_like_transformers(shared_data, minilm_dir):
   transformers = pytest.importorskip("transformers")
   initial = load_initial_model(minilm_dir)
-  task = finetune_lib.get_task("glue/rte")
+  task = get_task("glue/rte")
   examples = task.load(shared_data / "glue", "train")[:32]
   features = task.featurize(examples, task_tokenizer(initial.tokenizer), 128)
   reference = transformers.AutoTokenizer.from_pretrained(str(minilm_dir))(
@@ -412,7 +415,7 @@ def test_cloud_storage_workdir_holds_the_run_and_evaluate_reads_it(tiny_model, t
   for name in ("results.json", "results.md", "config.json", "tokenizer", "seed_1/metrics.jsonl",
                "seed_1/result.json", "seed_1/checkpoints"):
     assert (remote / name).exists(), name
-  rescored = finetune_lib.evaluate_run(workdir)
+  rescored = evaluate_lib.evaluate_run(workdir)
   assert rescored[1]["dev"]["accuracy"] == _selected(results, "accuracy")[0]
   assert not (tmp_path / "gs:").exists() and not (REPO / "gs:").exists()
 

@@ -10,7 +10,8 @@ import pytest
 
 from bert_jax import cli
 from bert_jax.analysis import heads
-from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import evaluate as evaluate_lib
+from bert_jax.tasks.batching import BatchMaker
 from bert_jax.tasks import inference
 from bert_jax.tasks.finetune_model import (FinetuneObjective, build_model, device_fields, load_initial_model,
                                            task_tokenizer)
@@ -35,7 +36,7 @@ def test_length_buckets():
 def test_classification_predictions_equal_the_evaluation(sst2_run, tmp_path, capsys):
   workdir, data = sst2_run
   # The evaluation's predictions of the test split (the dev sentences) as GLUE's submission file.
-  submitted = finetune_lib.evaluate_run(workdir, "test")[1]["test"]
+  submitted = evaluate_lib.evaluate_run(workdir, "test")[1]["test"]
   output = tmp_path / "SST-2.tsv"
   assert cli.main(["predict", "--workdir", str(workdir), "--input", str(data / "SST-2" / "test.tsv"),
                    "--output", str(output), "--format", "submission"]) == 0
@@ -51,7 +52,7 @@ def test_classification_predictions_equal_the_evaluation(sst2_run, tmp_path, cap
   assert all(sum(record["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for record in records)
   gold = [row.split("\t")[1] for row in (data / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
   accuracy = 100.0 * np.mean([record["label"] == label for record, label in zip(records, gold)])
-  assert accuracy == pytest.approx(finetune_lib.evaluate_run(workdir)[1]["dev"]["accuracy"])
+  assert accuracy == pytest.approx(evaluate_lib.evaluate_run(workdir)[1]["dev"]["accuracy"])
 
 
 def test_json_lines_input_reads_like_the_tsv(sst2_run, tmp_path):
@@ -126,7 +127,7 @@ def test_pruned_model_folder_loads_and_predicts(sst2_run, tmp_path):
 @pytest.mark.slow
 def test_tagging_predictions_equal_the_evaluation_and_read_unlabelled_files(tagging_run, tmp_path):
   workdir, data = tagging_run
-  evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
+  evaluated = json.loads(open(evaluate_lib.evaluate_run(workdir, "test")[1]["test"]).read())
   output = tmp_path / "tags.jsonl"
   predict_file(str(workdir), str(data / "eng.testb"), str(output), batch_size=16)
   records = [json.loads(line) for line in output.read_text().splitlines()]
@@ -180,7 +181,7 @@ def test_glue_tsv_layout_is_told_by_the_first_line(name, tmp_path):
 def test_span_predictions_equal_the_evaluation_on_questions_without_answers(span_run, tmp_path):
   workdir, data = span_run
   dev = json.loads((data / "test-v1.1.json").read_text())
-  evaluated = json.loads(open(finetune_lib.evaluate_run(workdir, "test")[1]["test"]).read())
+  evaluated = json.loads(open(evaluate_lib.evaluate_run(workdir, "test")[1]["test"]).read())
   for article in dev["data"]:
     for paragraph in article["paragraphs"]:
       for question in paragraph["qas"]:
@@ -209,8 +210,8 @@ def test_bucketed_outputs_equal_full_length_outputs(task_name, make_data, data_f
   features = model.featurize(examples)
   assert max(length for _, length in model.batches(features)) < 64  # rows are cut
   bucketed = model.predict_outputs(features)
-  full = finetune_lib.predict_outputs(model.predict_step, model.params, features,
-                                      finetune_lib.BatchMaker(device_fields(task.kind), 8, model.partitioning.mesh))
+  full = evaluate_lib.predict_outputs(model.predict_step, model.params, features,
+                                      BatchMaker(device_fields(task.kind), 8, model.partitioning.mesh))
   if task_kind(task.kind).token_output_fill is not None:  # per-token outputs: compared on the real tokens
     real = np.arange(64) < features["lengths"][:, None]
     bucketed, full = bucketed[real], full[real]

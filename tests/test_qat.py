@@ -17,7 +17,7 @@ import pytest
 
 from bert_jax import cli
 from bert_jax.models import quantization
-from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import evaluate as evaluate_lib
 from test_finetune import _finetune, _glue_sst2
 from test_quantize import SMALL, SMALL_DENSE_LAYERS, SMALL_TABLES, small_model  # noqa: F401 - the fixture
 
@@ -150,7 +150,7 @@ def test_qat_finetune_quantizes_and_scores_as_in_training(tiny_model, tmp_path, 
   # scored in training (the same forward pass: one of the 64 dev predictions may flip on a tie, 1.6 points).
   assert cli.main(["quantize", "--workdir", str(workdir), "--out", str(out)]) == 0
   assert "14 dense layers and 3 embedding tables in int8" in capsys.readouterr().out
-  assert finetune_lib.evaluate_main(["--workdir", str(out)]) == 0
+  assert evaluate_lib.main(["--workdir", str(out)]) == 0
   int8_accuracy = json.loads((out / "evaluate_dev.json").read_text())["1"]["dev"]["accuracy"]
   assert abs(int8_accuracy - qat_accuracy) <= 100 / 64
 

@@ -17,7 +17,7 @@ from bert_jax import cli
 from bert_jax.models import Encoder, ModelConfig
 from bert_jax.tasks.finetune_model import FinetuneModel
 from bert_jax.models import quantization
-from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import evaluate as evaluate_lib
 from bert_jax.tasks import quantize as quantize_lib
 from bert_jax.tasks.finetune_model import build_model, load_initial_model, merge_initial_params
 
@@ -236,7 +236,7 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   assert report["disk_bytes"]["int8"] < report["disk_bytes"]["float"]
   assert json.loads((out / "finetune_run.json").read_text())["model_config"]["kernels"] == "off"
 
-  assert finetune_lib.evaluate_main(["--workdir", str(out)]) == 0
+  assert evaluate_lib.main(["--workdir", str(out)]) == 0
   int8_accuracy = json.loads((out / "evaluate_dev.json").read_text())["1"]["dev"]["accuracy"]
   assert "seed 1 dev: accuracy=" in capsys.readouterr().out
   # 64 dev rows: a 3-point drop is two predictions.
@@ -245,7 +245,7 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   config = json.loads((out / "config.json").read_text())
   config["mesh"]["sizes"] = {"data": 2, "fsdp": 2, "tensor": 2}
   (out / "config.json").write_text(json.dumps(config))
-  assert finetune_lib.evaluate_run(out)[1]["dev"]["accuracy"] == int8_accuracy
+  assert evaluate_lib.evaluate_run(out)[1]["dev"]["accuracy"] == int8_accuracy
 
   objective, params = quantize_lib.load_quantized(out)
   assert quantization.quantized_counts(params) == report["quantized"]

@@ -12,6 +12,7 @@ import pytest
 
 from bert_jax.models import model_config
 from bert_jax.tasks import finetune as finetune_lib
+from bert_jax.tasks import finetune_config
 from bert_jax.train import config_lib, run as run_lib, trainer
 from bert_jax.train import workdir as workdir_lib
 
@@ -61,7 +62,7 @@ def test_each_driver_says_what_a_ctrl_c_at_start_up_keeps(tmp_path, monkeypatch)
   assert str(pretrain.value) == (f"stopped by Ctrl-C; no complete checkpoint exists in "
                                  f"{tmp_path / 'pretrain' / 'checkpoints'}, where the same command resumes")
   with pytest.raises(InterruptedError) as finetune:
-    finetune_lib.finetune(finetune_lib.finetune_defaults(), tmp_path / "finetune")
+    finetune_lib.finetune(finetune_config.finetune_defaults(), tmp_path / "finetune")
   assert str(finetune.value) == (f"stopped by Ctrl-C; the seeds finished in {tmp_path / 'finetune'} "
                                  "(seed_<s>/result.json) are kept, and the same command trains the others")
   assert not any(tmp_path.glob(f"*/{workdir_lib.LOCK_FILE}"))

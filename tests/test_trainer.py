@@ -18,7 +18,7 @@ import pytest
 from multiprocess_util import CHEAP_CODEGEN_FLAGS, FAST_COMPILE_FLAGS
 
 from bert_jax.data import builtin_corpus, prepare, tokenizers
-from bert_jax.train import config_lib, trainer
+from bert_jax.train import config_lib, pretrain_data, trainer
 from bert_jax.train.checkpoint import restore_params
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -487,13 +487,13 @@ def test_single_sentence_documents_are_flagged_for_sentence_pair_formats(prepare
                          num_workers=1, log=lambda *a: None)
   flat = prepare.open_prepared(tmp_path / "flat")
   with caplog.at_level(logging.WARNING):
-    trainer._warn_single_sentence_documents(flat, "full_sentences")
+    pretrain_data.warn_single_sentence_documents(flat, "full_sentences")
     assert not caplog.records
-    trainer._warn_single_sentence_documents(flat, "segment_pair")
+    pretrain_data.warn_single_sentence_documents(flat, "segment_pair")
   assert "100% of the documents" in caplog.text and "single sentence" in caplog.text
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    trainer._warn_single_sentence_documents(prepare.open_prepared(prepared), "segment_pair")
+    pretrain_data.warn_single_sentence_documents(prepare.open_prepared(prepared), "segment_pair")
   assert not caplog.records
 
 

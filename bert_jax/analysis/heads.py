@@ -258,8 +258,9 @@ def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max
   import ml_collections  # noqa: PLC0415
 
   from bert_jax.data.tokenizers import load_tokenizer  # noqa: PLC0415
-  from bert_jax.tasks.finetune import load_split, padded_length, task_model, trim_features  # noqa: PLC0415
-  from bert_jax.tasks.finetune_model import RUN_FILE, FinetuneObjective, task_tokenizer  # noqa: PLC0415
+  from bert_jax.tasks.batching import padded_length, trim_features  # noqa: PLC0415
+  from bert_jax.tasks.evaluate import load_split  # noqa: PLC0415
+  from bert_jax.tasks.finetune_model import RUN_FILE, FinetuneObjective, task_model, task_tokenizer  # noqa: PLC0415
   from bert_jax.tasks.registry import get_task  # noqa: PLC0415
   from bert_jax.train import checkpoint as checkpoint_lib  # noqa: PLC0415
 

@@ -404,7 +404,7 @@ def _finetune_row(config, row_dir: epath.Path, finetune: Callable | None) -> Non
 
 def _check_finetune_keys(overrides: Sequence[str], where: str) -> None:
   """Fails before pre-training when fine-tuning overrides (`key=value`) name keys no fine-tuning config has."""
-  from bert_jax.tasks.finetune import finetune_defaults
+  from bert_jax.tasks.finetune_config import finetune_defaults
 
   probe = finetune_defaults()
   probe.lock()

@@ -23,7 +23,7 @@ import numpy as np
 
 from bert_jax.experiments.suite import GPU_TRAIN_EXAMPLES
 from bert_jax.tasks import glue
-from bert_jax.tasks.finetune import subset
+from bert_jax.tasks.evaluate import subset
 
 DEV_ROWS = 872
 SEED = 0
@@ -31,7 +31,7 @@ CONTAINMENT = ('phrase a is contained in phrase b when f" {a} " in f" {b} " on t
                "(words joined by single spaces): containment at word boundaries, equal texts included")
 SUBSET = (f"the {GPU_TRAIN_EXAMPLES} training examples of scale=gpu (train_examples=GPU_TRAIN_EXAMPLES): "
           f"np.sort(np.random.default_rng(0).choice(len(train), {GPU_TRAIN_EXAMPLES}, replace=False)) over the "
-          "carved train split's rows in file order (bert_jax.tasks.finetune.subset)")
+          "carved train split's rows in file order (bert_jax.tasks.evaluate.subset)")
 COPY_LABEL = ("the label of the longest train example containing the dev example, else of the longest one it "
               "contains, else the train examples' majority label (ties: the first in file order)")
 

@@ -1,8 +1,8 @@
-"""`bert-jax finetune` and `bert-jax evaluate`: fine-tune on a task with several seeds, re-score a run.
+"""`bert-jax finetune`: fine-tune on a task with several seeds (the config: `finetune_config`; re-scoring a finished
+run, `bert-jax evaluate`, and the scoring both share: `evaluate`).
 
   bert-jax finetune --config configs/finetune/glue.py:task=rte --workdir runs/rte \\
       --config.init.model=MODEL_DIR --config.data_dir=../shared/data/glue --config.optim.lr=3e-5
-  bert-jax evaluate --workdir runs/rte [--split dev|test] [--seed 1]
 
 `finetune(config, workdir)` featurises the task once, builds one model (a
 `FinetuneModel`, or the feature-based tagger), and trains it once per seed
@@ -49,23 +49,19 @@ student from every k-th layer of its initial model.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
 import os
-import statistics
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from etils import epath
 import flax.linen as nn
 import jax
 import ml_collections
-from ml_collections import config_dict
 import numpy as np
 
 from bert_jax import paths
@@ -73,11 +69,13 @@ from bert_jax import progress as progress_lib
 from bert_jax.tasks import metrics as task_metrics
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.batching import BatchMaker, fitted_max_len, padded_length, trim_features
-from bert_jax.tasks.glue import GlueTask
+from bert_jax.tasks.evaluate import (EvalSet, evaluate_splits, featurize, load_split, results_markdown, subset,
+                                     summarize_seeds, write_json)
+from bert_jax.tasks.finetune_config import (check_workdir_config, eval_interval, model_config_for, selection_rule,
+                                           validate)
 from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model,
                                            device_fields, frozen_encoder_optimizer, load_initial_model,
                                            merge_initial_params, task_model, task_tokenizer)
-from bert_jax.tasks.inference import load_for_inference
 from bert_jax.tasks.registry import get_task
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
@@ -89,152 +87,8 @@ from bert_jax.train.step import (Partitioning, TrainState, checkpointed, make_pr
 
 log = logging.getLogger(__name__)
 
-SELECTIONS = ("best", "last")
-RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
-# Model fields a fine-tuning config may change; the architecture comes from the initial model.
-MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer")
 # A seed's resumable training state (params, optimizer state, step, selection so far), while it is unfinished.
 STATE_FOLDER = "state"
-
-
-def finetune_defaults() -> ml_collections.ConfigDict:
-  """`config_lib.finetune_defaults` (the fine-tuning configs import it here) with init.step: the checkpoint of a
-  pre-training or fine-tuning run `init.model` to start from (None: its newest, which must be readable)."""
-  config = config_lib.finetune_defaults()
-  config.init.step = config_dict.placeholder(int)
-  return config
-
-
-def _eval_interval(eval_every: str) -> int:
-  """0 for "epoch", -1 for "end", else the step count."""
-  if eval_every in ("epoch", "end"):
-    return 0 if eval_every == "epoch" else -1
-  try:
-    steps = int(eval_every)
-  except ValueError:
-    steps = 0
-  if steps <= 0:
-    raise ValueError(f"config.train.eval_every={eval_every!r}: expected 'epoch', 'end' or a positive step count")
-  return steps
-
-
-def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
-  """Checks values that must fit together, before any data is read."""
-  train = config.train
-  config_lib.validate_batching(train, data_parallel, jax.process_count())
-  if train.epochs < 1:
-    raise ValueError(f"config.train.epochs={train.epochs} must be at least 1")
-  if train.selection not in SELECTIONS:
-    raise ValueError(f"config.train.selection={train.selection!r}: expected one of {SELECTIONS}")
-  if train.rng_impl not in RNG_IMPLS:
-    raise ValueError(f"config.train.rng_impl={train.rng_impl!r}: expected one of {RNG_IMPLS}")
-  if train.early_stopping_patience < 0:
-    raise ValueError(f"config.train.early_stopping_patience={train.early_stopping_patience} must be >= 0")
-  _eval_interval(train.eval_every)
-  if config.train_examples is not None and config.train_examples < 1:
-    raise ValueError(f"config.train_examples={config.train_examples} must be a positive count (or None: all)")
-  if not config.seeds or len(set(config.seeds)) != len(config.seeds):
-    raise ValueError(f"config.seeds={config.seeds!r} must name at least one seed, each once")
-  if not 0.0 <= config.optim.warmup_proportion < 1.0:
-    raise ValueError(f"config.optim.warmup_proportion={config.optim.warmup_proportion} must be in [0, 1)")
-  if not 0.0 < config.optim.layerwise_lr_decay <= 1.0:
-    raise ValueError(f"config.optim.layerwise_lr_decay={config.optim.layerwise_lr_decay} must be in (0, 1]")
-  if not config.init.model:
-    raise ValueError("config.init.model is not set: add --config.init.model=DIR, a pre-training workdir (the "
-                     "demo's runs/demo), a fine-tuning workdir, or a Hugging Face or converted model directory")
-  if not config.data_dir:
-    raise ValueError("config.data_dir is not set: add --config.data_dir=DIR, the folder with the task's files "
-                     "(for GLUE the folder holding RTE/, SST-2/, ...), or --config.data_dir=tfds for TensorFlow "
-                     "Datasets")
-  if config.quant.qat and importlib.util.find_spec("qwix") is None:
-    raise ValueError("config.quant.qat=True needs Qwix, which is not installed: pip install -e '.[quant]' "
-                     "(or leave config.quant.qat False)")
-  if config.distill.teacher and config.feature_based.layers:
-    raise ValueError("config.distill.teacher is set with config.feature_based.layers: distillation trains the whole "
-                     "student; leave one of them unset")
-
-
-def model_config_for(initial: ModelConfig, overrides: ml_collections.ConfigDict) -> ModelConfig:
-  """The initial model's config with the fine-tuning overrides (dtype, dropouts...) applied."""
-  # .get: a run saved before an override existed keeps the model's own value.
-  return initial.replace(**{name: overrides.get(name) for name in MODEL_OVERRIDES if overrides.get(name) is not None})
-
-
-@dataclasses.dataclass
-class EvalSet:
-  """One evaluation split: its examples and (trimmed) features."""
-
-  split: str
-  examples: list[Any]
-  features: dict[str, np.ndarray]
-
-
-def predict_outputs(predict_step, params, features: dict[str, np.ndarray], make_batch: BatchMaker) -> np.ndarray:
-  """Raw head outputs for every feature row, in order, padding rows dropped."""
-  num_rows = len(features["input_ids"])
-  pending = []
-  for start in range(0, num_rows, make_batch.batch_size):
-    rows = np.arange(start, min(start + make_batch.batch_size, num_rows))
-    pending.append((len(rows), predict_step(params, make_batch(features, rows, 0))))
-  return np.concatenate([np.asarray(outputs)[:count] for count, outputs in pending])
-
-
-def evaluate_splits(task: Task, predict_step, params, eval_sets: Sequence[EvalSet],
-                    make_batch: BatchMaker) -> dict[str, dict[str, float]]:
-  """{split: task metrics} for each evaluation split."""
-  return {eval_set.split: task.evaluate(predict_outputs(predict_step, params, eval_set.features, make_batch),
-                                        eval_set.features, eval_set.examples)
-          for eval_set in eval_sets}
-
-
-def selection_rule(task: Task, config: ml_collections.ConfigDict) -> str:
-  """The model-selection rule in words, as written into the results."""
-  when = {"epoch": "at the end of every epoch", "end": "once, after the last step"}.get(
-      config.train.eval_every, f"every {config.train.eval_every} steps and after the last step")
-  if config.train.selection == "last":
-    chosen = "the last evaluation is reported and its parameters kept"
-  else:
-    chosen = (f"the evaluation with the highest {task.selection_metric} on {task.eval_splits[0]} is reported "
-              "and its parameters kept (ties keep the earlier one)")
-  stop = (f"; training stops after {config.train.early_stopping_patience} evaluations without improvement"
-          if config.train.early_stopping_patience else "")
-  return f"dev evaluated {when}; {chosen}{stop}"
-
-
-def summarize_seeds(task: Task, seed_results: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-  """{split: {metric: {mean, median, std, min, max, values}}} over seeds (std with n - 1; 0 for one seed)."""
-  summary: dict[str, dict[str, dict[str, Any]]] = {}
-  for split in task.eval_splits:
-    summary[split] = {}
-    for metric in task.metric_names:
-      values = [result["selected"]["metrics"][split][metric] for result in seed_results]
-      summary[split][metric] = {
-          "mean": statistics.fmean(values), "median": statistics.median(values),
-          "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values),
-          "values": values}
-  return summary
-
-
-def results_markdown(results: dict[str, Any]) -> str:
-  """results.md: the run's header and one table row per (split, metric)."""
-  seeds = [r["seed"] for r in results["seeds"]]
-  train_seconds = [r["train_seconds"] for r in results["seeds"]]
-  lines = [f"# {results['task']} fine-tuning", "",
-           f"- initial model: {results['init']['path']} ({results['init']['source']})",
-           *([f"- distilled from: {results['distill']['teacher']} ("
-              + ", ".join(f"{k}={v}" for k, v in results["distill"].items() if k != "teacher") + ")"]
-             if results.get("distill") else []),
-           f"- seeds: {', '.join(map(str, seeds))}; best seed: {results['best_seed']}",
-           f"- selection: {results['selection_rule']}",
-           f"- train time per seed (s): {', '.join(f'{seconds:.1f}' for seconds in train_seconds)}",
-           *[f"- {phase} (s): {seconds:.1f}" for phase, seconds in results.get("timings", {}).items()], "",
-           f"| split | metric | mean | median | std | min | max | per seed ({', '.join(map(str, seeds))}) |",
-           "|---|---|---|---|---|---|---|---|"]
-  for split, metrics in results["summary"].items():
-    for metric, stats in metrics.items():
-      lines.append(f"| {split} | {metric} | {stats['mean']:.2f} | {stats['median']:.2f} | {stats['std']:.2f} | "
-                   f"{stats['min']:.2f} | {stats['max']:.2f} | {', '.join(f'{v:.2f}' for v in stats['values'])} |")
-  return "\n".join(lines) + "\n"
 
 
 @dataclasses.dataclass
@@ -365,7 +219,7 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
   checkpointer = checkpoint_lib.Checkpointer(seed_dir, keep=1) if config.train.save_checkpoint else None
   if checkpointer is not None:  # A selection after the saved state is made again (or not) by the rerun.
     checkpointer.drop_after(start_step)
-  interval = _eval_interval(config.train.eval_every)
+  interval = eval_interval(config.train.eval_every)
   total_steps = config.train.epochs * run.steps_per_epoch
   num_rows = len(run.train_features["input_ids"])
   selection_split = task.eval_splits[0]
@@ -495,47 +349,6 @@ def _optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_par
   return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
 
 
-def load_split(task: Task, data_dir: str, split: str) -> list[Any]:
-  """A split from task files, or from TFDS when data_dir is "tfds" or "tfds:TFDS_DATA_DIR"."""
-  if data_dir == "tfds" or data_dir.startswith("tfds:"):
-    if not hasattr(task, "load_tfds"):
-      raise ValueError(f"config.data_dir={data_dir!r}: task {task.name} has no TFDS source; give its files")
-    return task.load_tfds(split, data_dir=data_dir.partition(":")[2] or None)
-  return task.load(data_dir, split)
-
-
-def subset(examples: list[Any], count: int | None) -> list[Any]:
-  """`count` of the examples, drawn without replacement by a fixed generator and kept in file order: the same
-  subset for every seed and model (all of them when count is None or at least their number)."""
-  if count is None or count >= len(examples):
-    return examples
-  keep = np.sort(np.random.default_rng(0).choice(len(examples), count, replace=False))
-  return [examples[i] for i in keep]
-
-
-def _featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: str) -> dict[str, np.ndarray]:
-  if not examples:
-    raise ValueError(f"{task.name}: the {what} split has no examples")
-  return task.featurize(examples, tokenizer, max_len)
-
-
-def _write_json(path: epath.Path, value: Any) -> None:
-  path.write_text(json.dumps(value, indent=2, default=str) + "\n")
-
-
-def _check_workdir_config(workdir: epath.Path, config: ml_collections.ConfigDict) -> None:
-  """A workdir holds one experiment: an existing config.json must equal this one (a key newer than the run counts
-  as its default)."""
-  path = workdir / "config.json"
-  if not path.exists():
-    return
-  current = json.loads(json.dumps(config.to_dict(), default=str))
-  defaults = json.loads(json.dumps(finetune_defaults().to_dict(), default=str))
-  if run_lib.with_defaults(defaults, json.loads(path.read_text())) != current:
-    raise ValueError(f"{workdir} already holds a fine-tuning run with another config ({path}); "
-                     "use a new workdir")
-
-
 def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
   """Fine-tunes `config.init.model` on `config.task` once per seed and writes the results into `workdir` (a local
   folder or `gs://`).
@@ -568,9 +381,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
 
   started = time.perf_counter()
   train_examples = subset(load_split(task, config.data_dir, "train"), config.train_examples)
-  train_features = _featurize(task, train_examples, tokenizer, max_len, "train")
+  train_features = featurize(task, train_examples, tokenizer, max_len, "train")
   eval_examples = {split: load_split(task, config.data_dir, split) for split in task.eval_splits}
-  eval_features = {split: _featurize(task, examples, tokenizer, max_len, split)
+  eval_features = {split: featurize(task, examples, tokenizer, max_len, split)
                    for split, examples in eval_examples.items()}
   seq_len = max_len if config.pad_to_max_len else padded_length([train_features, *eval_features.values()],
                                                                  max_len)
@@ -604,7 +417,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              teacher=teacher)
 
   if primary:
-    _check_workdir_config(workdir, config)
+    check_workdir_config(workdir, config)
     run_lib.write_run_files(workdir, config, model_config, initial.tokenizer)
     at_step = f", step {initial.step}" if initial.step is not None else ""
     run_lib.banner("finetune", f"task={task.name} ({task.kind}) init={config.init.model} ({initial.source}{at_step})",
@@ -634,9 +447,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   if teacher is not None:
     results["distill"] = config.distill.to_dict()
   if primary:
-    _write_json(workdir / "results.json", results)
+    write_json(workdir / "results.json", results)
     (workdir / "results.md").write_text(results_markdown(results))
-    _write_json(workdir / RUN_FILE, {
+    write_json(workdir / RUN_FILE, {
         "task": task.name, "kind": task.kind, "num_labels": task.num_labels, "family": initial.family,
         "init": {"path": str(config.init.model), "source": initial.source, "step": initial.step},
         "model_config": dataclasses.asdict(model_config), "seq_len": seq_len, "seeds": list(config.seeds),
@@ -667,66 +480,6 @@ def _distillation(config: ml_collections.ConfigDict, task: Task, student: Finetu
   return objective, (objective.teacher, loaded.params)
 
 
-def _test_splits(task: Task) -> tuple[str, ...]:
-  return tuple(task.spec.submissions) if isinstance(task, GlueTask) else ("test",)
-
-
-def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence[int] | None = None,
-                 data_dir: str | None = None) -> dict[int, dict[str, Any]]:
-  """Re-scores the saved checkpoints of a fine-tuning run.
-
-  Args:
-    workdir: a finished `finetune` workdir, or a `bert-jax quantize` folder (it holds quantization.json).
-    split: "dev" scores the task's evaluation splits and writes
-      evaluate_dev.json; "test" predicts the test splits and writes GLUE
-      submission files (submission/seed_<s>/TASK.tsv) or, for other tasks,
-      predictions/seed_<s>/<split>.json.
-    seeds: which seeds; None for all of the run's.
-    data_dir: where the task's files are; None for the run's config.data_dir.
-
-  Returns:
-    {seed: {split: metrics}} for dev, {seed: {split: written file}} for test.
-  """
-  if split not in ("dev", "test"):
-    raise ValueError(f"split must be 'dev' or 'test', got {split!r}")
-  model = load_for_inference(workdir, seeds[0] if seeds else None)
-  workdir, task = model.source, model.task
-  run_info = json.loads((workdir / RUN_FILE).read_text())
-  data_dir = data_dir or run_lib.saved_config(workdir, finetune_defaults()).data_dir
-  splits = task.eval_splits if split == "dev" else _test_splits(task)
-  eval_sets = []
-  for name in splits:
-    examples = load_split(task, data_dir, name)
-    features = _featurize(task, examples, model.tokenizer, model.max_len, name)
-    # The fine-tuning evaluation's padded length (or longer, for longer rows), so its scores come back exactly.
-    seq_len = max(run_info["seq_len"], padded_length([features], model.max_len))
-    eval_sets.append(EvalSet(name, examples, trim_features(features, task.kind, model.max_len, seq_len)))
-  make_batch = BatchMaker(device_fields(task.kind), model.batch_size, model.partitioning.mesh)
-  outcome: dict[int, dict[str, Any]] = {}
-  for seed in seeds or run_info["seeds"]:
-    model = model.with_seed(seed) if seed != model.seed else model
-    predict_step, params = model.predict_step, model.params
-    if split == "dev":
-      outcome[seed] = evaluate_splits(task, predict_step, params, eval_sets, make_batch)
-      continue
-    outcome[seed] = {}
-    for eval_set in eval_sets:
-      outputs = predict_outputs(predict_step, params, eval_set.features, make_batch)
-      predictions = task.predict(outputs, eval_set.features, eval_set.examples)
-      if isinstance(task, GlueTask):
-        path = task.write_submission(workdir / "submission" / f"seed_{seed}", eval_set.split, eval_set.examples,
-                                     predictions)
-      else:
-        path = workdir / "predictions" / f"seed_{seed}" / f"{eval_set.split}.json"
-        if jax.process_index() == 0:
-          path.parent.mkdir(parents=True, exist_ok=True)
-          _write_json(path, predictions)
-      outcome[seed][eval_set.split] = str(path)
-  if split == "dev" and jax.process_index() == 0:
-    _write_json(workdir / "evaluate_dev.json", outcome)
-  return outcome
-
-
 def main(argv: list[str]) -> int:
   """bert-jax finetune --config FILE[:ARG] --workdir DIR [--config.KEY=VALUE ...]."""
   parser = config_lib.config_parser("bert-jax finetune", main.__doc__, "configs/finetune/NAME.py[:arg]",
@@ -746,19 +499,3 @@ def main(argv: list[str]) -> int:
     print(results_markdown(results))
   return 0
 
-
-def evaluate_main(argv: list[str]) -> int:
-  """bert-jax evaluate --workdir DIR [--split dev|test] [--seed S] [--data-dir DIR]."""
-  parser = argparse.ArgumentParser(prog="bert-jax evaluate", description=evaluate_main.__doc__, allow_abbrev=False)
-  parser.add_argument("--workdir", required=True, help="a finished fine-tuning run")
-  parser.add_argument("--split", default="dev", choices=("dev", "test"))
-  parser.add_argument("--seed", type=int, action="append", help="seed to score (repeatable; default all)")
-  parser.add_argument("--data-dir", help="task files (default: the run's config.data_dir)")
-  args = parser.parse_args(argv)
-  outcome = evaluate_run(args.workdir, args.split, args.seed, args.data_dir)
-  if jax.process_index() == 0:
-    for seed, per_split in outcome.items():
-      for split, value in per_split.items():
-        shown = ", ".join(f"{k}={v:.2f}" for k, v in value.items()) if isinstance(value, dict) else value
-        print(f"seed {seed} {split}: {shown}")
-  return 0

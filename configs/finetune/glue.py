@@ -31,7 +31,7 @@ A student narrower than its teacher sets --config.distill.hidden_projection=True
 """
 
 from bert_jax.tasks import TASK_NAMES
-from bert_jax.tasks.finetune import finetune_defaults
+from bert_jax.tasks.finetune_config import finetune_defaults
 from bert_jax.train.config_lib import ConfigError, parse_arg
 
 LEARNING_RATES = (5e-5, 3e-5, 2e-5)

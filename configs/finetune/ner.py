@@ -23,7 +23,7 @@ direction) with a linear tagger is trained on them, as in BERT's Table 7:
 is the learning-rate grid {5e-5, 3e-5, 2e-5}.
 """
 
-from bert_jax.tasks.finetune import finetune_defaults
+from bert_jax.tasks.finetune_config import finetune_defaults
 from bert_jax.train.config_lib import ConfigError, parse_arg
 
 FEATURE_LAYERS = {"embeddings": (0,), "second_to_last": (-2,), "last": (-1,), "concat_last_four": (-1, -2, -3, -4)}

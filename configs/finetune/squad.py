@@ -14,7 +14,7 @@ lr 5e-5, batch 32; v2.0 2 epochs, lr 5e-5, batch 48. `get_sweep()` is the
 learning-rate grid {5e-5, 3e-5, 2e-5}.
 """
 
-from bert_jax.tasks.finetune import finetune_defaults
+from bert_jax.tasks.finetune_config import finetune_defaults
 from bert_jax.train.config_lib import ConfigError, parse_arg
 
 VERSIONS = {"1.1": dict(epochs=3, batch_size=32), "2.0": dict(epochs=2, batch_size=48)}

@@ -9,7 +9,7 @@ Defaults follow BERT (Devlin et al. 2019, Sec. 4.4): 3 epochs, lr 2e-5,
 batch 16. `get_sweep()` is the learning-rate grid {5e-5, 3e-5, 2e-5}.
 """
 
-from bert_jax.tasks.finetune import finetune_defaults
+from bert_jax.tasks.finetune_config import finetune_defaults
 from bert_jax.train.config_lib import parse_arg
 
 LEARNING_RATES = (5e-5, 3e-5, 2e-5)
