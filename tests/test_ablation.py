@@ -623,7 +623,7 @@ def test_suite_picks_the_best_learning_rate_by_median():
 TABLE_CONFIGS = sorted((REPO / "configs" / "ablations").glob("*.py"))
 EXPECTED = {"bert_table5", "bert_table6", "roberta_table1", "roberta_table2", "albert_sentence", "albert_sharing",
             "albert_embedding", "electra_compute", "electra_generator", "electra_variants", "spanbert_masking",
-            "spanbert_sbo"}
+            "spanbert_sbo", "structbert_objectives"}
 # Rows that name a config key the code lacks (a missing capability); every other row must load.
 MISSING = {}
 SPAN_TABLES = {"spanbert_masking"}

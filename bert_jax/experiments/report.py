@@ -123,7 +123,7 @@ def summary_markdown(results: Sequence[Mapping[str, Any]], link: bool = True) ->
     lines.append(" | ".join([
         f"| [{title}](reproductions/{result['table']}/README.md)" if link else f"| {title}",
         f"{name}: {result['better']} over {result['worse']}", _columns_cell(result),
-        _signed(result["published_delta"]) or "figure, no numbers", _verdict_ours(result), _runs_cell(result),
+        _signed(result["published_delta"]) or "no numbers given", _verdict_ours(result), _runs_cell(result),
         f"{HEADLINE}{result['verdict']}{HEADLINE}" if result["verdict"] != "not resolved" else result["verdict"],
         _tries_cell(result)]) + " |")
   lines.append("")
