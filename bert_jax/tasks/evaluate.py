@@ -28,6 +28,7 @@ from bert_jax.tasks.glue import GlueTask
 from bert_jax.tasks.inference import load_for_inference
 from bert_jax.train import run as run_lib
 
+
 @dataclasses.dataclass
 class EvalSet:
   """One evaluation split: its examples and (trimmed) features."""
