@@ -34,8 +34,7 @@ from bert_jax import paths
 from bert_jax.data.tokenizers import load_tokenizer
 from bert_jax.models import ModelConfig
 from bert_jax.models import quantization
-from bert_jax.tasks.finetune_model import task_model
-from bert_jax.tasks.finetune_model import QUANTIZATION_FILE, RUN_FILE, FinetuneObjective
+from bert_jax.tasks.finetune_model import QUANTIZATION_FILE, RUN_FILE, FinetuneObjective, task_model
 from bert_jax.tasks.registry import get_task
 from bert_jax.train import checkpoint as checkpoint_lib
 
