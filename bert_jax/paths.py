@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import pathlib
 import shutil
@@ -130,6 +131,11 @@ def write_text(path: str | os.PathLike, text: str) -> None:
   """Replaces a file's contents at once (see `write_bytes_with`)."""
   data = text.encode("utf-8")
   write_bytes_with(path, lambda handle: handle.write(data))
+
+
+def write_json(path: str | os.PathLike, value) -> None:
+  """`value` as indented JSON (what JSON lacks written as its str), replacing the file at once."""
+  write_text(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
 def write_bytes_with(path: str | os.PathLike, write) -> None:

@@ -19,6 +19,7 @@ import tarfile
 import numpy as np
 import pytest
 
+from bert_jax import paths
 from bert_jax.experiments import ablation, suite, table
 from bert_jax.tasks import evaluate as evaluate_lib
 from bert_jax.tasks import glue as glue_lib
@@ -191,7 +192,7 @@ def _fake_phases(monkeypatch, log, kill_at=None):
     if len(log) == kill_at:
       raise Killed()
     state = {"objective": config.objective, "eval": {"mlm_perplexity": 4.0 + len(row_dir.name)}}
-    ablation._write_json(row_dir / "state" / "pretrain.json", state)
+    paths.write_json(row_dir / "state" / "pretrain.json", state)
     return state
 
   def finetune(config, directory):
@@ -1003,7 +1004,7 @@ def test_a_row_can_fine_tune_another_rows_pretrained_model(setup, tmp_path, monk
   assert "the model of MLM" in table.render_markdown(results)
   # The named row failed: the waiting row says so instead of waiting for ever.
   (tmp_path / "run" / "rows" / "MLM" / "state" / "pretrain.json").unlink()
-  ablation._write_json(tmp_path / "run" / "rows" / "MLM" / "row.json", {"status": "failed", "error": "boom"})
+  paths.write_json(tmp_path / "run" / "rows" / "MLM" / "row.json", {"status": "failed", "error": "boom"})
   with pytest.raises(RuntimeError, match="'MLM'.* ended failed without one: boom"):
     ablation.wait_for_pretraining(tab, tab.rows[1], tmp_path / "run", poll_seconds=0.01)
   for bad, match in (('"pretrained": "nowhere"', "not a row that pre-trains"),

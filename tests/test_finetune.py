@@ -24,6 +24,7 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.tasks.finetune_model import load_initial_model, merge_initial_params, task_tokenizer
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import config_lib
+from bert_jax.train import workdir as workdir_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(30)]
@@ -199,6 +200,16 @@ def test_best_evaluation_is_selected_and_rescored_by_evaluate(classification_run
   submission = (workdir / "submission" / "seed_2" / "SST-2.tsv").read_text().splitlines()
   assert submission[0] == "index\tprediction" and len(submission) == 11
   assert {row.split("\t")[1] for row in submission[1:]} <= {"0", "1"}
+
+
+def test_a_workdir_refuses_another_config_naming_the_key(classification_run, tiny_model):
+  workdir, _ = classification_run
+  before = (workdir / "results.json").read_text()
+  with pytest.raises(workdir_lib.ConfigMismatchError, match=r"train.epochs: 6 in the workdir, 7 now"):
+    _finetune("configs/finetune/glue.py:task=sst2", tiny_model, workdir.parent / "glue", workdir,
+              "--config.seeds=(1,2)", "--config.train.epochs=7", "--config.train.eval_every=24",
+              "--config.train.save_checkpoint=True")
+  assert (workdir / "results.json").read_text() == before
 
 
 @pytest.mark.slow

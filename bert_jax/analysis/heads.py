@@ -255,21 +255,21 @@ def load_task_data(workdir: str | pathlib.Path, data_dir: str | None = None, max
                    batch_size: int = 32, metric: str | None = None) -> TaskData:
   """A fine-tuning workdir's best seed and the first `max_examples` (None: all) of its task's first dev split,
   read from `data_dir` (None: the run's config.data_dir), scored by `metric` (None: the selection metric)."""
-  import ml_collections  # noqa: PLC0415
-
   from bert_jax.data.tokenizers import load_tokenizer  # noqa: PLC0415
   from bert_jax.tasks.batching import padded_length, trim_features  # noqa: PLC0415
   from bert_jax.tasks.evaluate import load_split  # noqa: PLC0415
+  from bert_jax.tasks.finetune_config import finetune_defaults  # noqa: PLC0415
   from bert_jax.tasks.finetune_model import RUN_FILE, FinetuneObjective, task_model, task_tokenizer  # noqa: PLC0415
   from bert_jax.tasks.registry import get_task  # noqa: PLC0415
   from bert_jax.train import checkpoint as checkpoint_lib  # noqa: PLC0415
+  from bert_jax.train import run as run_lib  # noqa: PLC0415
 
   workdir = pathlib.Path(workdir)
   if not (workdir / RUN_FILE).exists():
     raise FileNotFoundError(f"{workdir / RUN_FILE} not found: the head analyses need a finished fine-tuning run "
                             "(bert-jax finetune), whose task data they score")
   run_info = json.loads((workdir / RUN_FILE).read_text())
-  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  config = run_lib.saved_config(workdir, finetune_defaults())  # a key newer than the run at its default
   if config.feature_based.layers:
     raise ValueError(f"{workdir} is a feature-based run (frozen encoder, config.feature_based.layers): its heads "
                      "are not gated; analyse a fully fine-tuned run")

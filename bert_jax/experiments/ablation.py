@@ -205,10 +205,6 @@ def base_config(recipe: str, scale: str):
 
 # State files ----------------------------------------------------------------------------------------------------
 
-def _write_json(path: epath.Path, value: Any) -> None:
-  paths.write_text(path, json.dumps(value, indent=2, default=str))  # Atomic: a kill never leaves half a file.
-
-
 def _read_json(path: epath.Path) -> Any:
   return json.loads(path.read_text()) if path.exists() else None
 
@@ -293,10 +289,10 @@ def pretrain_phase(config, row_dir: epath.Path, cross: Sequence[tuple[str, str]]
   try:
     result = trainer.train_and_evaluate(config, row_dir / "pretrain")
   except BaseException:
-    _write_json(segments_file, [*segments, segment(None)])  # A failed call's time is spent too.
+    paths.write_json(segments_file, [*segments, segment(None)])  # A failed call's time is spent too.
     raise
   if result.get("preempted"):
-    _write_json(segments_file, [*segments, segment(int(result["step"]))])
+    paths.write_json(segments_file, [*segments, segment(int(result["step"]))])
     raise InterruptedError(f"pre-training of {row_dir.name} was stopped at step {result['step']}")
   segments.append(segment(int(result["step"])))
   devices = list(dict.fromkeys(part["device"] for part in segments))
@@ -314,7 +310,7 @@ def pretrain_phase(config, row_dir: epath.Path, cross: Sequence[tuple[str, str]]
                           for objective, example_format in cross}}
   if len(segments) > 1:
     state["segments"] = segments
-  _write_json(state_file, state)
+  paths.write_json(state_file, state)
   return state
 
 
@@ -379,7 +375,7 @@ def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[
         started = time.perf_counter()
         results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}")
         for seed_result in results["seeds"]:
-          _write_json(_finetune_state(row_dir, task_name, lr, seed_result["seed"]),
+          paths.write_json(_finetune_state(row_dir, task_name, lr, seed_result["seed"]),
                       {"task": task_name, "lr": lr, "seed": seed_result["seed"], "metric": task.metric,
                        "split": task.split, "score": seed_result["selected"]["metrics"][task.split][task.metric],
                        "call_wall_seconds": time.perf_counter() - started})
@@ -399,7 +395,7 @@ def _finetune_row(config, row_dir: epath.Path, finetune: Callable | None) -> Non
   if finetune is None:
     from bert_jax.tasks.finetune import finetune
   results = finetune(config, row_dir / "finetune")
-  _write_json(row_dir / "state" / "finetune.json", {"task": results.get("task"), "summary": results["summary"]})
+  paths.write_json(row_dir / "state" / "finetune.json", {"task": results.get("task"), "summary": results["summary"]})
 
 
 def _check_finetune_keys(overrides: Sequence[str], where: str) -> None:
@@ -433,7 +429,7 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
       phase = "finetune"
       _finetune_row(config, row_dir, finetune)
       status = {"name": row.name, "status": "done"}
-      _write_json(row_dir / "row.json", status)
+      paths.write_json(row_dir / "row.json", status)
       return status
     phase = "pretrain"
     if row.pretrained is not None:
@@ -451,7 +447,7 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
     traceback.print_exc()
     status = {"name": row.name, "status": "failed", "phase": phase,
               "error": f"{type(error).__name__}: {error}".strip()}
-  _write_json(row_dir / "row.json", status)
+  paths.write_json(row_dir / "row.json", status)
   return status
 
 
@@ -519,7 +515,7 @@ def _write_sweep_file(table: Table, workdir: epath.Path, data_dirs: dict[str, st
             "table": table_record(table)}
   if before and "dev_sets" not in before:  # A sweep begun before dev sets were recorded: its scores' stay unknown.
     now = None
-  _write_json(workdir / "sweep.json", {**record, **({"dev_sets": now} if now is not None else {})})
+  paths.write_json(workdir / "sweep.json", {**record, **({"dev_sets": now} if now is not None else {})})
 
 
 def _tasks_by_data(suite: suite_lib.Suite) -> dict[str, list[str]]:
@@ -710,7 +706,7 @@ def collect(workdir: str | epath.Path, config: str | None = None) -> dict[str, A
              "suite": dataclasses.asdict(table.suite), "published": table.published, "rows": rows,
              "rerun": rerun_command(table, default_suite),
              **({"dev_sets": sweep["dev_sets"]} if "dev_sets" in sweep else {})}
-  _write_json(workdir / "results.json", results)
+  paths.write_json(workdir / "results.json", results)
   return results
 
 

@@ -16,10 +16,10 @@ import os
 import statistics
 from typing import Any, Sequence
 
-from etils import epath
 import jax
 import numpy as np
 
+from bert_jax import paths
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.batching import BatchMaker, padded_length, trim_features
 from bert_jax.tasks.finetune_config import finetune_defaults
@@ -116,10 +116,6 @@ def results_markdown(results: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write_json(path: epath.Path, value: Any) -> None:
-  path.write_text(json.dumps(value, indent=2, default=str) + "\n")
-
-
 def _test_splits(task: Task) -> tuple[str, ...]:
   return tuple(task.spec.submissions) if isinstance(task, GlueTask) else ("test",)
 
@@ -173,10 +169,10 @@ def evaluate_run(workdir: str | os.PathLike, split: str = "dev", seeds: Sequence
         path = workdir / "predictions" / f"seed_{seed}" / f"{eval_set.split}.json"
         if jax.process_index() == 0:
           path.parent.mkdir(parents=True, exist_ok=True)
-          write_json(path, predictions)
+          paths.write_json(path, predictions)
       outcome[seed][eval_set.split] = str(path)
   if split == "dev" and jax.process_index() == 0:
-    write_json(workdir / "evaluate_dev.json", outcome)
+    paths.write_json(workdir / "evaluate_dev.json", outcome)
   return outcome
 
 

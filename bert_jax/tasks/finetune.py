@@ -70,8 +70,8 @@ from bert_jax.tasks import metrics as task_metrics
 from bert_jax.tasks.base import Task
 from bert_jax.tasks.batching import BatchMaker, fitted_max_len, padded_length, trim_features
 from bert_jax.tasks.evaluate import (EvalSet, evaluate_splits, featurize, load_split, results_markdown, subset,
-                                     summarize_seeds, write_json)
-from bert_jax.tasks.finetune_config import (check_workdir_config, eval_interval, model_config_for, selection_rule,
+                                     summarize_seeds)
+from bert_jax.tasks.finetune_config import (eval_interval, finetune_defaults, model_config_for, selection_rule,
                                            validate)
 from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model,
                                            device_fields, frozen_encoder_optimizer, load_initial_model,
@@ -417,7 +417,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
              teacher=teacher)
 
   if primary:
-    check_workdir_config(workdir, config)
+    # A workdir holds one experiment: every key must match, since any of them changes what the seeds compute.
+    workdir_lib.check_resume_config(workdir, config.to_dict(), defaults=finetune_defaults().to_dict(), safe=())
     run_lib.write_run_files(workdir, config, model_config, initial.tokenizer)
     at_step = f", step {initial.step}" if initial.step is not None else ""
     run_lib.banner("finetune", f"task={task.name} ({task.kind}) init={config.init.model} ({initial.source}{at_step})",
@@ -447,9 +448,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   if teacher is not None:
     results["distill"] = config.distill.to_dict()
   if primary:
-    write_json(workdir / "results.json", results)
+    paths.write_json(workdir / "results.json", results)
     (workdir / "results.md").write_text(results_markdown(results))
-    write_json(workdir / RUN_FILE, {
+    paths.write_json(workdir / RUN_FILE, {
         "task": task.name, "kind": task.kind, "num_labels": task.num_labels, "family": initial.family,
         "init": {"path": str(config.init.model), "source": initial.source, "step": initial.step},
         "model_config": dataclasses.asdict(model_config), "seq_len": seq_len, "seeds": list(config.seeds),

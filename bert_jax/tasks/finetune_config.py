@@ -7,9 +7,7 @@ The configs under configs/finetune/ start from `finetune_defaults()`; `bert_jax.
 from __future__ import annotations
 
 import importlib.util
-import json
 
-from etils import epath
 import jax
 import ml_collections
 from ml_collections import config_dict
@@ -17,7 +15,6 @@ from ml_collections import config_dict
 from bert_jax.models import ModelConfig
 from bert_jax.tasks.base import Task
 from bert_jax.train import config_lib
-from bert_jax.train import run as run_lib
 
 SELECTIONS = ("best", "last")
 RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
@@ -100,16 +97,3 @@ def selection_rule(task: Task, config: ml_collections.ConfigDict) -> str:
   stop = (f"; training stops after {config.train.early_stopping_patience} evaluations without improvement"
           if config.train.early_stopping_patience else "")
   return f"dev evaluated {when}; {chosen}{stop}"
-
-
-def check_workdir_config(workdir: epath.Path, config: ml_collections.ConfigDict) -> None:
-  """A workdir holds one experiment: an existing config.json must equal this one (a key newer than the run counts
-  as its default)."""
-  path = workdir / "config.json"
-  if not path.exists():
-    return
-  current = json.loads(json.dumps(config.to_dict(), default=str))
-  defaults = json.loads(json.dumps(finetune_defaults().to_dict(), default=str))
-  if run_lib.with_defaults(defaults, json.loads(path.read_text())) != current:
-    raise ValueError(f"{workdir} already holds a fine-tuning run with another config ({path}); "
-                     "use a new workdir")

@@ -241,13 +241,14 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any], safe: Iterabl
 
 
 def check_resume_config(workdir: str | os.PathLike, current: dict[str, Any],
-                        defaults: dict[str, Any] | None = None) -> None:
+                        defaults: dict[str, Any] | None = None, safe: Iterable[str] = RESUME_SAFE_KEYS) -> None:
   """Raises ConfigMismatchError when `current` is not the experiment the workdir's `config.json` records
-  (`defaults`: the config defaults, for keys newer than the workdir; see `config_changes`)."""
+  (`defaults`: the config defaults, for keys newer than the workdir; `safe`: keys free to change; see
+  `config_changes`)."""
   path = epath.Path(workdir) / "config.json"
   if not path.exists():
     return
-  changes = config_changes(json.loads(path.read_text()), current, defaults=defaults)
+  changes = config_changes(json.loads(path.read_text()), current, safe=safe, defaults=defaults)
   if not changes:
     return
   listed = "; ".join(f"{key}: {old!r} in the workdir, {new!r} now" for key, old, new in changes[:8])
