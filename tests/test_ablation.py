@@ -624,10 +624,10 @@ def test_suite_picks_the_best_learning_rate_by_median():
 TABLE_CONFIGS = sorted((REPO / "configs" / "ablations").glob("*.py"))
 EXPECTED = {"bert_table5", "bert_table6", "roberta_table1", "roberta_table2", "albert_sentence", "albert_sharing",
             "albert_embedding", "electra_compute", "electra_generator", "electra_variants", "spanbert_masking",
-            "spanbert_sbo", "structbert_objectives"}
+            "spanbert_sbo", "structbert_objectives", "ernie_masking"}
 # Rows that name a config key the code lacks (a missing capability); every other row must load.
 MISSING = {}
-SPAN_TABLES = {"spanbert_masking"}
+SPAN_TABLES = {"spanbert_masking", "ernie_masking"}
 
 
 def test_every_paper_table_has_a_config():
@@ -1006,12 +1006,46 @@ def test_a_row_can_fine_tune_another_rows_pretrained_model(setup, tmp_path, monk
   (tmp_path / "run" / "rows" / "MLM" / "state" / "pretrain.json").unlink()
   paths.write_json(tmp_path / "run" / "rows" / "MLM" / "row.json", {"status": "failed", "error": "boom"})
   with pytest.raises(RuntimeError, match="'MLM'.* ended failed without one: boom"):
-    ablation.wait_for_pretraining(tab, tab.rows[1], tmp_path / "run", poll_seconds=0.01)
+    ablation.wait_for_pretraining(tab, tab.rows[1].pretrained, tmp_path / "run", poll_seconds=0.01)
   for bad, match in (('"pretrained": "nowhere"', "not a row that pre-trains"),
-                     ('"pretrained": "MLM", "overrides": {"objective": "mlm"}', "no pre-training overrides")):
+                     ('"pretrained": "MLM", "overrides": {"objective": "mlm"}', "no pre-training of its own")):
     shared.write_text(TABLE_CONFIG.replace('"overrides": {"model.num_heads": 3}', bad))
     with pytest.raises(config_lib.ConfigError, match=match):
       ablation.load_table(str(shared))
+
+
+def test_a_row_can_continue_an_earlier_rows_pretraining(setup, tmp_path, monkeypatch):
+  """ERNIE's stages: a row pre-trains from an earlier row's final parameters (train.init_from), after it; the
+  chain is recorded, and a row may continue only an earlier row that pre-trains."""
+  _, data_dirs, root = setup
+  chained = root / "table_chained.py"
+  broken = '{"name": "broken", "overrides": {"model.num_heads": 3}},  # 64 is not divisible by 3 heads.'
+  chained.write_text(TABLE_CONFIG.replace(broken, "").replace(
+      '"data.format": "full_sentences"}}]',
+      '"data.format": "full_sentences"}}, {"name": "MLM, then MLM+NSP", "overrides": {}, "continues": "MLM"}]'))
+  tab = ablation.load_table(str(chained))
+  assert tab.rows[2].continues == "MLM" and ablation.row_config(tab, tab.rows[2]).train.init_from is None
+  log, starts = [], {}
+  fake = _fake_phases(monkeypatch, log)
+  recorded = ablation.pretrain_phase
+
+  def pretrain(config, row_dir, cross=()):
+    starts[row_dir.name] = config.train.init_from
+    return recorded(config, row_dir, cross)
+
+  monkeypatch.setattr(ablation, "pretrain_phase", pretrain)
+  results = ablation.run_sweep(tab, tmp_path / "run", data_dirs, indices=[2, 0, 1], finetune=fake)
+  assert [entry[1] for entry in log if entry[0] == "pretrain"] == ["MLM+NSP", "MLM", "MLM_then_MLM+NSP"]
+  assert starts == {"MLM+NSP": None, "MLM": None, "MLM_then_MLM+NSP": str(tmp_path / "run" / "rows" / "MLM" / "pretrain")}
+  assert [row["status"] for row in results["rows"]] == ["done"] * 3
+  recorded_table, _ = ablation._recorded_table(json.loads((tmp_path / "run" / "sweep.json").read_text()),
+                                               tmp_path / "run", None)
+  assert recorded_table.rows[2].continues == "MLM"
+  for bad, match in (('"continues": "nowhere"', "not an earlier row that pre-trains"),
+                     ('"continues": "MLM", "pretrained": "MLM"', "no pre-training of its own")):
+    chained.write_text(TABLE_CONFIG.replace(broken, "{" + f'"name": "bad", {bad}' + "},"))
+    with pytest.raises(config_lib.ConfigError, match=match):
+      ablation.load_table(str(chained))
 
 
 def test_rows_side_by_side_start_their_suites_at_different_tasks(setup, tmp_path):

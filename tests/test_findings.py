@@ -1,5 +1,6 @@
 """The reproduction protocol's rule on synthetic runs whose answer is known, and the real tables' findings."""
 
+import json
 import math
 import pathlib
 import statistics
@@ -138,16 +139,21 @@ def test_carved_dev_counts_only_from_the_leak_free_carve():
 
 def test_the_tables_findings_are_valid_and_have_their_headlines():
   tables = {table.table: table for table in findings.load_tables()}
-  assert len(tables) == 13
+  assert len(tables) == 14
   headlines = {name for name, table in tables.items() if any(f.headline for f in table.findings)}
   assert headlines == {"bert_table5", "bert_table6", "roberta_table1", "roberta_table2", "albert_sentence",
-                       "electra_compute", "spanbert_masking", "spanbert_sbo", "structbert_objectives"}
+                       "electra_compute", "spanbert_masking", "spanbert_sbo", "structbert_objectives",
+                       "ernie_masking"}
 
 
 def test_rows_of_one_config_in_two_tables_share_a_key():
   # RoBERTa Table 1's dynamic row is Table 2's SEGMENT-PAIR row; BERT Table 5's two rows differ.
   assert findings.main_key("roberta_table1", "dynamic") == findings.main_key("roberta_table2", "SEGMENT-PAIR")
   assert findings.main_key("bert_table5", "BERT-Base") != findings.main_key("bert_table5", "No NSP")
+  # A row that continues another's pre-training computes something else than the same overrides from scratch.
+  stage_1 = findings.main_setting("ernie_masking", "stage 1: basic-level")[0]
+  stage_2 = findings.main_setting("ernie_masking", "stage 2: phrase-level")[0]
+  assert "continues" not in stage_1 and json.loads(stage_2["continues"]) == stage_1
 
 
 def test_the_published_pages_are_what_the_published_runs_say():

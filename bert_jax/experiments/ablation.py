@@ -9,7 +9,9 @@ The config file gives `get_config(arg)` (the base pre-training config),
 `get_sweep(arg)` (the rows: `{"name": ..., "overrides": {key: value},
 "finetune": {key: value}}`, or plain override dicts; an override's value may be
 a function of the config the row starts from; a row with `"pretrained": NAME`
-fine-tunes row NAME's pre-trained model, waiting for it, instead of its own), `get_suite(arg)` (the
+fine-tunes row NAME's pre-trained model, waiting for it, instead of its own; a row with `"continues": NAME`
+pre-trains from the final parameters of an earlier row NAME, waiting for them, with a fresh optimizer and
+schedule: ERNIE's stages), `get_suite(arg)` (the
 downstream suite, `bert_jax.experiments.suite.Suite`) and `PUBLISHED` (the
 paper's numbers). For every row, in `WORKDIR/rows/<row>/`:
 
@@ -77,11 +79,13 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 class Row:
   """One table row: its display name, pre-training overrides and fine-tuning overrides; or, with `pretrained`,
   the name of the row whose pre-trained model it fine-tunes (BERT Table 5's "+ BiLSTM" on the LTR model) instead
-  of pre-training its own."""
+  of pre-training its own; with `continues`, the name of an earlier row whose final parameters its pre-training
+  starts from (`train.init_from`)."""
   name: str
   overrides: dict[str, Any]
   finetune: dict[str, Any] = dataclasses.field(default_factory=dict)
   pretrained: str | None = None
+  continues: str | None = None
 
   @property
   def slug(self) -> str:
@@ -99,15 +103,15 @@ class Table:
 
 def _row_from(entry: dict[str, Any]) -> Row:
   if "overrides" in entry or "name" in entry:
-    unknown = set(entry) - {"name", "overrides", "finetune", "pretrained"}
+    unknown = set(entry) - {"name", "overrides", "finetune", "pretrained", "continues"}
     if unknown:
       raise config_lib.ConfigError(f"sweep row {entry.get('name')!r}: unknown fields {sorted(unknown)}; "
-                                   "a row has name, overrides, finetune and pretrained")
-    if entry.get("pretrained") and entry.get("overrides"):
+                                   "a row has name, overrides, finetune, pretrained and continues")
+    if entry.get("pretrained") and (entry.get("overrides") or entry.get("continues")):
       raise config_lib.ConfigError(f"sweep row {entry.get('name')!r}: a row that fine-tunes the model of row "
-                                   f"{entry['pretrained']!r} has no pre-training overrides of its own")
+                                   f"{entry['pretrained']!r} has no pre-training of its own (overrides, continues)")
     return Row(entry["name"], dict(entry.get("overrides", {})), dict(entry.get("finetune", {})),
-               entry.get("pretrained"))
+               entry.get("pretrained"), entry.get("continues"))
   text = ",".join(f"{k}={v}" for k, v in entry.items()) or "base"
   return Row(text, dict(entry))
 
@@ -123,10 +127,15 @@ def load_table(spec: str, base_overrides: Sequence[str] = ()) -> Table:
   if len(set(slugs)) != len(slugs):
     raise config_lib.ConfigError(f"{path}: two sweep rows share a name: {[row.name for row in rows]}")
   trained = {row.name for row in rows if row.pretrained is None}
-  for row in rows:
+  for index, row in enumerate(rows):
     if row.pretrained is not None and row.pretrained not in trained:
       raise config_lib.ConfigError(f"{path}: row {row.name!r} fine-tunes the model of {row.pretrained!r}, which is "
                                    f"not a row that pre-trains; rows that do: {sorted(trained)}")
+    # An earlier row only: a chain of continued rows then always ends, and runs in the table's order.
+    earlier = [other.name for other in rows[:index] if other.pretrained is None]
+    if row.continues is not None and row.continues not in earlier:
+      raise config_lib.ConfigError(f"{path}: row {row.name!r} continues {row.continues!r}, which is not an earlier "
+                                   f"row that pre-trains; those are {earlier}")
   suite = module.get_suite(arg) if hasattr(module, "get_suite") else suite_lib.Suite(tasks=())
   published = getattr(module, "PUBLISHED", {})
   return Table(spec, tuple(base_overrides), rows, suite, published)
@@ -334,17 +343,17 @@ def pretrained_dir(table: Table, row: Row, workdir: epath.Path) -> epath.Path:
   return workdir / "rows" / next(other.slug for other in table.rows if other.name == name)
 
 
-def wait_for_pretraining(table: Table, row: Row, workdir: epath.Path, poll_seconds: float = 5.0) -> dict[str, Any]:
-  """The pre-training state of the row `row.pretrained`, once that row (run by this sweep, side by side, or by
-  another job) has recorded it; raises if that row ended without it."""
-  source_dir = pretrained_dir(table, row, workdir)
+def wait_for_pretraining(table: Table, name: str, workdir: epath.Path, poll_seconds: float = 5.0) -> dict[str, Any]:
+  """The pre-training state of the row `name`, once that row (run by this sweep, side by side, or by another job)
+  has recorded it; raises if that row ended without it."""
+  source_dir = workdir / "rows" / next(other.slug for other in table.rows if other.name == name)
   while True:
     state = _read_json(_pretrain_state(source_dir))
     if state is not None:
       return state
     status = _read_json(source_dir / "row.json")
     if status is not None:
-      raise RuntimeError(f"row {row.pretrained!r}, whose pre-trained model this row fine-tunes, ended "
+      raise RuntimeError(f"row {name!r}, whose pre-trained model this row starts from, ended "
                          f"{status.get('status')} without one: {status.get('error')}")
     time.sleep(poll_seconds)
 
@@ -433,8 +442,12 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
       return status
     phase = "pretrain"
     if row.pretrained is not None:
-      wait_for_pretraining(table, row, workdir)
+      wait_for_pretraining(table, row.pretrained, workdir)
     else:
+      if row.continues is not None:
+        wait_for_pretraining(table, row.continues, workdir)
+        source = next(other for other in table.rows if other.name == row.continues)
+        config.train.init_from = str(workdir / "rows" / source.slug / "pretrain")
       cross = [pair for column, pair in suite_lib.SENTENCE_COLUMNS.items()
                if column in table.published.get("columns", {}) and pair[0] != config.objective]
       pretrain_phase(config, row_dir, cross)
@@ -474,7 +487,8 @@ def table_record(table: Table) -> dict[str, Any]:
   config's own suite, so that collecting and rendering a sweep never import its config file."""
   default = load_table(table.spec).suite  # The config's own, before the command line's --tasks, --seeds, ...
   return {"rows": [{"name": row.name, "overrides": {k: v for k, v in resolved_overrides(table, row).items()},
-                    "finetune": row.finetune, "pretrained": row.pretrained} for row in table.rows],
+                    "finetune": row.finetune, "pretrained": row.pretrained, "continues": row.continues}
+                   for row in table.rows],
           "published": table.published, "default_suite": dataclasses.asdict(default)}
 
 
@@ -489,8 +503,8 @@ def _recorded_table(sweep: dict[str, Any], workdir: epath.Path, config: str | No
   if record is None:
     raise ValueError(f"{workdir / 'sweep.json'} records no table (a sweep from before tables were recorded); give "
                      f"its config, which is run to read it, only one you trust: --config {sweep['config']}")
-  rows = tuple(Row(row["name"], dict(row["overrides"]), dict(row["finetune"]), row["pretrained"])
-               for row in record["rows"])
+  rows = tuple(Row(row["name"], dict(row["overrides"]), dict(row["finetune"]), row["pretrained"],
+                   row.get("continues")) for row in record["rows"])
   suite = lambda data: suite_lib.Suite(**{k: tuple(v) if isinstance(v, list) else v  # noqa: E731
                                           for k, v in data.items()})
   return (Table(sweep["config"], tuple(sweep["overrides"]), rows, suite(sweep["suite"]), record["published"]),
@@ -550,8 +564,9 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   if bad:
     raise ValueError(f"row indices {bad} out of range: the sweep has {len(table.rows)} rows (0..{len(table.rows) - 1})")
   _check_data_dirs(table.suite, data_dirs)
-  # A row that fine-tunes another's pre-trained model waits for it: that row runs first.
-  indices.sort(key=lambda i: table.rows[i].pretrained is not None)
+  # A row that waits for another's pre-training runs after it: one that fine-tunes that model after every row
+  # that pre-trains, one that continues it after the rows of its chain; the others in the order given.
+  indices.sort(key=lambda i: (table.rows[i].pretrained is not None, _chain_length(table, table.rows[i])))
   _write_sweep_file(table, workdir, data_dirs)
   # Rows take minutes to hours and each shows its own bar: the sweep reports in lines, one per finished row.
   progress = progress_lib.Progress(len(indices), "sweep", unit="row", every_seconds=0, plain=True,
@@ -571,6 +586,15 @@ def run_sweep(table: Table, workdir: str | epath.Path, data_dirs: dict[str, str]
   else:
     _run_subprocesses(table, workdir, indices, parallel, child_args, progress, devices, pipeline)
   return collect(workdir)
+
+
+def _chain_length(table: Table, row: Row) -> int:
+  """How many rows' pre-training `row`'s continues, one after another (0: it starts from scratch)."""
+  rows = {other.name: other for other in table.rows}
+  length = 0
+  while row.continues is not None:
+    row, length = rows[row.continues], length + 1
+  return length
 
 
 def _share_memory(env: MutableMapping[str, str], sharing: int) -> None:

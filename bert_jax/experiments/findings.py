@@ -216,7 +216,11 @@ def _row_setting(spec: str, overrides: tuple[str, ...], row_name: str, steps: in
   config = ablation.row_config(table, rows[row.pretrained] if row.pretrained else row)
   if steps is not None:
     config_lib.set_by_path(config, "train.steps", str(steps))
-  return _pretraining(config.to_dict()), int(config.seed)
+  setting = _pretraining(config.to_dict())
+  source = rows[row.pretrained] if row.pretrained else row
+  if source.continues is not None:  # what it starts from is part of what it computes
+    setting["continues"] = json.dumps(_row_setting(spec, overrides, source.continues, None)[0], sort_keys=True)
+  return setting, int(config.seed)
 
 
 @functools.lru_cache(maxsize=None)
