@@ -1036,7 +1036,8 @@ def test_a_row_can_continue_an_earlier_rows_pretraining(setup, tmp_path, monkeyp
   monkeypatch.setattr(ablation, "pretrain_phase", pretrain)
   results = ablation.run_sweep(tab, tmp_path / "run", data_dirs, indices=[2, 0, 1], finetune=fake)
   assert [entry[1] for entry in log if entry[0] == "pretrain"] == ["MLM+NSP", "MLM", "MLM_then_MLM+NSP"]
-  assert starts == {"MLM+NSP": None, "MLM": None, "MLM_then_MLM+NSP": str(tmp_path / "run" / "rows" / "MLM" / "pretrain")}
+  assert starts == {"MLM+NSP": None, "MLM": None,
+                    "MLM_then_MLM+NSP": str(tmp_path / "run" / "rows" / "MLM" / "pretrain")}
   assert [row["status"] for row in results["rows"]] == ["done"] * 3
   recorded_table, _ = ablation._recorded_table(json.loads((tmp_path / "run" / "sweep.json").read_text()),
                                                tmp_path / "run", None)

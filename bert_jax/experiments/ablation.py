@@ -385,9 +385,9 @@ def finetune_phase(table: Table, row: Row, row_dir: epath.Path, data_dirs: dict[
         results = finetune(config, row_dir / "finetune" / task_name / f"lr{lr:g}")
         for seed_result in results["seeds"]:
           paths.write_json(_finetune_state(row_dir, task_name, lr, seed_result["seed"]),
-                      {"task": task_name, "lr": lr, "seed": seed_result["seed"], "metric": task.metric,
-                       "split": task.split, "score": seed_result["selected"]["metrics"][task.split][task.metric],
-                       "call_wall_seconds": time.perf_counter() - started})
+                           {"task": task_name, "lr": lr, "seed": seed_result["seed"], "metric": task.metric,
+                            "split": task.split, "score": seed_result["selected"]["metrics"][task.split][task.metric],
+                            "call_wall_seconds": time.perf_counter() - started})
     except InterruptedError:  # A stop request: the task saved its state; the row stops and a rerun resumes it.
       raise
     except Exception as error:  # One task's failure leaves the row's other tasks to run.

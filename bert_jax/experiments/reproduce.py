@@ -66,12 +66,13 @@ known ones (`--config.train.steps=2000`, `--config.seed=2` for a second
 pre-training seed, `--rows 0,1` with one table) go to every sweep.
 
 Tables with rows masked by linguistic spans (`masking.granularity`
-named_entity / noun_phrase: spanbert_masking) need them marked in the prepared
-corpus. `run` adds them from the carried CARRY/spans.npz; without one it marks
+named_entity / noun_phrase: spanbert_masking, ernie_masking) need them marked in
+the prepared corpus. `run` adds them from the carried CARRY/spans.npz; without one it marks
 the corpus first, in the same call (`mark`'s steps, costing the sweep their
 time at scale gpu), and leaves OUT/spans.npz to carry next time. `mark` alone:
-prepare; pre-train the taggers' model, the table's own config (the rows' model
-size and steps, masking whole words) on the same corpus, so that it shares its
+prepare; pre-train the taggers' model, SpanBERT Table 6's config whatever the
+table (the rows' model size and steps, masking whole words; one spans file then
+serves every table) on the same corpus, so that it shares its
 vocabulary (the MiniLM is not on the GPU machine); fine-tune it on CoNLL-2003
 as an NER tagger (conll2003) and an NP chunker (conll2003_chunk), one seed
 each; `bert-jax mark-spans` over the corpus; write OUT/spans.npz and
