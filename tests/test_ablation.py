@@ -330,6 +330,13 @@ def test_reproduce_runs_the_rows_side_by_side_or_pipelined(tmp_path, monkeypatch
   log = (tmp_path / "scratch" / "runs" / "electra_variants" / "sweep.log").read_text().splitlines()
   assert [line.split(" ", 1)[1].startswith("$ bert-jax sweep") for line in log] == [True, False] * 3
   assert log[1] == log[3] == "ran 1" and "--parallel 2" in log[2]
+  # A row that starts from another row's pre-training runs with that row, or after it finished on this scratch.
+  ernie = ["run", "--table", "ernie_masking", "--scale", "tiny", "--devices", "1", "--out", str(tmp_path / "e"),
+           "--scratch", str(tmp_path / "scratch")]
+  started.clear()
+  with pytest.raises(ValueError, match="'stage 2: phrase-level' starts from row 'stage 1: basic-level'.*add row 1"):
+    reproduce.main([*ernie, "--rows", "2"])
+  assert not started and not (tmp_path / "e").exists()
 
 
 def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):

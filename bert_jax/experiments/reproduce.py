@@ -169,6 +169,23 @@ def _selected_rows(table_name: str, scale: str, sweep_args: list[str]) -> list:
     raise ValueError(f"--rows {text}: {table_name} has rows 0 to {len(rows) - 1}; give their indices, e.g. 0,2")
 
 
+def _check_sources(table_name: str, scale: str, sweep_args: list[str], workdir: pathlib.Path) -> None:
+  """Refuses a --rows selection with a row that starts from another row's pre-training (`continues`, `pretrained`)
+  which neither runs in this call nor finished on this scratch: nothing else would run it, and the row would wait
+  until the deadline."""
+  selected = _selected_rows(table_name, scale, sweep_args)
+  names = {row.name for row in selected}
+  table = {row.name: row for row in _selected_rows(table_name, scale, [])}
+  for row in selected:
+    source = row.continues or row.pretrained
+    if source is None or source in names:
+      continue
+    if not (workdir / "rows" / table[source].slug / "state" / "pretrain.json").exists():
+      index = list(table).index(source)
+      raise ValueError(f"--rows: {table_name}'s row {row.name!r} starts from row {source!r}'s pre-training, which "
+                       f"this scratch has not finished; add row {index} to --rows")
+
+
 def _core_shares(counts: list[int]) -> list[list[int]]:
   """This host's cores split between sweeps in proportion to their rows."""
   cores = sorted(os.sched_getaffinity(0))
@@ -262,6 +279,8 @@ def run(args: argparse.Namespace, sweep_args: list[str]) -> int:
     raise ValueError("--table-per-device gives each table one accelerator: leave out --devices")
   if len(tables) > 1 and not args.table_per_device and args.devices != 1:  # Each sweep numbers its accelerators from 0.
     raise ValueError("several tables side by side share one accelerator: give --devices 1 (or --table-per-device)")
+  if "--rows" in sweep_args:
+    _check_sources(tables[0], args.scale, sweep_args, scratch / "runs" / tables[0])
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   if not (env.get("BERT_JAX_COMPILATION_CACHE") or env.get("JAX_COMPILATION_CACHE_DIR")):
     # The scratch is what a lent machine keeps between calls: steps compiled there serve the next call's rows.
