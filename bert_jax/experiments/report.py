@@ -278,7 +278,8 @@ def table_readme(table: findings_lib.TableFindings, results: Sequence[Mapping[st
     lines += [f"### {result['finding']}", "",
               f"{result['better']} over {result['worse']} on {_columns_cell(result)}"
               + (f" (the paper's {', '.join(result['paper_columns'])})" if result["paper_columns"] else "")
-              + f". Holm family: the {result['holm_family']} findings of this paper; p = " + _p(result["p"])
+              + (f". Holm family: the {result['holm_family']} findings of this paper" if result["holm_family"] > 1
+                 else ". Holm family: this paper's one finding") + "; p = " + _p(result["p"])
               + f"; verdict: {result['verdict']}.",
               ""]
     lines += ["Runs at the main budget pooled: " + (", ".join(f"`{p}`" for p in result["pooled_from"]) or "none")
