@@ -1046,6 +1046,7 @@ def test_a_row_can_continue_an_earlier_rows_pretraining(setup, tmp_path, monkeyp
   assert starts == {"MLM+NSP": None, "MLM": None,
                     "MLM_then_MLM+NSP": str(tmp_path / "run" / "rows" / "MLM" / "pretrain")}
   assert [row["status"] for row in results["rows"]] == ["done"] * 3
+  assert results["rows"][2]["continues"] == "MLM" and ", after MLM's |" in table.render_markdown(results)
   recorded_table, _ = ablation._recorded_table(json.loads((tmp_path / "run" / "sweep.json").read_text()),
                                                tmp_path / "run", None)
   assert recorded_table.rows[2].continues == "MLM"

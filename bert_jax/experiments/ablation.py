@@ -723,7 +723,8 @@ def collect(workdir: str | epath.Path, config: str | None = None) -> dict[str, A
       pretrain = {**pretrain, "wall_seconds": 0.0, "pretrained_by": row.pretrained}
     rows.append({"name": row.name, "slug": row.slug, "overrides": resolved_overrides(table, row),
                  "finetune": row.finetune,
-                 "pretrained": row.pretrained, "status": status.get("status"), "phase": status.get("phase"),
+                 "pretrained": row.pretrained, **({"continues": row.continues} if row.continues else {}),
+                 "status": status.get("status"), "phase": status.get("phase"),
                  "error": status.get("error"), "pretrain": pretrain, "tasks": tasks,
                  **({"from": status["from"]} if status.get("from") else {})})
   results = {"config": table.spec, "overrides": list(table.base_overrides),

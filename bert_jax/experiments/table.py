@@ -145,7 +145,8 @@ def render_markdown(results: dict[str, Any]) -> str:
             else _number(pretrain.get("wall_seconds")))
     if pretrain.get("segments"):
       wall += f" ({len(pretrain['segments'])} calls)"
-    lines.append(f"| {row['name']} | {pretrain.get('tokens_seen', '')} | {_number(pretrain.get('epochs'), 2)} | "
+    tokens = f"{pretrain.get('tokens_seen', '')}" + (f", after {row['continues']}'s" if row.get("continues") else "")
+    lines.append(f"| {row['name']} | {tokens} | {_number(pretrain.get('epochs'), 2)} | "
                  f"{wall} | {pretrain.get('device', '')} | "
                  f"{pretrain.get('num_params', '')} | {error} |")
   return "\n".join(lines) + "\n"
