@@ -255,7 +255,7 @@ def check_resume_config(workdir: str | os.PathLike, current: dict[str, Any],
   more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
   restore = " ".join(f"--config.{key}={old}" for key, old, _ in changes[:8] if old != "<absent>")
   raise ConfigMismatchError(
-      f"{workdir} holds checkpoints of another config: {listed}{more}. Resume with the workdir's config "
+      f"{workdir} holds a run of another config: {listed}{more}. Go on with the workdir's config "
       f"({restore}) or start the changed experiment in a new --workdir; nothing was changed in {workdir}.")
 
 
