@@ -337,16 +337,25 @@ def finetune_config(table: Table, row: Row, task: suite_lib.SuiteTask, lr: float
   return config_lib.load_config(str(CONFIGS / task.config), overrides)
 
 
+def folder_of(table: Table, name: str, workdir: epath.Path) -> epath.Path:
+  """The folder of the table's row `name` in the sweep `workdir`."""
+  return workdir / "rows" / next(other.slug for other in table.rows if other.name == name)
+
+
 def pretrained_dir(table: Table, row: Row, workdir: epath.Path) -> epath.Path:
   """The row folder whose pre-training `row` fine-tunes from: its own, or that of the row it names."""
-  name = row.pretrained or row.name
-  return workdir / "rows" / next(other.slug for other in table.rows if other.name == name)
+  return folder_of(table, row.pretrained or row.name, workdir)
+
+
+def pretraining_recorded(table: Table, name: str, workdir: epath.Path) -> bool:
+  """Whether the row `name` has finished its pre-training in the sweep `workdir`."""
+  return _pretrain_state(folder_of(table, name, workdir)).exists()
 
 
 def wait_for_pretraining(table: Table, name: str, workdir: epath.Path, poll_seconds: float = 5.0) -> dict[str, Any]:
   """The pre-training state of the row `name`, once that row (run by this sweep, side by side, or by another job)
   has recorded it; raises if that row ended without it."""
-  source_dir = workdir / "rows" / next(other.slug for other in table.rows if other.name == name)
+  source_dir = folder_of(table, name, workdir)
   while True:
     state = _read_json(_pretrain_state(source_dir))
     if state is not None:
@@ -446,8 +455,7 @@ def run_row(table: Table, index: int, workdir: epath.Path, data_dirs: dict[str, 
     else:
       if row.continues is not None:
         wait_for_pretraining(table, row.continues, workdir)
-        source = next(other for other in table.rows if other.name == row.continues)
-        config.train.init_from = str(workdir / "rows" / source.slug / "pretrain")
+        config.train.init_from = str(folder_of(table, row.continues, workdir) / "pretrain")
       cross = [pair for column, pair in suite_lib.SENTENCE_COLUMNS.items()
                if column in table.published.get("columns", {}) and pair[0] != config.objective]
       pretrain_phase(config, row_dir, cross)
@@ -635,7 +643,7 @@ ROW_RESTARTS = 1
 def _pretraining(table: Table, workdir: epath.Path, index: int) -> bool:
   """Whether row `index`, running or about to, pre-trains: it trains its own model and has not recorded it yet."""
   row = table.rows[index]
-  return row.pretrained is None and not _pretrain_state(workdir / "rows" / row.slug).exists()
+  return row.pretrained is None and not pretraining_recorded(table, row.name, workdir)
 
 
 def _run_subprocesses(table: Table, workdir: epath.Path, indices: list[int], parallel: int,

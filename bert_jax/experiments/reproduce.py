@@ -173,15 +173,17 @@ def _check_sources(table_name: str, scale: str, sweep_args: list[str], workdir: 
   """Refuses a --rows selection with a row that starts from another row's pre-training (`continues`, `pretrained`)
   which neither runs in this call nor finished on this scratch: nothing else would run it, and the row would wait
   until the deadline."""
+  from bert_jax.experiments import ablation
+
+  table = ablation.load_table(str(REPO / "configs" / "ablations" / f"{table_name}.py:scale={scale}"))
   selected = _selected_rows(table_name, scale, sweep_args)
   names = {row.name for row in selected}
-  table = {row.name: row for row in _selected_rows(table_name, scale, [])}
   for row in selected:
     source = row.continues or row.pretrained
     if source is None or source in names:
       continue
-    if not (workdir / "rows" / table[source].slug / "state" / "pretrain.json").exists():
-      index = list(table).index(source)
+    if not ablation.pretraining_recorded(table, source, workdir):
+      index = [other.name for other in table.rows].index(source)
       raise ValueError(f"--rows: {table_name}'s row {row.name!r} starts from row {source!r}'s pre-training, which "
                        f"this scratch has not finished; add row {index} to --rows")
 
