@@ -23,7 +23,7 @@ from bert_jax import paths
 from bert_jax.experiments import ablation, suite, table
 from bert_jax.tasks import evaluate as evaluate_lib
 from bert_jax.tasks import glue as glue_lib
-from bert_jax.train import config_lib, trainer
+from bert_jax.train import config_lib, pretrain_config, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Words the built-in corpus (Python's documentation) holds, so the tiny WordPiece vocabulary keeps them whole.
@@ -665,7 +665,7 @@ def test_every_table_config_expands_to_its_papers_rows(path, scale):
         ablation.row_config(tab, row)
       continue
     config = ablation.row_config(tab, row)
-    trainer.validate(config, data_parallel=1)  # e.g. every interval a multiple of the steps a call takes
+    pretrain_config.validate(config, data_parallel=1)  # e.g. every interval a multiple of the steps a call takes
     if scale == "tiny":
       # A table that masks by marked spans reads a marked prepared corpus instead of the built-in one.
       assert config.data.builtin != (path.stem in SPAN_TABLES)

@@ -354,7 +354,7 @@ def test_a_teacher_without_an_mlm_head_gives_hidden_states_only(tmp_path):
   directory = save_pretrained(tmp_path / "base", "bert", config, jax.tree.map(np.asarray, params))
   student = objectives.make_objective(make_config("mlm"), step_model(kernels="off", sparse_last_layer=False),
                                       mask_id=4)
-  teacher, teacher_params = trainer.load_teacher(str(directory), student)
+  teacher, teacher_params = distill.load_pretraining_teacher(str(directory), student)
   assert not teacher.mlm_head and sorted(teacher_params) == ["encoder"]
   with pytest.raises(ValueError, match="config.distill.alpha=0.5"):
     distill.Distillation(student, teacher, student.model_config, teacher.model_config, soft_targets=False)

@@ -20,7 +20,7 @@ from test_trainer import prepared  # noqa: F401  (a fixture: the built-in corpus
 from bert_jax.data import formats
 from bert_jax.data.masking import MaskingConfig, mask_batch, non_identity_permutations, shuffle_slots
 from bert_jax.models.model import PretrainingModel
-from bert_jax.train import config_lib, objectives, trainer
+from bert_jax.train import config_lib, objectives, pretrain_config, trainer
 
 SIGMAS = 5.0
 CLS, SEP, MASK = 1, 2, 3
@@ -237,7 +237,7 @@ def test_wso_is_the_mlm_heads_cross_entropy_at_the_shuffled_positions():
 def test_the_tiny_config_has_a_finite_loss_and_gradients_reach_every_head():
   config = config_lib.load_config("configs/structbert.py:scale=tiny")
   assert (config.objective, config.data.format, config.data.builtin) == ("mlm+wso+sso", "sso", True)
-  model_config = trainer.build_model_config(config.model, 2000)
+  model_config = pretrain_config.build_model_config(config.model, 2000)
   objective, inputs, params = build(config.objective, config, model_config, rows=16, seq=config.data.seq_len)
 
   def loss(params):

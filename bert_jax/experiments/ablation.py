@@ -162,10 +162,10 @@ def comparable_config(config: dict) -> dict:
   two spellings of one model (a preset's name and the fields that override all of it) compare equal."""
   import ml_collections
 
-  from bert_jax.train import trainer
+  from bert_jax.train import pretrain_config
 
   model = dict(config.get("model") or {})
-  resolved = trainer.build_model_config(ml_collections.ConfigDict(model), model.get("vocab_size") or 1)
+  resolved = pretrain_config.build_model_config(ml_collections.ConfigDict(model), model.get("vocab_size") or 1)
   return {**config, "model": {**dataclasses.asdict(resolved), "generator_fraction": model.get("generator_fraction")}}
 
 

@@ -73,14 +73,14 @@ from bert_jax.tasks.evaluate import (EvalSet, evaluate_splits, featurize, load_s
                                      summarize_seeds)
 from bert_jax.tasks.finetune_config import (eval_interval, finetune_defaults, model_config_for, selection_rule,
                                            validate)
-from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, build_model,
-                                           device_fields, frozen_encoder_optimizer, load_initial_model,
-                                           merge_initial_params, task_model, task_tokenizer)
+from bert_jax.tasks.finetune_model import (RUN_FILE, FinetuneObjective, device_fields, distillation,
+                                           load_initial_model, merge_initial_params, optimizer, task_model,
+                                           task_tokenizer)
 from bert_jax.tasks.registry import get_task
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
-from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, optim
+from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib
 from bert_jax.train import run as run_lib
 from bert_jax.train.step import (Partitioning, TrainState, checkpointed, make_predict_step, make_state_init,
                                  make_train_step, persistent_cache_hits)
@@ -334,21 +334,6 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
   return result
 
 
-def _optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_params: Any, model_config: ModelConfig,
-               feature_based: bool):
-  """AdamW/LAMB with warmup_proportion of the steps, layer-wise LR decay, frozen encoder in feature mode."""
-  optim_config = ml_collections.ConfigDict({key: value for key, value in config.optim.items()
-                                            if key not in ("warmup_proportion", "layerwise_lr_decay")})
-  optim_config.warmup_steps = int(config.optim.warmup_proportion * total_steps)
-  lr_factors = None
-  if config.optim.layerwise_lr_decay < 1.0:
-    lr_factors = optim.layerwise_lr_factors(abstract_params, model_config.num_layers, model_config.num_blocks,
-                                            config.optim.layerwise_lr_decay, model_config.num_shared_groups)
-  # The schedule's step counts in the optimizer state: tasks of other sizes share the compiled steps.
-  tx, schedule = optim.make_optimizer(optim_config, total_steps, lr_factors=lr_factors, horizon_in_state=True)
-  return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
-
-
 def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
   """Fine-tunes `config.init.model` on `config.task` once per seed and writes the results into `workdir` (a local
   folder or `gs://`).
@@ -398,7 +383,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   teacher = None
   if config.distill.teacher:
     started = time.perf_counter()
-    objective, teacher = _distillation(config, task, objective, max_len)
+    objective, teacher = distillation(config, task, objective, max_len)
     timings["load teacher"] = time.perf_counter() - started
   batch_size = config.train.batch_size
   steps_per_epoch = math.ceil(len(train_features["input_ids"]) / batch_size)
@@ -406,7 +391,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   dummy = objective.example_batch(batch_size, seq_len)
   abstract_params = nn.unbox(jax.eval_shape(lambda: objective.init_variables(jax.random.key(0), dummy))["params"])
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
-  tx, schedule = _optimizer(config, total_steps, abstract_params, model_config, bool(config.feature_based.layers))
+  tx, schedule = optimizer(config, total_steps, abstract_params, model_config, bool(config.feature_based.layers))
   fields = device_fields(task.kind)
   run = _Run(config=config, task=task, workdir=workdir, objective=objective, model_config=model_config,
              partitioning=partitioning, tx=tx,
@@ -456,29 +441,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
         "model_config": dataclasses.asdict(model_config), "seq_len": seq_len, "seeds": list(config.seeds),
         "best_seed": best["seed"], "best_seed_dir": f"seed_{best['seed']}"})
   return results
-
-
-def _distillation(config: ml_collections.ConfigDict, task: Task, student: FinetuneObjective,
-                  max_len: int) -> tuple[distill_lib.Distillation, tuple[Any, Any]]:
-  """The student's objective with the teacher's terms (`bert_jax.train.distill`), and (the teacher's task, its
-  host params): the teacher is a fine-tuning workdir of this task, or a model directory with its head."""
-  path = config.distill.teacher
-  if not paths.as_path(path).exists():
-    raise ValueError(f"config.distill.teacher={path!r} does not exist: give a fine-tuning workdir of "
-                     f"{task.name} (or a converted model with its task head)")
-  loaded = load_initial_model(path)
-  if loaded.head_kind is not None and loaded.head_kind != task.kind:
-    raise ValueError(f"config.distill.teacher={path!r} was fine-tuned for a {loaded.head_kind} task, not "
-                     f"{task.name} ({task.kind})")
-  # The teacher computes as the student does; it never trains, so nothing of it is rematerialised.
-  teacher_config = model_config_for(loaded.config, config.model).replace(remat="none")
-  if fitted_max_len(max_len, teacher_config) < max_len:
-    raise ValueError(f"config.distill.teacher={path!r} has {teacher_config.max_position_embeddings} positions, "
-                     f"fewer than the student's inputs of {max_len} tokens; lower config.max_len")
-  teacher = FinetuneObjective(build_model(teacher_config, task.kind, task.num_labels), task.kind,
-                              single_token_type=teacher_config.type_vocab_size == 1, num_choices=task.num_choices)
-  objective = distill_lib.Distillation.from_config(config.distill, student, teacher)
-  return objective, (objective.teacher, loaded.params)
 
 
 def main(argv: list[str]) -> int:

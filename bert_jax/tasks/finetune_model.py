@@ -47,7 +47,10 @@ from bert_jax.models.model import head_rows
 from bert_jax.models.recurrent import BiLSTM
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, Task, TaskTokenizer
 from bert_jax.tasks.kinds import TaskKind, task_kind
+from bert_jax.tasks.batching import fitted_max_len
+from bert_jax.tasks.finetune_config import model_config_for
 from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import distill as distill_lib, optim
 from bert_jax.train.losses import dropout_key
 
 Array = jax.Array
@@ -485,3 +488,42 @@ def task_model(config: ml_collections.ConfigDict, model_config: ModelConfig, tas
 
     model = quantization.qat_model(model)
   return model
+
+
+def optimizer(config: ml_collections.ConfigDict, total_steps: int, abstract_params: Any, model_config: ModelConfig,
+              feature_based: bool):
+  """Fine-tuning's (optimizer, schedule): AdamW/LAMB with warmup_proportion of the steps, layer-wise LR decay,
+  the encoder frozen in feature mode."""
+  optim_config = ml_collections.ConfigDict({key: value for key, value in config.optim.items()
+                                            if key not in ("warmup_proportion", "layerwise_lr_decay")})
+  optim_config.warmup_steps = int(config.optim.warmup_proportion * total_steps)
+  lr_factors = None
+  if config.optim.layerwise_lr_decay < 1.0:
+    lr_factors = optim.layerwise_lr_factors(abstract_params, model_config.num_layers, model_config.num_blocks,
+                                            config.optim.layerwise_lr_decay, model_config.num_shared_groups)
+  # The schedule's step counts in the optimizer state: tasks of other sizes share the compiled steps.
+  tx, schedule = optim.make_optimizer(optim_config, total_steps, lr_factors=lr_factors, horizon_in_state=True)
+  return (frozen_encoder_optimizer(tx) if feature_based else tx), schedule
+
+
+def distillation(config: ml_collections.ConfigDict, task: Task, student: FinetuneObjective,
+                 max_len: int) -> tuple[distill_lib.Distillation, tuple[Any, Any]]:
+  """The student's objective with the teacher's terms (`bert_jax.train.distill`), and (the teacher's task, its
+  host params): the teacher is a fine-tuning workdir of this task, or a model directory with its head."""
+  path = config.distill.teacher
+  if not paths.as_path(path).exists():
+    raise ValueError(f"config.distill.teacher={path!r} does not exist: give a fine-tuning workdir of "
+                     f"{task.name} (or a converted model with its task head)")
+  loaded = load_initial_model(path)
+  if loaded.head_kind is not None and loaded.head_kind != task.kind:
+    raise ValueError(f"config.distill.teacher={path!r} was fine-tuned for a {loaded.head_kind} task, not "
+                     f"{task.name} ({task.kind})")
+  # The teacher computes as the student does; it never trains, so nothing of it is rematerialised.
+  teacher_config = model_config_for(loaded.config, config.model).replace(remat="none")
+  if fitted_max_len(max_len, teacher_config) < max_len:
+    raise ValueError(f"config.distill.teacher={path!r} has {teacher_config.max_position_embeddings} positions, "
+                     f"fewer than the student's inputs of {max_len} tokens; lower config.max_len")
+  teacher = FinetuneObjective(build_model(teacher_config, task.kind, task.num_labels), task.kind,
+                              single_token_type=teacher_config.type_vocab_size == 1, num_choices=task.num_choices)
+  objective = distill_lib.Distillation.from_config(config.distill, student, teacher)
+  return objective, (objective.teacher, loaded.params)

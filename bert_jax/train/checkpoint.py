@@ -445,3 +445,26 @@ def read_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir} a bert_jax run directory?")
   return json.loads(path.read_text())
+
+
+def match_params(loaded: Any, reference: Any, what: str, missing_ok: bool = False) -> Any:
+  """`loaded` as `reference`'s tree and dtypes, once each parameter's shape is checked: a mismatch raises a
+  ValueError naming `what` was read and every parameter that does not fit (`missing_ok`: a parameter `loaded`
+  lacks keeps `reference`'s value)."""
+  flat_loaded = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
+  flat_ref, treedef = jax.tree_util.tree_flatten_with_path(reference)
+  out, problems = [], []
+  for path, ref in flat_ref:
+    name = jax.tree_util.keystr(path)
+    if path not in flat_loaded:
+      if not missing_ok:
+        problems.append(f"missing {name}")
+      out.append(ref)
+    elif tuple(flat_loaded[path].shape) != tuple(ref.shape):
+      problems.append(f"{name}: shape {tuple(flat_loaded[path].shape)} != {tuple(ref.shape)}")
+      out.append(ref)
+    else:
+      out.append(np.asarray(flat_loaded[path], ref.dtype))
+  if problems:
+    raise ValueError(f"{what} does not fit this model:\n  " + "\n  ".join(problems))
+  return jax.tree_util.tree_unflatten(treedef, out)

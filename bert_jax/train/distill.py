@@ -73,6 +73,7 @@ The config's `distill` section (pre-training and fine-tuning alike):
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import flax.linen as nn
@@ -82,9 +83,11 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict
 
+from bert_jax import paths
 from bert_jax.models import Encoder, ModelConfig, PretrainingModel
 from bert_jax.models.encoder import apply_with_scores
 from bert_jax.parallel import sharding as sharding_lib
+from bert_jax.train import checkpoint
 from bert_jax.train.objectives import PretrainingObjective
 from bert_jax.train.losses import (cosine_distance_sums, normalized_distance_sums, soft_target_sums,
                                    squared_error_sums)
@@ -514,3 +517,54 @@ def init_from_teacher(student: Any, teacher: Any, student_config: ModelConfig, t
     raise ValueError(f"{key}: the teacher's parameters do not fit the student (same width needed):\n  "
                      + "\n  ".join(problems))
   return merged
+
+
+def load_pretraining_teacher(path: str, student: PretrainingObjective) -> tuple[MaskedLMTeacher, Any]:
+  """General distillation's teacher: (its masked-LM task, its host params) from a pre-training workdir (its newest
+  checkpoint) or a converted / Hugging Face model directory; one without an MLM head (a base model) gives hidden
+  states only."""
+  from bert_jax.convert.params import encoder_params
+  from bert_jax.convert.pretrained import load_pretrained
+
+  where = paths.as_path(path)
+  if not where.exists():
+    raise ValueError(f"config.distill.teacher={path!r} does not exist: give a pre-training workdir or a model "
+                     "directory with its MLM head")
+  if (where / "checkpoints").is_dir() and (where / "model_config.json").exists():
+    config = ModelConfig(**json.loads((where / "model_config.json").read_text()))
+    _, params = checkpoint.restore_params(where)
+  else:
+    _, config, params, _ = load_pretrained(where)
+  mlm_head = "mlm" in params
+  if not mlm_head:
+    params = {"encoder": encoder_params(params)}
+  # The teacher computes as the student does, every position of its last layer (for the cosine loss); it never
+  # trains, so nothing of it is rematerialised.
+  student_config = student.model_config
+  config = config.replace(dtype=student_config.dtype, kernels=student_config.kernels, remat="none",
+                          sparse_last_layer=False, vocab_pad_multiple=student_config.vocab_pad_multiple)
+  teacher = MaskedLMTeacher(model_config=config, masking=student.masking, mask_id=student.mask_id,
+                                        weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
+                                        max_packs=student.max_packs, mlm_head=mlm_head)
+  return teacher, params
+
+
+def for_pretraining(config: ml_collections.ConfigDict, objective: PretrainingObjective
+                    ) -> tuple[Distillation, tuple[MaskedLMTeacher, Any]]:
+  """Pre-training's distillation (`config.distill`): (the student's objective with the teacher's terms, (the
+  teacher's task, its host params))."""
+  if objective.name not in PRETRAINING_OBJECTIVES:
+    raise ValueError(f"config.distill.teacher is set with config.objective={objective.name!r}: general "
+                     f"distillation serves the MLM objectives {PRETRAINING_OBJECTIVES}")
+  settings = config.distill
+  if settings.pkd_weight:
+    raise ValueError("config.distill.pkd_weight applies to fine-tuning; pre-training's hidden-state loss is "
+                     "config.distill.cos_weight")
+  # The cosine, hidden-state and attention losses compare every position of the last layer, which the sparse
+  # last layer does not compute.
+  every_position = settings.cos_weight or settings.hidden_weight or settings.attention_weight
+  student = dataclasses.replace(objective, model_config=objective.model_config.replace(
+      sparse_last_layer=objective.model_config.sparse_last_layer and not every_position))
+  teacher, teacher_params = load_pretraining_teacher(settings.teacher, student)
+  distillation = Distillation.from_config(settings, student, teacher, soft_targets=teacher.mlm_head)
+  return distillation, (distillation.teacher, teacher_params)

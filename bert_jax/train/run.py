@@ -16,6 +16,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
 from typing import Any, Callable, Iterator
 
 from etils import epath
@@ -101,3 +106,16 @@ def with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, 
 def saved_config(workdir: str | os.PathLike, defaults: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The config a run in `workdir` was started with (its config.json), the keys newer than the run at `defaults`."""
   return ml_collections.ConfigDict(with_defaults(defaults.to_dict(), checkpoint_lib.read_run_config(workdir)))
+
+
+def environment() -> dict[str, Any]:
+  """Where a run ran: Python, platform, JAX and its devices, the code's git commit, the start time."""
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                            cwd=pathlib.Path(__file__).parent).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = ""
+  return {"python": sys.version, "platform": platform.platform(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+          "device_kind": jax.devices()[0].device_kind, "process_count": jax.process_count(),
+          "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -9,15 +9,9 @@ clear error; the state it stops on never reaches a checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import pathlib
-import platform
-import subprocess
-import sys
-import time
 from typing import Any, Sequence
 
 from etils import epath
@@ -28,11 +22,11 @@ import numpy as np
 from bert_jax import paths
 from bert_jax import progress as progress_lib
 from bert_jax.data.prepare import open_prepared
-from bert_jax.models import ModelConfig, model_config
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import pretrain_data
 from bert_jax.train import workdir as workdir_lib
 from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, objectives, optim
+from bert_jax.train import pretrain_config
 from bert_jax.train import run as run_lib
 from bert_jax.train.step import TrainState, checkpointed, create_state, make_eval_step, make_train_step
 
@@ -40,46 +34,6 @@ log = logging.getLogger(__name__)
 
 
 NonFiniteLossError = loop.NonFiniteLossError
-
-
-def build_model_config(model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-  """The config's model section -> ModelConfig; vocab_size defaults to the tokenizer's and must match it."""
-  fields = {k: v for k, v in model.items() if k not in ("family", "size", "generator_fraction") and v is not None}
-  if fields.get("vocab_size", vocab_size) != vocab_size:
-    raise ValueError(f"config.model.vocab_size={fields['vocab_size']} does not match the tokenizer's vocabulary "
-                     f"of {vocab_size} tokens; leave it unset to take the tokenizer's")
-  fields["vocab_size"] = vocab_size
-  return model_config(model.family, model.size, **fields)
-
-
-def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
-  """Derived values that must fit, checked before anything is compiled."""
-  config_lib.validate_batching(config.train, data_parallel, jax.process_count())
-  per_call = config.train.steps_per_call
-  for key in ("log_every", "eval_every", "checkpoint_every"):  # A call never runs past one of them (`loop.run`).
-    if config.train[key] % per_call:
-      raise ValueError(f"config.train.{key}={config.train[key]} is not a multiple of config.train.steps_per_call="
-                       f"{per_call}: a call of {per_call} steps never runs past a log, evaluation or checkpoint, "
-                       "so the steps around each would run one a call; make it a multiple or lower steps_per_call")
-  formats = objectives.objective_class(config.objective).sentence_formats
-  if formats and config.data.format not in formats:
-    raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
-                     f"{' or '.join(repr(f) for f in formats)}, got {config.data.format!r}")
-  if config.masking.max_predictions > config.data.seq_len:
-    raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
-                     f"config.data.seq_len={config.data.seq_len}")
-
-
-def _environment() -> dict[str, Any]:
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                            cwd=pathlib.Path(__file__).parent).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    commit = ""
-  return {"python": sys.version, "platform": platform.platform(), "jax": jax.__version__,
-          "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-          "device_kind": jax.devices()[0].device_kind, "process_count": jax.process_count(),
-          "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
@@ -106,18 +60,13 @@ def _after_ctrl_c(workdir: epath.Path) -> str:
 def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
   """What training and `evaluate_run` share: (mesh, partitioning, prepared corpus, tokenizer, model config,
   objective), every derived value checked."""
-  mesh, partitioning = run_lib.mesh_and_partitioning(config, validate)
+  mesh, partitioning = run_lib.mesh_and_partitioning(config, pretrain_config.validate)
   prepared_dir = pretrain_data.prepare_data(config, workdir)
   corpus = open_prepared(prepared_dir)
   pretrain_data.check_spans(corpus, config.masking.granularity)
   pretrain_data.warn_single_sentence_documents(corpus, config.data.format)
   tokenizer = corpus.load_tokenizer()
-  model_cfg = build_model_config(config.model, tokenizer.vocab_size)
-  if model_cfg.position_embedding == "learned" and \
-      config.data.seq_len + model_cfg.position_offset > model_cfg.max_position_embeddings:
-    raise ValueError(f"config.data.seq_len={config.data.seq_len} does not fit the model's "
-                     f"max_position_embeddings={model_cfg.max_position_embeddings} "
-                     f"(position offset {model_cfg.position_offset})")
+  model_cfg = pretrain_config.model_config_for(config, tokenizer.vocab_size)
   objective = objectives.make_objective(config, model_cfg, tokenizer.mask_id)
   return mesh, partitioning, prepared_dir, tokenizer, model_cfg, objective
 
@@ -139,58 +88,9 @@ def evaluate_run(workdir: str | os.PathLike, overrides: Sequence[str] = ()) -> d
   state, shardings = create_state(lambda key: objective.init_variables(key, dummy), optim.optax.identity(),
                                   jax.random.key(config.seed), partitioning)
   _, loaded = checkpoint_lib.restore_params(workdir)
-  params = jax.device_put(_match_params(loaded, state.params, missing_ok=True), shardings.params)
+  params = jax.device_put(checkpoint_lib.match_params(loaded, state.params, f"the checkpoint in {workdir}", missing_ok=True), shardings.params)
   eval_step = make_eval_step(objective, partitioning, shardings)
   return pretrain_data.evaluate(eval_step, params, config, prepared_dir, mesh, objective)
-
-
-def load_teacher(path: str, student: objectives.PretrainingObjective) -> tuple[objectives.PretrainingObjective, Any]:
-  """General distillation's teacher: (its masked-LM task, its host params) from a pre-training workdir (its newest
-  checkpoint) or a converted / Hugging Face model directory; one without an MLM head (a base model) gives hidden
-  states only."""
-  from bert_jax.convert.params import encoder_params
-  from bert_jax.convert.pretrained import load_pretrained
-
-  where = paths.as_path(path)
-  if not where.exists():
-    raise ValueError(f"config.distill.teacher={path!r} does not exist: give a pre-training workdir or a model "
-                     "directory with its MLM head")
-  if (where / "checkpoints").is_dir() and (where / "model_config.json").exists():
-    config = ModelConfig(**json.loads((where / "model_config.json").read_text()))
-    _, params = checkpoint_lib.restore_params(where)
-  else:
-    _, config, params, _ = load_pretrained(where)
-  mlm_head = "mlm" in params
-  if not mlm_head:
-    params = {"encoder": encoder_params(params)}
-  # The teacher computes as the student does, every position of its last layer (for the cosine loss); it never
-  # trains, so nothing of it is rematerialised.
-  student_config = student.model_config
-  config = config.replace(dtype=student_config.dtype, kernels=student_config.kernels, remat="none",
-                          sparse_last_layer=False, vocab_pad_multiple=student_config.vocab_pad_multiple)
-  teacher = distill_lib.MaskedLMTeacher(model_config=config, masking=student.masking, mask_id=student.mask_id,
-                                        weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
-                                        max_packs=student.max_packs, mlm_head=mlm_head)
-  return teacher, params
-
-
-def _distillation(config: ml_collections.ConfigDict, objective: objectives.PretrainingObjective):
-  """(the student's objective with the teacher's terms, (the teacher's task, its host params))."""
-  if objective.name not in distill_lib.PRETRAINING_OBJECTIVES:
-    raise ValueError(f"config.distill.teacher is set with config.objective={objective.name!r}: general "
-                     f"distillation serves the MLM objectives {distill_lib.PRETRAINING_OBJECTIVES}")
-  settings = config.distill
-  if settings.pkd_weight:
-    raise ValueError("config.distill.pkd_weight applies to fine-tuning; pre-training's hidden-state loss is "
-                     "config.distill.cos_weight")
-  # The cosine, hidden-state and attention losses compare every position of the last layer, which the sparse
-  # last layer does not compute.
-  every_position = settings.cos_weight or settings.hidden_weight or settings.attention_weight
-  student = dataclasses.replace(objective, model_config=objective.model_config.replace(
-      sparse_last_layer=objective.model_config.sparse_last_layer and not every_position))
-  teacher, teacher_params = load_teacher(settings.teacher, student)
-  distillation = distill_lib.Distillation.from_config(settings, student, teacher, soft_targets=teacher.mlm_head)
-  return distillation, (distillation.teacher, teacher_params)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, primary: bool,
@@ -198,7 +98,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   mesh, partitioning, prepared_dir, tokenizer, model_cfg, objective = _setup(config, workdir)
   teacher = None
   if config.distill.teacher:
-    objective, teacher = _distillation(config, objective)
+    objective, teacher = distill_lib.for_pretraining(config, objective)
   elif config.distill.init_from_teacher:
     raise ValueError("config.distill.init_from_teacher is set without config.distill.teacher")
   total_steps = config.train.steps
@@ -236,7 +136,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     start_step = 0
     if config.train.init_from:
       _, params = checkpoint_lib.restore_params(config.train.init_from)
-      state = state.replace(params=jax.device_put(_match_params(params, state.params), state_shardings.params))
+      state = state.replace(params=jax.device_put(checkpoint_lib.match_params(params, state.params, "config.train.init_from"), state_shardings.params))
       log.info("initialised parameters from %s", config.train.init_from)
     elif config.distill.init_from_teacher:
       params = distill_lib.init_from_teacher(jax.device_get(state.params), teacher[1], objective.model_config,
@@ -273,7 +173,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   writer = metrics_lib.MetricWriter(workdir, enabled=primary)
   if primary:
     # end="" keeps pre-training's run files byte for byte: they end at the closing brace.
-    run_lib.write_run_files(workdir, config, model_cfg, tokenizer, {"environment.json": _environment()}, end="")
+    run_lib.write_run_files(workdir, config, model_cfg, tokenizer, {"environment.json": run_lib.environment()}, end="")
     run_lib.banner("pretrain", f"objective={config.objective} model={config.model.family}/{config.model.size}",
                    num_params, f"{run_lib.batch_sizes(config.train.batch_size)} seq_len={config.data.seq_len} "
                    f"tokens/step={tokens_per_step} devices={mesh.size} mesh={dict(mesh.shape)} "
@@ -336,28 +236,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     if jax.process_count() == 1 and "mlm_accuracy" in eval_results:  # Reads the batches' answers on this host.
       result["baseline"] = pretrain_data.unigram_baseline(config, prepared_dir, mesh, eval_objective, tokenizer)
   return result
-
-
-def _match_params(loaded: Any, reference: Any, missing_ok: bool = False) -> Any:
-  """Checks that parameters read from another run fit this model, naming any mismatch (`missing_ok`: a parameter
-  the run lacks keeps `reference`'s value)."""
-  flat_loaded = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
-  flat_ref, treedef = jax.tree_util.tree_flatten_with_path(reference)
-  out, problems = [], []
-  for path, ref in flat_ref:
-    name = jax.tree_util.keystr(path)
-    if path not in flat_loaded:
-      if not missing_ok:
-        problems.append(f"missing {name}")
-      out.append(ref)
-    elif tuple(flat_loaded[path].shape) != tuple(ref.shape):
-      problems.append(f"{name}: shape {tuple(flat_loaded[path].shape)} != {tuple(ref.shape)}")
-      out.append(ref)
-    else:
-      out.append(np.asarray(flat_loaded[path], ref.dtype))
-  if problems:
-    raise ValueError("config.train.init_from does not fit this model:\n  " + "\n  ".join(problems))
-  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ ours per GLUE dev task. Arguments: scale.
 
 from bert_jax.experiments import ablation, findings, suite
 from bert_jax.models.config import model_config
-from bert_jax.train import objectives, trainer
+from bert_jax.train import objectives, pretrain_config
 from bert_jax.train.config_lib import parse_arg
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli_m", "qnli", "rte")
@@ -48,7 +48,7 @@ def compute_ratio(config) -> float:
   """ELECTRA's training FLOPs per step over the MLM row's, on the config's model, with the token embedding charged
   as a one-hot matmul as the paper's count charges it (`ModelConfig.flops_per_token`)."""
   vocab = config.model.vocab_size or model_config(config.model.family, config.model.size).vocab_size
-  model = trainer.build_model_config(config.model, vocab)
+  model = pretrain_config.build_model_config(config.model, vocab)
   flops = {name: objectives.objective_class(name).from_config(config, model, mask_id=0).flops_per_token(
       config.masking.max_predictions, config.data.seq_len, dense_embedding_lookup=True) for name in ("rtd", "mlm")}
   return flops["rtd"] / flops["mlm"]
