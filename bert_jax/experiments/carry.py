@@ -47,10 +47,10 @@ def split_squad(source: pathlib.Path, out: pathlib.Path, train_fraction: float =
   return counts
 
 
-def write_task_data(out: pathlib.Path, glue_tasks=tuple(GLUE_DIRS), squad: bool = True) -> None:
+def write_task_data(out: pathlib.Path, glue_tasks=tuple(GLUE_DIRS), squad: bool = True, conll: bool = True) -> None:
   """Writes the downstream data the drivers' runs (and both sides of bench/finetune_vs_reference.py) read: GLUE with
   SST-2's dev carved from its train file as whole sentences (and glue/SST-2/carve.json), SQuAD v1.1's dev file split
-  by article into train and dev, CoNLL-2003's train and dev."""
+  by article into train and dev, CoNLL-2003's train and dev (each of them as the arguments ask)."""
   from bert_jax.tasks import glue as glue_lib  # pylint: disable=import-outside-toplevel  (a call's run never needs it)
 
   glue = SHARED / "data" / "glue"
@@ -69,9 +69,10 @@ def write_task_data(out: pathlib.Path, glue_tasks=tuple(GLUE_DIRS), squad: bool 
     counts = split_squad(SHARED / "data" / "squad" / "dev-v1.1.json", out / "squad")
     print("squad: " + ", ".join(f"{name} {articles} articles / {questions} questions"
                                 for name, (articles, questions) in counts.items()))
-  (out / "conll2003").mkdir(parents=True, exist_ok=True)
-  for name in CONLL_FILES:
-    shutil.copy(SHARED / "data" / "conll2003" / name, out / "conll2003" / name)
+  if conll:
+    (out / "conll2003").mkdir(parents=True, exist_ok=True)
+    for name in CONLL_FILES:
+      shutil.copy(SHARED / "data" / "conll2003" / name, out / "conll2003" / name)
 
 
 def copy_wheels(wheels: pathlib.Path | None, out: pathlib.Path) -> None:
@@ -79,8 +80,9 @@ def copy_wheels(wheels: pathlib.Path | None, out: pathlib.Path) -> None:
     shutil.copytree(wheels, out / "wheels", dirs_exist_ok=True)
 
 
-def write_float16_model(model_dir: pathlib.Path, out: pathlib.Path) -> None:
-  """The MiniLM's files with its weights as float16 (half the bytes to carry), in out/minilm."""
+def write_float16_model(model_dir: pathlib.Path, out: pathlib.Path, layers: int | None = None) -> None:
+  """The MiniLM's files with its weights as float16 (half the bytes to carry), in out/minilm; with `layers`, its
+  first `layers` layers alone (a smaller model to carry where the call's files are tight)."""
   import safetensors.numpy  # pylint: disable=import-outside-toplevel
 
   model_out = out / "minilm"
@@ -88,6 +90,13 @@ def write_float16_model(model_dir: pathlib.Path, out: pathlib.Path) -> None:
   for name in MODEL_FILES:
     shutil.copy(model_dir / name, model_out / name)
   tensors = safetensors.numpy.load_file(model_dir / "model.safetensors")
+  if layers is not None:
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 0 < layers <= config["num_hidden_layers"]:
+      raise ValueError(f"layers={layers}: the model has {config['num_hidden_layers']}")
+    tensors = {k: v for k, v in tensors.items()
+               if not k.startswith("encoder.layer.") or int(k.split(".")[2]) < layers}
+    (model_out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2) + "\n")
   safetensors.numpy.save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()},
                               model_out / "model.safetensors")
 
