@@ -2,9 +2,9 @@
 
   # here: the revision to compare against, unpacked beside the working tree (git-ignored, carried)
   git archive REV bert_jax bench configs | (mkdir -p .carry_old && tar -x -C .carry_old)
-  # here: the fine-tuning row's folder, small enough to travel beside the old checkout (MiniLM's first 3 layers
+  # here: the fine-tuning row's folder, small enough to travel beside the old checkout (MiniLM's first 2 layers
   # as float16, SST-2 with its sentence-level dev carve, the wheels the GPU machine lacks)
-  python -m bench.compare_revisions --pack .carry_ft --layers 3 --wheels DIR_OF_WHEELS
+  python -m bench.compare_revisions --pack .carry_ft --layers 2 --wheels DIR_OF_WHEELS
   # on the GPU machine:
   python3 -m bench.compare_revisions --old .carry_old --new . --rows base:128:256,large:128:128 \\
       --finetune sst2 --carry .carry_ft --repeats 2
