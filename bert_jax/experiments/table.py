@@ -516,6 +516,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-  import sys
-
   sys.exit(main(sys.argv[1:]))

@@ -20,7 +20,6 @@ import numpy as np
 from bert_jax import paths
 from bert_jax.data.tokenizers import Tokenizer, load_tokenizer
 from bert_jax.models import ModelConfig, PretrainingModel
-from bert_jax.models.heads import MLMHead
 
 
 def mlm_params_from_run(params: dict[str, Any]) -> dict[str, Any]:
