@@ -11,6 +11,8 @@
   load_initial_model  the encoder (and any reusable head) to start from: a
                       Hugging Face directory or our converted directory, a
                       pre-training run, or an earlier fine-tuning run.
+  optimizer           fine-tuning's optimizer and schedule.
+  distillation        the objective with a fine-tuned teacher's terms.
 
 Batches hold the task's feature arrays (`bert_jax.tasks.base`) for the fields
 in `device_fields(kind)`, plus `weights` float32 [B] (0 on rows that only pad
@@ -46,9 +48,9 @@ from bert_jax.models.functional import gather_positions
 from bert_jax.models.model import head_rows
 from bert_jax.models.recurrent import BiLSTM
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, Task, TaskTokenizer
-from bert_jax.tasks.kinds import TaskKind, task_kind
 from bert_jax.tasks.batching import fitted_max_len
 from bert_jax.tasks.finetune_config import model_config_for
+from bert_jax.tasks.kinds import TaskKind, task_kind
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import distill as distill_lib, optim
 from bert_jax.train.losses import dropout_key

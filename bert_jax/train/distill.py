@@ -544,8 +544,8 @@ def load_pretraining_teacher(path: str, student: PretrainingObjective) -> tuple[
   config = config.replace(dtype=student_config.dtype, kernels=student_config.kernels, remat="none",
                           sparse_last_layer=False, vocab_pad_multiple=student_config.vocab_pad_multiple)
   teacher = MaskedLMTeacher(model_config=config, masking=student.masking, mask_id=student.mask_id,
-                                        weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
-                                        max_packs=student.max_packs, mlm_head=mlm_head)
+                            weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
+                            max_packs=student.max_packs, mlm_head=mlm_head)
   return teacher, params
 
 
