@@ -447,10 +447,10 @@ def read_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
   return json.loads(path.read_text())
 
 
-def match_params(loaded: Any, reference: Any, what: str, missing_ok: bool = False) -> Any:
+def match_params(loaded: Any, reference: Any, mismatch: str, missing_ok: bool = False) -> Any:
   """`loaded` as `reference`'s tree and dtypes, once each parameter's shape is checked: a mismatch raises a
-  ValueError naming `what` was read and every parameter that does not fit (`missing_ok`: a parameter `loaded`
-  lacks keeps `reference`'s value)."""
+  ValueError of `mismatch` (what was read does not fit what) and every parameter that does not fit (`missing_ok`: a
+  parameter `loaded` lacks keeps `reference`'s value)."""
   flat_loaded = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
   flat_ref, treedef = jax.tree_util.tree_flatten_with_path(reference)
   out, problems = [], []
@@ -466,5 +466,5 @@ def match_params(loaded: Any, reference: Any, what: str, missing_ok: bool = Fals
     else:
       out.append(np.asarray(flat_loaded[path], ref.dtype))
   if problems:
-    raise ValueError(f"{what} does not fit this model:\n  " + "\n  ".join(problems))
+    raise ValueError(f"{mismatch}:\n  " + "\n  ".join(problems))
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -448,15 +448,8 @@ def place_frozen(task: Any, params: Any, batch: dict[str, Array], partitioning, 
   with partitioning.context():
     abstract = jax.eval_shape(lambda: task.init_variables(jax.random.key(0), batch))["params"]
     shardings = sharding_lib.logical_shardings(abstract, partitioning.mesh, partitioning.rules)
-  expected = dict(jax.tree_util.tree_leaves_with_path(nn.unbox(abstract)))
-  given = dict(jax.tree_util.tree_leaves_with_path(params))
-  problems = [f"missing {jax.tree_util.keystr(path)}" for path in expected if path not in given]
-  problems += [f"{jax.tree_util.keystr(path)}: shape {np.shape(given[path])} != {value.shape}"
-               for path, value in expected.items() if path in given and np.shape(given[path]) != value.shape]
-  if problems:
-    raise ValueError(f"config.distill.teacher does not fit its model{hint}:\n  " + "\n  ".join(problems))
-  ordered = jax.tree_util.tree_unflatten(jax.tree.structure(nn.unbox(abstract)),
-                                         [np.asarray(given[path], value.dtype) for path, value in expected.items()])
+  ordered = checkpoint.match_params(params, nn.unbox(abstract),
+                                   f"config.distill.teacher does not fit its model{hint}")
   return jax.device_put(ordered, shardings), shardings
 
 

@@ -88,7 +88,9 @@ def evaluate_run(workdir: str | os.PathLike, overrides: Sequence[str] = ()) -> d
   state, shardings = create_state(lambda key: objective.init_variables(key, dummy), optim.optax.identity(),
                                   jax.random.key(config.seed), partitioning)
   _, loaded = checkpoint_lib.restore_params(workdir)
-  params = jax.device_put(checkpoint_lib.match_params(loaded, state.params, f"the checkpoint in {workdir}", missing_ok=True), shardings.params)
+  params = checkpoint_lib.match_params(loaded, state.params, f"the checkpoint in {workdir} does not fit this model",
+                                      missing_ok=True)
+  params = jax.device_put(params, shardings.params)
   eval_step = make_eval_step(objective, partitioning, shardings)
   return pretrain_data.evaluate(eval_step, params, config, prepared_dir, mesh, objective)
 
@@ -136,7 +138,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
     start_step = 0
     if config.train.init_from:
       _, params = checkpoint_lib.restore_params(config.train.init_from)
-      state = state.replace(params=jax.device_put(checkpoint_lib.match_params(params, state.params, "config.train.init_from"), state_shardings.params))
+      params = checkpoint_lib.match_params(params, state.params, "config.train.init_from does not fit this model")
+      state = state.replace(params=jax.device_put(params, state_shardings.params))
       log.info("initialised parameters from %s", config.train.init_from)
     elif config.distill.init_from_teacher:
       params = distill_lib.init_from_teacher(jax.device_get(state.params), teacher[1], objective.model_config,
