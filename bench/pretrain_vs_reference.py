@@ -4,6 +4,7 @@
   python -m bench.pretrain_vs_reference --extras --data DIR   # + input pipeline, packing, largest batch
   python -m bench.pretrain_vs_reference --parallel 4 --extras --data DIR   # a 4-GPU host: 4 jobs at once
   python -m bench.pretrain_vs_reference --render A.json B.json               # join earlier runs' rows
+  python -m bench.pretrain_vs_reference --fp8 --rows 0,2   # + ours with float8 matmuls (`model.fp8`)
 
 Ours: `bench/train_step.py` (MLM+NSP, 15% token masking inside the jitted
 step, AdamW with clipping, bf16 compute, float32 params, BERT's dropout 0.1 on
@@ -30,6 +31,11 @@ reports the largest that ran and the smallest that did not above it.
 
 The table is printed last and written under --out-dir with the card, date,
 JAX, CUDA, cuDNN and PyTorch versions.
+
+--fp8 measures ours a second time with `--config.model.fp8=True` (every block's dense layers multiplying in
+float8, `ModelConfig.fp8`) in the same job, beside the bf16 step and the reference: its seq/s, its ratio to the
+compiled reference, and its MFU over the bf16 peak and over the float8 peak (1979 TFLOP/s dense on an H100 SXM and
+an H200), the FLOPs counted alike.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ ROWS = (("base", 128, 256), ("base", 512, 64), ("large", 128, 128), ("large", 51
 TINY_ROWS = (("tiny", 64, 8), ("tiny", 128, 4), ("mini", 64, 4), ("mini", 128, 2))  # --tiny: a CPU plumbing check.
 HERE = pathlib.Path(__file__).resolve().parent
 GOAL_RATIO = 1.5
+FP8_PEAK_OVER_BF16 = 2.0  # Hopper's dense float8 rate (1979 TFLOP/s) over its bf16 one (989).
 
 
 Place = dict  # {"env": {...}, "cores": {...}}: where a job runs; {} = this process's GPUs and cores.
@@ -143,16 +150,29 @@ def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 def comparison_table(results: list[tuple[tuple, dict, dict]]) -> str:
   header = ("model", "seq", "batch", "ours seq/s", "ref eager seq/s", "ref compiled seq/s", "ours / compiled",
             "ours MFU", "ours peak GiB", "ours step ms")
+  with_fp8 = any("fp8" in mine for _, mine, _ in results)
+  if with_fp8:
+    header += ("fp8 seq/s", "fp8 / compiled", "fp8 / ours bf16", "fp8 MFU (bf16 peak)", "fp8 MFU (fp8 peak)",
+               "fp8 peak GiB")
   rows = []
   for (size, seq, batch), mine, ref in results:
     ok = "error" not in mine
     compiled = ref.get("compile_seq_per_s")
     ratio = f"{mine['seq_per_s'] / compiled:.2f}x" if ok and compiled else "-"
-    rows.append((f"bert-{size}", str(seq), str(batch), f"{mine['seq_per_s']:,.0f}" if ok else "failed",
-                 f"{ref['eager_seq_per_s']:,.0f}" if "eager_seq_per_s" in ref else "failed",
-                 f"{compiled:,.0f}" if compiled else "failed", ratio,
-                 f"{100 * mine['mfu']:.1f}%" if ok else "-", gib(mine.get("peak_bytes")),
-                 f"{1e3 * mine['step_s']:.1f}" if ok else "-"))
+    row = (f"bert-{size}", str(seq), str(batch), f"{mine['seq_per_s']:,.0f}" if ok else "failed",
+           f"{ref['eager_seq_per_s']:,.0f}" if "eager_seq_per_s" in ref else "failed",
+           f"{compiled:,.0f}" if compiled else "failed", ratio,
+           f"{100 * mine['mfu']:.1f}%" if ok else "-", gib(mine.get("peak_bytes")),
+           f"{1e3 * mine['step_s']:.1f}" if ok else "-")
+    if with_fp8:
+      fp8 = mine.get("fp8") or {"error": "not measured"}
+      if "error" in fp8:
+        row += ("failed" if "fp8" in mine else "-",) + ("-",) * 5
+      else:
+        row += (f"{fp8['seq_per_s']:,.0f}", f"{fp8['seq_per_s'] / compiled:.2f}x" if compiled else "-",
+                f"{fp8['seq_per_s'] / mine['seq_per_s']:.2f}x" if ok else "-", f"{100 * fp8['mfu']:.1f}%",
+                f"{100 * fp8['mfu'] / FP8_PEAK_OVER_BF16:.1f}%", gib(fp8.get("peak_bytes")))
+    rows.append(row)
   return render(header, rows)
 
 
@@ -320,6 +340,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--batches-full", default="256,384,512,768", help="candidates with remat='full' ('' skips)")
   parser.add_argument("--render", nargs="+", metavar="JSON", help="join earlier runs' .json into one table")
   parser.add_argument("--stem", help="file name (no suffix) of the --render table")
+  parser.add_argument("--fp8", action="store_true", help="ours with float8 matmuls too (`model.fp8`), same job")
   parser.add_argument("--tiny", action="store_true", help="BERT-tiny/mini rows and largest-batch search (CPU check)")
   args = parser.parse_args(argv)
   if args.render:
@@ -336,6 +357,8 @@ def main(argv: list[str]) -> None:
   def measure_row(row, place):
     ref = reference(args.reference, *row, args.steps, place=place)
     mine = ours(*row, steps=args.steps, place=place)
+    if args.fp8:
+      mine["fp8"] = ours(*row, "--config.model.fp8=True", steps=args.steps, place=place)
     print(json.dumps({"row": list(row), "ours": mine, "reference": ref}), flush=True)
     return row, mine, ref
 

@@ -125,7 +125,10 @@ class Projection(nn.Module):
     if weights_only:
       return kernel.astype(dtype), bias
     width_in, width_out = math.prod(inputs), math.prod(self.features)
-    y = jnp.dot(x.astype(dtype).reshape(*lead, width_in), kernel.astype(dtype).reshape(width_in, width_out))
+    # lax.dot_general itself, not jnp.dot: jnp.dot's traces are cached by shape, so a matmul that Qwix intercepts
+    # (`ModelConfig.fp8`) would be served to a float model of the same shapes, and the other way round.
+    y = jax.lax.dot_general(x.astype(dtype).reshape(*lead, width_in), kernel.astype(dtype).reshape(width_in, width_out),
+                            (((len(lead),), (0,)), ((), ())))
     if not add_bias:
       return y.reshape(*lead, *self.features), bias
     return ops.bias_add(y, bias.reshape(width_out)).reshape(*lead, *self.features)
@@ -169,7 +172,8 @@ def self_attention(module: nn.Module, x_ble: Array, pack_ids_bl: Array | None, p
                                 length=x_ble.shape[1], training=not deterministic)
   options = dict(pack_ids=pack_ids_bl, packed=packed, causal=cfg.causal, implementation=impl,
                  dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng, return_probs=return_probs)
-  if impl == "flash" and cfg.position_embedding != "rotary" and query_positions_bq is None:
+  # (fp8: each projection multiplies in its own module, where Qwix's float8 rule finds it.)
+  if impl == "flash" and cfg.position_embedding != "rotary" and query_positions_bq is None and not cfg.fp8:
     # One [E, H * 3 * D] GEMM in the flash kernels' layout, which they read in place; its backward is one GEMM too.
     weights = {n: projection(x_ble, weights_only=True) for n, projection in projections.items()}
     kernel = flash_attention.fuse_qkv(*(weights[n][0] for n in ("query", "key", "value")))
@@ -200,7 +204,7 @@ def feed_forward(module: nn.Module, x_ble: Array) -> Array | tuple[Array, Array]
   if cfg.ffn == "geglu":
     h_blf = act(dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi_gate")(x_ble))
     h_blf = h_blf * dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble)
-  elif cfg.hidden_act == "gelu":
+  elif cfg.hidden_act == "gelu" and not cfg.fp8:  # (fp8: as the projections in `self_attention`)
     wi, bi = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "wi")(x_ble, weights_only=True)
     x_ble = x_ble.astype(cfg.compute_dtype)
     if ffn_kernel.applies(x_ble, wi):  # both projections, the GELU in the GEMM kernels

@@ -88,6 +88,11 @@ class ModelConfig:
       Applies when the rows are at most half the sequence (not LTR's every
       position). The pre-training configs (`config_lib.model_section`) and
       the fine-tuning configs (`config_lib.finetune_config`) set it.
+    fp8: the dense layers of every transformer block (attention's query, key, value and output projections, the
+      feed-forward's) multiply in float8: inputs and kernels in e4m3, the incoming gradients in e5m2, each tensor
+      with one scale from its absolute maximum at run time; accumulation, the rest of the model and the float32
+      parameters are unchanged, so a run switches it on or off between steps (`bert_jax.models.quantization`,
+      through Qwix: the `quant` extra). For Hopper's float8 tensor cores; off by default.
     heads_per_layer: a model with pruned attention heads (`bert_jax.analysis.heads.prune_heads`): how many heads
       each layer keeps, at most num_heads, at least 1; the head size stays hidden_size / num_heads. None: every
       layer has num_heads.
@@ -126,6 +131,7 @@ class ModelConfig:
   remat: str = "none"
   vocab_pad_multiple: int = 1
   sparse_last_layer: bool = False
+  fp8: bool = False
   heads_per_layer: tuple[int, ...] | None = None
 
   def __post_init__(self, attention_impl=None, layer_norm_impl=None, ffn_impl=None, cross_entropy_impl=None):

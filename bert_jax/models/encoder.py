@@ -302,6 +302,15 @@ class TransformerBlock(nn.Module):
     return nn.with_logical_constraint(x_ble, ("batch", "length", "embed")), probs
 
 
+def _block_class(config: ModelConfig) -> type[TransformerBlock]:
+  """`TransformerBlock`, or with `config.fp8` its subclass whose dense layers multiply in float8."""
+  if not config.fp8:
+    return TransformerBlock
+  from bert_jax.models import quantization  # noqa: PLC0415 - Qwix (the `quant` extra) only where asked for
+
+  return quantization.fp8_module(TransformerBlock, config)
+
+
 def _remat(block_cls, policy: str):
   if policy == "none":
     return block_cls
@@ -329,7 +338,7 @@ class Encoder(nn.Module):
     self.embeddings = self.shared_embeddings or Embeddings(cfg)
     if cfg.embed_dim != cfg.hidden_size:
       self.embedding_projection = dense(cfg, cfg.hidden_size, (None, "embed"), "embedding_projection")
-    block = _remat(TransformerBlock, cfg.remat)
+    block = _remat(_block_class(cfg), cfg.remat)
     groups = range(cfg.num_shared_groups)
     # Sharing one kind of sub-layer: the encoder owns each group's copy, every layer its own block for the rest.
     attention = ([SelfAttention(cfg, name=f"shared_attention_{g}") for g in groups]

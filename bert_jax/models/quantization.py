@@ -1,4 +1,5 @@
-"""int8 quantisation (Q8BERT, Zafrir et al. 2019) through Qwix: post-training, and quantisation-aware training.
+"""int8 quantisation (Q8BERT, Zafrir et al. 2019) through Qwix: post-training, and quantisation-aware training;
+float8 training.
 
 Every dense layer of the encoder and of a task head (attention's query, key, value and output projections, the
 feed-forward layers, ALBERT's embedding projection, the pooler, the classifier...) computes
@@ -29,11 +30,21 @@ a table's those of a plain lookup. The parameters stay float32, in the float mod
 
 `to_storage` / `from_storage` turn that tree into nested dicts of arrays (what Orbax saves and
 `checkpoint.restore_params` reads back) and back.
+
+float8 training (`ModelConfig.fp8`): `fp8_module` makes the encoder's transformer block class whose dense layers
+(attention's query, key, value and output projections, the feed-forward's) multiply in float8 through Qwix's
+training-time provider: the layer's input and kernel in e4m3, the incoming gradient of both backward matmuls in
+e5m2, each with one scale per tensor (absmax / the format's largest value, at run time: "current" scaling, no
+state to keep), the products accumulated and returned in the compute dtype. One scale per tensor is the form of
+cuBLAS's float8 GEMMs (Hopper's float8 tensor cores). The parameters stay float32 and the tree is the float
+model's, so a run switches fp8 on or off between steps. What it gains is measured by `bench/pretrain_vs_reference.py
+--fp8`, not assumed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -161,6 +172,33 @@ def qat_model(model: nn.Module) -> nn.Module:
   runs the plain path."""
   plain = model.clone(config=model.config.replace(kernels="off"))
   return qwix.quantize_model(plain, _QatProvider(qat_rules()))
+
+
+# The dense layers of a transformer block that multiply in float8 (paths as Qwix writes them, relative or not):
+# attention's products between activations and everything outside the blocks stay in the compute dtype.
+FP8_LAYERS = r"(.*/)?(query|key|value|output|wi|wi_gate|wo)"
+
+
+def fp8_rules() -> list[qwix.QtRule]:
+  """e4m3 inputs and kernels, e5m2 incoming gradients, one scale per tensor from its absmax at run time."""
+  return [qwix.QtRule(module_path=FP8_LAYERS, weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn,
+                      bwd_qtype=jnp.float8_e5m2, act_static_scale=False, disable_channelwise_axes=True,
+                      weight_calibration_method="absmax", act_calibration_method="absmax")]
+
+
+class _Fp8Provider(qwix.QtProvider):
+  """Qwix's training-time provider with each float8 matmul's output and input gradient in the input's dtype."""
+
+  def dot_general(self, lhs, rhs, *args, **kwargs):
+    return super().dot_general(_gradient_in_own_dtype(lhs), rhs, *args, **kwargs).astype(lhs.dtype)
+
+
+@functools.cache
+def fp8_module(module_class: type[nn.Module], *args: Any) -> type[nn.Module]:
+  """A subclass of `module_class` (e.g. `encoder.TransformerBlock`) whose `__call__` runs the matmuls of its
+  `FP8_LAYERS` in float8 (`fp8_rules`), with the same parameters; `args` construct one instance, which Qwix
+  needs to make the class."""
+  return type(qwix.quantize_model(module_class(*args, parent=None), _Fp8Provider(fp8_rules())))
 
 
 def quantized_model(model: nn.Module) -> nn.Module:

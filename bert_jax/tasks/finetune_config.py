@@ -19,7 +19,7 @@ from bert_jax.train import config_lib
 SELECTIONS = ("best", "last")
 RNG_IMPLS = ("rbg", "unsafe_rbg", "threefry2x32")
 # Model fields a fine-tuning config may change; the architecture comes from the initial model.
-MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer")
+MODEL_OVERRIDES = ("dtype", "hidden_dropout", "attention_dropout", "kernels", "remat", "sparse_last_layer", "fp8")
 
 
 def finetune_defaults() -> ml_collections.ConfigDict:
@@ -74,6 +74,12 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   if config.quant.qat and importlib.util.find_spec("qwix") is None:
     raise ValueError("config.quant.qat=True needs Qwix, which is not installed: pip install -e '.[quant]' "
                      "(or leave config.quant.qat False)")
+  if config.model.fp8 and importlib.util.find_spec("qwix") is None:
+    raise ValueError("config.model.fp8=True needs Qwix, which is not installed: pip install -e '.[quant]' (or leave "
+                     "config.model.fp8 False)")
+  if config.model.fp8 and config.quant.qat:
+    raise ValueError("config.model.fp8=True with config.quant.qat=True: training in float8 and fake-quantised int8 "
+                     "at once is not a recipe; leave one of them False")
   if config.distill.teacher and config.feature_based.layers:
     raise ValueError("config.distill.teacher is set with config.feature_based.layers: distillation trains the whole "
                      "student; leave one of them unset")

@@ -292,7 +292,9 @@ def finetune_defaults() -> ml_collections.ConfigDict:
                   distillation; None: every layer.
   model.*         dtype, dropouts, kernels, remat (None: the model's own);
                   sparse_last_layer (the sentence-level heads' last block at
-                  the pooled row alone, `ModelConfig.sparse_last_layer`).
+                  the pooled row alone, `ModelConfig.sparse_last_layer`);
+                  fp8 (the blocks' dense layers in float8, `ModelConfig.fp8`;
+                  False whatever the initial model trained with).
   max_len         longest row in tokens.
   pad_to_max_len  pad every row to max_len, not to the task's longest (rounded up to 8): the tasks of one kind
                   and label count then run the same compiled steps (a sweep's suite compiles them once).
@@ -339,7 +341,7 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict({
       "dtype": config_dict.placeholder(str), "hidden_dropout": config_dict.placeholder(float),
       "attention_dropout": config_dict.placeholder(float), "kernels": config_dict.placeholder(str),
-      "remat": config_dict.placeholder(str), "sparse_last_layer": True})
+      "remat": config_dict.placeholder(str), "sparse_last_layer": True, "fp8": False})
   config.max_len = 128
   config.pad_to_max_len = False
   config.train_examples = config_dict.placeholder(int)

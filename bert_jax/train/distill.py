@@ -534,8 +534,9 @@ def load_pretraining_teacher(path: str, student: PretrainingObjective) -> tuple[
   # The teacher computes as the student does, every position of its last layer (for the cosine loss); it never
   # trains, so nothing of it is rematerialised.
   student_config = student.model_config
-  config = config.replace(dtype=student_config.dtype, kernels=student_config.kernels, remat="none",
-                          sparse_last_layer=False, vocab_pad_multiple=student_config.vocab_pad_multiple)
+  config = config.replace(dtype=student_config.dtype, kernels=student_config.kernels, fp8=student_config.fp8,
+                          remat="none", sparse_last_layer=False,
+                          vocab_pad_multiple=student_config.vocab_pad_multiple)
   teacher = MaskedLMTeacher(model_config=config, masking=student.masking, mask_id=student.mask_id,
                             weights={"mlm": 1.0}, packed=student.packed, seed=student.seed,
                             max_packs=student.max_packs, mlm_head=mlm_head)

@@ -41,13 +41,13 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "workdir.lock"
 # Keys whose change between runs of one workdir keeps the experiment the same (its length, logging, eval and
-# checkpoint cadence, the mesh it runs on, how the host builds the same batches); any other key must match the
-# checkpoints' config.
+# checkpoint cadence, the mesh it runs on, how the host builds the same batches, float8 matmuls on float32
+# parameters); any other key must match the checkpoints' config.
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.async_checkpoint", "train.fill_mask", "train.report_baseline", "train.log_param_norms",
                     "train.restart_if_unreadable", "train.steps_per_call", "mesh.", "data.prefetch",
-                    "data.workers")
+                    "data.workers", "model.fp8")
 
 
 class WorkdirBusyError(ValueError):
