@@ -169,8 +169,8 @@ def qat_rules() -> list[qwix.QtRule]:
 def qat_model(model: nn.Module) -> nn.Module:
   """`model` fine-tuned with fake-quantised int8 (Q8BERT's quantisation-aware training): its forward pass is
   `quantized_model`'s on `quantize_params` of its parameters, which stay float32 and train as usual. Its encoder
-  runs the plain path."""
-  plain = model.clone(config=model.config.replace(kernels="off"))
+  runs the plain path, its int8 rules in place of `fp8`'s."""
+  plain = model.clone(config=model.config.replace(kernels="off", fp8=False))
   return qwix.quantize_model(plain, _QatProvider(qat_rules()))
 
 
@@ -203,9 +203,10 @@ def fp8_module(module_class: type[nn.Module], *args: Any) -> type[nn.Module]:
 
 def quantized_model(model: nn.Module) -> nn.Module:
   """`model` (any module with a `ModelConfig` field `config`: `FinetuneModel`, `FeatureBasedTagger`..., or its
-  `qat_model`) with its dense layers and embedding tables in int8; apply it to `quantize_params`' tree. Its encoder runs the plain path
-  without remat."""
-  plain = model.clone(config=model.config.replace(kernels="off", remat="none"))
+  `qat_model`) with its dense layers and embedding tables in int8; apply it to `quantize_params`' tree. Its encoder
+  runs the plain path without remat, its int8 rules in place of `fp8`'s (a model fine-tuned in float8 quantises
+  as a float one)."""
+  plain = model.clone(config=model.config.replace(kernels="off", remat="none", fp8=False))
   return qwix.quantize_model(plain, _Provider(rules()))
 
 
