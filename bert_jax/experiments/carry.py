@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import tarfile
+import time
 
 import numpy as np
 
@@ -174,17 +175,32 @@ def versions() -> dict[str, str]:
 
 def stop(process: subprocess.Popen, grace: float = 5.0) -> None:
   """Stops a process started in a session of its own and its children (one process group): a term signal, then a
-  kill after `grace`."""
+  kill after `grace` to whatever of the group is left. A child started as the term signal went out (a sweep
+  starting its next fine-tuning) never saw it and would outlive its parent, holding its workdir's lock and the
+  accelerator's memory: the stop ends when the whole group has, not its first process."""
   for sig in (signal.SIGTERM, signal.SIGKILL):
     try:
       os.killpg(process.pid, sig)
     except ProcessLookupError:
       return
-    try:
-      process.wait(timeout=grace)
+    if _group_ended(process, grace):
       return
-    except subprocess.TimeoutExpired:
-      continue
+
+
+def _group_ended(process: subprocess.Popen, timeout: float) -> bool:
+  """Whether `process` and every other member of its process group end within `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  try:
+    process.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return False
+  while time.monotonic() < deadline:
+    try:
+      os.killpg(process.pid, 0)
+    except ProcessLookupError:
+      return True
+    time.sleep(0.05)
+  return False
 
 
 def pack_results(root: pathlib.Path, archive: pathlib.Path, skip=lambda relative: False) -> int:
