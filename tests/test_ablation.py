@@ -343,7 +343,8 @@ def test_reproduce_packs_only_with_the_wheels_the_gpu_machine_lacks(tmp_path):
   """`pack --wheels DIR` names the carried packages DIR has no wheel of, before copying anything."""
   reproduce = _reproduce()
   for name in ("grain-0.2.13-cp312-cp312-manylinux2014_x86_64.whl", "ml_collections-1.1.0-py3-none-any.whl",
-               "tensorboardx-2.6.5-py3-none-any.whl", "portpicker-1.6.0-py3-none-any.whl"):
+               "tensorboardx-2.6.5-py3-none-any.whl", "portpicker-1.6.0-py3-none-any.whl",
+               "qwix-0.1.8-py3-none-any.whl"):
     (tmp_path / name).touch()
   assert reproduce.missing_wheels(tmp_path) == ["array_record", "dm_tree"]
   with pytest.raises(ValueError, match="no wheel of array_record, dm_tree"):

@@ -4,7 +4,8 @@ there, publish here.
   # here: the Wikipedia sample, the WordPiece vocabulary and the downstream data (GLUE with SST-2's dev carved
   # from its train file, SQuAD v1.1 split by article, CoNLL-2003) and wheels, into one carried folder (~40 MiB)
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \\
-      --platform manylinux_2_17_x86_64 -d /tmp/wheels grain array_record dm-tree ml_collections tensorboardX portpicker
+      --platform manylinux_2_17_x86_64 -d /tmp/wheels grain array_record dm-tree ml_collections tensorboardX portpicker \\
+      qwix
   bert-jax reproduce pack --out .carry_repro --wheels /tmp/wheels
   # on the GPU machine, one call per table (its rows side by side, sharing the GPU), or two small tables at once:
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry_repro/wheels/*.whl &&
@@ -110,8 +111,9 @@ SPANS_FILE = "spans.npz"
 TAGGER_OVERRIDES = {"gpu": ["--config.optim.lr=1e-4", "--config.train.eval_batch_size=512"],
                     "tiny": ["--config.train.epochs=1", "--config.optim.lr=2e-3"]}
 DOCS = REPO / "docs" / "reproductions"
-# What the GPU machine's Python lacks: the input pipeline (Grain and what it imports) and the config and log packages.
-CARRIED_WHEELS = ("grain", "array_record", "dm_tree", "ml_collections", "tensorboardx", "portpicker")
+# What the GPU machine's Python lacks: the input pipeline (Grain and what it imports), the config and log packages,
+# and Qwix (int8 and `model.fp8`).
+CARRIED_WHEELS = ("grain", "array_record", "dm_tree", "ml_collections", "tensorboardx", "portpicker", "qwix")
 
 
 def missing_wheels(folder: pathlib.Path) -> list[str]:
