@@ -117,3 +117,17 @@ def test_fp8_with_quantisation_aware_training_is_refused_in_one_line():
   with pytest.raises(ValueError, match=r"config\.model\.fp8=True with config\.quant\.qat=True"):
     finetune_config.validate(config, 1)
   assert config_lib.pretrain_defaults().model.fp8 is None  # the preset's own value: off
+
+
+def test_without_qwix_an_fp8_model_says_what_to_install(monkeypatch):
+  import sys
+
+  import bert_jax.models
+  from bert_jax.models import model_config
+  from bert_jax.models.encoder import _block_class
+
+  monkeypatch.setitem(sys.modules, "qwix", None)  # `import qwix` fails as it does where Qwix is not installed
+  monkeypatch.delitem(sys.modules, "bert_jax.models.quantization")
+  monkeypatch.delattr(bert_jax.models, "quantization")
+  with pytest.raises(ModuleNotFoundError, match=r"fp8=True multiplies through Qwix.*pip install -e '\.\[quant\]'"):
+    _block_class(model_config("bert", "tiny", fp8=True))

@@ -306,8 +306,13 @@ def _block_class(config: ModelConfig) -> type[TransformerBlock]:
   """`TransformerBlock`, or with `config.fp8` its subclass whose dense layers multiply in float8."""
   if not config.fp8:
     return TransformerBlock
-  from bert_jax.models import quantization  # noqa: PLC0415 - Qwix (the `quant` extra) only where asked for
-
+  try:
+    from bert_jax.models import quantization  # noqa: PLC0415 - Qwix (the `quant` extra) only where asked for
+  except ModuleNotFoundError as error:
+    if error.name != "qwix":
+      raise
+    raise ModuleNotFoundError("ModelConfig.fp8=True multiplies through Qwix, which is not installed: pip install -e "
+                              "'.[quant]' (or leave fp8 off)", name="qwix") from None
   return quantization.fp8_module(TransformerBlock, config)
 
 
