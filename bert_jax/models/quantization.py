@@ -125,14 +125,19 @@ def _gradient_in_own_dtype(x: jax.Array) -> jax.Array:
 _gradient_in_own_dtype.defvjp(lambda x: (x, jnp.zeros((), x.dtype)), lambda like, grad: (grad.astype(like.dtype),))
 
 
-class _QatProvider(qwix.QtProvider):
-  """Qwix's training-time (QT) provider computing the forward pass `_Provider` computes from the same float
-  parameters: int8 kernels and activations (quantised inside the step), int8 embedding rows, float gradients
-  through both roundings."""
+class _TrainingProvider(qwix.QtProvider):
+  """Qwix's training-time (QT) provider with each quantised matmul's output and input gradient in the input's dtype
+  (float8 training's, and the base of quantisation-aware training's)."""
 
   def dot_general(self, lhs, rhs, *args, **kwargs):
     # The output cast as `_Provider.dot_general`'s.
     return super().dot_general(_gradient_in_own_dtype(lhs), rhs, *args, **kwargs).astype(lhs.dtype)
+
+
+class _QatProvider(_TrainingProvider):
+  """The training-time provider computing the forward pass `_Provider` computes from the same float parameters:
+  int8 kernels and activations (quantised inside the step), int8 embedding rows, float gradients through both
+  roundings."""
 
   def nn_param(self, module: nn.Module, name: str, *args, **kwargs):
     """An `nn.Embed` table reads as its int8 values times their row scales (stored float, trained float)."""
@@ -186,19 +191,12 @@ def fp8_rules() -> list[qwix.QtRule]:
                       weight_calibration_method="absmax", act_calibration_method="absmax")]
 
 
-class _Fp8Provider(qwix.QtProvider):
-  """Qwix's training-time provider with each float8 matmul's output and input gradient in the input's dtype."""
-
-  def dot_general(self, lhs, rhs, *args, **kwargs):
-    return super().dot_general(_gradient_in_own_dtype(lhs), rhs, *args, **kwargs).astype(lhs.dtype)
-
-
 @functools.cache
 def fp8_module(module_class: type[nn.Module], *args: Any) -> type[nn.Module]:
   """A subclass of `module_class` (e.g. `encoder.TransformerBlock`) whose `__call__` runs the matmuls of its
   `FP8_LAYERS` in float8 (`fp8_rules`), with the same parameters; `args` construct one instance, which Qwix
   needs to make the class."""
-  return type(qwix.quantize_model(module_class(*args, parent=None), _Fp8Provider(fp8_rules())))
+  return type(qwix.quantize_model(module_class(*args, parent=None), _TrainingProvider(fp8_rules())))
 
 
 def quantized_model(model: nn.Module) -> nn.Module:

@@ -6,8 +6,6 @@ The configs under configs/finetune/ start from `finetune_defaults()`; `bert_jax.
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import ml_collections
 from ml_collections import config_dict
@@ -71,12 +69,10 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     raise ValueError("config.data_dir is not set: add --config.data_dir=DIR, the folder with the task's files "
                      "(for GLUE the folder holding RTE/, SST-2/, ...), or --config.data_dir=tfds for TensorFlow "
                      "Datasets")
-  if config.quant.qat and importlib.util.find_spec("qwix") is None:
-    raise ValueError("config.quant.qat=True needs Qwix, which is not installed: pip install -e '.[quant]' "
-                     "(or leave config.quant.qat False)")
-  if config.model.fp8 and importlib.util.find_spec("qwix") is None:
-    raise ValueError("config.model.fp8=True needs Qwix, which is not installed: pip install -e '.[quant]' (or leave "
-                     "config.model.fp8 False)")
+  if config.quant.qat:
+    config_lib.check_qwix("config.quant.qat", "False")
+  if config.model.fp8:
+    config_lib.check_qwix("config.model.fp8", "False")
   if config.model.fp8 and config.quant.qat:
     raise ValueError("config.model.fp8=True with config.quant.qat=True: training in float8 and fake-quantised int8 "
                      "at once is not a recipe; leave one of them False")

@@ -363,6 +363,14 @@ def finetune_defaults() -> ml_collections.ConfigDict:
   return config
 
 
+def check_qwix(key: str, off: str) -> None:
+  """Raises the one-line error for a config whose `key` (set True) needs Qwix where it is not installed; `off` is
+  how the key leaves it out ("False", "unset")."""
+  if importlib.util.find_spec("qwix") is None:
+    raise ValueError(f"{key}=True needs Qwix, which is not installed: pip install -e '.[quant]' (or leave {key} "
+                     f"{off})")
+
+
 def validate_batching(train: ml_collections.ConfigDict, data_parallel: int, process_count: int) -> None:
   """The batch sizes of `config.train` (pre-training and fine-tuning alike) against the mesh and the processes."""
   for key in ("batch_size", "eval_batch_size", "accum_steps", "steps_per_call"):

@@ -3,8 +3,6 @@ builds (the fine-tuning side: `bert_jax.tasks.finetune_config`). Its defaults: `
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import ml_collections
 
@@ -46,9 +44,8 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
   if formats and config.data.format not in formats:
     raise ValueError(f"config.objective={config.objective!r} needs config.data.format="
                      f"{' or '.join(repr(f) for f in formats)}, got {config.data.format!r}")
-  if config.model.get("fp8") and importlib.util.find_spec("qwix") is None:
-    raise ValueError("config.model.fp8=True needs Qwix, which is not installed: pip install -e '.[quant]' (or leave "
-                     "config.model.fp8 unset)")
+  if config.model.get("fp8"):
+    config_lib.check_qwix("config.model.fp8", "unset")
   if config.masking.max_predictions > config.data.seq_len:
     raise ValueError(f"config.masking.max_predictions={config.masking.max_predictions} exceeds "
                      f"config.data.seq_len={config.data.seq_len}")
