@@ -20,8 +20,8 @@ its inputs already on the device.
 `--variant NAME=PATH` adds our rows for any model `load_for_inference` reads
 (fine-tuning workdirs: distilled, quantised, pruned); they have no reference.
 `--plain` adds each model again without the hand-written GPU kernels
-(`model.kernels="off"`), the path the int8 model runs; `--int8` adds it
-quantised as `bert-jax quantize` quantises a fine-tuned model.
+(`model.kernels="off"`), the path the quantised models run; `--quant int8,fp8-static` adds it
+quantised as `bert-jax quantize --scheme ...` quantises a fine-tuned model (`--int8`: `--quant int8`).
 
 Timing: one call compiles, `--warmup` calls more, then calls back to back for
 about `--seconds` (throughput, seq/s), with `block_until_ready` / CUDA
@@ -83,9 +83,10 @@ def minilm_dir(path: str | None = None) -> pathlib.Path:
 
 
 def our_classifier(config: ModelConfig, device, encoder: Any = None, weights: str = "float32",
-                   int8: bool = False) -> InferenceModel:
+                   quant: str | None = None) -> InferenceModel:
   """A 2-label classifier on one device: random parameters, with `encoder`'s where given, stored in `weights`;
-  `int8`: quantised as `bert-jax quantize` does (the `quant` extra)."""
+  `quant`: quantised as `bert-jax quantize --scheme QUANT` does (the `quant` extra), a static scheme calibrated on
+  two batches of random tokens (these rows measure speed; the scales' fit to real text is `bert-jax quantize`'s)."""
   task = get_task("glue/sst2")
   model = build_model(config, task.kind, task.num_labels)
   objective = FinetuneObjective(model, task.kind)
@@ -94,14 +95,23 @@ def our_classifier(config: ModelConfig, device, encoder: Any = None, weights: st
   if encoder is not None:
     params, _, _ = merge_initial_params(params, {"encoder": encoder, "head": {}})
   params = jax.tree.map(lambda leaf: leaf.astype(weights), params)
-  if int8:
+  if quant:
     from bert_jax.models import quantization  # pylint: disable=import-outside-toplevel
 
-    model = quantization.quantized_model(model)
+    scheme = quantization.Scheme.parse(quant)
+    calibration = None
+    if scheme.static:
+      calibrating = quantization.calibrating_model(model, scheme)
+      length = min(128, config.max_position_embeddings - config.position_offset)
+      ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8, length)).astype(np.int32)
+      stats = [jax.jit(lambda p, i: calibrating.apply({"params": p}, i, mutable=["quant_stats"])[1])(params, i)
+               for i in ids]
+      calibration = quantization.merge_calibrations(*(s["quant_stats"] for s in stats))
+    model = quantization.quantized_model(model, scheme)
     quantized = FinetuneObjective(model, task.kind)
     abstract = jax.eval_shape(lambda: quantized.init_variables(jax.random.key(0), quantized.example_batch(1, 16)))
-    params = quantization.quantize_params(params, abstract["params"])
-  return inference_model(task, config, params, None, config.max_position_embeddings, model=model if int8 else None,
+    params = quantization.quantize_params(params, abstract["params"], calibration)
+  return inference_model(task, config, params, None, config.max_position_embeddings, model=model if quant else None,
                          devices=[device])
 
 
@@ -297,7 +307,9 @@ def main(argv: list[str]) -> int:
                       help="our last block at every row (default: at [CLS] alone, as fine-tuned models run)")
   parser.add_argument("--plain", action="store_true",
                       help="also our rows of each model with model.kernels='off' (no reference)")
-  parser.add_argument("--int8", action="store_true", help="also our rows of each model in int8 (no reference)")
+  parser.add_argument("--quant", default="", help="also our rows of each model quantised by these `bert-jax "
+                      "quantize` schemes, comma-separated: int8, int8-static, fp8, fp8-static (no reference)")
+  parser.add_argument("--int8", action="store_true", help="the same as --quant int8")
   parser.add_argument("--profile", help="also trace our calls into this folder and print device time per op")
   parser.add_argument("--profile-batch", type=int, default=256, help="trace the rows of at least this batch")
   parser.add_argument("--smoke", action="store_true",
@@ -340,8 +352,8 @@ def main(argv: list[str]) -> int:
                     lambda c=config, d=directory: reference_classifier(c, args.dtype, torch_device, d))
     if args.plain:  # the same model on XLA's own ops alone, as the int8 model runs
       models[f"{name}-plain"] = (our_classifier(config.replace(kernels="off"), device, encoder, args.weights), None)
-    if args.int8:
-      models[f"{name}-int8"] = (our_classifier(config, device, encoder, args.weights, int8=True), None)
+    for scheme in dict.fromkeys([*(["int8"] if args.int8 else []), *filter(None, args.quant.split(","))]):
+      models[f"{name}-{scheme}"] = (our_classifier(config, device, encoder, args.weights, quant=scheme), None)
   for name, path in parse_variants(args.variant).items():
     models[name] = (load_for_inference(path, devices=[device]), None)
 

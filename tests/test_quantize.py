@@ -5,11 +5,14 @@ real sentence; the dense layers' matmuls are int8 with int32 accumulation in the
 fine-tuned model saves, loads through `bert-jax evaluate`, and keeps its accuracy.
 """
 
+import functools
 import json
 import re
 
+import flax
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -129,6 +132,84 @@ def test_dense_matmuls_are_int8_with_int32_accumulation(small_model):
   assert 0 < np.max(np.abs(compiled_apply(quantized) - float_logits)) < 0.1 * np.max(np.abs(float_logits))
 
 
+def _dense_inputs_absmax(model, params, batches):
+  """{module path: the largest |input| of that Dense layer over `batches`}, read by flax's method interception
+  (no Qwix): the reference for the static scales."""
+  found = {}
+
+  def record(next_fun, args, kwargs, context):
+    if context.method_name == "__call__" and isinstance(context.module, (nn.Dense, nn.DenseGeneral)):
+      path = "/".join(context.module.path)
+      found[path] = max(found.get(path, 0.0), float(np.max(np.abs(np.asarray(args[0], np.float32)))))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    for ids, pack_ids in batches:
+      model.apply({"params": params}, ids, pack_ids=pack_ids)
+  return found
+
+
+@pytest.mark.parametrize("name,bound", [("int8-static", 127.5), ("fp8-static", 448.0)])
+def test_static_scales_are_the_largest_input_over_the_calibration_batches(small_model, name, bound):
+  """Each layer input's scale is its largest |value| over every calibration batch over the format's largest value
+  (int8: 127.5, as Qwix's symmetric int8 rounds; e4m3: 448), one number per input; the quantised model then
+  computes no reduction of its own (the float model's softmax maxima are all it has) and stays close to float."""
+  model, params, ids, pack_ids = small_model
+  scheme = quantization.Scheme.parse(name)
+  batches = [(ids[:1], pack_ids[:1]), (ids[1:] * 0 + 9, pack_ids[1:])]
+  calibrating = quantization.calibrating_model(model, scheme)
+  calibration = None
+  for batch_ids, batch_pack in batches:
+    _, stats = jax.jit(lambda p, i, k: calibrating.apply({"params": p}, i, pack_ids=k, mutable=["quant_stats"]))(
+        params, batch_ids, batch_pack)
+    stats = jax.tree.map(np.asarray, stats["quant_stats"])
+    calibration = stats if calibration is None else quantization.merge_calibrations(calibration, stats)
+  reference = _dense_inputs_absmax(model, params, batches)
+  assert len(reference) == SMALL_DENSE_LAYERS
+
+  qmodel = quantization.quantized_model(model, scheme)
+  abstract = jax.eval_shape(lambda: qmodel.init(jax.random.key(0), ids, pack_ids=pack_ids))["params"]
+  quantized = quantization.quantize_params(params, abstract, calibration)
+  flat = flax.traverse_util.flatten_dict(quantized)
+  scales = {"/".join(path[:-1]): leaf.array for path, leaf in flat.items() if path[-1] == "dot_general0_lhs_scale"}
+  assert scales.keys() == reference.keys()
+  for path, absmax in reference.items():
+    assert scales[path].size == 1
+    np.testing.assert_allclose(float(scales[path].reshape(())), absmax / bound, rtol=1e-6, err_msg=path)
+
+  apply = lambda model_, p: model_.apply({"params": p}, ids, pack_ids=pack_ids)  # noqa: E731
+  def reductions(model_, p):
+    equations = _equations(jax.make_jaxpr(functools.partial(apply, model_))(p).jaxpr)
+    return sum(eqn.primitive.name in ("reduce_max", "argmax") for eqn in equations)
+  assert reductions(qmodel, quantized) == reductions(model, params)
+  dynamic, dynamic_params = _quantized(model, params, ids, pack_ids=pack_ids)
+  assert reductions(dynamic, dynamic_params) > reductions(model, params)  # a per-token absmax before each matmul
+  float_logits = jax.jit(model.apply)({"params": params}, ids, pack_ids=pack_ids)
+  logits = jax.jit(functools.partial(apply, qmodel))(quantized)
+  assert 0 < np.max(np.abs(logits - float_logits)) < 0.1 * np.max(np.abs(float_logits))
+  # Without the calibration of every input, no tree: a static scale left at its initial value would be wrong.
+  with pytest.raises(ValueError, match="missing 2 of 15"):
+    quantization.quantize_params(params, abstract, {**calibration, "head": {}})
+
+
+def test_fp8_scheme_multiplies_in_float8(small_model):
+  model, params, ids, pack_ids = small_model
+  qmodel = quantization.quantized_model(model, quantization.Scheme.parse("fp8"))
+  abstract = jax.eval_shape(lambda: qmodel.init(jax.random.key(0), ids, pack_ids=pack_ids))["params"]
+  quantized = quantization.quantize_params(params, abstract)
+  equations = _equations(jax.make_jaxpr(lambda p: qmodel.apply({"params": p}, ids, pack_ids=pack_ids))(
+      quantized).jaxpr)
+  fp8 = [eqn for eqn in equations if eqn.primitive.name == "dot_general"
+         and [v.aval.dtype for v in eqn.invars] == [jnp.float8_e4m3fn] * 2]
+  assert len(fp8) == SMALL_DENSE_LAYERS
+  assert quantization.quantized_counts(quantized) == {"dense_layers": SMALL_DENSE_LAYERS,
+                                                     "embedding_tables": SMALL_TABLES}
+  with pytest.raises(ValueError, match="FORMAT-static"):
+    quantization.Scheme.parse("fp8-dynamic")
+  with pytest.raises(ValueError, match="choose one of"):
+    quantization.Scheme.parse("int4")
+
+
 @pytest.mark.slow
 def test_bfloat16_model_stays_bfloat16_after_its_dense_layers():
   config = SMALL.replace(dtype="bfloat16")
@@ -228,12 +309,12 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   out = tmp_path / "int8"
   assert cli.main(["quantize", "--workdir", str(workdir), "--out", str(out)]) == 0
   printed = capsys.readouterr().out
-  assert "14 dense layers and 3 embedding tables in int8" in printed and "bert-jax evaluate --workdir" in printed
+  assert "14 dense layers in int8 and 3 embedding tables in int8" in printed and "bert-jax evaluate --workdir" in printed
   report = json.loads((out / "quantization.json").read_text())
   assert report["seed"] == 1 and report["quantized"] == {"dense_layers": 2 * 6 + 2, "embedding_tables": 3}
   assert report["library"].startswith("qwix ")
-  assert report["param_bytes"]["int8"] < report["param_bytes"]["float"]
-  assert report["disk_bytes"]["int8"] < report["disk_bytes"]["float"]
+  assert report["param_bytes"]["quantized"] < report["param_bytes"]["float"]
+  assert report["disk_bytes"]["quantized"] < report["disk_bytes"]["float"]
   assert json.loads((out / "finetune_run.json").read_text())["model_config"]["kernels"] == "off"
 
   assert evaluate_lib.main(["--workdir", str(out)]) == 0
@@ -252,6 +333,33 @@ def test_quantized_run_saves_loads_and_evaluates_close_to_float(sst2_run, tmp_pa
   batch = objective.example_batch(4, 16)
   logits = objective.predict(params, objective.prepare(batch))
   assert logits.shape == (4, 2) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.slow
+def test_static_fp8_run_calibrates_on_training_rows_and_evaluates_close_to_float(sst2_run, tmp_path, capsys):
+  workdir, data = sst2_run
+  float_accuracy = json.loads((workdir / "results.json").read_text())["seeds"][0]["selected"]["metrics"]["dev"][
+      "accuracy"]
+  out = tmp_path / "fp8"
+  assert cli.main(["quantize", "--workdir", str(workdir), "--out", str(out), "--scheme", "fp8-static",
+                   "--calibration-examples", "40"]) == 0
+  assert "14 dense layers in fp8-static" in capsys.readouterr().out
+  report = json.loads((out / "quantization.json").read_text())
+  assert report["scheme"] == {"format": "fp8", "activations": "static"}
+  assert report["calibration"]["examples"] == 40 and report["calibration"]["split"] == "train"
+  assert evaluate_lib.main(["--workdir", str(out)]) == 0
+  assert json.loads((out / "evaluate_dev.json").read_text())["1"]["dev"]["accuracy"] >= float_accuracy - 3.2
+  objective, params = quantize_lib.load_quantized(out)
+  assert objective.model.config.kernels == "off"
+  hlo = jax.jit(lambda p: objective.predict(p, objective.prepare(objective.example_batch(4, 16)))).lower(
+      params).as_text()
+  assert len(re.findall(r"stablehlo\.dot_general.*tensor<[^>]*xf8E4M3FN>, tensor<[^>]*xf8E4M3FN>\)", hlo)) == 14
+  # Calibration reads the training split: where it is not, one line says what to give.
+  assert cli.main(["quantize", "--workdir", str(workdir), "--out", str(tmp_path / "x"), "--scheme", "int8-static",
+                   "--data-dir", str(tmp_path / "nowhere")]) == 1
+  err = capsys.readouterr().err
+  assert "--data-dir" in err and len(err.strip().splitlines()) == 1
+  assert not (tmp_path / "x").exists()
 
 
 def test_quantize_refuses_a_quantized_folder_and_a_used_out(sst2_run, tmp_path, capsys):

@@ -61,11 +61,55 @@ from qwix._src.utils import flax_util as _flax_util
 DENSE_LAYERS = r"(.*/)?(query|key|value|output|wi|wi_gate|wo|embedding_projection|dense(_\d+)?|classifier|qa_outputs)"
 
 
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  """How a quantised dense layer multiplies: the operands' number format, and where its input's scale comes from.
+
+  format: "int8", or "fp8" (e4m3, whose exponent keeps small values' relative precision under one scale).
+  activations: "dynamic", one scale per token from its absmax at run time; or "static", one scale per layer input
+    fixed before inference from the largest |value| it took on calibration batches (`calibrating_model`), so the
+    step computes no reduction before a matmul. The weights have one scale per output feature either way.
+  """
+
+  format: str = "int8"
+  activations: str = "dynamic"
+
+  FORMATS = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+  def __post_init__(self):
+    if self.format not in self.FORMATS:
+      raise ValueError(f"quantisation format {self.format!r}: choose one of {sorted(self.FORMATS)}")
+    if self.activations not in ("dynamic", "static"):
+      raise ValueError(f"activation scales {self.activations!r}: choose 'dynamic' or 'static'")
+
+  @property
+  def static(self) -> bool:
+    return self.activations == "static"
+
+  @property
+  def name(self) -> str:
+    """"int8", "int8-static", "fp8" or "fp8-static" (`parse` reads it back)."""
+    return self.format + ("-static" if self.static else "")
+
+  @classmethod
+  def parse(cls, name: str) -> "Scheme":
+    format_, _, static = name.partition("-")
+    if static not in ("", "static"):
+      raise ValueError(f"quantisation scheme {name!r}: give FORMAT or FORMAT-static, FORMAT one of "
+                       f"{sorted(cls.FORMATS)}")
+    return cls(format_, "static" if static else "dynamic")
+
+  def rules(self) -> list[qwix.QuantizationRule]:
+    qtype = self.FORMATS[self.format]
+    # A static scale is averaged over the input's leading axes (rows and tokens): one number per layer input.
+    static = {"act_static_scale": True, "act_batch_axes": (0, 1)} if self.static else {"act_static_scale": False}
+    return [qwix.QuantizationRule(module_path=DENSE_LAYERS, weight_qtype=qtype, act_qtype=qtype,
+                                  weight_calibration_method="absmax", act_calibration_method="absmax", **static)]
+
+
 def rules() -> list[qwix.QuantizationRule]:
   """int8 weights (per output feature) and int8 activations (per token, scales computed at run time)."""
-  return [qwix.QuantizationRule(module_path=DENSE_LAYERS, weight_qtype=jnp.int8, act_qtype=jnp.int8,
-                                act_static_scale=False, weight_calibration_method="absmax",
-                                act_calibration_method="absmax")]
+  return Scheme().rules()
 
 
 def _quantize_table(table: jax.Array) -> qwix.QArray:
@@ -199,26 +243,77 @@ def fp8_module(module_class: type[nn.Module], *args: Any) -> type[nn.Module]:
   return type(qwix.quantize_model(module_class(*args, parent=None), _TrainingProvider(fp8_rules())))
 
 
-def quantized_model(model: nn.Module) -> nn.Module:
+def _plain(model: nn.Module) -> nn.Module:
+  return model.clone(config=model.config.replace(kernels="off", remat="none", fp8=False))
+
+
+def quantized_model(model: nn.Module, scheme: Scheme = Scheme()) -> nn.Module:
   """`model` (any module with a `ModelConfig` field `config`: `FinetuneModel`, `FeatureBasedTagger`..., or its
-  `qat_model`) with its dense layers and embedding tables in int8; apply it to `quantize_params`' tree. Its encoder
-  runs the plain path without remat, its int8 rules in place of `fp8`'s (a model fine-tuned in float8 quantises
-  as a float one)."""
-  plain = model.clone(config=model.config.replace(kernels="off", remat="none", fp8=False))
-  return qwix.quantize_model(plain, _Provider(rules()))
+  `qat_model`) with its dense layers quantised by `scheme` (int8 with per-token scales by default) and its embedding
+  tables in int8; apply it to `quantize_params`' tree. Its encoder runs the plain path without remat, these rules
+  in place of `fp8`'s (a model fine-tuned in float8 quantises as a float one)."""
+  return qwix.quantize_model(_plain(model), _Provider(scheme.rules()))
 
 
-def quantize_params(params: Any, abstract_quantized: Any) -> Any:
-  """The float `params` as the quantised model's tree (int8 kernels and tables with their scales, the rest
+class _Calibrator(qwix.QuantizationProvider):
+  """Runs the float model and keeps, for each dense layer input a static scheme quantises, the largest |value| of
+  the batch, in the collection "quant_stats" under the name Qwix gives that input's scale (op ids are counted per
+  module call the same way in both providers)."""
+
+  def dot_general(self, lhs, rhs, *args, **kwargs):
+    rule, op_id = self._get_current_rule_and_op_id("dot_general")
+    if rule is not None and rule.act_qtype is not None:
+      absmax = jnp.max(jnp.abs(lhs)).astype(jnp.float32).reshape((1,) * lhs.ndim)
+      stat = _flax_util.get_or_create_variable("quant_stats", f"{op_id}_lhs", lambda: absmax)
+      stat.value = jnp.maximum(stat.value, absmax)
+    return jax.lax.dot_general(lhs, rhs, *args, **kwargs)
+
+  def get_intercept_map(self):
+    return super().get_intercept_map() | {"jax.lax.dot_general": self.dot_general}
+
+
+def calibrating_model(model: nn.Module, scheme: Scheme) -> nn.Module:
+  """`model` computing in float, as `quantized_model(model, scheme)` is laid out: applied to the float parameters
+  with `mutable=["quant_stats"]`, it also returns each quantised layer input's largest |value| in the batch.
+  `merge_calibrations` joins batches; `quantize_params` turns the result into the static scales."""
+  return qwix.quantize_model(_plain(model), _Calibrator(scheme.rules()))
+
+
+def merge_calibrations(first: Any, second: Any) -> Any:
+  """The calibration of two sets of batches: the larger |value| of each input."""
+  return jax.tree.map(np.maximum, first, second)
+
+
+def _static_scale_names(abstract: Any) -> set[tuple[str, ...]]:
+  return {path[:-1] + (path[-1][:-len("_scale")],) for path in flax.traverse_util.flatten_dict(abstract)
+          if path[-1].endswith("_lhs_scale")}
+
+
+def quantize_params(params: Any, abstract_quantized: Any, calibration: Any = None) -> Any:
+  """The float `params` as the quantised model's tree (int8 or float8 kernels, int8 tables, with their scales; with
+  a static scheme also each layer input's scale, its calibrated absmax over the format's largest value; the rest
   unchanged).
 
   Args:
     params: the float model's parameters (host or device arrays).
     abstract_quantized: the quantised model's parameters as `jax.eval_shape` of its init gives them (boxed or not);
       they tell Qwix which kernels to quantise and along which axes, and which leaves are int8 tables.
+    calibration: for a static scheme, the "quant_stats" of `calibrating_model` (merged over batches).
+
+  Raises:
+    ValueError: a static scheme's calibration missing, or not covering every quantised input.
   """
   abstract = nn.unbox(abstract_quantized)
-  quantized = qwix.quantize_params(jax.tree.map(jnp.asarray, params), abstract)
+  needed = _static_scale_names(abstract)
+  if needed:
+    given = set(flax.traverse_util.flatten_dict(calibration or {}))
+    if needed - given:
+      raise ValueError(f"static activation scales need a calibration of every quantised input; missing "
+                       f"{len(needed - given)} of {len(needed)}, e.g. {'/'.join(sorted(needed - given)[0])}")
+  # Qwix's form of calibration statistics: a running sum of the absmax and its count (here one, the maximum).
+  stats = jax.tree.map(lambda absmax: {"count": np.int32(1), "sum_of_absmax": jnp.asarray(absmax)},
+                       calibration or {})
+  quantized = qwix.quantize_params(jax.tree.map(jnp.asarray, params), abstract, stats)
   # The tables: where the abstract tree has a QArray and Qwix left an array (a kernel's QArray sits one level down,
   # inside Qwix's WithAux, so its path names no array of `quantized`).
   is_qarray = lambda x: isinstance(x, qwix.QArray)  # noqa: E731

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from etils import epath
 import jax
@@ -149,13 +149,6 @@ class InferenceModel:
       batch_size: rows per batch, a multiple of the data-parallel size; None for `batch_size`.
       progress: counts the rows done.
     """
-    batch_size = batch_size or self.batch_size
-    data_parallel = sharding_lib.data_parallel_size(self.partitioning.mesh) * jax.process_count()
-    if batch_size % data_parallel:
-      raise ValueError(f"batch size {batch_size} is not divisible by the {data_parallel} data-parallel devices; "
-                       f"give a multiple of {data_parallel}")
-    make_batch = BatchMaker(_TOKEN_FIELDS, batch_size, self.partitioning.mesh)
-    token_axis = features["input_ids"].ndim - 1
     full_length = features["input_ids"].shape[-1]
     fill = task_kind(self.task.kind).token_output_fill
     outputs: np.ndarray | None = None
@@ -174,17 +167,34 @@ class InferenceModel:
       if progress is not None:
         progress.update(len(rows))
 
-    for rows, length in self.batches(features, batch_size):
-      batch_rows = {field: features[field][rows] for field in _TOKEN_FIELDS}
-      for field in ("input_ids", "segment_ids"):
-        batch_rows[field] = np.take(batch_rows[field], np.arange(length), axis=token_axis)
+    for rows, length, batch in self.device_batches(features, batch_size):
       # One batch in flight while the previous one's outputs come back to the host.
-      launched = (rows, length, self.predict_step(self.params, make_batch(batch_rows, np.arange(len(rows)), 0)))
+      launched = (rows, length, self.predict_step(self.params, batch))
       if pending is not None:
         collect(*pending)
       pending = launched
     collect(*pending)
     return outputs
+
+  def device_batches(self, features: dict[str, np.ndarray], batch_size: int | None = None
+                     ) -> Iterator[tuple[np.ndarray, int, dict[str, jax.Array]]]:
+    """(feature rows, padded length, the batch on the mesh) of each of `batches`' batches.
+
+    Raises:
+      ValueError: `batch_size` is not a multiple of the data-parallel size.
+    """
+    batch_size = batch_size or self.batch_size
+    data_parallel = sharding_lib.data_parallel_size(self.partitioning.mesh) * jax.process_count()
+    if batch_size % data_parallel:
+      raise ValueError(f"batch size {batch_size} is not divisible by the {data_parallel} data-parallel devices; "
+                       f"give a multiple of {data_parallel}")
+    make_batch = BatchMaker(_TOKEN_FIELDS, batch_size, self.partitioning.mesh)
+    token_axis = features["input_ids"].ndim - 1
+    for rows, length in self.batches(features, batch_size):
+      batch_rows = {field: features[field][rows] for field in _TOKEN_FIELDS}
+      for field in ("input_ids", "segment_ids"):
+        batch_rows[field] = np.take(batch_rows[field], np.arange(length), axis=token_axis)
+      yield rows, length, make_batch(batch_rows, np.arange(len(rows)), 0)
 
 
 def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenizer: TaskTokenizer, max_len: int,
@@ -253,10 +263,11 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
   model, from_storage = task_model(config, model_config, task), None
-  if (workdir / QUANTIZATION_FILE).exists():  # int8 dense layers and tables through Qwix (the `quant` extra).
+  if (workdir / QUANTIZATION_FILE).exists():  # quantised dense layers and tables through Qwix (the `quant` extra).
     from bert_jax.models import quantization  # noqa: PLC0415
 
-    model, from_storage = quantization.quantized_model(model), quantization.from_storage
+    scheme = quantization.Scheme(**json.loads((workdir / QUANTIZATION_FILE).read_text()).get("scheme", {}))
+    model, from_storage = quantization.quantized_model(model, scheme), quantization.from_storage
   return inference_model(task, model_config, params, task_tokenizer(load_tokenizer(workdir / "tokenizer")),
                          fitted_max_len(config.max_len, model_config), model=model, from_storage=from_storage,
                          mesh_sizes=None if devices is not None else config.mesh.sizes.to_dict(),
