@@ -622,6 +622,24 @@ def test_ctrl_c_asks_for_a_checkpoint_like_sigterm_and_a_second_one_stops_at_onc
     signal.signal(signal.SIGINT, outer)
 
 
+def test_a_failure_after_a_stop_request_is_the_stop():
+  """SIGTERM reaches the processes a run started too (XLA's ptxas compiling a step): their failure after the
+  request must end the run as a stop, which a sweep resumes, not as the run's error; before a request an error is
+  the error."""
+  from bert_jax.train import loop
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(loop.Stopped, match=r"while RuntimeError: ptxas exited with non-zero error code 15") as stopped:
+    with loop.Preemption():
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.1)
+      raise RuntimeError("ptxas exited with non-zero error code 15")
+  assert isinstance(stopped.value.__cause__, RuntimeError)
+  assert signal.getsignal(signal.SIGTERM) == before
+  with pytest.raises(RuntimeError, match="ptxas"):
+    with loop.Preemption():
+      raise RuntimeError("ptxas exited with non-zero error code 15")
+
+
 @pytest.mark.slow
 def test_cloud_storage_workdir_survives_kill_9_and_resumes(prepared, tmp_path, gcs_bucket):
   """A gs:// workdir (an emulated bucket): killed with SIGKILL after a checkpoint, the same command resumes from it

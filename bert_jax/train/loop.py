@@ -318,6 +318,12 @@ class Preemption:
       return multihost_utils.reached_preemption_sync_point(self._calls)
     return self.requested
 
-  def __exit__(self, *exc):
+  def __exit__(self, exc_type, exc, traceback):
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
+    # The signal also reaches the processes this one started (XLA's ptxas, for one, in its process group): a failure
+    # of theirs after a stop request is the stop, not the run's error. Nothing of the unfinished step was saved, so
+    # the same command resumes from the last saved state.
+    if self.requested and exc is not None and not isinstance(exc, (InterruptedError, KeyboardInterrupt)):
+      raise Stopped(f"stop requested (SIGTERM or Ctrl-C) while {type(exc).__name__}: {str(exc).strip()[:200]}; "
+                    "nothing after the last saved state was kept, and the same command resumes from it") from exc
