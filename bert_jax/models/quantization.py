@@ -11,7 +11,9 @@ q_x: the layer's input in int8 with one scale s_x per token, computed at run tim
 int8 matmul accumulated in int32 (a `dot_general` of s8 operands with preferred_element_type s32, which XLA runs on
 the GPU's and TPU's integer units). The embedding tables are int8 too, one scale per row, and a lookup scales
 only the rows it gathers. LayerNorms, biases, softmax and attention's two products between activations stay in
-the compute dtype, as in Q8BERT.
+the compute dtype, as in Q8BERT. That is `Scheme()`; `Scheme("fp8")` multiplies float8 (e4m3) operands instead, and
+`activations="static"` fixes s_x per layer input before inference (the largest |value| on calibration batches,
+`calibrating_model`), so that no reduction runs before a matmul.
 
 Qwix (google/qwix) quantises the dense layers: `quantized_model` wraps a Flax module so that Qwix's PTQ provider
 intercepts `jax.lax.dot_general` inside the modules `DENSE_LAYERS` names, and `quantize_params` turns the float
@@ -101,7 +103,7 @@ class Scheme:
 
   def rules(self) -> list[qwix.QuantizationRule]:
     qtype = self.FORMATS[self.format]
-    # A static scale is averaged over the input's leading axes (rows and tokens): one number per layer input.
+    # A static scale spans the input's leading axes (rows and tokens): one number per layer input.
     static = {"act_static_scale": True, "act_batch_axes": (0, 1)} if self.static else {"act_static_scale": False}
     return [qwix.QuantizationRule(module_path=DENSE_LAYERS, weight_qtype=qtype, act_qtype=qtype,
                                   weight_calibration_method="absmax", act_calibration_method="absmax", **static)]
