@@ -129,7 +129,7 @@ def quantize_run(workdir: str | os.PathLike, out: str | os.PathLike, seed: int |
                  data_dir: str | None = None) -> dict[str, Any]:
   """Quantises `seed` (default: the best) of the fine-tuning run in `workdir` into the folder `out`.
 
-  A static `scheme` calibrates on the first `calibration_examples` of the run's training split, read from
+  A static `scheme` calibrates on `calibration_examples` of the run's training split (a fixed draw), read from
   `data_dir` (default: the run's config.data_dir).
 
   Returns:
