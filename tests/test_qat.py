@@ -149,7 +149,7 @@ def test_qat_finetune_quantizes_and_scores_as_in_training(tiny_model, tmp_path, 
   # The run's float parameters quantise as any fine-tuning run's, and the int8 model scores what the QAT model
   # scored in training (the same forward pass: one of the 64 dev predictions may flip on a tie, 1.6 points).
   assert cli.main(["quantize", "--workdir", str(workdir), "--out", str(out)]) == 0
-  assert "14 dense layers and 3 embedding tables in int8" in capsys.readouterr().out
+  assert "14 dense layers in int8 and 3 embedding tables in int8" in capsys.readouterr().out
   assert evaluate_lib.main(["--workdir", str(out)]) == 0
   int8_accuracy = json.loads((out / "evaluate_dev.json").read_text())["1"]["dev"]["accuracy"]
   assert abs(int8_accuracy - qat_accuracy) <= 100 / 64
