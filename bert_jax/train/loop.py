@@ -318,7 +318,7 @@ class Preemption:
       return multihost_utils.reached_preemption_sync_point(self._calls)
     return self.requested
 
-  def __exit__(self, exc_type, exc, traceback):
+  def __exit__(self, exc_type, exc, tb):
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
     # The signal also reaches the processes this one started (XLA's ptxas, for one, in its process group): a failure
