@@ -104,9 +104,8 @@ def our_classifier(config: ModelConfig, device, encoder: Any = None, weights: st
       calibrating = quantization.calibrating_model(model, scheme)
       length = min(128, config.max_position_embeddings - config.position_offset)
       ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8, length)).astype(np.int32)
-      stats = [jax.jit(lambda p, i: calibrating.apply({"params": p}, i, mutable=["quant_stats"])[1])(params, i)
-               for i in ids]
-      calibration = quantization.merge_calibrations(*(s["quant_stats"] for s in stats))
+      stats = jax.jit(lambda p, i: calibrating.apply({"params": p}, i, mutable=["quant_stats"])[1]["quant_stats"])
+      calibration = quantization.merge_calibrations(*(stats(params, batch) for batch in ids))
     model = quantization.quantized_model(model, scheme)
     quantized = FinetuneObjective(model, task.kind)
     abstract = jax.eval_shape(lambda: quantized.init_variables(jax.random.key(0), quantized.example_batch(1, 16)))

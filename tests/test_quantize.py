@@ -158,12 +158,9 @@ def test_static_scales_are_the_largest_input_over_the_calibration_batches(small_
   scheme = quantization.Scheme.parse(name)
   batches = [(ids[:1], pack_ids[:1]), (ids[1:] * 0 + 9, pack_ids[1:])]
   calibrating = quantization.calibrating_model(model, scheme)
-  calibration = None
-  for batch_ids, batch_pack in batches:
-    _, stats = jax.jit(lambda p, i, k: calibrating.apply({"params": p}, i, pack_ids=k, mutable=["quant_stats"]))(
-        params, batch_ids, batch_pack)
-    stats = jax.tree.map(np.asarray, stats["quant_stats"])
-    calibration = stats if calibration is None else quantization.merge_calibrations(calibration, stats)
+  stats = jax.jit(lambda p, i, k: calibrating.apply({"params": p}, i, pack_ids=k, mutable=["quant_stats"])[1])
+  calibration = quantization.merge_calibrations(*(stats(params, batch_ids, batch_pack)["quant_stats"]
+                                                  for batch_ids, batch_pack in batches))
   reference = _dense_inputs_absmax(model, params, batches)
   assert len(reference) == SMALL_DENSE_LAYERS
 

@@ -281,9 +281,9 @@ def calibrating_model(model: nn.Module, scheme: Scheme) -> nn.Module:
   return qwix.quantize_model(_plain(model), _Calibrator(scheme.rules()))
 
 
-def merge_calibrations(first: Any, second: Any) -> Any:
-  """The calibration of two sets of batches: the larger |value| of each input."""
-  return jax.tree.map(np.maximum, first, second)
+def merge_calibrations(*calibrations: Any) -> Any:
+  """The calibration of several batches (their `calibrating_model` stats): the largest |value| of each input."""
+  return jax.tree.map(lambda *absmax: np.max(np.stack(absmax), axis=0), *calibrations)
 
 
 def _static_scale_names(abstract: Any) -> set[tuple[str, ...]]:

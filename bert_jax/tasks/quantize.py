@@ -96,11 +96,9 @@ def _calibrate(workdir: epath.Path, seed: int, run_info: dict[str, Any], config:
                                   mutable=["quant_stats"])
     return stats["quant_stats"]
 
-  calibration = None
   features = model.featurize(rows)
-  for _, _, batch in model.device_batches(features):
-    stats = jax.tree.map(np.asarray, batch_stats(model.params, batch))
-    calibration = stats if calibration is None else quantization.merge_calibrations(calibration, stats)
+  calibration = quantization.merge_calibrations(*(jax.tree.map(np.asarray, batch_stats(model.params, batch))
+                                                  for _, _, batch in model.device_batches(features)))
   return calibration, {"split": "train", "data_dir": str(data_dir), "examples": len(rows),
                        "feature_rows": len(features["input_ids"])}
 
