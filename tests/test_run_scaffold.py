@@ -3,11 +3,13 @@ files, the banner and the saved config; no training."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from etils import epath
 import jax
 import ml_collections
+import numpy as np
 import pytest
 
 from bert_jax.models import model_config
@@ -117,3 +119,61 @@ def test_saved_config_takes_the_defaults_of_keys_newer_than_the_run(tmp_path):
   assert config.to_dict() == {"seed": 7, "train": {"steps": 5, "new_key": "default"}, "added": [1], "old_only": True}
   with pytest.raises(FileNotFoundError, match="bert_jax run directory"):
     run_lib.saved_config(tmp_path / "missing", defaults)
+
+
+class _Throughput:
+  """Stands in for `metrics.Throughput`: a fixed rate."""
+
+  def update(self, step: int) -> dict[str, float]:
+    return {"tokens_per_second": 10.0 * step}
+
+
+def test_the_train_log_drops_an_interrupted_runs_later_rows_then_writes_and_keeps_its_own(tmp_path):
+  rows = [{"step": step, "train/loss": 1.0} for step in (2, 4, 6)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+  train_log = run_lib.TrainLog(epath.Path(tmp_path), 4, True, _Throughput(), None)
+  train_log(6, {"loss": 0.5})
+  train_log.writer.close()
+  written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [row["step"] for row in written] == [2, 4, 6]  # the old step 6 went; the resumed run logged it again
+  assert written[-1]["train/loss"] == 0.5 and written[-1]["train/tokens_per_second"] == 60.0
+  assert train_log.last == {"loss": 0.5, "tokens_per_second": 60.0}
+  assert train_log.history == [{"step": 6, "loss": 0.5, "tokens_per_second": 60.0}]
+
+
+def test_a_teachers_forward_pass_counts_a_third_of_its_training_flops():
+  plain = run_lib.throughput(100, 30.0, 1)
+  distilling = run_lib.throughput(100, 30.0, 1, teacher_flops_per_token=90.0)
+  assert (plain.flops_per_token, distilling.flops_per_token) == (30.0, 60.0)
+
+
+def test_a_seeds_batches_from_any_step_are_the_rest_of_its_batches_from_step_0():
+  from bert_jax.tasks.batching import BatchMaker, epoch_batches
+  from bert_jax.parallel import sharding
+
+  features = {"input_ids": np.arange(20 * 4).reshape(20, 4), "labels": np.arange(20)}
+  make_batch = BatchMaker(("input_ids", "labels"), 8, sharding.create_mesh({"data": -1}))
+  labels = lambda batches: [np.asarray(batch["labels"]).tolist() for batch in batches]  # noqa: E731
+  whole = labels(epoch_batches(make_batch, features, 3, 2, 0))
+  assert len(whole) == 6  # three batches an epoch, the last padded
+  for epoch in (whole[:3], whole[3:]):  # every row once an epoch, in an order of its own
+    assert sorted(sum(epoch, [])[:20]) == list(range(20))
+  assert whole[:3] != whole[3:]
+  assert all(labels(epoch_batches(make_batch, features, 3, 2, start)) == whole[start:] for start in range(7))
+  assert labels(epoch_batches(make_batch, features, 4, 2, 0)) != whole  # another seed, another order
+
+
+def test_the_selection_keeps_the_best_or_the_last_and_counts_for_early_stopping():
+  from bert_jax.tasks.evaluate import Selection
+
+  class _Task:
+    eval_splits, selection_metric = ("dev",), "accuracy"
+
+  records = [{"step": step, "metrics": {"dev": {"accuracy": value}}} for step, value in ((1, 50.0), (2, 60.0),
+                                                                                          (3, 60.0), (4, 55.0))]
+  best, last = Selection(), Selection()
+  assert [best.add(record, _Task, keep_last=False) for record in records] == [True, True, False, False]
+  assert best.selected["step"] == 2 and best.evaluations_since_best == 2  # a tie keeps the earlier evaluation
+  assert [last.add(record, _Task, keep_last=True) for record in records] == [True] * 4
+  assert last.selected["step"] == 4 and last.history == records
+  assert Selection(**dataclasses.asdict(best)) == best  # what a stopped seed saves restores it

@@ -3,13 +3,14 @@
   fitted_max_len   config.max_len cut to the positions a model has;
   padded_length    the longest row of feature sets, rounded up to 8;
   trim_features    per-token arrays cut from max_len to that length (only padding goes);
-  BatchMaker       global batches of given rows, padded with weight-0 rows to the batch size.
+  BatchMaker       global batches of given rows, padded with weight-0 rows to the batch size;
+  epoch_batches    a seed's training batches, epoch after epoch, from any step on.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -73,3 +74,16 @@ class BatchMaker:
     local["weights"] = weights
     local["seed"] = np.full(len(padded_rows), seed, np.int32)
     return sharding_lib.global_batch(local, self.mesh)
+
+
+def epoch_batches(make_batch: BatchMaker, features: dict[str, np.ndarray], seed: int, epochs: int, start_step: int
+                  ) -> Iterator[dict[str, jax.Array]]:
+  """The training batches of `epochs` epochs, from `start_step` on: each epoch's row order is drawn from (seed,
+  epoch), so a resumed seed reads the batches it would have read; an epoch's last batch is padded
+  (`BatchMaker`)."""
+  num_rows, size = len(features["input_ids"]), make_batch.batch_size
+  first_epoch, skipped = divmod(start_step, -(-num_rows // size))
+  for epoch in range(first_epoch, epochs):
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    for start in range(skipped * size if epoch == first_epoch else 0, num_rows, size):
+      yield make_batch(features, order[start:start + size], seed)

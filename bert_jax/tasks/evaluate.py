@@ -62,6 +62,45 @@ def featurize(task: Task, examples: list[Any], tokenizer, max_len: int, what: st
   return task.featurize(examples, tokenizer, max_len)
 
 
+def read_task_data(task: Task, data_dir: str, tokenizer, max_len: int, train_examples: int | None,
+                   pad_to_max_len: bool) -> tuple[dict[str, np.ndarray], list[EvalSet], int]:
+  """A fine-tuning run's data: (the train split's features, an `EvalSet` per evaluation split, the padded length).
+
+  Every split is padded to one length: the longest feature of them all rounded up to 8 (`padded_length`), or
+  max_len with `pad_to_max_len`; `train_examples` rows of train (`subset`), or all of them for None.
+  """
+  train = featurize(task, subset(load_split(task, data_dir, "train"), train_examples), tokenizer, max_len, "train")
+  examples = {split: load_split(task, data_dir, split) for split in task.eval_splits}
+  features = {split: featurize(task, examples[split], tokenizer, max_len, split) for split in task.eval_splits}
+  seq_len = max_len if pad_to_max_len else padded_length([train, *features.values()], max_len)
+  eval_sets = [EvalSet(split, examples[split], trim_features(features[split], task.kind, max_len, seq_len))
+               for split in task.eval_splits]
+  return trim_features(train, task.kind, max_len, seq_len), eval_sets, seq_len
+
+
+@dataclasses.dataclass
+class Selection:
+  """One seed's evaluations so far and the one selected: the best on the task's selection metric of the first
+  evaluation split (ties keep the earlier), or with `keep_last` the newest; its seconds of training and evaluation.
+  A stopped seed saves it (`dataclasses.asdict`) with its training state."""
+
+  selected: dict[str, Any] | None = None
+  history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  evaluations_since_best: int = 0  # early stopping's count
+  train_seconds: float = 0.0
+  eval_seconds: float = 0.0
+
+  def add(self, record: dict[str, Any], task: Task, keep_last: bool) -> bool:
+    """Adds an evaluation (`{"step", "epoch", "metrics": {split: metrics}}`); returns whether it is selected now."""
+    self.history.append(record)
+    split, metric = task.eval_splits[0], task.selection_metric
+    improved = self.selected is None or record["metrics"][split][metric] > self.selected["metrics"][split][metric]
+    self.evaluations_since_best = 0 if improved else self.evaluations_since_best + 1
+    if keep_last or improved:
+      self.selected = record
+    return keep_last or improved
+
+
 def predict_outputs(predict_step, params, features: dict[str, np.ndarray], make_batch: BatchMaker) -> np.ndarray:
   """Raw head outputs for every feature row, in order, padding rows dropped."""
   num_rows = len(features["input_ids"])

@@ -49,7 +49,6 @@ student from every k-th layer of its initial model.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -68,8 +67,8 @@ from bert_jax import paths
 from bert_jax import progress as progress_lib
 from bert_jax.tasks import metrics as task_metrics
 from bert_jax.tasks.base import Task
-from bert_jax.tasks.batching import BatchMaker, fitted_max_len, padded_length, trim_features
-from bert_jax.tasks.evaluate import (EvalSet, evaluate_splits, featurize, load_split, results_markdown, subset,
+from bert_jax.tasks.batching import BatchMaker, epoch_batches, fitted_max_len
+from bert_jax.tasks.evaluate import (EvalSet, Selection, evaluate_splits, read_task_data, results_markdown,
                                      summarize_seeds)
 from bert_jax.tasks.finetune_config import (eval_interval, finetune_defaults, model_config_for, selection_rule,
                                            validate)
@@ -80,10 +79,10 @@ from bert_jax.tasks.registry import get_task
 from bert_jax.models import ModelConfig
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import workdir as workdir_lib
-from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib
+from bert_jax.train import config_lib, distill as distill_lib, loop
 from bert_jax.train import run as run_lib
-from bert_jax.train.step import (Partitioning, TrainState, checkpointed, make_predict_step, make_state_init,
-                                 make_train_step, persistent_cache_hits)
+from bert_jax.train.step import (Partitioning, TrainState, checkpointed, compile_ahead, make_predict_step,
+                                 make_state_init)
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +138,10 @@ def _init_state(run: _Run, seed: int):
           *run.teacher, run.dummy_batch, run.partitioning,
           hint=f" (a teacher is a fine-tuning workdir of {run.task.name}, whose head it keeps)")
       run.state_shardings = run.state_shardings.replace(frozen=frozen_shardings)
-    step_settings = dict(accum_steps=run.config.train.accum_steps, partitioning=run.partitioning,
-                         rng=jax.random.key(0, impl=run.config.train.rng_impl), state_shardings=run.state_shardings,
-                         param_norms=run.config.train.log_param_norms)
-    run.train_step = make_train_step(run.objective, run.tx, run.schedule, **step_settings)
-    per_call = run.config.train.steps_per_call
-    run.multi_step = (make_train_step(run.objective, run.tx, run.schedule, steps_per_call=per_call, **step_settings)
-                      if per_call > 1 else None)
+    # The seed reaches the dropout key through the batch: one key for the compiled steps of every seed.
+    run.train_step, run.multi_step = run_lib.make_steps(
+        run.objective, run.tx, run.schedule, run.config.train, run.partitioning, run.state_shardings,
+        jax.random.key(0, impl=run.config.train.rng_impl))
     run.predict_step = make_predict_step(run.objective, run.partitioning, run.state_shardings.params)
     # The loaded leaves, on the mesh once for every seed; the init draws only the others (`make_state_init`).
     merged, reused, fresh = merge_initial_params(run.abstract_params, run.initial_params)
@@ -159,32 +155,17 @@ def _init_state(run: _Run, seed: int):
 
 
 def _compile_steps(run: _Run, state) -> None:
-  """Compiles the train and predict steps ahead of time, the two XLA compilations in parallel.
-
-  Every batch has the same shapes, so the compiled executables serve all
-  seeds; compiling them together before the first step takes about the time
-  of the larger one instead of their sum, and keeps compilation out of the
-  measured training time (it is reported as `compile_seconds`).
-  """
-  started = time.perf_counter()
-  train_rows = np.arange(min(run.train_batches.batch_size, len(run.train_features["input_ids"])))
-  eval_features = run.eval_sets[0].features
-  eval_rows = np.arange(min(run.eval_batches.batch_size, len(eval_features["input_ids"])))
-  train_batch = run.train_batches(run.train_features, train_rows, 0)
+  """Compiles the train and predict steps ahead (`compile_ahead`): every batch has the same shapes, so they serve
+  all seeds, and compilation stays out of the measured training time (it is reported as `compile_seconds`)."""
+  rows = np.arange(1)  # any rows: a batch's shapes are the batch size's and the padded length's
+  train_batch = run.train_batches(run.train_features, rows, 0)
   lowered = [run.train_step.lower(state, train_batch),
-             run.predict_step.lower(state.params, run.eval_batches(eval_features, eval_rows, 0))]
+             run.predict_step.lower(state.params, run.eval_batches(run.eval_sets[0].features, rows, 0))]
   if run.multi_step is not None:
     lowered.append(run.multi_step.lower(state, [train_batch] * run.config.train.steps_per_call))
-  with persistent_cache_hits() as run.compile_cache, concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-    compiled = list(pool.map(lambda step: step.compile(), lowered))
+  compiled, run.compile_seconds, run.compile_cache = compile_ahead(lowered)
   run.train_step, run.predict_step = compiled[:2]
   run.multi_step = compiled[2] if run.multi_step is not None else None
-  run.compile_seconds = time.perf_counter() - started
-  # Whether the persistent cache served them says whether another run (a sweep's other rows) compiled the same.
-  cache = run.compile_cache
-  log.info("train and predict steps compiled in %.1f s (%s)", run.compile_seconds,
-           f"{cache['hits']} of {cache['requests']} read from the persistent compilation cache" if cache["requests"]
-           else "no persistent compilation cache")
 
 
 def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc: str, later_steps: int
@@ -192,10 +173,9 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
   """Trains and evaluates one seed, from its saved training state (seed_<s>/state/) when a stop left one; returns
   its result (also written to seed_<s>/result.json).
 
-  A stop request (SIGTERM, Ctrl-C) saves the state, the step, the selection so far and the evaluation history
-  there and raises `loop.Stopped`; the data position is the step (each epoch's order is drawn from the seed and the
-  epoch). `progress_desc` labels the bar; `later_steps` are the steps of the seeds after this one, for the time
-  left over all of them.
+  A stop request (SIGTERM, Ctrl-C) saves the state, the step and the `Selection` so far there and raises
+  `loop.Stopped`; the data position is the step (`epoch_batches`). `progress_desc` labels the bar; `later_steps`
+  are the steps of the seeds after this one, for the time left over all of them.
   """
   config, task = run.config, run.task
   seed_dir = run.workdir / f"seed_{seed}"
@@ -207,75 +187,56 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
   state = _init_state(run, seed)
   resumable = checkpoint_lib.Checkpointer(seed_dir, keep=1, folder=STATE_FOLDER)
   restored = resumable.restore_latest(checkpointed(state))
-  start_step, progress_so_far = 0, {}
+  start_step, selection = 0, Selection()
   if restored is not None:
     start_step, saved, _, meta = restored
     state = TrainState(**saved, frozen=run.frozen)
-    progress_so_far = meta["selection"]
+    selection = Selection(**meta["selection"])
     log.info("seed %d: resumed from its training state at step %d in %s", seed, start_step, resumable.directory)
-  if primary:  # The steps after the saved state are computed again: the interrupted run's rows of them go.
-    workdir_lib.drop_rows_after(seed_dir / "metrics.jsonl", start_step)
-  writer = metrics_lib.MetricWriter(seed_dir, enabled=primary)
   checkpointer = checkpoint_lib.Checkpointer(seed_dir, keep=1) if config.train.save_checkpoint else None
   if checkpointer is not None:  # A selection after the saved state is made again (or not) by the rerun.
     checkpointer.drop_after(start_step)
   interval = eval_interval(config.train.eval_every)
   total_steps = config.train.epochs * run.steps_per_epoch
-  num_rows = len(run.train_features["input_ids"])
-  selection_split = task.eval_splits[0]
-  history: list[dict[str, Any]] = progress_so_far.get("history", [])
-  selected: dict[str, Any] | None = progress_so_far.get("selected")
-  evaluations_since_best = progress_so_far.get("evaluations_since_best", 0)
-  train_seconds = progress_so_far.get("train_seconds", 0.0)
-  eval_seconds = progress_so_far.get("eval_seconds", 0.0)
-
-  def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
-    del bad
-    return f"seed {seed}: non-finite loss or gradients at step {bad_step}; try a lower config.optim.lr or more warmup"
+  seq_len = run.train_features["input_ids"].shape[-1]
+  teacher_flops = None if run.teacher is None else run.teacher[0].model.config.flops_per_token(seq_len, 0.0)
+  throughput = run_lib.throughput(run.train_batches.batch_size * seq_len * max(task.num_choices, 1),
+                                  run.model_config.flops_per_token(seq_len, 0.0), run.partitioning.mesh.size,
+                                  teacher_flops)
+  # The bar counts examples: a step is one global batch (the last batch of an epoch counts whole).
+  progress = (progress_lib.Progress(total_steps, progress_desc, initial=start_step, unit="ex",
+                                    unit_scale=run.train_batches.batch_size, after=later_steps)
+              if primary else None)
+  train_log = run_lib.TrainLog(seed_dir, start_step, primary, throughput, progress)
+  writer = train_log.writer
+  clock = [time.perf_counter()]  # the start of the training since the last evaluation
 
   def evaluate(step: int, state) -> bool:
     """Scores dev, updates the selection; returns True when early stopping says stop."""
-    nonlocal selected, evaluations_since_best, train_seconds, eval_seconds
     jax.block_until_ready(state.params)
     started = time.perf_counter()
-    train_seconds += started - clock[0]
+    selection.train_seconds += started - clock[0]
     metrics = evaluate_splits(task, run.predict_step, state.params, run.eval_sets, run.eval_batches)
     record = {"step": step, "epoch": round(step / run.steps_per_epoch, 4), "metrics": metrics}
-    history.append(record)
     for split, values in metrics.items():
       writer.write(step, task_metrics.as_fractions(values), prefix=f"eval/{split}/" if len(metrics) > 1 else "eval/")
-    value = metrics[selection_split][task.selection_metric]
-    improved = selected is None or value > selected["metrics"][selection_split][task.selection_metric]
-    evaluations_since_best = 0 if improved else evaluations_since_best + 1
-    if config.train.selection == "last" or improved:
-      selected = record
-      if checkpointer is not None:
-        # The save replaces the selection a resumed state names: that state goes first, never left pointing at
-        # nothing (a seed killed before its next stop starts again from step 0).
-        resumable.drop_after(-1)
-        checkpointer.save(step, {"params": distill_lib.student_params(state.params)}, {},
-                          {"step": step, "seed": seed}, force=True)
+    if selection.add(record, task, keep_last=config.train.selection == "last") and checkpointer is not None:
+      # The save replaces the selection a resumed state names: that state goes first, never left pointing at
+      # nothing (a seed killed before its next stop starts again from step 0).
+      resumable.drop_after(-1)
+      checkpointer.save(step, {"params": distill_lib.student_params(state.params)}, {},
+                        {"step": step, "seed": seed}, force=True)
     if primary:
       progress_lib.print_line(progress, f"seed {seed} step {step} (epoch {record['epoch']:g}): " + "; ".join(
           f"{split} " + ", ".join(f"{k}={v:.2f}" for k, v in values.items()) for split, values in metrics.items()))
-    eval_seconds += time.perf_counter() - started
+    selection.eval_seconds += time.perf_counter() - started
     clock[0] = time.perf_counter()
     patience = config.train.early_stopping_patience
-    return bool(patience) and evaluations_since_best >= patience
-
-  def batches():
-    first_epoch, skipped = divmod(start_step, run.steps_per_epoch)  # where the saved state left the data
-    for epoch in range(first_epoch, config.train.epochs):
-      order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-      first_row = skipped * run.train_batches.batch_size if epoch == first_epoch else 0
-      for start in range(first_row, num_rows, run.train_batches.batch_size):
-        yield run.train_batches(run.train_features, order[start:start + run.train_batches.batch_size], seed)
+    return bool(patience) and selection.evaluations_since_best >= patience
 
   def saved_on_stop(step: int, state) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    train_seconds_now = train_seconds + time.perf_counter() - clock[0]
-    selection = {"selected": selected, "history": history, "evaluations_since_best": evaluations_since_best,
-                 "train_seconds": train_seconds_now, "eval_seconds": eval_seconds}
-    return checkpointed(state), {"step": step}, {"step": step, "seed": seed, "selection": selection}
+    now = dataclasses.replace(selection, train_seconds=selection.train_seconds + time.perf_counter() - clock[0])
+    return checkpointed(state), {"step": step}, {"step": step, "seed": seed, "selection": dataclasses.asdict(now)}
 
   def made_durable() -> None:  # the stop's state names a selection whose parameters and rows are on storage
     writer.flush()
@@ -285,24 +246,6 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
   # "epoch": after every epoch's last step; "end": after the last step only; N: every N steps and the last.
   evaluations = loop.Every(run.steps_per_epoch if interval == 0 else interval if interval > 0 else total_steps,
                            evaluate)
-  seq_len = run.train_features["input_ids"].shape[-1]
-  flops_per_token = run.model_config.flops_per_token(seq_len, 0.0)
-  if run.teacher is not None:  # The teacher's forward pass: a third of its training FLOPs.
-    flops_per_token += run.teacher[0].model.config.flops_per_token(seq_len, 0.0) / 3
-  throughput = metrics_lib.Throughput(run.train_batches.batch_size * seq_len * max(task.num_choices, 1),
-                                      flops_per_token, run.partitioning.mesh.size)
-  # The bar counts examples: a step is one global batch (the last batch of an epoch counts whole).
-  progress = (progress_lib.Progress(total_steps, progress_desc, initial=start_step, unit="ex",
-                                    unit_scale=run.train_batches.batch_size, after=later_steps)
-              if primary else None)
-
-  def log_train(step: int, averaged: dict[str, float]) -> None:
-    averaged.update(throughput.update(step))
-    writer.write(step, averaged, prefix="train/")
-    if progress is not None:
-      progress.set_postfix(progress_lib.metrics_postfix(averaged))
-
-  clock = [time.perf_counter()]
   # Only a stop saves the training state: a finished seed needs none, and its selected parameters are kept apart.
   stop_hook = loop.CheckpointHook(resumable, 0, preemption, saved_on_stop, on_save=made_durable, at_last=False)
   # A failed asynchronous save of the selected parameters stops the seed after the call it fails in.
@@ -312,20 +255,26 @@ def _train_seed(run: _Run, seed: int, preemption: loop.Preemption, progress_desc
     return [writer.close, resumable.abandon if abandon else resumable.close] + (
         [checkpointer.abandon if abandon else checkpointer.close] if checkpointer is not None else [])
 
+  def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
+    del bad
+    return f"seed {seed}: non-finite loss or gradients at step {bad_step}; try a lower config.optim.lr or more warmup"
+
   try:
     state, step, stopped = loop.run_and_close(
-        run.train_step, state, batches(), start_step=start_step, total_steps=total_steps,
-        log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message, hooks=hooks,
-        progress=progress, multi_step=run.multi_step, steps_per_call=config.train.steps_per_call, closers=closers)
+        run.train_step, state, epoch_batches(run.train_batches, run.train_features, seed, config.train.epochs,
+                                             start_step),
+        start_step=start_step, total_steps=total_steps, log_every=config.train.log_every, on_log=train_log,
+        nonfinite_message=nonfinite_message, hooks=hooks, progress=progress, multi_step=run.multi_step,
+        steps_per_call=config.train.steps_per_call, closers=closers)
     run.frozen = state.frozen  # The step donates the state, teacher included: the next seed takes this one.
   except KeyboardInterrupt:
     raise stop_hook.interrupted() from None
   if stop_hook.preempted:
     raise loop.Stopped(f"stop requested (SIGTERM or Ctrl-C): seed {seed}'s training state at step {step} is saved "
                        f"in {resumable.directory}; the same command resumes it")
-  stopped_early = stopped and step < total_steps
-  result = {"seed": seed, "steps": step, "stopped_early": stopped_early, "selected": selected, "history": history,
-            "train_seconds": train_seconds, "eval_seconds": eval_seconds,
+  result = {"seed": seed, "steps": step, "stopped_early": stopped and step < total_steps,
+            "selected": selection.selected, "history": selection.history, "train_seconds": selection.train_seconds,
+            "eval_seconds": selection.eval_seconds,
             "compile_seconds": 0.0 if compiled_before else run.compile_seconds, "head": run.head_report}
   if primary:
     (seed_dir / "result.json").write_text(json.dumps(result, indent=2))
@@ -365,16 +314,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: epath.Path, primary: b
   tokenizer = task_tokenizer(initial.tokenizer)
 
   started = time.perf_counter()
-  train_examples = subset(load_split(task, config.data_dir, "train"), config.train_examples)
-  train_features = featurize(task, train_examples, tokenizer, max_len, "train")
-  eval_examples = {split: load_split(task, config.data_dir, split) for split in task.eval_splits}
-  eval_features = {split: featurize(task, examples, tokenizer, max_len, split)
-                   for split, examples in eval_examples.items()}
-  seq_len = max_len if config.pad_to_max_len else padded_length([train_features, *eval_features.values()],
-                                                                 max_len)
-  train_features = trim_features(train_features, task.kind, max_len, seq_len)
-  eval_sets = [EvalSet(split, eval_examples[split], trim_features(eval_features[split], task.kind, max_len,
-                                                                  seq_len)) for split in task.eval_splits]
+  train_features, eval_sets, seq_len = read_task_data(task, config.data_dir, tokenizer, max_len, config.train_examples,
+                                                      config.pad_to_max_len)
   timings["read and featurise"] = time.perf_counter() - started
 
   model = task_model(config, model_config, task)

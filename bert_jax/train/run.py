@@ -6,6 +6,8 @@
     if primary:
       write_run_files(workdir, config, model_config, tokenizer)   # config.json, model_config.json, tokenizer/
       banner("pretrain", subject, num_params, sizes, workdir)     # what runs, where
+    train_step, multi_step = make_steps(objective, tx, schedule, config.train, ...)
+    log = TrainLog(workdir, start_step, primary, throughput, progress)   # the loop's `on_log`
 
 `saved_config` reads a run's config back for its evaluation, the keys newer than the run at their defaults.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import platform
@@ -28,12 +31,16 @@ import jax
 import ml_collections
 
 from bert_jax import paths
+from bert_jax import progress as progress_lib
 from bert_jax.models import ModelConfig
 from bert_jax.parallel import distributed
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint as checkpoint_lib
+from bert_jax.train import metrics as metrics_lib
 from bert_jax.train import workdir as workdir_lib
-from bert_jax.train.step import Partitioning
+from bert_jax.train.step import Partitioning, make_train_step
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -95,6 +102,51 @@ def banner(command: str, subject: str, num_params: int, sizes: str, workdir: epa
   if distilling is not None:
     teacher, weights = distilling
     print(f"  distilling from {teacher}: loss weights {weights}", flush=True)
+
+
+def make_steps(objective: Any, tx: Any, schedule: Any, train: ml_collections.ConfigDict, partitioning: Partitioning,
+               state_shardings: Any, rng: jax.Array, make_step: Callable[..., Callable] = make_train_step
+               ) -> tuple[Callable, Callable | None]:
+  """The jitted train step of the `train` config section, and with `train.steps_per_call` > 1 the step taking that
+  many steps a call (else None); `make_step` stands in for `step.make_train_step` (a benchmark's instrument)."""
+  settings = dict(accum_steps=train.accum_steps, partitioning=partitioning, rng=rng, state_shardings=state_shardings,
+                  param_norms=train.log_param_norms)
+  multi_step = (make_step(objective, tx, schedule, steps_per_call=train.steps_per_call, **settings)
+                if train.steps_per_call > 1 else None)
+  return make_step(objective, tx, schedule, **settings), multi_step
+
+
+def throughput(tokens_per_step: int, flops_per_token: float, devices: int,
+               teacher_flops_per_token: float | None = None) -> metrics_lib.Throughput:
+  """Tokens/s and MFU of a run's steps; a distillation teacher's forward pass counts a third of its training FLOPs."""
+  if teacher_flops_per_token is not None:
+    flops_per_token += teacher_flops_per_token / 3
+  return metrics_lib.Throughput(tokens_per_step, flops_per_token, devices)
+
+
+class TrainLog:
+  """The loop's `on_log`: each log step's train metrics with the throughput added, written (JSON lines and
+  TensorBoard, on the primary process) into `folder`, shown on the progress bar, kept as `history` and `last`.
+
+  Opening it drops the rows an interrupted run logged after `start_step`: the resumed run computes those steps again.
+  """
+
+  def __init__(self, folder: epath.Path, start_step: int, primary: bool, throughput: metrics_lib.Throughput,
+               progress: progress_lib.Progress | None):
+    if primary and (dropped := workdir_lib.drop_rows_after(folder / "metrics.jsonl", start_step)):
+      log.info("dropped %d rows of metrics.jsonl logged after step %d by the interrupted run", dropped, start_step)
+    self.writer = metrics_lib.MetricWriter(folder, enabled=primary)
+    self.throughput, self.progress = throughput, progress
+    self.history: list[dict[str, float]] = []
+    self.last: dict[str, float] = {}
+
+  def __call__(self, step: int, averaged: dict[str, float]) -> None:
+    averaged.update(self.throughput.update(step))
+    self.last = averaged
+    self.history.append({"step": step, **averaged})
+    self.writer.write(step, averaged, prefix="train/")
+    if self.progress is not None:
+      self.progress.set_postfix(progress_lib.metrics_postfix(averaged))
 
 
 def with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from bert_jax.data.prepare import open_prepared
 from bert_jax.train import checkpoint as checkpoint_lib
 from bert_jax.train import pretrain_data
 from bert_jax.train import workdir as workdir_lib
-from bert_jax.train import config_lib, distill as distill_lib, loop, metrics as metrics_lib, objectives, optim
+from bert_jax.train import config_lib, distill as distill_lib, loop, objectives, optim
 from bert_jax.train import pretrain_config
 from bert_jax.train import run as run_lib
 from bert_jax.train.step import TrainState, checkpointed, create_state, make_eval_step, make_train_step
@@ -148,15 +148,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       log.info("initialised the student from the teacher %s", config.distill.teacher)
 
   train_iter.start()  # The workers start and the first batches are built while the step compiles.
-  step_settings = dict(accum_steps=config.train.accum_steps, rng=step_rng, partitioning=partitioning,
-                       state_shardings=state_shardings, param_norms=config.train.log_param_norms)
-  make_step = instruments.make_train_step or make_train_step
-  train_step = make_step(objective, tx, schedule, **step_settings)
   # Several steps a call; the single step (compiled only if used) takes those before the first multiple of
   # steps_per_call and after the last one that fits.
-  steps_per_call = config.train.steps_per_call
-  multi_step = (make_step(objective, tx, schedule, steps_per_call=steps_per_call, **step_settings)
-                if steps_per_call > 1 else None)
+  train_step, multi_step = run_lib.make_steps(objective, tx, schedule, config.train, partitioning, state_shardings,
+                                              step_rng, instruments.make_train_step or make_train_step)
   if instruments.step:
     train_step, multi_step = instruments.step(train_step), multi_step and instruments.step(multi_step)
   # Evaluation scores the student's own objective: the teacher's terms need the teacher's outputs.
@@ -164,16 +159,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
   eval_step = make_eval_step(eval_objective, partitioning, state_shardings)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
-  flops_per_token = objective.flops_per_token(config.masking.max_predictions, config.data.seq_len)
-  if teacher is not None:  # The teacher's forward pass: a third of its training FLOPs.
-    predictions_per_token = objective.predictions_per_token(config.masking.max_predictions, config.data.seq_len)
-    flops_per_token += teacher[0].model_config.flops_per_token(config.data.seq_len, predictions_per_token) / 3
-  throughput = metrics_lib.Throughput(tokens_per_step, flops_per_token, mesh.size)
-  if primary:  # The steps after the checkpoint are computed again: their rows from the interrupted run go.
-    dropped = workdir_lib.drop_rows_after(workdir / "metrics.jsonl", start_step)
-    if dropped:
-      log.info("dropped %d rows of metrics.jsonl logged after step %d by the interrupted run", dropped, start_step)
-  writer = metrics_lib.MetricWriter(workdir, enabled=primary)
+  predictions = config.masking.max_predictions, config.data.seq_len
+  teacher_flops = None if teacher is None else teacher[0].model_config.flops_per_token(
+      config.data.seq_len, objective.predictions_per_token(*predictions))
+  throughput = run_lib.throughput(tokens_per_step, objective.flops_per_token(*predictions), mesh.size, teacher_flops)
   if primary:
     # end="" keeps pre-training's run files byte for byte: they end at the closing brace.
     run_lib.write_run_files(workdir, config, model_cfg, tokenizer, {"environment.json": run_lib.environment()}, end="")
@@ -183,17 +172,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
                    f"steps={start_step}->{total_steps}", workdir,
                    (config.distill.teacher, objective.weights) if teacher is not None else None)
 
-  history, eval_results, last_train = [], {}, {}
+  eval_results = {}
   progress = progress_lib.Progress(total_steps, "pretrain", initial=start_step) if primary else None
-
-  def log_train(step: int, averaged: dict[str, float]) -> None:
-    nonlocal last_train
-    averaged.update(throughput.update(step))
-    last_train = averaged
-    history.append({"step": step, **averaged})
-    writer.write(step, averaged, prefix="train/")
-    if progress is not None:
-      progress.set_postfix(progress_lib.metrics_postfix(averaged))
+  train_log = run_lib.TrainLog(workdir, start_step, primary, throughput, progress)
+  writer = train_log.writer
 
   def nonfinite_message(bad_step: int, bad: dict[str, float]) -> str:
     good = checkpointer.steps()
@@ -220,16 +202,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path, 
       batches = instruments.batches(train_iter) if instruments.batches else train_iter
       state, step, preempted = loop.run_and_close(
           train_step, state, batches, start_step=start_step, total_steps=total_steps,
-          log_every=config.train.log_every, on_log=log_train, nonfinite_message=nonfinite_message,
+          log_every=config.train.log_every, on_log=train_log, nonfinite_message=nonfinite_message,
           hooks=(loop.Every(config.train.eval_every, evaluate_now), checkpoints), progress=progress,
-          multi_step=multi_step, steps_per_call=steps_per_call,
+          multi_step=multi_step, steps_per_call=config.train.steps_per_call,
           closers=lambda abandon: [*filter(None, [instruments.on_loop_end]), train_iter.close, writer.close,
                                    checkpointer.abandon if abandon else checkpointer.close])
     except OSError as error:  # A full disk or lost storage: named once, with the checkpoint a rerun resumes from.
       raise checkpointer.storage_error(error, getattr(error, "filename", None) or str(workdir)) from None
     except KeyboardInterrupt:
       raise checkpoints.interrupted() from None
-  result = {"step": step, "train": last_train, "eval": eval_results, "history": history, "preempted": preempted,
+  result = {"step": step, "train": train_log.last, "eval": eval_results, "history": train_log.history,
+            "preempted": preempted,
             "workdir": str(workdir), "model_config": model_cfg, "num_params": num_params,
             "prepared_dir": str(prepared_dir)}
   if config.train.report_baseline and not preempted:
