@@ -237,7 +237,7 @@ def inference_model(task: Task, model_config: ModelConfig, params: Any, tokenize
 
 
 def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
-                       devices: Sequence[Any] | None = None) -> InferenceModel:
+                       devices: Sequence[Any] | None = None, params: Any = None) -> InferenceModel:
   """The fine-tuned model of `workdir`, ready to predict.
 
   Args:
@@ -246,6 +246,7 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
       `bert-jax quantize`, which its quantization.json marks).
     seed: whose parameters; None for the run's best seed.
     devices: the devices to run on (None: every device, on the run's mesh; else data parallel over these).
+    params: the seed's saved parameters, already read (`checkpoint.restore_params`); None reads them.
 
   Raises:
     FileNotFoundError: when `workdir` is not such a folder or the seed has no saved parameters.
@@ -259,7 +260,7 @@ def load_for_inference(workdir: str | os.PathLike, seed: int | None = None,
   run_info = json.loads((workdir / RUN_FILE).read_text())
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   seed = run_info["best_seed"] if seed is None else seed
-  params = _seed_params(workdir, run_info, seed)
+  params = _seed_params(workdir, run_info, seed) if params is None else params
   task = get_task(config.task, **config.task_options.to_dict())
   model_config = ModelConfig(**run_info["model_config"])
   model, from_storage = task_model(config, model_config, task), None

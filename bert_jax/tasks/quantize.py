@@ -76,13 +76,15 @@ def _objective(run_info: dict[str, Any], config: ml_collections.ConfigDict,
                            num_choices=task.num_choices)
 
 
-def _calibrate(workdir: epath.Path, seed: int, run_info: dict[str, Any], config: ml_collections.ConfigDict,
-               scheme: quantization.Scheme, examples: int, data_dir: str | None) -> tuple[Any, dict[str, Any]]:
-  """The largest |value| of each quantised layer input over `examples` training examples, and what was read."""
+def _calibrate(workdir: epath.Path, seed: int, params: Any, run_info: dict[str, Any],
+               config: ml_collections.ConfigDict, scheme: quantization.Scheme, examples: int, data_dir: str | None
+               ) -> tuple[Any, dict[str, Any]]:
+  """The largest |value| of each quantised layer input over `examples` training examples, and what was read;
+  `params` are the seed's float parameters as read."""
   from bert_jax.tasks.inference import load_for_inference  # noqa: PLC0415 - it imports this package's modules
 
   data_dir = data_dir or config.data_dir
-  model = load_for_inference(workdir, seed)
+  model = load_for_inference(workdir, seed, params=params)
   try:
     rows = subset(load_split(model.task, data_dir, "train"), examples)
   except (FileNotFoundError, ValueError) as error:
@@ -152,8 +154,8 @@ def quantize_run(workdir: str | os.PathLike, out: str | os.PathLike, seed: int |
   if calibration_examples < 1:
     raise ValueError(f"--calibration-examples {calibration_examples}: give at least 1")
   step, params = checkpoint_lib.restore_params(workdir / f"seed_{seed}")
-  calibration, calibrated = (_calibrate(workdir, seed, run_info, config, scheme, calibration_examples, data_dir)
-                             if scheme.static else (None, None))
+  calibration, calibrated = (_calibrate(workdir, seed, params, run_info, config, scheme, calibration_examples,
+                                        data_dir) if scheme.static else (None, None))
   objective = _objective(run_info, config, lambda model: quantization.quantized_model(model, scheme))
   quantized = quantization.quantize_params(params, _abstract_params(objective, run_info["seq_len"]), calibration)
   stored = jax.tree.map(np.asarray, quantization.to_storage(quantized))
