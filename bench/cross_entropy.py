@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from bench.timing import time_ms
 from bert_jax.kernels import cross_entropy as cross_entropy_kernel
-from bert_jax.models.heads import PAD_LOGIT
+from bert_jax.models.model import PAD_LOGIT
 
 VOCAB = 30522
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from bench import train_step
 from bert_jax.kernels import layers, ops
-from bert_jax.models import encoder
+from bert_jax.models import model as model_lib
 from bert_jax.train import objectives
 
 CURRENT = {"layer_norm": layers.layer_norm, "activation": layers.activation, "ce": objectives.cross_entropy_sums}
@@ -42,7 +42,7 @@ class FlaxLayerNorm(nn.Module):
     cfg = self.config
     return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                         scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
-                        bias_init=encoder.bias_init((self.axis_name,)), use_fast_variance=False, name="LayerNorm")(x)
+                        bias_init=model_lib.bias_init((self.axis_name,)), use_fast_variance=False, name="LayerNorm")(x)
 
 
 def flax_layer_norm(config, name, axis_name="embed"):

@@ -383,7 +383,7 @@ def test_effective_attention_leaves_the_layer_output_unchanged(norm):
 
   from bert_jax.analysis import effective
   from bert_jax.models import Encoder, ModelConfig
-  from bert_jax.models.encoder import SelfAttention
+  from bert_jax.models.model import SelfAttention
   config = ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                        max_position_embeddings=64, kernels="off", norm=norm, initializer_range=0.3)
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 50, (1, 24)), jnp.int32)

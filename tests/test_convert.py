@@ -14,7 +14,7 @@ from bert_jax.convert import (CheckpointError, build_model, detect_format, encod
                               load_pretrained, save_hf_checkpoint, save_pretrained)
 from bert_jax.convert.command import main as convert_main
 from bert_jax.models import Encoder
-from bert_jax.models.heads import Pooler, ReplacedTokenHead
+from bert_jax.models.model import Pooler, ReplacedTokenHead
 
 import goldens
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bert_jax.kernels import cross_entropy as cross_entropy_kernel
-from bert_jax.models.heads import PAD_LOGIT
+from bert_jax.models.model import PAD_LOGIT
 from test_ops import logits_with_ties
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton)")

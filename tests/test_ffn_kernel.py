@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from bert_jax.kernels import ffn as ffn_kernel
 from bert_jax.kernels import ops
-from bert_jax.models import encoder
+from bert_jax.models import model as model_lib
 from bert_jax.models.config import ModelConfig
 
 
@@ -41,9 +41,9 @@ def test_both_gelu_forms_match_float64_closed_forms():
                         for v in values])
   # float32 rounding, and the cancellation in 1 + erf (or tanh) where it is near -1: a few ulps of max(|x|, 1).
   bound = 2 * np.finfo(np.float32).eps * np.maximum(np.abs(values), 1.0)
-  for candidate in (ffn_kernel.gelu(x), ops.gelu(x), encoder.activation(ModelConfig(hidden_act="gelu"))(x)):
+  for candidate in (ffn_kernel.gelu(x), ops.gelu(x), model_lib.activation(ModelConfig(hidden_act="gelu"))(x)):
     assert np.all(np.abs(np.asarray(candidate, np.float64) - exact) <= bound)
-  tanh_gelu = encoder.activation(ModelConfig(hidden_act="gelu_tanh"))
+  tanh_gelu = model_lib.activation(ModelConfig(hidden_act="gelu_tanh"))
   assert np.all(np.abs(np.asarray(tanh_gelu(x), np.float64) - tanh_form) <= bound)
   assert np.max(np.abs(tanh_form - exact)) > 1e-4  # the two forms are told apart at this bound
 
@@ -131,7 +131,7 @@ def emulated_kernels(monkeypatch):
 
 
 def encoder_value_and_grad(kernels, ids, target, mesh=None):
-  from bert_jax.models.encoder import Encoder
+  from bert_jax.models.model import Encoder
   model = Encoder(ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
                               max_position_embeddings=64, dtype="bfloat16", hidden_dropout=0.0,
                               attention_dropout=0.0, kernels=kernels))

@@ -18,7 +18,7 @@ import pytest
 from bert_jax.kernels import ffn as ffn_kernel
 from bert_jax.kernels import ops
 from bert_jax.models.config import ModelConfig
-from bert_jax.models.encoder import Encoder
+from bert_jax.models.model import Encoder
 from bert_jax.parallel import sharding as sharding_lib
 
 pytestmark = pytest.mark.skipif(

@@ -126,7 +126,7 @@ def test_without_qwix_an_fp8_model_says_what_to_install(monkeypatch):
 
   import bert_jax.models
   from bert_jax.models import model_config
-  from bert_jax.models.encoder import _block_class
+  from bert_jax.models.model import _block_class
 
   monkeypatch.setitem(sys.modules, "qwix", None)  # `import qwix` fails as it does where Qwix is not installed
   monkeypatch.delitem(sys.modules, "bert_jax.models.quantization")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bert_jax.models import ElectraModel, Encoder, PretrainingModel, electra_generator_config, model_config
-from bert_jax.models.heads import Pooler
+from bert_jax.models.model import Pooler
 from bert_jax.models.recurrent import BiLSTM, flax_bilstm, params_from_flax
 from bert_jax.tasks.finetune_model import FinetuneModel
 
@@ -362,7 +362,7 @@ def test_post_ln_block_adding_the_output_biases_in_its_layer_norms_equals_adding
   branches first (float32, dropout on: the same masks; the LayerNorm kernels in Pallas' interpreter or XLA)."""
   from bert_jax.kernels import ops
   from bert_jax.kernels.dropout import Dropout
-  from bert_jax.models.encoder import FeedForward, SelfAttention, TransformerBlock, layer_norm
+  from bert_jax.models.model import FeedForward, SelfAttention, TransformerBlock, layer_norm
   if layer_norm_kernel:
     monkeypatch.setattr(ops, "use_kernel", lambda implementation: True)
 

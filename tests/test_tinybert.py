@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bert_jax.models import Encoder
-from bert_jax.models import encoder as encoder_lib
+from bert_jax.models import model as model_lib
 from bert_jax.train import config_lib, distill, trainer
 from test_distill import ROWS, TINY, _batch, _params, _pretrain_losses, _task
 from test_finetune import _finetune, _glue_sst2
@@ -61,9 +61,9 @@ def test_attention_scores_are_the_unnormalised_q_dot_k_and_change_nothing_else()
   apply = jax.jit(model.apply, static_argnames=("output_hidden_states", "mutable"))
   plain = apply(variables, ids, pack_ids=pack_ids, output_hidden_states=True)
   outputs, sown = apply(variables, ids, pack_ids=pack_ids, output_hidden_states=True,
-                        mutable=(encoder_lib.SCORES,))
+                        mutable=(model_lib.SCORES,))
   np.testing.assert_array_equal(outputs["hidden"], plain["hidden"])
-  scores = encoder_lib.attention_scores(sown[encoder_lib.SCORES], TINY)
+  scores = model_lib.attention_scores(sown[model_lib.SCORES], TINY)
   assert len(scores) == TINY.num_layers
   params = jax.device_get(nn.unbox(variables["params"]))
   for layer, layer_scores in enumerate(scores):
@@ -74,7 +74,7 @@ def test_attention_scores_are_the_unnormalised_q_dot_k_and_change_nothing_else()
     expected = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(TINY.head_dim)
     np.testing.assert_allclose(layer_scores, expected, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="kernels='off'"):
-    Encoder(TINY.replace(kernels="auto")).apply(variables, ids, pack_ids=pack_ids, mutable=[encoder_lib.SCORES])
+    Encoder(TINY.replace(kernels="auto")).apply(variables, ids, pack_ids=pack_ids, mutable=[model_lib.SCORES])
 
 
 def test_the_uniform_layer_map_and_explicit_ones():

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax.models import ElectraModel, Encoder, ModelConfig, PretrainingModel
-from bert_jax.models.heads import Pooler, ReplacedTokenHead
+from bert_jax.models.model import Pooler, ReplacedTokenHead
 
 Params = dict[str, Any]
 MODEL_KINDS = ("encoder", "pretraining", "electra")

@@ -1,7 +1,7 @@
-"""The fast forms of the encoder's operations: what `bert_jax.models.encoder` calls where `ModelConfig.kernels` is
+"""The fast forms of the encoder's operations: what `bert_jax.models.model` calls where `ModelConfig.kernels` is
 "auto".
 
-Each function or module here computes what its plain counterpart in `encoder.py` computes (to rounding) and
+Each function or module here computes what its plain counterpart in `model.py` computes (to rounding) and
 creates the same parameters (names, shapes, logical axes), so checkpoints do not see which path made them. The
 functions that create parameters run inside the calling module's `nn.compact` method, so their children are the
 caller's. Here:

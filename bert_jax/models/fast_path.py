@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import types
 
-# kernels setting -> module providing the fast layers ("off": the plain Flax forms in `encoder.py`).
+# kernels setting -> module providing the fast layers ("off": the plain Flax forms in `model.py`).
 PROVIDERS: dict[str, str] = {"auto": "bert_jax.kernels.layers"}
 
 

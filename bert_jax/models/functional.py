@@ -1,8 +1,8 @@
 """The plain model's pure functions that the fast paths share: parameter initialisers, position gathering,
-rotary positions, the attention mask and head gating. `encoder.py` and `bert_jax.kernels` both import them here,
+rotary positions, the attention mask and head gating. `model.py` and `bert_jax.kernels` both import them here,
 so the kernels never import the encoder.
 
-Shape suffixes as in `encoder.py`: b batch, l length, q queries, m gathered positions, h heads, d head size.
+Shape suffixes as in `model.py`: b batch, l length, q queries, m gathered positions, h heads, d head size.
 """
 
 from __future__ import annotations

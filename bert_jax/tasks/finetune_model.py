@@ -43,9 +43,8 @@ from bert_jax.convert.params import encoder_params
 from bert_jax.convert.pretrained import load_pretrained
 from bert_jax.data.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from bert_jax.models import Dropout, Encoder, ModelConfig
-from bert_jax.models.encoder import apply_with_scores
 from bert_jax.models.functional import gather_positions
-from bert_jax.models.model import head_rows
+from bert_jax.models.model import apply_with_scores, head_rows
 from bert_jax.models.recurrent import BiLSTM
 from bert_jax.tasks.base import HFTokenizerAdapter, Offsets, Task, TaskTokenizer
 from bert_jax.tasks.batching import fitted_max_len

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax.models import heads
 from bert_jax.models.config import ModelConfig
+from bert_jax.models.model import (ClassificationHead, MultipleChoiceHead, SpanExtractionHead,
+                                   TokenClassificationHead)
 from bert_jax.train.losses import cross_entropy_sums
 
 Array = jax.Array
@@ -52,7 +53,7 @@ class TaskKind:
   feature_based: ClassVar[bool] = False
 
   def head(self, config: ModelConfig, num_labels: int) -> nn.Module:
-    return heads.ClassificationHead(config, num_labels)
+    return ClassificationHead(config, num_labels)
 
   def encoder_rows(self, x: Array) -> Array:
     """A batch field as the encoder's rows [rows, L]."""
@@ -114,7 +115,7 @@ class Regression(TaskKind):
 
   def head(self, config, num_labels):
     del num_labels
-    return heads.ClassificationHead(config, 1)
+    return ClassificationHead(config, 1)
 
   def logits(self, outputs, rows_shape):
     del rows_shape
@@ -139,7 +140,7 @@ class MultipleChoice(TaskKind):
 
   def head(self, config, num_labels):
     del num_labels
-    return heads.MultipleChoiceHead(config)
+    return MultipleChoiceHead(config)
 
   def encoder_rows(self, x):
     return x.reshape((-1,) + x.shape[2:])
@@ -173,7 +174,7 @@ class SpanExtraction(TaskKind):
 
   def head(self, config, num_labels):
     del num_labels
-    return heads.SpanExtractionHead(config)
+    return SpanExtractionHead(config)
 
   def loss_weights(self, inputs):
     return inputs["weights"].astype(jnp.float32)
@@ -210,7 +211,7 @@ class Tagging(TaskKind):
   feature_based = True
 
   def head(self, config, num_labels):
-    return heads.TokenClassificationHead(config, num_labels)
+    return TokenClassificationHead(config, num_labels)
 
   def loss_weights(self, inputs):
     return inputs["weights"].astype(jnp.float32)[:, None] * (inputs["labels"] >= 0)

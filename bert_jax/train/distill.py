@@ -85,7 +85,7 @@ from ml_collections import config_dict
 
 from bert_jax import paths
 from bert_jax.models import Encoder, ModelConfig, PretrainingModel
-from bert_jax.models.encoder import apply_with_scores
+from bert_jax.models.model import apply_with_scores
 from bert_jax.parallel import sharding as sharding_lib
 from bert_jax.train import checkpoint
 from bert_jax.train.objectives import PretrainingObjective

@@ -43,7 +43,7 @@ from bert_jax.data import formats
 from bert_jax.data import masking as masking_lib
 from bert_jax.data.masking import MaskingConfig, mask_batch
 from bert_jax.models import ElectraModel, ModelConfig, PretrainingModel, electra_generator_config
-from bert_jax.models.encoder import apply_with_scores
+from bert_jax.models.model import apply_with_scores
 from bert_jax.train.losses import binary_cross_entropy_sums, copy_mixture_sums, cross_entropy_sums, dropout_key
 
 Array = jax.Array
