@@ -7,7 +7,7 @@
       write_run_files(workdir, config, model_config, tokenizer)   # config.json, model_config.json, tokenizer/
       banner("pretrain", subject, num_params, sizes, workdir)     # what runs, where
     train_step, multi_step = make_steps(objective, tx, schedule, config.train, ...)
-    log = TrainLog(workdir, start_step, primary, throughput, progress)   # the loop's `on_log`
+    train_log = TrainLog(workdir, start_step, primary, throughput, progress)   # the loop's `on_log`
 
 `saved_config` reads a run's config back for its evaluation, the keys newer than the run at their defaults.
 """
