@@ -94,6 +94,11 @@ class Scheme:
     return self.format + ("-static" if self.static else "")
 
   @classmethod
+  def names(cls) -> list[str]:
+    """Every scheme's `name`, as `parse` reads them."""
+    return [format_ + suffix for format_ in cls.FORMATS for suffix in ("", "-static")]
+
+  @classmethod
   def parse(cls, name: str) -> "Scheme":
     format_, _, static = name.partition("-")
     if static not in ("", "static"):

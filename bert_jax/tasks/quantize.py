@@ -203,12 +203,13 @@ def _size(count: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-  """bert-jax quantize --workdir FINETUNE_WORKDIR --out DIR [--seed S]."""
+  """bert-jax quantize --workdir FINETUNE_WORKDIR --out DIR [--seed S] [--scheme SCHEME] [--calibration-examples N]
+  [--data-dir DIR]."""
   parser = argparse.ArgumentParser(prog="bert-jax quantize", description=main.__doc__, allow_abbrev=False)
   parser.add_argument("--workdir", required=True, help="a finished fine-tuning run")
   parser.add_argument("--out", required=True, help="new folder for the quantised model (`bert-jax evaluate` reads it)")
   parser.add_argument("--seed", type=int, help="which seed to quantise (default: the run's best)")
-  parser.add_argument("--scheme", default="int8", choices=["int8", "int8-static", "fp8", "fp8-static"],
+  parser.add_argument("--scheme", default="int8", choices=quantization.Scheme.names(),
                       help="number format of the dense layers; -static: input scales calibrated here, not per token "
                            "at run time (default: int8)")
   parser.add_argument("--calibration-examples", type=int, default=512,
